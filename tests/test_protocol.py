@@ -1,0 +1,144 @@
+import pytest
+
+from yue2_vllm import protocol as p
+from yue2_vllm.protocol import (ABC_END, ABC_START, EOD, MUSIC_START, GenerationConfig, Sampling, SongRequest,
+                                abc_prompt, chunk_ranges, negative_prompt, semantic_prompt)
+
+
+class BytesEncoder:
+    """A transparent stand-in for the BPE: one id per UTF-8 byte, so expected ids are hand-computable."""
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+
+ENC = BytesEncoder()
+
+
+def ids(text):
+    return list(text.encode("utf-8"))
+
+
+def test_constants():
+    assert (p.EOD, p.ABC_START, p.ABC_END, p.MUSIC_START, p.MUSIC_END) == (151643, 151847, 151848, 151851, 151852)
+    assert (p.CODEC_OFFSET, p.CODEC_SIZE, p.VOCAB_SIZE, p.CONTEXT) == (151853, 32768, 184704, 24576)
+    assert p.CODEC_OFFSET + p.CODEC_SIZE == p.LATENT_START == 184621
+    assert len(p.allowed_token_ids("abc")) == 151644 and p.allowed_token_ids("abc")[-1] == ABC_END
+    semantic = p.allowed_token_ids("semantic")
+    assert len(semantic) == 32769 and semantic[0] == 151853 and semantic[-1] == p.MUSIC_END
+
+
+@pytest.mark.parametrize("style,lyrics", [("pop, piano", "[verse]\nla la"), ("华语流行，钢琴", "[verse]\n你好，世界")])
+def test_prompts_all_cot_modes(style, lyrics):
+    full = SongRequest(style, lyrics, cot="full")
+    text = ("Generate a chord-annotated ABC transcription, then generate music with codec tokens from the given "
+            f"conditions.\n[Tags]\n{style}\n[Lyrics]\n{lyrics}\n")
+    assert full.text() == text
+    assert abc_prompt(full, ENC) == [EOD] + ids(text) + [ABC_START]
+    abc_ids = [88, 3, 151642]
+    assert semantic_prompt(full, ENC, abc_ids) == [EOD] + ids(text) + [ABC_START, 88, 3, 151642, ABC_END, MUSIC_START]
+
+    melody = SongRequest(style, lyrics, cot="melody")
+    mtext = ("Generate a melody-only ABC transcription without chord symbols, then generate music with codec "
+             f"tokens from the given conditions.\n[Tags]\n{style}\n[Lyrics]\n{lyrics}\n")
+    assert abc_prompt(melody, ENC) == [EOD] + ids(mtext) + [ABC_START]
+
+    off = SongRequest(style, lyrics, cot="off")
+    otext = f"Generate music with codec tokens from the given conditions.\n[Tags]\n{style}\n[Lyrics]\n{lyrics}\n"
+    assert semantic_prompt(off, ENC) == [EOD] + ids(otext) + [ABC_START, ABC_END, MUSIC_START]
+    with pytest.raises(ValueError, match="no abc phase"):
+        abc_prompt(off, ENC)
+
+
+def test_negative_prompts_are_instruction_only():
+    off = SongRequest("rock", "words", cot="off")
+    assert negative_prompt(off, ENC) == [EOD] + ids("Generate music with codec tokens from the given conditions.") \
+        + [MUSIC_START]
+    full = SongRequest("rock", "words")
+    expected = [EOD] + ids(p.INSTRUCTIONS["full"]) + [ABC_START, 7, 9, ABC_END, MUSIC_START]
+    assert negative_prompt(full, ENC, [7, 9]) == expected
+    with pytest.raises(ValueError, match="exact positive abc ids"):
+        negative_prompt(full, ENC)
+
+
+def test_external_abc_is_encoded_once_and_has_no_abc_phase():
+    request = SongRequest("jazz", "hey", cot="melody", abc="X:1\nK:C\nCDEF|")
+    assert semantic_prompt(request, ENC) == [EOD] + ids(request.text()) + [ABC_START] + ids("X:1\nK:C\nCDEF|") \
+        + [ABC_END, MUSIC_START]
+    with pytest.raises(ValueError, match="external ABC"):
+        abc_prompt(request, ENC)
+
+
+def test_abc_ids_must_be_text_ids():
+    with pytest.raises(ValueError, match=r"abc_ids\[1\] = 151643"):
+        semantic_prompt(SongRequest("a", "b"), ENC, [1, EOD])
+
+
+def test_real_tokenizer_prefix(tokenizer):
+    request = SongRequest("ab", "ab", cot="off")
+    prompt = semantic_prompt(request, tokenizer)
+    assert prompt[0] == EOD and prompt[-3:] == [ABC_START, ABC_END, MUSIC_START]
+    assert all(0 <= i < EOD for i in prompt[1:-3])
+    # " ab" then "\n" in the synthetic vocabulary: "ab" is 2-gram #29 (alphabet " a..z") after 256 bytes.
+    assert tokenizer.encode("ab") == [256 + 1 * 27 + 2]
+
+
+def test_song_request_defaults_and_guidance():
+    request = SongRequest("s", "l")
+    assert (request.cot, request.seed, request.id, request.guidance) == ("full", 831001, "song", 1.0)
+    assert SongRequest("s", "l", cot="melody").guidance == 1.0
+    assert SongRequest("s", "l", cot="off").guidance == 1.01
+    assert SongRequest("s", "l", cot="off", cfg_scale=1).guidance == 1.0
+    assert SongRequest.from_dict(request.to_dict()) == request
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("cot", "half", "cot"), ("seed", -1, "seed"), ("seed", 2**63, "seed"), ("seed", True, "seed"),
+    ("seed", 1.5, "seed"), ("id", "../x", "id"), ("id", "..", "id"), ("id", "a" * 181, "id"),
+    ("cfg_scale", 20.5, "cfg_scale"), ("cfg_scale", float("nan"), "cfg_scale"), ("abc", "  ", "abc"),
+    ("style", None, "style"), ("lyrics", 3, "lyrics"),
+])
+def test_song_request_validation_names_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SongRequest(**{"style": "s", "lyrics": "l", field: value})
+
+
+def test_external_abc_needs_a_score_mode():
+    with pytest.raises(ValueError, match="abc needs cot"):
+        SongRequest("s", "l", cot="off", abc="X:1")
+    with pytest.raises(ValueError, match="unknown field"):
+        SongRequest.from_dict({"style": "s", "lyrics": "l", "tempo": 3})
+
+
+def test_generation_defaults():
+    config = GenerationConfig()
+    assert config.abc == Sampling(0.7, 0.9, 30, 1.005, 100, 32, 4096)
+    assert config.semantic == Sampling(1.0, 0.95, 100, 1.2, 50, 200, 9000)
+    assert (config.ode_steps, config.ode_method, config.context, config.version) == (32, "midpoint", 24576,
+                                                                                    "yue2-native-v1")
+    merged = GenerationConfig.from_dict({"abc": {"max_tokens": 100}, "ode_steps": 8})
+    assert merged.abc.max_tokens == 100 and merged.abc.top_k == 30 and merged.ode_steps == 8
+    assert GenerationConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", 5.5), ("temperature", -0.1), ("top_p", 0), ("top_p", 1.1), ("top_k", 0), ("top_k", 2.0),
+    ("repetition_penalty", 0), ("penalty_window", 0), ("penalty_window", 101), ("max_tokens", 0),
+    ("min_tokens", 9001), ("temperature", float("inf")),
+])
+def test_sampling_validation_names_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        Sampling(**{field: value})
+
+
+def test_budget_and_chunks():
+    p.check_budget([0] * 15576, 9000)
+    with pytest.raises(ValueError, match="24577 exceeds"):
+        p.check_budget([0] * 15577, 9000)
+    assert chunk_ranges(10, 100) == [(0, 10)]
+    size = (24576 - 100 - 3) // 2
+    assert size == 12236
+    assert chunk_ranges(30000, 100) == [(0, 12236), (12236, 24472), (24472, 30000)]
+    assert chunk_ranges(0, 100) == []
+    with pytest.raises(ValueError, match="no room"):
+        chunk_ranges(5, 24574)

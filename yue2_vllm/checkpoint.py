@@ -1,0 +1,304 @@
+"""Checkpoint I/O: lazy safetensors reading, validation, identities and atomic writes.
+
+Everything here works on headers first: a model directory is checked (names, shapes,
+dtypes, byte ranges, file containment) before a single tensor is read, and tensors are
+then read one at a time from memory-mapped files.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping
+
+import torch
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+HASH_CHUNK_BYTES = 8 * 2**20
+
+# safetensors dtype tag -> (bytes per element, torch dtype)
+DTYPES: dict[str, tuple[int, torch.dtype]] = {
+    "BOOL": (1, torch.bool),
+    "U8": (1, torch.uint8),
+    "I8": (1, torch.int8),
+    "F8_E4M3": (1, torch.float8_e4m3fn),
+    "F8_E5M2": (1, torch.float8_e5m2),
+    "I16": (2, torch.int16),
+    "F16": (2, torch.float16),
+    "BF16": (2, torch.bfloat16),
+    "I32": (4, torch.int32),
+    "F32": (4, torch.float32),
+    "I64": (8, torch.int64),
+    "F64": (8, torch.float64),
+}
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+
+
+class CheckpointError(ValueError):
+    """A model directory or weight file is unusable; the message names what and where."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: its file, dtype tag, shape and byte range in the data section."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def _is_hub_blob_link(path: Path) -> bool:
+    """huggingface_hub snapshots link `snapshots/<rev>/<file>` to `../../blobs/<hash>`."""
+    snapshot = path.parent
+    repo = snapshot.parent.parent
+    if snapshot.parent.name != "snapshots":
+        return False
+    blobs = (repo / "blobs").resolve()
+    return path.resolve().parent == blobs
+
+
+def model_file(model_dir: str | os.PathLike, name: str) -> Path:
+    """Resolve `name` inside `model_dir`, refusing escapes and foreign symlinks.
+
+    A name must be a relative path that stays inside the directory. A symlink is accepted
+    only when it is a Hugging Face cache snapshot link into the same repository's blobs.
+    """
+    root = Path(model_dir)
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts or name in ("", "."):
+        raise CheckpointError(f"{root}: file name {name!r} escapes the model directory")
+    path = root / relative
+    if path.is_symlink() and not _is_hub_blob_link(path):
+        raise CheckpointError(f"{path}: refusing a symlink in a model directory (copy the file instead)")
+    resolved_root = root.resolve()
+    if not path.is_symlink() and resolved_root not in path.resolve().parents:
+        raise CheckpointError(f"{path}: resolves outside the model directory {resolved_root}")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing file")
+    return path
+
+
+# --------------------------------------------------------------------------- headers
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and check one safetensors header without reading tensor data.
+
+    Returns `(tensors, metadata)`. Every byte range is checked against the file size, so a
+    truncated download is reported here, naming the file and the first tensor cut off.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 8:
+        raise CheckpointError(f"{path}: not a safetensors file ({size} bytes)")
+    with open(path, "rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            raise CheckpointError(
+                f"{path}: header length {header_len} does not fit the {size}-byte file (truncated or not safetensors)")
+        raw = handle.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    data_size = size - 8 - header_len
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        try:
+            dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        if any(not isinstance(d, int) or d < 0 for d in shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has invalid shape {list(shape)}")
+        expected = math.prod(shape) * DTYPES[dtype][0]
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end and end - start == expected):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} byte range [{start}, {end}) does not hold {dtype}{list(shape)}")
+        if end > data_size:
+            raise CheckpointError(
+                f"{path}: truncated: tensor {name!r} needs bytes up to {end} but the data section has {data_size}")
+        tensors[name] = TensorInfo(name, path, dtype, shape, start, end)
+    return tensors, metadata
+
+
+def weight_index(model_dir: str | os.PathLike) -> dict[str, TensorInfo]:
+    """All tensors of a model directory (single file or sharded with an index), headers only."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a model directory")
+    if (root / INDEX_FILE).exists():
+        index = read_json(model_file(root, INDEX_FILE))
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{root / INDEX_FILE}: missing a non-empty 'weight_map'")
+        files = sorted(set(weight_map.values()))
+    elif (root / SINGLE_FILE).exists() or (root / SINGLE_FILE).is_symlink():
+        weight_map, files = None, [SINGLE_FILE]
+    else:
+        raise CheckpointError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE}")
+    tensors: dict[str, TensorInfo] = {}
+    for name in files:
+        found, _ = read_header(model_file(root, name))
+        for key, info in found.items():
+            if key in tensors:
+                raise CheckpointError(f"{root}: tensor {key!r} appears in both {tensors[key].file.name} and {name}")
+            if weight_map is not None and weight_map.get(key) != name:
+                raise CheckpointError(f"{root / INDEX_FILE}: tensor {key!r} is in {name} but the index says "
+                                      f"{weight_map.get(key)!r}")
+            tensors[key] = info
+    if weight_map is not None and set(weight_map) - set(tensors):
+        missing = sorted(set(weight_map) - set(tensors))
+        raise CheckpointError(f"{root / INDEX_FILE}: indexed tensors absent from the shards: {missing[:10]}")
+    return tensors
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a checkpoint must hold for one tensor name."""
+
+    shape: tuple[int, ...]
+    dtypes: frozenset[str] = FLOAT_DTYPES
+
+
+def check_tensors(found: Mapping[str, TensorInfo], expected: Mapping[str, Expected], what: str) -> None:
+    """Compare a header index with the expected layout and report every problem at once."""
+    problems = []
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing:
+        problems.append(f"missing {len(missing)}: " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)}: " + ", ".join(unexpected[:20])
+                        + (" ..." if len(unexpected) > 20 else ""))
+    for name in sorted(set(found) & set(expected)):
+        info, want = found[name], expected[name]
+        if info.shape != want.shape:
+            problems.append(f"{name}: shape {list(info.shape)} in {info.file.name}, expected {list(want.shape)}")
+        if info.dtype not in want.dtypes:
+            problems.append(f"{name}: dtype {info.dtype} in {info.file.name}, expected one of {sorted(want.dtypes)}")
+    if problems:
+        raise CheckpointError(f"{what}: " + "; ".join(problems))
+
+
+def load_tensors(infos: Iterable[TensorInfo], *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` one at a time, reading only the requested tensors.
+
+    Files are memory-mapped by safetensors, so peak memory is one tensor plus the caller's.
+    """
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[TensorInfo]] = {}
+    for info in infos:
+        by_file.setdefault(info.file, []).append(info)
+    for path, group in by_file.items():
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for info in sorted(group, key=lambda i: i.start):
+                tensor = handle.get_tensor(info.name)
+                if dtype is not None and tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                yield info.name, tensor.to(device)
+
+
+# --------------------------------------------------------------------------- identities
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """sha256 of a file, streamed in 8 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(HASH_CHUNK_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def canonical_json(value) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def identity(value) -> str:
+    """sha256 of the canonical JSON form of a value (upstream's request/derivation identity)."""
+    return hashlib.sha256(canonical_json(value).encode("utf-8")).hexdigest()
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+def read_json(path: str | os.PathLike):
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write to `<name>.<pid>.tmp` beside the target, fsync, then rename into place."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def json_bytes(value) -> bytes:
+    return (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+
+
+def write_json_atomic(path: str | os.PathLike, value) -> None:
+    write_bytes_atomic(path, json_bytes(value))
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory under a temporary sibling name and rename it into place on success.
+
+    The target must not exist (or be an empty directory). On any error the temporary
+    directory is removed, so a reader never sees a half-written result.
+    """
+    target = Path(target)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{target}: already exists and is not an empty directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any new directory
+    try:
+        yield tmp
+        if target.exists():
+            target.rmdir()
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

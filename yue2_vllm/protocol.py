@@ -1,0 +1,292 @@
+"""The YuE2 token protocol: ids, instructions, requests, sampling settings and prompts.
+
+Everything here is pure Python: it fixes what the AR half is asked (prompt token ids) and
+how each phase may sample, independent of the backend that runs it.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+from numbers import Integral, Real
+from typing import Protocol, Sequence
+
+EOD = 151643  # <|endoftext|>, also the first prompt token
+ABC_START = 151847  # <abc>
+ABC_END = 151848  # </abc>
+MUSIC_START = 151851
+MUSIC_END = 151852
+CODEC_OFFSET = 151853
+CODEC_SIZE = 32768
+LATENT_START = 184621
+LATENT_END = 184622
+LATENT_PAD = 184623
+VOCAB_SIZE = 184704
+CONTEXT = 24576
+PROTOCOL_VERSION = "yue2-native-v1"
+DEFAULT_SEED = 831001
+TOKENS_PER_SECOND = 25  # semantic tokens (= latent frames) per second of audio
+
+COT_MODES = ("off", "melody", "full")
+INSTRUCTIONS = {
+    "off": "Generate music with codec tokens from the given conditions.",
+    "melody": ("Generate a melody-only ABC transcription without chord symbols, "
+               "then generate music with codec tokens from the given conditions."),
+    "full": ("Generate a chord-annotated ABC transcription, "
+             "then generate music with codec tokens from the given conditions."),
+}
+PHASES = ("abc", "semantic")
+_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,179}")
+MAX_SEED = 2**63
+MAX_CFG_SCALE = 20.0
+
+
+class TextEncoder(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def end_token(phase: str) -> int:
+    """The token that closes a phase: `</abc>` for abc, MUSIC_END for semantic."""
+    if phase == "abc":
+        return ABC_END
+    if phase == "semantic":
+        return MUSIC_END
+    raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+
+
+def allowed_token_ids(phase: str) -> range | list[int]:
+    """Ids a phase may emit: every ordinary text id + `</abc>`, or the codec ids + MUSIC_END."""
+    if phase == "abc":
+        return list(range(EOD)) + [ABC_END]
+    if phase == "semantic":
+        return list(range(CODEC_OFFSET, CODEC_OFFSET + CODEC_SIZE)) + [MUSIC_END]
+    raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class SongRequest:
+    """One song: conditions, chain-of-thought mode, seed, optional external ABC and CFG scale."""
+
+    style: str
+    lyrics: str
+    cot: str = "full"
+    seed: int = DEFAULT_SEED
+    abc: str | None = None
+    cfg_scale: float | None = None
+    id: str = "song"
+
+    def __post_init__(self):
+        for name in ("style", "lyrics"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"SongRequest.{name} must be a string")
+        if self.cot not in COT_MODES:
+            raise ValueError(f"SongRequest.cot must be one of {COT_MODES}, got {self.cot!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"SongRequest.seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.id, str) or not _ID_PATTERN.fullmatch(self.id) or self.id in (".", ".."):
+            raise ValueError("SongRequest.id must match [A-Za-z0-9][A-Za-z0-9_.-]{0,179}, "
+                             f"got {self.id!r}")
+        if self.abc is not None:
+            if not isinstance(self.abc, str) or not self.abc.strip():
+                raise ValueError("SongRequest.abc must be non-blank text when given")
+            if self.cot == "off":
+                raise ValueError("SongRequest.abc needs cot 'melody' or 'full' (cot 'off' has no score)")
+        if self.cfg_scale is not None and (not _is_real(self.cfg_scale)
+                                           or not 0 <= self.cfg_scale <= MAX_CFG_SCALE):
+            raise ValueError(f"SongRequest.cfg_scale must be a finite number in [0, 20], got {self.cfg_scale!r}")
+
+    @property
+    def guidance(self) -> float:
+        """Effective CFG scale: the explicit one, else 1.01 for cot=off and 1.0 otherwise."""
+        if self.cfg_scale is not None:
+            return float(self.cfg_scale)
+        return 1.01 if self.cot == "off" else 1.0
+
+    def text(self) -> str:
+        return f"{INSTRUCTIONS[self.cot]}\n[Tags]\n{self.style}\n[Lyrics]\n{self.lyrics}\n"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SongRequest":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"SongRequest: unknown field(s) {unknown}")
+        return cls(**data)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Per-phase sampling settings (upstream's semantic defaults)."""
+
+    temperature: float = 1.0
+    top_p: float = 0.95
+    top_k: int = 100
+    repetition_penalty: float = 1.2
+    penalty_window: int = 50
+    min_tokens: int = 200
+    max_tokens: int = 9000
+
+    def __post_init__(self):
+        for name in ("top_k", "penalty_window", "min_tokens", "max_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"Sampling.{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            if not _is_real(getattr(self, name)):
+                raise ValueError(f"Sampling.{name} must be a finite number, got {getattr(self, name)!r}")
+        checks = [
+            (0 <= self.temperature <= 5, "temperature must be in [0, 5]"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 1, "top_k must be >= 1"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (1 <= self.penalty_window <= 100, "penalty_window must be in [1, 100]"),
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"Sampling.{message}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+ABC_DEFAULTS = Sampling(temperature=0.7, top_p=0.9, top_k=30, repetition_penalty=1.005,
+                        penalty_window=100, min_tokens=32, max_tokens=4096)
+SEMANTIC_DEFAULTS = Sampling()
+
+
+def resolve_sampling(value: Sampling | dict | None, default: Sampling) -> Sampling:
+    """None → the default; a Sampling as is; a dict overrides fields of the default."""
+    if value is None:
+        return default
+    if isinstance(value, Sampling):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {f.name for f in fields(Sampling)})
+        if unknown:
+            raise ValueError(f"Sampling: unknown field(s) {unknown}")
+        return replace(default, **value)
+    raise ValueError(f"sampling must be None, a Sampling or a dict, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Per-phase sampling plus the NAR solver settings."""
+
+    abc: Sampling = field(default_factory=lambda: ABC_DEFAULTS)
+    semantic: Sampling = field(default_factory=lambda: SEMANTIC_DEFAULTS)
+    ode_steps: int = 32
+    ode_method: str = "midpoint"
+    context: int = CONTEXT
+    version: str = PROTOCOL_VERSION
+
+    def __post_init__(self):
+        if not _is_int(self.ode_steps) or self.ode_steps < 1:
+            raise ValueError(f"GenerationConfig.ode_steps must be a positive integer, got {self.ode_steps!r}")
+        if self.ode_method != "midpoint":
+            raise ValueError(f"GenerationConfig.ode_method must be 'midpoint', got {self.ode_method!r}")
+        if self.context != CONTEXT:
+            raise ValueError(f"GenerationConfig.context must be {CONTEXT}, got {self.context!r}")
+        if self.version != PROTOCOL_VERSION:
+            raise ValueError(f"GenerationConfig.version must be {PROTOCOL_VERSION!r}, got {self.version!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "GenerationConfig":
+        data = dict(data or {})
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"GenerationConfig: unknown field(s) {unknown}")
+        for phase, default in (("abc", ABC_DEFAULTS), ("semantic", SEMANTIC_DEFAULTS)):
+            data[phase] = resolve_sampling(data.get(phase), default)
+        return cls(**data)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def base_prompt(request: SongRequest, tokenizer: TextEncoder) -> list[int]:
+    return [EOD] + tokenizer.encode(request.text())
+
+
+def check_abc_ids(abc_ids: Sequence[int]) -> list[int]:
+    ids = list(abc_ids)
+    for position, value in enumerate(ids):
+        if not _is_int(value) or not 0 <= value < EOD:
+            raise ValueError(f"abc_ids[{position}] = {value!r} is not an ordinary text id in [0, {EOD})")
+    return [int(v) for v in ids]
+
+
+def abc_prompt(request: SongRequest, tokenizer: TextEncoder) -> list[int]:
+    """Prompt of the abc (score) phase: `[EOD] text <abc>`."""
+    if request.cot == "off":
+        raise ValueError("cot 'off' has no abc phase")
+    if request.abc is not None:
+        raise ValueError("the request carries an external ABC score; there is no abc phase")
+    return base_prompt(request, tokenizer) + [ABC_START]
+
+
+def semantic_prompt(request: SongRequest, tokenizer: TextEncoder, abc_ids: Sequence[int] | None = None) -> list[int]:
+    """Prompt of the semantic phase. `abc_ids` are the exact generated ids (never re-tokenized).
+
+    cot=off: `[EOD] text <abc></abc> MUSIC_START`. Otherwise
+    `[EOD] text <abc> abc_ids </abc> MUSIC_START`, where an external score is encoded once.
+    """
+    base = base_prompt(request, tokenizer)
+    if request.cot == "off":
+        if abc_ids:
+            raise ValueError("cot 'off' takes no abc_ids")
+        return base + [ABC_START, ABC_END, MUSIC_START]
+    if abc_ids is None:
+        if request.abc is None:
+            raise ValueError("semantic prompt needs the abc ids of the score phase")
+        abc_ids = tokenizer.encode(request.abc)
+    return base + [ABC_START] + check_abc_ids(abc_ids) + [ABC_END, MUSIC_START]
+
+
+def negative_prompt(request: SongRequest, tokenizer: TextEncoder, abc_ids: Sequence[int] | None = None) -> list[int]:
+    """Unconditional CFG branch: instruction text only (no tags or lyrics), same ABC ids."""
+    base = [EOD] + tokenizer.encode(INSTRUCTIONS[request.cot])
+    if request.cot == "off":
+        return base + [MUSIC_START]
+    if abc_ids is None:
+        raise ValueError("the negative prompt needs the exact positive abc ids")
+    return base + [ABC_START] + check_abc_ids(abc_ids) + [ABC_END, MUSIC_START]
+
+
+def check_budget(prompt: Sequence[int], max_tokens: int, what: str = "prompt") -> None:
+    """Hard error, never silent truncation, when a prompt plus its budget exceed the context."""
+    if len(prompt) + max_tokens > CONTEXT:
+        raise ValueError(f"{what} of {len(prompt)} tokens + max_tokens {max_tokens} = "
+                         f"{len(prompt) + max_tokens} exceeds the {CONTEXT}-token context")
+
+
+def chunk_ranges(frames: int, prefix_tokens: int, context: int = CONTEXT) -> list[tuple[int, int]]:
+    """NAR chunks `[a, b)` over the codec frames so that prefix + n + 1 AR and n + 2 NAR fit the context."""
+    if not _is_int(frames) or frames < 0:
+        raise ValueError(f"frames must be a non-negative integer, got {frames!r}")
+    if not _is_int(prefix_tokens) or prefix_tokens < 1:
+        raise ValueError(f"prefix_tokens must be a positive integer, got {prefix_tokens!r}")
+    size = min((context - prefix_tokens - 3) // 2, CONTEXT)
+    if size < 1:
+        raise ValueError(f"prefix of {prefix_tokens} tokens leaves no room for audio in a {context}-token context")
+    return [(start, min(start + size, frames)) for start in range(0, frames, size)]
