@@ -3,7 +3,24 @@ import os
 import subprocess
 import sys
 
+import pytest
+import soundfile
+
 from yue2_vllm.cli import main
+
+FAST = ["--quiet"]
+
+
+@pytest.fixture()
+def config_file(tmp_path):
+    path = tmp_path / "gen.json"
+    path.write_text(json.dumps({"abc": {"max_tokens": 8, "min_tokens": 2},
+                                "semantic": {"max_tokens": 12, "min_tokens": 4}, "ode_steps": 2}))
+    return str(path)
+
+
+def model_args(tiny_model_dir, tiny_vae_dir, config_file):
+    return ["--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--config", config_file]
 
 
 def test_make_tiny(tmp_path, capsys):
@@ -12,19 +29,64 @@ def test_make_tiny(tmp_path, capsys):
     assert out["model"].endswith("YuE2-3B-tiny") and (tmp_path / "t" / "YuE2-Vae-tiny" / "model.safetensors").exists()
 
 
-def test_demo_on_embedded_default(tmp_path):
-    env = {**os.environ, "YUE2_VLLM_CACHE": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "yue2_vllm.cli", "demo", "--frames", "4"], env=env,
-                            capture_output=True, text=True, check=True)
-    summary = json.loads(result.stdout)
-    assert summary["audio_shape"] == [1, 2, 1920 * 4 - 64] == [1, 2, summary["audio_samples_expected"]]
-    assert summary["layers"] == 2 and summary["abc_prompt_tokens"] > 20
-    assert 0 <= summary["abc_first_token"]["id"] < 151643 or summary["abc_first_token"]["id"] == 151848
-    assert (tmp_path / "tiny-v1" / "YuE2-3B-tiny" / "model.safetensors").exists()
+def test_readme_main_command_on_embedded_default(tmp_path):
+    """`yue2-vllm generate` with no model: the tiny default is generated once and a song is written."""
+    env = {**os.environ, "YUE2_VLLM_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-m", "yue2_vllm.cli", "generate", "--output", str(tmp_path / "runs")],
+                            env=env, capture_output=True, text=True, check=True, cwd=tmp_path)
+    status = json.loads(result.stdout.strip().splitlines()[-1])
+    assert status["status"] == "complete" and status["id"] == "first_song"
+    assert set(status["timing"]) == {"abc", "semantic", "nar_seconds", "vae_seconds"}
+    assert "Generating song" in result.stderr and "Decoding audio" in result.stderr
+    info = soundfile.info(str(tmp_path / "runs" / "first_song" / "audio.flac"))
+    assert (info.samplerate, info.channels, info.frames) == (48000, 2, 1920 * 250 - 64)
 
 
-def test_demo_needs_both_paths(tmp_path):
-    import pytest
+def test_generate_from_request_file_with_flags(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    (tmp_path / "score.abc").write_text("X:1\nK:C\nCDEF|", encoding="utf-8")
+    request = {"id": "r1", "tags": "jazz", "lyrics": "hey", "cot": "melody", "abc_path": "score.abc", "lang": "en",
+               "semantic_sampling": {"max_tokens": 6, "min_tokens": 0}}
+    (tmp_path / "req.json").write_text(json.dumps(request))
+    code = main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--request",
+                 str(tmp_path / "req.json"), "--seed", "5", "--output", str(tmp_path / "out")])
+    status = json.loads(capsys.readouterr().out)
+    assert code == 0 and status["status"] == "complete"
+    saved = json.loads((tmp_path / "out" / "r1" / "request.json").read_text())
+    assert saved["seed"] == 5 and saved["style"] == "jazz" and saved["abc"] == "X:1\nK:C\nCDEF|"
+    assert status["timing"]["abc"]["output_tokens"] == 0 and status["audio_seconds"] <= 6 / 25
+    # the same directory again: refused without --resume, returned as is with it
+    assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--request",
+                 str(tmp_path / "req.json"), "--seed", "5", "--output", str(tmp_path / "out")]) == 1
+    assert "pass resume to continue" in json.loads(capsys.readouterr().out)["reason"]
+    assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--request",
+                 str(tmp_path / "req.json"), "--seed", "5", "--output", str(tmp_path / "out"), "--resume"]) == 0
 
-    with pytest.raises(SystemExit, match="both --model and --vae"):
-        main(["demo", "--model", str(tmp_path)])
+
+def test_invalid_request_fields_are_named(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    code = main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--style", "a",
+                 "--lyrics", "b", "--id", "../evil", "--output", str(tmp_path)])
+    assert code == 2 and "SongRequest.id" in json.loads(capsys.readouterr().out)["reason"]
+    (tmp_path / "bad.json").write_text(json.dumps({"style": "a", "lyrics": "b", "tempo": 120}))
+    assert main(["generate", "--request", str(tmp_path / "bad.json"), "--output", str(tmp_path)]) == 2
+    assert "tempo" in json.loads(capsys.readouterr().out)["reason"]
+
+
+def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    rows = [{"id": "a", "style": "pop", "lyrics": "x"}, {"id": "b", "style": "pop", "lyrics": "x", "cot": "half"},
+            {"id": "a", "style": "pop", "lyrics": "y"}, {"id": "c", "style": "rock", "lyrics": "z", "cot": "off"}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    code = main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
+                 str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")])
+    assert code == 1
+    summary = json.loads((tmp_path / "out" / "batch.json").read_text())
+    assert (summary["complete"], summary["failed"], summary["expected"]) == (2, 2, 4)
+    assert [r["status"] for r in summary["results"]] == ["complete", "failed", "failed", "complete"]
+    assert "cot" in summary["results"][1]["reason"] and "duplicate id" in summary["results"][2]["reason"]
+    assert (tmp_path / "out" / "c" / "audio.flac").exists()
+
+
+def test_doctor(capsys):
+    assert main(["doctor"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["versions"]["torch"].startswith("2.") and report["backends"]["torch"]["usable"]
+    assert report["default_cfg"] == {"full": 1.0, "melody": 1.0, "off": 1.01}

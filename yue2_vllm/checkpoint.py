@@ -302,3 +302,72 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# --------------------------------------------------------------------------- model identities
+
+WEIGHTS_MANIFEST = "weights_manifest.json"
+
+
+class HashCache:
+    """sha256 of large files remembered by (resolved path, size, mtime_ns), so 7 GB are hashed once.
+
+    The cache is a JSON file written atomically; a changed size or mtime invalidates an entry.
+    """
+
+    def __init__(self, path: str | os.PathLike | None):
+        self.path = Path(path) if path is not None else None
+
+    def _entries(self) -> dict:
+        if self.path is None or not self.path.exists():
+            return {}
+        try:
+            entries = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return {}  # a damaged cache only costs a re-hash
+        return entries if isinstance(entries, dict) else {}
+
+    def sha256(self, file: Path, *, verify: bool = False) -> str:
+        stat = file.stat()
+        key = str(file.resolve())
+        stamp = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        entries = self._entries()
+        cached = entries.get(key)
+        if not verify and isinstance(cached, dict) and all(cached.get(k) == v for k, v in stamp.items()):
+            return cached["sha256"]
+        digest = sha256_file(file)
+        if verify and isinstance(cached, dict) and cached.get("bytes") == stat.st_size \
+                and cached.get("sha256") not in (None, digest):
+            raise CheckpointError(f"{file}: sha256 {digest} differs from the recorded {cached['sha256']} "
+                                  "although size and mtime match (the file changed in place)")
+        if self.path is not None:
+            entries[key] = {**stamp, "sha256": digest}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.path, entries)
+        return digest
+
+
+def model_identity(model_dir: str | os.PathLike, *, hashes: HashCache | None = None, verify: bool = False) -> dict:
+    """`{"files": {name: {sha256, bytes}}, "config_sha256"}` over the directory's safetensors files.
+
+    With `verify`, every file is re-hashed; a `weights_manifest.json` beside the weights, when
+    present, must agree with the file set and hashes.
+    """
+    root = Path(model_dir)
+    hashes = hashes or HashCache(None)
+    files = {}
+    for path in sorted(root.glob("*.safetensors")):
+        path = model_file(root, path.name)
+        files[path.name] = {"sha256": hashes.sha256(path, verify=verify), "bytes": path.stat().st_size}
+    if not files:
+        raise CheckpointError(f"{root}: no *.safetensors files")
+    manifest_path = root / WEIGHTS_MANIFEST
+    if manifest_path.exists():
+        recorded = (read_json(model_file(root, WEIGHTS_MANIFEST)) or {}).get("files", {})
+        if set(recorded) != set(files):
+            raise CheckpointError(f"{manifest_path}: lists {sorted(recorded)} but the directory has {sorted(files)}")
+        for name, entry in files.items():
+            if recorded[name].get("sha256") != entry["sha256"]:
+                raise CheckpointError(f"{root / name}: sha256 does not match {WEIGHTS_MANIFEST}")
+    config = model_file(root, "config.json")
+    return {"files": files, "config_sha256": sha256_file(config)}

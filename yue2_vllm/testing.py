@@ -20,6 +20,9 @@ from .tokenizer import ORDINARY_TOKENS, TOKENIZER_FILE
 TINY_VERSION = "tiny-v1"
 TINY_CONFIG = YuE2Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=32, intermediate_size=256)
+# Sampling budgets for the tiny default: a random model rarely samples an end token, so cap the
+# phases (48 score tokens, 250 semantic tokens = 10 s of audio) to keep the default run to seconds.
+TINY_GENERATION = {"abc": {"max_tokens": 48}, "semantic": {"min_tokens": 200, "max_tokens": 250}}
 TINY_VAE_CHANNELS = 4
 TINY_VAE_MULTS = [1, 2, 2, 4, 4, 8]
 
@@ -78,6 +81,17 @@ def tiny_state_dict(config: YuE2Config = TINY_CONFIG, seed: int = 0) -> dict[str
     generator = torch.Generator().manual_seed(seed)
     return {name: _tiny_tensor(name, shape, generator, config).to(torch.bfloat16).contiguous()
             for name, shape in sorted(tensor_shapes(config).items())}
+
+
+def random_model(config: YuE2Config = TINY_CONFIG, seed: int = 0):
+    """An in-memory MoT with the tiny checkpoints' initialisation (any size; used by benchmarks)."""
+    from .modeling import YuE2Model, _assign
+
+    with torch.device("meta"):
+        model = YuE2Model(config)
+    for name, tensor in tiny_state_dict(config, seed).items():
+        _assign(model, name, tensor)
+    return model.eval().requires_grad_(False)
 
 
 def write_tiny_model(directory: str | os.PathLike, *, config: YuE2Config = TINY_CONFIG, seed: int = 0) -> Path:

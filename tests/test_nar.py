@@ -1,0 +1,80 @@
+import pytest
+import torch
+
+from yue2_vllm.nar import raw_timestep, solve, song_chunks, song_noise, synthesize
+from yue2_vllm.protocol import CODEC_OFFSET, EOD, MUSIC_END, MUSIC_START
+
+PREFIX = [EOD, 40, 1771, 285, 151847, 300, 151848, MUSIC_START]
+
+
+def test_noise_is_one_cpu_draw_with_chunk_views():
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    chunks = song_chunks(PREFIX, list(range(30)), seed=5, context=40)
+    assert torch.equal(torch.get_rng_state(), before)
+    size = (40 - len(PREFIX) - 3) // 2
+    assert [len(c.noise) for c in chunks] == [size, size, 30 - 2 * size]
+    whole = song_noise(30, 5)
+    assert torch.equal(torch.cat([c.noise for c in chunks]), whole)
+    assert chunks[1].noise.untyped_storage().data_ptr() == chunks[0].noise.untyped_storage().data_ptr()
+    assert chunks[1].tokens == PREFIX + [CODEC_OFFSET + c for c in range(size, 2 * size)] + [MUSIC_END]
+    assert whole.dtype == torch.float32 and whole.shape == (30, 64)
+
+
+def test_invalid_inputs():
+    with pytest.raises(ValueError, match="codec indices"):
+        song_chunks(PREFIX, [32768], 0)
+    with pytest.raises(ValueError, match="at least one semantic token"):
+        song_chunks(PREFIX, [], 0)
+
+
+def test_timesteps():
+    assert raw_timestep(1.0) == 20.0 and raw_timestep(0.0) == -20.0 and raw_timestep(0.5) == 0.0
+
+
+def test_midpoint_solver_matches_hand_loop():
+    calls = []
+
+    def velocity(state, raw_t):
+        calls.append(raw_t)
+        return state * 0.5 + raw_t / 40
+
+    noise = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    result = solve(velocity, noise, steps=32)
+    assert len(calls) == 64 and calls[0] == 20.0
+    state, dt = noise.to(torch.bfloat16), 1 / 32
+    for k in range(32):
+        t = 1 - k * dt
+        first = state * 0.5 + raw_timestep(t) / 40
+        mid = state - first * (dt / 2)
+        state = state - (mid * 0.5 + raw_timestep(t - dt / 2) / 40) * dt
+    assert result.dtype == torch.float32 and torch.equal(result, state.float())
+
+
+def test_solver_progress_cancel_and_nonfinite():
+    noise = torch.zeros(2, 64)
+    steps = []
+    solve(lambda s, t: s, noise, steps=4, on_step=lambda d, n: steps.append((d, n)))
+    assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    count = []
+    with pytest.raises(InterruptedError):
+        solve(lambda s, t: count.append(1) or s, noise, steps=4, cancelled=lambda: len(count) >= 3)
+    assert len(count) == 3
+    with pytest.raises(FloatingPointError):
+        solve(lambda s, t: s + float("inf"), noise, steps=1)
+
+
+def test_synthesize_chunks_serially_and_repeatably(tiny_model):
+    progress = []
+    codec = list(range(0, 3000, 100))
+    first = synthesize(tiny_model, PREFIX, codec, seed=9, steps=3, context=40,
+                       on_progress=lambda d, n: progress.append((d, n)))
+    assert first.shape == (30, 64) and first.dtype == torch.float32
+    assert progress == [(i, 9) for i in range(1, 10)]  # 3 chunks x 3 steps
+    assert torch.equal(first, synthesize(tiny_model, PREFIX, codec, seed=9, steps=3, context=40))
+    assert not torch.equal(first, synthesize(tiny_model, PREFIX, codec, seed=10, steps=3, context=40))
+
+
+def test_synthesize_cancellation(tiny_model):
+    with pytest.raises(InterruptedError):
+        synthesize(tiny_model, PREFIX, [1, 2, 3], seed=0, steps=4, cancelled=lambda: True)

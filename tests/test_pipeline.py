@@ -1,0 +1,158 @@
+import json
+
+import numpy as np
+import pytest
+import soundfile
+
+from yue2_vllm.artifacts import ResumeError, verify_result
+from yue2_vllm.checkpoint import HashCache
+from yue2_vllm.pipeline import YuE2Pipeline
+from yue2_vllm.protocol import CODEC_SIZE, SongRequest
+
+GENERATION = {"abc": {"max_tokens": 10, "min_tokens": 4}, "semantic": {"max_tokens": 30, "min_tokens": 10},
+              "ode_steps": 4}
+REQUEST = SongRequest("piano pop", "[verse]\nla la la\n", seed=11, id="song1")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
+    cache = HashCache(tmp_path_factory.mktemp("hashes") / "cache.json")
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, hash_cache=cache)
+
+
+def test_song_end_to_end(pipe):
+    result = pipe(REQUEST)
+    frames = len(result.semantic.tokens)
+    assert frames == 30 and all(0 <= t < CODEC_SIZE for t in result.semantic.tokens)
+    assert result.latents.shape == (frames, 64) and result.latents.dtype == np.float32
+    assert result.audio.shape == (1920 * frames - 64, 2) and np.abs(result.audio).max() <= 1
+    assert result.truncated == {"abc": True, "semantic": True}
+    assert result.plan.prefix[-1] == 151851 and len(result.plan.abc_ids) == 10
+    assert result.config["overrides"] == ["abc.max_tokens", "abc.min_tokens", "semantic.max_tokens",
+                                          "semantic.min_tokens", "ode_steps"]
+    again = pipe(REQUEST)
+    assert again.semantic.tokens == result.semantic.tokens and np.array_equal(again.audio, result.audio)
+    assert again.identity == result.identity
+
+
+def test_cot_off_uses_paired_cfg_and_external_abc_skips_planning(pipe):
+    off = pipe(SongRequest("rock", "yeah", cot="off", id="off"))
+    assert off.plan.abc is None and off.semantic.timing["cfg_branches"] == 2 and off.config["cfg_scale"] == 1.01
+    external = pipe(SongRequest("rock", "yeah", cot="melody", abc="X:1\nK:C\nCDEF|", id="ext"))
+    assert external.plan.timing["output_tokens"] == 0 and external.plan.abc == "X:1\nK:C\nCDEF|"
+
+
+def test_artifacts_and_flac(pipe, tmp_path):
+    document = pipe.generate_to(tmp_path / "s", REQUEST)
+    assert document["status"] == "complete" and document["sample_rate"] == 48000
+    info = soundfile.info(str(tmp_path / "s" / "audio.flac"))
+    assert (info.samplerate, info.channels, info.frames, info.subtype) == (48000, 2, 1920 * 30 - 64, "PCM_24")
+    names = set(document["artifacts"])
+    assert {"audio.flac", "score.abc", "prefix.npy", "abc_tokens.npy", "semantic.npy", "latent.npy", "request.json",
+            "config.json"} <= names
+    assert verify_result(tmp_path / "s", document["identity"]) == document
+    assert json.loads((tmp_path / "s" / "request.json").read_text()) == REQUEST.to_dict()
+    direct = pipe(REQUEST)
+    assert np.array_equal(np.load(tmp_path / "s" / "semantic.npy"), np.asarray(direct.semantic.tokens))
+    assert np.array_equal(np.load(tmp_path / "s" / "latent.npy"), direct.latents)
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def crash_in(stage):
+    def on_token(phase, token):
+        if phase == stage:
+            raise Crash(stage)
+
+    def on_progress(name, done, total):
+        if name == stage:
+            raise Crash(stage)
+
+    return on_token, on_progress
+
+
+def recorder(seen):
+    return (lambda phase, token: seen.add(phase)), (lambda name, done, total: seen.add(name))
+
+
+@pytest.mark.parametrize("stage,redone", [("abc", {"abc", "semantic", "nar", "vae"}),
+                                          ("semantic", {"semantic", "nar", "vae"}),
+                                          ("nar", {"nar", "vae"}), ("vae", {"vae"})])
+def test_resume_after_crash_redoes_only_later_stages(pipe, tmp_path, stage, redone):
+    on_token, on_progress = crash_in(stage)
+    with pytest.raises(Crash):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
+    state = json.loads((tmp_path / "s" / "run_state.json").read_text())
+    assert state["state"].endswith("_failed") and "Crash" in state["error"]
+    with pytest.raises(FileExistsError):
+        pipe.generate_to(tmp_path / "s", REQUEST)
+    seen = set()
+    document = pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                                on_progress=recorder(seen)[1])
+    assert seen == redone
+    reference = pipe.generate_to(tmp_path / "ref", REQUEST)
+    assert document["artifacts"]["audio.flac"] == reference["artifacts"]["audio.flac"]
+    assert document["identity"] == reference["identity"]
+
+
+def test_tampered_artifact_is_detected_and_redone(pipe, tmp_path):
+    document = pipe.generate_to(tmp_path / "s", REQUEST)
+    semantic = tmp_path / "s" / "semantic.npy"
+    tokens = np.load(semantic)
+    tokens[0] = (tokens[0] + 1) % CODEC_SIZE
+    np.save(semantic, tokens)
+    with pytest.raises(ValueError, match="semantic.npy: does not match"):
+        verify_result(tmp_path / "s")
+    seen = set()
+    redone = pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                              on_progress=recorder(seen)[1])
+    assert seen == {"semantic", "nar", "vae"}
+    assert redone["artifacts"]["semantic.npy"] == document["artifacts"]["semantic.npy"]
+    seen.clear()
+    assert pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0]) == redone
+    assert seen == set()
+
+
+def test_changed_request_refuses_to_resume(pipe, tmp_path):
+    on_token, _ = crash_in("semantic")
+    with pytest.raises(Crash):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token)
+    with pytest.raises(ResumeError, match="different request"):
+        pipe.generate_to(tmp_path / "s", SongRequest("jazz", "other", seed=11, id="song1"), resume=True)
+
+
+def test_cancel_leaves_resumable_state(pipe, tmp_path):
+    tokens = []
+    with pytest.raises(InterruptedError):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=lambda p, t: tokens.append(p),
+                         cancelled=lambda: tokens.count("semantic") >= 5)
+    assert tokens.count("semantic") == 5
+    assert json.loads((tmp_path / "s" / "run_state.json").read_text())["state"] == "cancelled"
+    document = pipe.generate_to(tmp_path / "s", REQUEST, resume=True)
+    assert document["status"] == "complete"
+
+
+def test_plan_stage_only(pipe, tmp_path):
+    plan = pipe.generate_to(tmp_path / "s", REQUEST, stage="plan")
+    assert plan["status"] == "planned" and (tmp_path / "s" / "score.abc").exists()
+    assert not (tmp_path / "s" / "semantic.npy").exists()
+    assert pipe.generate_to(tmp_path / "s", REQUEST, resume=True)["status"] == "complete"
+
+
+def test_weight_identity_is_cached(tiny_model_dir, tiny_vae_dir, tmp_path):
+    cache = HashCache(tmp_path / "c.json")
+    from yue2_vllm.checkpoint import model_identity
+
+    first = model_identity(tiny_model_dir, hashes=cache)
+    entries = json.loads((tmp_path / "c.json").read_text())
+    assert len(entries) == 1 and first["files"]["model.safetensors"]["bytes"] > 10**7
+    key = next(iter(entries))
+    entries[key]["sha256"] = "0" * 64  # a cache hit is trusted without re-hashing...
+    (tmp_path / "c.json").write_text(json.dumps(entries))
+    assert model_identity(tiny_model_dir, hashes=cache)["files"]["model.safetensors"]["sha256"] == "0" * 64
+    from yue2_vllm.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="changed in place"):  # ...and verify re-hashes
+        model_identity(tiny_model_dir, hashes=cache, verify=True)

@@ -1,0 +1,322 @@
+"""The staged song pipeline: plan (ABC score) → semantic tokens → latents (NAR) → audio (VAE).
+
+`YuE2Pipeline(model_dir, vae_dir)` loads the MoT, tokenizer and VAE once. Each stage is a
+method taking the previous stage's result; `__call__` runs all four, and `generate_to`
+runs them into a directory with a checkpoint after every stage so that a crashed or cancelled
+run resumes from the last stage whose files still verify.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import artifacts as art
+from .checkpoint import HashCache, identity, model_identity, write_json_atomic
+from .modeling import load_model
+from .nar import synthesize as nar_synthesize
+from .protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, Sampling, SongRequest, abc_prompt,
+                       check_abc_ids, default_cfg_scale, negative_prompt, resolve_sampling, semantic_prompt)
+from .sampling import ARBackend, TorchARBackend
+from .tokenizer import YuE2Tokenizer
+from .vae import load_vae
+
+SAMPLE_RATE = 48000
+VAE_HALO_FRAMES = 16
+BACKENDS = ("torch", "auto")
+OnToken = Callable[[str, int], None]
+OnProgress = Callable[[str, int, int], None]
+Cancelled = Callable[[], bool]
+
+
+@dataclass
+class SymbolicPlan:
+    """The score phase's outcome: ABC text and its exact ids, and the semantic prompt built from them."""
+
+    request: SongRequest
+    abc: str | None
+    abc_ids: list[int]
+    prefix: list[int]
+    timing: dict = field(default_factory=dict)
+    truncated: bool = False
+
+
+@dataclass
+class SemanticResult:
+    plan: SymbolicPlan
+    tokens: list[int]  # codec indices 0..32767 (token id − CODEC_OFFSET)
+    timing: dict = field(default_factory=dict)
+    truncated: bool = False
+
+
+@dataclass
+class SongResult:
+    semantic: SemanticResult
+    latents: np.ndarray  # [T, 64] float32
+    audio: np.ndarray  # [1920·T − 64, 2] float32 in [-1, 1]
+    sample_rate: int
+    config: dict
+    weights: dict
+    timing: dict
+    identity: str
+
+    @property
+    def plan(self) -> SymbolicPlan:
+        return self.semantic.plan
+
+    @property
+    def request(self) -> SongRequest:
+        return self.plan.request
+
+    @property
+    def truncated(self) -> dict:
+        return {"abc": self.plan.truncated, "semantic": self.semantic.truncated}
+
+    @property
+    def audio_seconds(self) -> float:
+        return len(self.audio) / self.sample_rate
+
+
+def default_vae_core_frames(memory_budget_gib: float) -> int:
+    return 512 if memory_budget_gib <= 12 else 1024
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def default_hash_cache() -> HashCache:
+    from .testing import cache_root
+
+    return HashCache(cache_root() / "sha256-cache.json")
+
+
+class YuE2Pipeline:
+    def __init__(self, model_dir: str | os.PathLike, vae_dir: str | os.PathLike, *, device: str = "auto",
+                 memory_budget_gib: float = 24.0, backend: str = "torch",
+                 generation_config: GenerationConfig | dict | None = None, verify_hashes: bool = False,
+                 vae_core_frames: int | None = None, hash_cache: HashCache | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not memory_budget_gib > 0:
+            raise ValueError(f"memory_budget_gib must be positive, got {memory_budget_gib!r}")
+        self.model_dir, self.vae_dir = Path(model_dir), Path(vae_dir)
+        self.device = resolve_device(device)
+        self.memory_budget_gib = float(memory_budget_gib)
+        self.backend_requested = backend
+        if isinstance(generation_config, GenerationConfig):
+            self.generation_config = generation_config
+        else:
+            self.generation_config = GenerationConfig.from_dict(generation_config)
+        self.vae_core_frames = vae_core_frames or default_vae_core_frames(self.memory_budget_gib)
+        start = time.perf_counter()
+        hashes = hash_cache if hash_cache is not None else default_hash_cache()
+        self.weights = {"mot": model_identity(self.model_dir, hashes=hashes, verify=verify_hashes),
+                        "vae": model_identity(self.vae_dir, hashes=hashes, verify=verify_hashes)}
+        identity_seconds = time.perf_counter() - start
+        self.tokenizer = YuE2Tokenizer.from_model_dir(self.model_dir)
+        self.model = load_model(self.model_dir, device=self.device)
+        self.vae = load_vae(self.vae_dir, device="cpu")
+        self.load_timing = {"identity_seconds": identity_seconds, "load_seconds": time.perf_counter() - start}
+        self.ar_backend: ARBackend = TorchARBackend(self.model)
+
+    # -- configuration
+
+    def sampling_for(self, request_overrides: dict | Sampling | None, phase: str) -> Sampling:
+        return resolve_sampling(request_overrides, getattr(self.generation_config, phase))
+
+    def effective_config(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> dict:
+        generation = replace(self.generation_config, abc=self.sampling_for(abc_sampling, "abc"),
+                             semantic=self.sampling_for(semantic_sampling, "semantic"))
+        defaults = GenerationConfig().to_dict()
+        overrides = sorted(f"{phase}.{key}" for phase in ("abc", "semantic")
+                           for key, value in generation.to_dict()[phase].items() if defaults[phase][key] != value)
+        overrides += sorted(key for key in ("ode_steps",) if getattr(generation, key) != defaults[key])
+        if request.guidance != default_cfg_scale(request.cot):
+            overrides.append("cfg_scale")
+        return {
+            "generation": generation.to_dict(), "overrides": overrides, "cot": request.cot,
+            "cfg_scale": request.guidance,
+            "cfg_negative": "instruction_only" if request.cot == "off" else "same_instruction_and_exact_abc",
+            "backend": self.backend_requested, "quantization": "none", "model_dtype": "bfloat16",
+            "vae_dtype": "float32", "vae_decode": "halo_crop", "vae_core_frames": self.vae_core_frames,
+            "vae_halo_frames": VAE_HALO_FRAMES, "device": str(self.device),
+            "memory_budget_gib": self.memory_budget_gib, "decoder_release": self.vae.config.release_variant,
+        }
+
+    def run_identity(self, request: SongRequest, config: dict) -> str:
+        return identity({"request": request.to_dict(), "config": config, "weights": self.weights})
+
+    def _backend_timing(self, timing: dict) -> dict:
+        reason = None if self.backend_requested == "torch" else "vllm backend not installed in this build"
+        return {**timing, "backend_requested": self.backend_requested, "fallback_reason": reason}
+
+    # -- stages
+
+    def plan(self, request: SongRequest, *, abc_sampling=None, cancelled: Cancelled | None = None,
+             on_token: OnToken | None = None) -> SymbolicPlan:
+        if request.cot == "off":
+            return SymbolicPlan(request, None, [], semantic_prompt(request, self.tokenizer),
+                                {"seconds": 0.0, "output_tokens": 0})
+        if request.abc is not None:
+            abc_ids = self.tokenizer.encode(request.abc)
+            return SymbolicPlan(request, request.abc, abc_ids, semantic_prompt(request, self.tokenizer, abc_ids),
+                                {"seconds": 0.0, "output_tokens": 0, "external_prefix_tokens": len(abc_ids)})
+        ids, timing, truncated = self.ar_backend.generate(
+            abc_prompt(request, self.tokenizer), self.sampling_for(abc_sampling, "abc"), request.seed, "abc",
+            on_token=on_token, cancelled=cancelled)
+        return SymbolicPlan(request, self.tokenizer.decode(ids), ids, semantic_prompt(request, self.tokenizer, ids),
+                            self._backend_timing(timing), truncated)
+
+    def generate_semantic(self, plan: SymbolicPlan, *, sampling=None, cancelled: Cancelled | None = None,
+                          on_token: OnToken | None = None) -> SemanticResult:
+        request = plan.request
+        expected = semantic_prompt(request, self.tokenizer, check_abc_ids(plan.abc_ids) if request.cot != "off"
+                                   else None)
+        if plan.prefix != expected:
+            raise ValueError("plan.prefix does not match the request and its abc ids")
+        negative = None
+        if request.guidance != 1.0:
+            negative = negative_prompt(request, self.tokenizer, plan.abc_ids)
+        ids, timing, truncated = self.ar_backend.generate(
+            plan.prefix, self.sampling_for(sampling, "semantic"), request.seed, "semantic", negative=negative,
+            cfg_scale=request.guidance, legacy_off=request.cot == "off", on_token=on_token, cancelled=cancelled)
+        return SemanticResult(plan, [i - CODEC_OFFSET for i in ids], self._backend_timing(timing), truncated)
+
+    def synthesize(self, semantic: SemanticResult, *, cancelled: Cancelled | None = None,
+                   on_progress: OnProgress | None = None) -> np.ndarray:
+        if not semantic.tokens:
+            raise ValueError("the semantic phase produced no tokens; there is nothing to synthesize")
+        progress = (lambda done, total: on_progress("nar", done, total)) if on_progress else None
+        latents = nar_synthesize(self.model, semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
+                                 steps=self.generation_config.ode_steps, context=self.generation_config.context,
+                                 cancelled=cancelled, on_progress=progress)
+        return latents.numpy()
+
+    def decode(self, latents: np.ndarray, *, on_progress: OnProgress | None = None) -> np.ndarray:
+        """`[T, 64]` latents → `[1920·T − 64, 2]` float32 audio clamped to [-1, 1]."""
+        latents = torch.as_tensor(np.asarray(latents, dtype=np.float32))
+        if latents.ndim != 2 or latents.shape[1] != self.vae.config.latent_dim:
+            raise ValueError(f"latents must be [frames, {self.vae.config.latent_dim}], got {list(latents.shape)}")
+        progress = (lambda done, total: on_progress("vae", done, total)) if on_progress else None
+        audio = self.vae.decode_tiled(latents.T[None], core_frames=self.vae_core_frames,
+                                      halo_frames=VAE_HALO_FRAMES, on_progress=progress)[0]
+        if not torch.isfinite(audio).all():
+            raise FloatingPointError("the VAE produced non-finite audio")
+        return audio.clamp(-1, 1).T.contiguous().numpy()
+
+    def __call__(self, request: SongRequest, *, abc_sampling=None, semantic_sampling=None,
+                 cancelled: Cancelled | None = None, on_token: OnToken | None = None,
+                 on_progress: OnProgress | None = None) -> SongResult:
+        config = self.effective_config(request, abc_sampling, semantic_sampling)
+        start = time.perf_counter()
+        plan = self.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token)
+        semantic = self.generate_semantic(plan, sampling=semantic_sampling, cancelled=cancelled, on_token=on_token)
+        nar_start = time.perf_counter()
+        latents = self.synthesize(semantic, cancelled=cancelled, on_progress=on_progress)
+        vae_start = time.perf_counter()
+        audio = self.decode(latents, on_progress=on_progress)
+        end = time.perf_counter()
+        timing = {"abc": plan.timing, "semantic": semantic.timing, "nar_seconds": vae_start - nar_start,
+                  "vae_seconds": end - vae_start, "load": self.load_timing, "e2e_seconds": end - start}
+        return SongResult(semantic, latents, audio, SAMPLE_RATE, config, self.weights, timing,
+                          self.run_identity(request, config))
+
+    # -- resumable runs
+
+    def generate_to(self, directory: str | os.PathLike, request: SongRequest, *, resume: bool = False,
+                    abc_sampling=None, semantic_sampling=None, stage: str = "audio",
+                    cancelled: Cancelled | None = None, on_token: OnToken | None = None,
+                    on_progress: OnProgress | None = None) -> dict:
+        """Run into `directory`, checkpointing each stage; returns the `result.json` document
+        (or, with `stage="plan"`, the plan record). Resuming redoes only stages that do not verify."""
+        if stage not in ("plan", "audio"):
+            raise ValueError(f"stage must be 'plan' or 'audio', got {stage!r}")
+        config = self.effective_config(request, abc_sampling, semantic_sampling)
+        run_id = self.run_identity(request, config)
+        run = art.RunDirectory(directory)
+        run.start(run_id, request.to_dict(), resume=resume)
+        finished = run.verified_result(run_id)
+        if finished is not None and stage == "audio":
+            return finished
+        current = {"stage": "created"}
+
+        def stage_meta(name: str, compute: Callable[[], tuple[dict[str, bytes], dict]]) -> dict:
+            """The stage's recorded meta if it verifies; otherwise redo it (and forget later stages)."""
+            meta = run.verified_stage(name, run_id)
+            if meta is None:
+                run.discard_from(name)
+                current["stage"] = name
+                files, meta = compute()
+                run.write_stage(name, run_id, files, meta)
+            return meta
+
+        def compute_plan():
+            plan = self.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token)
+            files = {"prefix.npy": art.npy_bytes(np.asarray(plan.prefix, np.int32)),
+                     "abc_tokens.npy": art.npy_bytes(np.asarray(plan.abc_ids, np.int32))}
+            if plan.abc is not None:
+                files["score.abc"] = plan.abc.encode("utf-8")
+            return files, {"abc": plan.abc, "timing": plan.timing, "truncated": plan.truncated}
+
+        def compute_semantic():
+            semantic = self.generate_semantic(plan, sampling=semantic_sampling, cancelled=cancelled,
+                                              on_token=on_token)
+            return ({"semantic.npy": art.npy_bytes(np.asarray(semantic.tokens, np.int32))},
+                    {"timing": semantic.timing, "truncated": semantic.truncated})
+
+        def compute_latents():
+            start = time.perf_counter()
+            latents = self.synthesize(semantic, cancelled=cancelled, on_progress=on_progress)
+            return {"latent.npy": art.npy_bytes(latents)}, {"nar_seconds": time.perf_counter() - start}
+
+        def compute_audio():
+            start = time.perf_counter()
+            audio = self.decode(latents, on_progress=on_progress)
+            return ({"audio.flac": art.flac_bytes(audio, SAMPLE_RATE)},
+                    {"vae_seconds": time.perf_counter() - start, "samples": len(audio)})
+
+        try:
+            plan_meta = stage_meta("plan", compute_plan)
+            plan = SymbolicPlan(request, plan_meta["abc"],
+                                art.load_npy(run.path / "abc_tokens.npy").astype(int).tolist(),
+                                art.load_npy(run.path / "prefix.npy").astype(int).tolist(),
+                                plan_meta["timing"], plan_meta["truncated"])
+            run.set_state(run_id, request.to_dict(), "planned")
+            if stage == "plan":
+                return {"status": "planned", "identity": run_id, **plan_meta}
+            semantic_meta = stage_meta("semantic", compute_semantic)
+            tokens = art.load_npy(run.path / "semantic.npy").astype(int).tolist()
+            if any(not 0 <= t < CODEC_SIZE for t in tokens):
+                raise ValueError(f"{run.path / 'semantic.npy'}: holds ids outside the codec range")
+            semantic = SemanticResult(plan, tokens, semantic_meta["timing"], semantic_meta["truncated"])
+            run.set_state(run_id, request.to_dict(), "semantic_generated")
+            synthesis_meta = stage_meta("synthesis", compute_latents)
+            latents = art.load_npy(run.path / "latent.npy")
+            run.set_state(run_id, request.to_dict(), "synthesized")
+            audio_meta = stage_meta("audio", compute_audio)
+        except BaseException as exc:
+            cancelled_run = isinstance(exc, (InterruptedError, KeyboardInterrupt))
+            run.set_state(run_id, request.to_dict(), "cancelled" if cancelled_run else f"{current['stage']}_failed",
+                          error=f"{type(exc).__name__}: {exc}")
+            raise
+
+        write_json_atomic(run.path / "request.json", request.to_dict())
+        write_json_atomic(run.path / "config.json", config)
+        timing = {"abc": plan.timing, "semantic": semantic.timing, "nar_seconds": synthesis_meta["nar_seconds"],
+                  "vae_seconds": audio_meta["vae_seconds"], "load": self.load_timing}
+        document = run.write_result({
+            "status": "complete", "identity": run_id, "truncated": {"abc": plan.truncated,
+                                                                    "semantic": semantic.truncated},
+            "sample_rate": SAMPLE_RATE, "audio_seconds": audio_meta["samples"] / SAMPLE_RATE,
+            "weights": self.weights, "timing": timing,
+        })
+        run.set_state(run_id, request.to_dict(), "complete")
+        return document
