@@ -57,6 +57,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int
     end: int
+    data_offset: int = 0  # where the file's data section begins (8 + header length)
 
     @property
     def nbytes(self) -> int:
@@ -141,7 +142,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
         if end > data_size:
             raise CheckpointError(
                 f"{path}: truncated: tensor {name!r} needs bytes up to {end} but the data section has {data_size}")
-        tensors[name] = TensorInfo(name, path, dtype, shape, start, end)
+        tensors[name] = TensorInfo(name, path, dtype, shape, start, end, 8 + header_len)
     return tensors, metadata
 
 
@@ -222,6 +223,50 @@ def load_tensors(infos: Iterable[TensorInfo], *, device: str | torch.device = "c
                 if dtype is not None and tensor.dtype != dtype:
                     tensor = tensor.to(dtype)
                 yield info.name, tensor.to(device)
+
+
+def write_safetensors_subset(infos: Iterable[TensorInfo], path: str | os.PathLike,
+                             metadata: dict[str, str] | None = None, *, block_bytes: int = HASH_CHUNK_BYTES) -> str:
+    """Write a safetensors file holding exactly these tensors' bytes, copied block by block.
+
+    Values are byte-identical to the sources and peak memory is one block, whatever the
+    tensor sizes. Returns the sha256 of the written file.
+    """
+    infos = list(infos)
+    header, offset = {}, 0
+    if metadata:
+        header["__metadata__"] = metadata
+    for info in infos:
+        header[info.name] = {"dtype": info.dtype, "shape": list(info.shape),
+                             "data_offsets": [offset, offset + info.nbytes]}
+        offset += info.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as out:
+        def emit(block: bytes) -> None:
+            out.write(block)
+            digest.update(block)
+
+        emit(struct.pack("<Q", len(raw)) + raw)
+        handles: dict[Path, object] = {}
+        try:
+            for info in infos:
+                handle = handles.get(info.file) or handles.setdefault(info.file, open(info.file, "rb"))
+                handle.seek(info.data_offset + info.start)
+                remaining = info.nbytes
+                while remaining:
+                    block = handle.read(min(block_bytes, remaining))
+                    if not block:
+                        raise CheckpointError(f"{info.file}: ended inside tensor {info.name!r}")
+                    emit(block)
+                    remaining -= len(block)
+        finally:
+            for handle in handles.values():
+                handle.close()
+        out.flush()
+        os.fsync(out.fileno())
+    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- identities
@@ -327,6 +372,16 @@ class HashCache:
             return {}  # a damaged cache only costs a re-hash
         return entries if isinstance(entries, dict) else {}
 
+    def remember(self, file: Path, digest: str) -> None:
+        """Record a digest computed elsewhere (e.g. while writing the file)."""
+        if self.path is None:
+            return
+        stat = file.stat()
+        entries = self._entries()
+        entries[str(file.resolve())] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path, entries)
+
     def sha256(self, file: Path, *, verify: bool = False) -> str:
         stat = file.stat()
         key = str(file.resolve())
@@ -340,10 +395,7 @@ class HashCache:
                 and cached.get("sha256") not in (None, digest):
             raise CheckpointError(f"{file}: sha256 {digest} differs from the recorded {cached['sha256']} "
                                   "although size and mtime match (the file changed in place)")
-        if self.path is not None:
-            entries[key] = {**stamp, "sha256": digest}
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self.path, entries)
+        self.remember(file, digest)
         return digest
 
 

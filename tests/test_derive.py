@@ -1,0 +1,146 @@
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from yue2_vllm.checkpoint import CheckpointError, HashCache
+from yue2_vllm.derive import (DerivationError, derive_ar_checkpoint, qwen_config, resolve_ar_checkpoint,
+                              validate_ar_checkpoint)
+from yue2_vllm.modeling import YuE2Config, ar_tensor_shapes
+from yue2_vllm.quantization import parse_quantization, runnable_reason
+from yue2_vllm.testing import TINY_CONFIG
+from yue2_vllm.vllm_backend import kv_cache_bytes, unsupported_reason
+
+PUBLISHED_FP8 = "../shared/reference/published/yue2-3b-fp8-config.json"
+
+
+@pytest.fixture(scope="module")
+def derived(tiny_model_dir, tmp_path_factory):
+    return derive_ar_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("arcache"))
+
+
+def test_derived_tensors_are_byte_identical(derived, tiny_model_dir):
+    names = list(ar_tensor_shapes(TINY_CONFIG))
+    assert len(names) == 3 + 11 * 2
+    with safe_open(str(derived / "model.safetensors"), "pt") as out, \
+            safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as src:
+        assert sorted(out.keys()) == sorted(names)
+        for name in names:
+            a, b = out.get_tensor(name), src.get_tensor(name)
+            assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16))
+    config = json.loads((derived / "config.json").read_text())
+    assert config == qwen_config(TINY_CONFIG) and config["architectures"] == ["Qwen3ForCausalLM"]
+    record = json.loads((derived / "derivation.json").read_text())
+    assert record["tensor_count"] == 25 and record["schema"] == 1 and derived.name == record["identity"]
+    assert set(record["sha256"]) == {"model.safetensors", "config.json"}
+
+
+def test_reuse_and_corruption(tiny_model_dir, tmp_path):
+    first = derive_ar_checkpoint(tiny_model_dir, tmp_path)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert derive_ar_checkpoint(tiny_model_dir, tmp_path) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    config = json.loads((first / "config.json").read_text())
+    config["hidden_size"] = 64
+    (first / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DerivationError, match=r"Corrupt derived AR cache: .*config.json does not match.*delete .* to "
+                                              r"rebuild"):
+        derive_ar_checkpoint(tiny_model_dir, tmp_path)
+    shutil.rmtree(first)
+    assert derive_ar_checkpoint(tiny_model_dir, tmp_path) == first
+    assert sorted(p.name for p in tmp_path.joinpath("yue2-ar").iterdir()) == [first.name, first.name + ".lock"]
+
+
+def test_missing_ar_tensor(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    del state["model.layers.0.mlp.up_proj.weight"]
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"Missing AR tensors \(1\): model.layers.0.mlp.up_proj.weight"):
+        derive_ar_checkpoint(bad, tmp_path / "cache")
+
+
+def test_derivation_key_is_upstreams(derived, tiny_model_dir):
+    # identity of {"schema": 1, "source": model_identity, "config": qwen_config}: the same cache key upstream uses
+    from yue2_vllm.checkpoint import identity, model_identity
+
+    stamp = {"schema": 1, "source": model_identity(tiny_model_dir), "config": qwen_config(TINY_CONFIG)}
+    assert derived.name == identity(stamp)
+
+
+def test_override_copy_is_accepted_and_mismatch_refused(derived, tiny_model_dir, tmp_path, monkeypatch):
+    copy = tmp_path / "copy"
+    shutil.copytree(derived, copy)
+    monkeypatch.setenv("YUE2_AR_CHECKPOINT", str(copy))
+    resolved = resolve_ar_checkpoint(tiny_model_dir)
+    assert resolved.path == copy.resolve() and resolved.source == "override" and resolved.unservable is None
+    config = json.loads((copy / "config.json").read_text())
+    config["num_key_value_heads"] = 4
+    config["architectures"] = ["LlamaForCausalLM"]
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DerivationError) as info:
+        resolve_ar_checkpoint(tiny_model_dir)
+    assert "num_key_value_heads is 4, the MoT has 2" in str(info.value)
+    assert "architectures ['LlamaForCausalLM']" in str(info.value)
+    monkeypatch.setenv("YUE2_AR_CHECKPOINT", str(tmp_path / "absent"))
+    with pytest.raises(DerivationError, match="not a directory"):
+        resolve_ar_checkpoint(tiny_model_dir)
+
+
+def test_override_tensor_set_checked(derived, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(derived, copy)
+    state = load_file(str(copy / "model.safetensors"))
+    state["model.layers.0.self_attn.q_proj.weight_scale"] = torch.ones(128, 1, dtype=torch.bfloat16)
+    del state["lm_head.weight"]
+    save_file(state, str(copy / "model.safetensors"))
+    with pytest.raises(DerivationError) as info:
+        validate_ar_checkpoint(copy, TINY_CONFIG)
+    assert "missing lm_head.weight" in str(info.value)
+    assert "unexpected tensors (1): model.layers.0.self_attn.q_proj.weight_scale" in str(info.value)
+
+
+def test_published_fp8_config_parses_and_matches_real_config():
+    config = json.loads(open(PUBLISHED_FP8).read())
+    scheme = parse_quantization(config)
+    assert scheme.name == "W8A8-FP8" and scheme.weight_strategy == "channel" and scheme.activation_dynamic
+    assert scheme.ignore == ("lm_head",) and runnable_reason(scheme, "cpu") is None
+    from yue2_vllm.derive import _config_problems
+
+    assert _config_problems(config, YuE2Config()) == []  # rope_parameters form is understood
+
+
+def test_weight_only_int8_is_unservable_on_cpu():
+    config = {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                      "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                                          "num_bits": 8, "type": "int", "strategy": "channel"},
+                                          "input_activations": None}}}}
+    scheme = parse_quantization(config)
+    assert scheme.name == "W8A16-INT8"
+    assert "no vLLM-CPU kernel" in runnable_reason(scheme, "cpu") and runnable_reason(scheme, "cuda") is None
+    with pytest.raises(ValueError, match="quant_method 'gptq'"):
+        parse_quantization({"quantization_config": {"quant_method": "gptq"}})
+
+
+def test_kv_cache_formula_and_version_gate():
+    assert kv_cache_bytes(YuE2Config()) == 2.625 * 2**30
+    assert kv_cache_bytes(YuE2Config(), max_sequences=2) == 5.25 * 2**30
+    assert unsupported_reason("0.32.0") is None
+    assert "outside the supported range" in unsupported_reason("0.19.0")
+    assert "not installed" in unsupported_reason(None)
+
+
+def test_hash_cache_skips_rehash_on_reuse(tiny_model_dir, tmp_path, monkeypatch):
+    import yue2_vllm.checkpoint as ck
+
+    cache = HashCache(tmp_path / "h.json")
+    derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache)
+    calls = []
+    real = ck.sha256_file
+    monkeypatch.setattr(ck, "sha256_file", lambda p: calls.append(p) or real(p))
+    derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache)
+    assert all(not str(p).endswith(".safetensors") for p in calls)
