@@ -1,5 +1,6 @@
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from yue2_vllm.quantization import parse_quantization, runnable_reason
 from yue2_vllm.testing import TINY_CONFIG
 from yue2_vllm.vllm_backend import kv_cache_bytes, unsupported_reason
 
-PUBLISHED_FP8 = "../shared/reference/published/yue2-3b-fp8-config.json"
+PUBLISHED_FP8 = Path(__file__).parent / "data" / "published-fp8-config.json"  # DKmode22/YuE2-3B-FP8
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,7 @@ def test_override_tensor_set_checked(derived, tmp_path):
 
 
 def test_published_fp8_config_parses_and_matches_real_config():
-    config = json.loads(open(PUBLISHED_FP8).read())
+    config = json.loads(PUBLISHED_FP8.read_text())
     scheme = parse_quantization(config)
     assert scheme.name == "W8A8-FP8" and scheme.weight_strategy == "channel" and scheme.activation_dynamic
     assert scheme.ignore == ("lm_head",) and runnable_reason(scheme, "cpu") is None

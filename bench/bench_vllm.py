@@ -1,0 +1,170 @@
+"""vLLM backend benchmarks, side by side in one run (CPU here; the same script runs on a GPU).
+
+1. AR decode tokens/s for the same derived checkpoint: our backend (worker process, JSON
+   streaming, windowed penalty) vs bare vLLM (an in-process engine stepping the same request),
+   and vs our torch backend. Target: ours / bare >= 0.95.
+2. Derivation of a full-size (28-layer, 7.3 GB) checkpoint: seconds and peak RSS, against
+   copying the same number of bytes.
+
+    python bench/bench_vllm.py [--tokens 256] [--repeats 3] [--skip-derive] [--workdir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+from yue2_vllm.derive import ARCheckpoint, derive_ar_checkpoint  # noqa: E402
+from yue2_vllm.modeling import YuE2Config, load_model, tensor_shapes  # noqa: E402
+from yue2_vllm.protocol import EOD, MUSIC_START, Sampling, allowed_token_ids  # noqa: E402
+from yue2_vllm.sampling import TorchARBackend  # noqa: E402
+from yue2_vllm.testing import TINY_CONFIG, write_tiny_model  # noqa: E402
+from yue2_vllm.vllm_backend import EngineSettings, VLLMBackend  # noqa: E402
+
+PREFIX = [EOD] + [100 + i for i in range(200)] + [MUSIC_START]
+
+
+def decode_rate(timing: dict) -> float:
+    """Decode tokens/s after the first token (prefill excluded)."""
+    return (timing["output_tokens"] - 1) / (timing["seconds"] - timing["ttft_seconds"])
+
+
+def bare_vllm_rates(checkpoint: Path, config: YuE2Config, sampling: Sampling, repeats: int) -> list[float]:
+    """The same request on an in-process vLLM engine, stepped directly (no worker, no JSON)."""
+    from vllm import EngineArgs, SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from yue2_vllm.vllm_backend import kv_cache_bytes
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(checkpoint), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=24576, max_num_seqs=1,
+        max_num_batched_tokens=2048, enable_prefix_caching=True, enforce_eager=True,
+        kv_cache_memory_bytes=kv_cache_bytes(config, 1, 24576 + 256), disable_log_stats=True))
+    rates = []
+    for repeat in range(repeats):
+        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                min_tokens=sampling.min_tokens, max_tokens=sampling.max_tokens, seed=repeat,
+                                detokenize=False, allowed_token_ids=allowed_token_ids("semantic"),
+                                extra_args={"yue2_window_penalty": sampling.repetition_penalty,
+                                            "yue2_penalty_window": sampling.penalty_window})
+        start, first, count = time.perf_counter(), None, 0
+        engine.add_request(f"r{repeat}", {"prompt_token_ids": PREFIX}, params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                count = len(output.outputs[0].token_ids)
+                if first is None and count:
+                    first = time.perf_counter() - start
+        rates.append((count - 1) / (time.perf_counter() - start - first))
+    engine.engine_core.shutdown()
+    return rates
+
+
+def bench_decode(name: str, model_dir: Path, config: YuE2Config, workdir: Path, tokens: int, repeats: int) -> dict:
+    checkpoint = derive_ar_checkpoint(model_dir, workdir / "arcache")
+    sampling = Sampling(min_tokens=tokens, max_tokens=tokens)
+    ours = VLLMBackend(config, EngineSettings(ARCheckpoint(checkpoint, "derived", None)))
+    try:
+        ours_rates = [decode_rate(ours.generate(PREFIX, sampling, seed, "semantic").timing) for seed in range(repeats)]
+    finally:
+        ours.close()
+    bare_rates = bare_vllm_rates(checkpoint, config, sampling, repeats)
+    torch_backend = TorchARBackend(load_model(model_dir))
+    torch_rates = [decode_rate(torch_backend.generate(PREFIX, sampling, seed, "semantic").timing)
+                   for seed in range(repeats)]
+    ours_tps, bare_tps, torch_tps = (statistics.median(r) for r in (ours_rates, bare_rates, torch_rates))
+    return {"model": name, "tokens": tokens, "ours_vllm_tok_s": ours_tps, "bare_vllm_tok_s": bare_tps,
+            "torch_tok_s": torch_tps, "ours_over_bare": ours_tps / bare_tps, "vllm_over_torch": ours_tps / torch_tps}
+
+
+def write_full_size_checkpoint(directory: Path) -> Path:
+    """A 628-tensor, 7.3 GB bf16 checkpoint with the real layout; the bytes are pseudo-random filler."""
+    import struct
+
+    config = YuE2Config()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config.to_dict()))
+    header, offset = {}, 0
+    for name, shape in tensor_shapes(config).items():
+        size = 2
+        for dim in shape:
+            size *= dim
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    block = os.urandom(64 * 2**20)
+    with open(directory / "model.safetensors", "wb") as out:
+        out.write(struct.pack("<Q", len(raw)) + raw)
+        remaining = offset
+        while remaining:
+            out.write(block[:min(len(block), remaining)])
+            remaining -= min(len(block), remaining)
+    return directory
+
+
+MEASURE = """
+import json, resource, shutil, sys, time
+from pathlib import Path
+start = time.perf_counter()
+if sys.argv[1] == "derive":
+    from yue2_vllm.derive import derive_ar_checkpoint
+    out = derive_ar_checkpoint(sys.argv[2], sys.argv[3])
+    written = (out / "model.safetensors").stat().st_size
+else:
+    with open(sys.argv[2], "rb") as src, open(sys.argv[3], "wb") as dst:
+        remaining = written = int(sys.argv[4])
+        while remaining:
+            block = src.read(min(8 << 20, remaining)); dst.write(block); remaining -= len(block)
+print(json.dumps({"seconds": time.perf_counter() - start, "bytes": written,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def bench_derive(workdir: Path) -> dict:
+    source = write_full_size_checkpoint(workdir / "full")
+    derived = json.loads(subprocess.run([sys.executable, "-c", MEASURE, "derive", str(source), str(workdir / "dc")],
+                                        check=True, capture_output=True, text=True).stdout)
+    copied = json.loads(subprocess.run([sys.executable, "-c", MEASURE, "copy", str(source / "model.safetensors"),
+                                        str(workdir / "copy.bin"), str(derived["bytes"])],
+                                       check=True, capture_output=True, text=True).stdout)
+    ar_gib = derived["bytes"] / 2**30
+    return {"source_gib": (source / "model.safetensors").stat().st_size / 2**30, "ar_gib": ar_gib,
+            "derive": derived, "copy": copied, "derive_over_copy_seconds": derived["seconds"] / copied["seconds"],
+            "derive_peak_rss_over_ar_bytes": derived["peak_rss_mib"] / 1024 / ar_gib}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-derive", action="store_true")
+    parser.add_argument("--skip-wide", action="store_true", help="skip the one-layer real-width model")
+    parser.add_argument("--workdir", help="scratch directory (default: a temp dir, removed afterwards)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.workdir) as scratch:
+        workdir = Path(scratch)
+        report = {"decode": [bench_decode("tiny", write_tiny_model(workdir / "tiny"), TINY_CONFIG, workdir,
+                                          args.tokens, args.repeats)]}
+        if not args.skip_wide:
+            wide = YuE2Config(num_hidden_layers=1)
+            report["decode"].append(bench_decode("real_width_1_layer", write_tiny_model(workdir / "wide", config=wide),
+                                                 wide, workdir, args.tokens // 4, args.repeats))
+        if not args.skip_derive:
+            report["derivation_full_size"] = bench_derive(workdir)
+        report["self_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
