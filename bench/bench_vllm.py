@@ -1,8 +1,8 @@
 """vLLM backend benchmarks, side by side in one run (CPU here; the same script runs on a GPU).
 
 1. AR decode tokens/s for the same derived checkpoint: our backend (worker process, JSON
-   streaming, windowed penalty) vs bare vLLM (an in-process engine stepping the same request),
-   and vs our torch backend. Target: ours / bare >= 0.95.
+   streaming, windowed penalty) vs bare vLLM (an engine stepping the same request in its own
+   process, no protocol), and vs our torch backend. Target: ours / bare >= 0.95.
 2. Derivation of a full-size (28-layer, 7.3 GB) checkpoint: seconds and peak RSS, against
    copying the same number of bytes.
 
@@ -13,24 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-
-from yue2_vllm.derive import ARCheckpoint, derive_ar_checkpoint  # noqa: E402
-from yue2_vllm.modeling import YuE2Config, load_model, tensor_shapes  # noqa: E402
-from yue2_vllm.protocol import EOD, MUSIC_START, Sampling, allowed_token_ids  # noqa: E402
-from yue2_vllm.sampling import TorchARBackend  # noqa: E402
-from yue2_vllm.testing import TINY_CONFIG, write_tiny_model  # noqa: E402
-from yue2_vllm.vllm_backend import EngineSettings, VLLMBackend  # noqa: E402
+from yue2_vllm.derive import ARCheckpoint, derive_ar_checkpoint
+from yue2_vllm.modeling import YuE2Config, load_model, tensor_shapes
+from yue2_vllm.protocol import EOD, MUSIC_START, Sampling, allowed_token_ids
+from yue2_vllm.sampling import TorchARBackend
+from yue2_vllm.testing import TINY_CONFIG, write_tiny_model
+from yue2_vllm.vllm_backend import EngineSettings, VLLMBackend
 
 PREFIX = [EOD] + [100 + i for i in range(200)] + [MUSIC_START]
 
@@ -40,34 +34,43 @@ def decode_rate(timing: dict) -> float:
     return (timing["output_tokens"] - 1) / (timing["seconds"] - timing["ttft_seconds"])
 
 
+BARE = """
+import json, sys, time
+from vllm import EngineArgs, SamplingParams
+from vllm.v1.engine.llm_engine import LLMEngine
+checkpoint, kv_bytes, repeats, sampling, prefix, allowed = json.loads(sys.argv[1])
+engine = LLMEngine.from_engine_args(EngineArgs(
+    model=checkpoint, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=24576, max_num_seqs=1,
+    max_num_batched_tokens=2048, enable_prefix_caching=True, enforce_eager=True, kv_cache_memory_bytes=kv_bytes,
+    disable_log_stats=True))
+rates = []
+for repeat in range(repeats):
+    params = SamplingParams(temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
+                            min_tokens=sampling["min_tokens"], max_tokens=sampling["max_tokens"], seed=repeat,
+                            detokenize=False, allowed_token_ids=allowed,
+                            extra_args={"yue2_window_penalty": sampling["repetition_penalty"],
+                                        "yue2_penalty_window": sampling["penalty_window"]})
+    start, first, count = time.perf_counter(), None, 0
+    engine.add_request(f"r{repeat}", {"prompt_token_ids": prefix}, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            count = len(output.outputs[0].token_ids)
+            if first is None and count:
+                first = time.perf_counter() - start
+    rates.append((count - 1) / (time.perf_counter() - start - first))
+print("RATES" + json.dumps(rates))
+"""
+
+
 def bare_vllm_rates(checkpoint: Path, config: YuE2Config, sampling: Sampling, repeats: int) -> list[float]:
-    """The same request on an in-process vLLM engine, stepped directly (no worker, no JSON)."""
-    from vllm import EngineArgs, SamplingParams
-    from vllm.v1.engine.llm_engine import LLMEngine
+    """The same request on a vLLM engine stepped directly in its own process (no JSON protocol, no parent)."""
+    from yue2_vllm.vllm_backend import worker_env, kv_cache_bytes
 
-    from yue2_vllm.vllm_backend import kv_cache_bytes
-
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=str(checkpoint), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=24576, max_num_seqs=1,
-        max_num_batched_tokens=2048, enable_prefix_caching=True, enforce_eager=True,
-        kv_cache_memory_bytes=kv_cache_bytes(config, 1, 24576 + 256), disable_log_stats=True))
-    rates = []
-    for repeat in range(repeats):
-        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                min_tokens=sampling.min_tokens, max_tokens=sampling.max_tokens, seed=repeat,
-                                detokenize=False, allowed_token_ids=allowed_token_ids("semantic"),
-                                extra_args={"yue2_window_penalty": sampling.repetition_penalty,
-                                            "yue2_penalty_window": sampling.penalty_window})
-        start, first, count = time.perf_counter(), None, 0
-        engine.add_request(f"r{repeat}", {"prompt_token_ids": PREFIX}, params)
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                count = len(output.outputs[0].token_ids)
-                if first is None and count:
-                    first = time.perf_counter() - start
-        rates.append((count - 1) / (time.perf_counter() - start - first))
-    engine.engine_core.shutdown()
-    return rates
+    args = json.dumps([str(checkpoint), kv_cache_bytes(config, 1, 24576 + 256), repeats, sampling.to_dict(), PREFIX,
+                       allowed_token_ids("semantic")])
+    out = subprocess.run([sys.executable, "-c", BARE, args], env=worker_env(), check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out[out.index("RATES") + 5:].splitlines()[0])
 
 
 def bench_decode(name: str, model_dir: Path, config: YuE2Config, workdir: Path, tokens: int, repeats: int) -> dict:
@@ -114,7 +117,7 @@ def write_full_size_checkpoint(directory: Path) -> Path:
 
 
 MEASURE = """
-import json, resource, shutil, sys, time
+import json, sys, time
 from pathlib import Path
 start = time.perf_counter()
 if sys.argv[1] == "derive":
@@ -126,8 +129,10 @@ else:
         remaining = written = int(sys.argv[4])
         while remaining:
             block = src.read(min(8 << 20, remaining)); dst.write(block); remaining -= len(block)
+# VmHWM is this process's own peak (ru_maxrss would include what the forking parent had).
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM"))
 print(json.dumps({"seconds": time.perf_counter() - start, "bytes": written,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak_rss_mib": int(hwm.split()[1]) / 1024}))
 """
 
 
@@ -162,7 +167,6 @@ def main() -> None:
                                                  wide, workdir, args.tokens // 4, args.repeats))
         if not args.skip_derive:
             report["derivation_full_size"] = bench_derive(workdir)
-        report["self_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(report, indent=2))
 
 

@@ -156,3 +156,20 @@ def test_weight_identity_is_cached(tiny_model_dir, tiny_vae_dir, tmp_path):
 
     with pytest.raises(CheckpointError, match="changed in place"):  # ...and verify re-hashes
         model_identity(tiny_model_dir, hashes=cache, verify=True)
+
+
+def test_int8_proxies_serve_ar_and_are_restored_before_nar(tiny_model_dir, tiny_vae_dir, tmp_path):
+    import torch
+
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, quantization="int8",
+                        hash_cache=HashCache(tmp_path / "c.json"))
+    bf16 = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                        hash_cache=HashCache(tmp_path / "c.json"))
+    song = pipe(REQUEST)
+    assert song.config["quantization"] == "int8" and song.config["quantization_status"]["active_ar_linears"] == 14
+    reference = {k: v for k, v in bf16.model.state_dict().items()}
+    restored = pipe.model.state_dict()
+    assert list(restored) == list(reference) and all(torch.equal(restored[k], reference[k]) for k in reference)
+    plan = pipe.plan(REQUEST)  # the next song's AR phases run on the proxies again
+    assert pipe.model.quantization_status["mode"] == "int8" and len(plan.abc_ids) == 10
+    assert song.identity != bf16(REQUEST).identity

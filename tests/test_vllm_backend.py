@@ -5,7 +5,6 @@ import shutil
 import signal
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from yue2_vllm.derive import ARCheckpoint, DerivationError, derive_ar_checkpoint

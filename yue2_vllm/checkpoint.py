@@ -225,48 +225,24 @@ def load_tensors(infos: Iterable[TensorInfo], *, device: str | torch.device = "c
                 yield info.name, tensor.to(device)
 
 
+def tensor_blocks(info: TensorInfo, block_bytes: int = HASH_CHUNK_BYTES) -> Iterator[bytes]:
+    """A tensor's raw bytes from its file, block by block."""
+    with open(info.file, "rb") as handle:
+        handle.seek(info.data_offset + info.start)
+        remaining = info.nbytes
+        while remaining:
+            block = handle.read(min(block_bytes, remaining))
+            if not block:
+                raise CheckpointError(f"{info.file}: ended inside tensor {info.name!r}")
+            yield block
+            remaining -= len(block)
+
+
 def write_safetensors_subset(infos: Iterable[TensorInfo], path: str | os.PathLike,
-                             metadata: dict[str, str] | None = None, *, block_bytes: int = HASH_CHUNK_BYTES) -> str:
-    """Write a safetensors file holding exactly these tensors' bytes, copied block by block.
-
-    Values are byte-identical to the sources and peak memory is one block, whatever the
-    tensor sizes. Returns the sha256 of the written file.
-    """
-    infos = list(infos)
-    header, offset = {}, 0
-    if metadata:
-        header["__metadata__"] = metadata
-    for info in infos:
-        header[info.name] = {"dtype": info.dtype, "shape": list(info.shape),
-                             "data_offsets": [offset, offset + info.nbytes]}
-        offset += info.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    digest = hashlib.sha256()
-    with open(path, "wb") as out:
-        def emit(block: bytes) -> None:
-            out.write(block)
-            digest.update(block)
-
-        emit(struct.pack("<Q", len(raw)) + raw)
-        handles: dict[Path, object] = {}
-        try:
-            for info in infos:
-                handle = handles.get(info.file) or handles.setdefault(info.file, open(info.file, "rb"))
-                handle.seek(info.data_offset + info.start)
-                remaining = info.nbytes
-                while remaining:
-                    block = handle.read(min(block_bytes, remaining))
-                    if not block:
-                        raise CheckpointError(f"{info.file}: ended inside tensor {info.name!r}")
-                    emit(block)
-                    remaining -= len(block)
-        finally:
-            for handle in handles.values():
-                handle.close()
-        out.flush()
-        os.fsync(out.fileno())
-    return digest.hexdigest()
+                             metadata: dict[str, str] | None = None) -> str:
+    """Write a safetensors file holding exactly these tensors, byte-identical, copied block by block."""
+    return write_safetensors_tensors(path, [(info.name, info.dtype, info.shape, lambda info=info: tensor_blocks(info))
+                                            for info in infos], metadata)
 
 
 # --------------------------------------------------------------------------- identities
@@ -423,3 +399,55 @@ def model_identity(model_dir: str | os.PathLike, *, hashes: HashCache | None = N
                 raise CheckpointError(f"{root / name}: sha256 does not match {WEIGHTS_MANIFEST}")
     config = model_file(root, "config.json")
     return {"files": files, "config_sha256": sha256_file(config)}
+
+
+def write_safetensors_tensors(path: str | os.PathLike, entries, metadata: dict[str, str] | None = None) -> str:
+    """Write a safetensors file from `(name, dtype tag, shape, produce)` entries, one tensor at a time.
+
+    The header is built from the declared names, dtype tags and shapes before any data exists;
+    then each `produce()` is called once, in entry order, and returns that tensor's bytes: a
+    bytes-like object, a CPU tensor of the declared dtype and shape, or an iterable of byte
+    blocks. Peak memory is therefore one tensor (or one block), not the file. Every entry's
+    byte count is checked against its declaration. Returns the sha256 of the written file.
+    """
+    entries = list(entries)
+    header, offset, sizes = {}, 0, []
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise CheckpointError(f"{path}: safetensors metadata must map strings to strings")
+        header["__metadata__"] = metadata
+    for name, dtype, shape, _ in entries:
+        if name == "__metadata__" or name in header:
+            raise CheckpointError(f"{path}: tensor name {name!r} is reserved or repeated")
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        shape = [int(d) for d in shape]
+        size = math.prod(shape) * DTYPES[dtype][0]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        sizes.append(size)
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as out:
+        def emit(block) -> int:
+            out.write(block)
+            digest.update(block)
+            return memoryview(block).nbytes
+
+        emit(struct.pack("<Q", len(raw)) + raw)
+        for (name, dtype, shape, produce), size in zip(entries, sizes):
+            data = produce()
+            if isinstance(data, torch.Tensor):
+                if data.dtype != DTYPES[dtype][1] or tuple(data.shape) != tuple(shape):
+                    raise CheckpointError(f"{path}: tensor {name!r} was declared {dtype}{list(shape)} but produced "
+                                          f"{data.dtype}{list(data.shape)}")
+                data = [data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()]
+            elif isinstance(data, (bytes, bytearray, memoryview)):
+                data = [data]
+            written = sum(emit(block) for block in data)
+            if written != size:
+                raise CheckpointError(f"{path}: tensor {name!r} produced {written} bytes, its header says {size}")
+        out.flush()
+        os.fsync(out.fileno())
+    return digest.hexdigest()

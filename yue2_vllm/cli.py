@@ -122,7 +122,7 @@ class Progress:
 # --------------------------------------------------------------------------- pipeline setup
 
 
-def _pipeline(args):
+def _pipeline(args, need_vae: bool = True):
     from .pipeline import YuE2Pipeline
     from .protocol import GenerationConfig
     from .testing import TINY_GENERATION, tiny_default
@@ -131,13 +131,13 @@ def _pipeline(args):
     if args.model is None and args.vae is None:
         model_dir, vae_dir = tiny_default()
         generation = generation or TINY_GENERATION  # a 10 s song, so the default run takes seconds
-    elif args.model is None or args.vae is None:
+    elif args.model is None or (args.vae is None and need_vae):
         raise UsageError("give both --model and --vae, or neither for the embedded tiny default")
     else:
-        model_dir, vae_dir = Path(args.model), Path(args.vae)
+        model_dir, vae_dir = Path(args.model), (Path(args.vae) if args.vae else None)
     return YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=args.backend,
                         generation_config=GenerationConfig.from_dict(generation), verify_hashes=args.verify_hashes,
-                        ar_checkpoint=args.ar_checkpoint)
+                        ar_checkpoint=args.ar_checkpoint, quantization=args.quantization)
 
 
 def _summary(document: dict) -> dict:
@@ -276,6 +276,26 @@ def cmd_derive(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from .calibration import DEFAULT_REQUESTS, build_corpus, load_request_set, summary
+
+    request_set = load_request_set(args.requests or DEFAULT_REQUESTS)
+    with _pipeline(args, need_vae=False) as pipe:
+        manifest = build_corpus(pipe, request_set, args.output, window=args.window, limit=args.limit,
+                                on_request=lambda i, n, rid: print(f"Request {i}/{n}: {rid}", file=sys.stderr))
+    print(summary(manifest))
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from .evaluate import markdown_table, run_gate
+
+    report = run_gate(args.reference, args.candidate, args.corpus, args.output, floor=not args.no_floor)
+    print(markdown_table(report["rows"]), end="", file=sys.stderr)
+    print(json.dumps({"output": args.output, "rows": len(report["rows"]), "plots": report["plots"]}))
+    return 0
+
+
 def cmd_make_tiny(args) -> int:
     from .testing import write_tiny_model, write_tiny_vae
 
@@ -295,6 +315,9 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("torch", "vllm", "auto"), default="torch")
     parser.add_argument("--ar-checkpoint", help="serve the AR half from this Qwen3 checkpoint (e.g. an FP8/int8 "
                                                  "export) instead of deriving one; same as $YUE2_AR_CHECKPOINT")
+    parser.add_argument("--quantization", choices=("none", "auto", "int8", "fp8"), default="none",
+                        help="torch AR path: int8/fp8 load-time proxies (restored before the NAR); a yue2-int8-ar "
+                             "checkpoint needs auto or int8")
     parser.add_argument("--config", help="GenerationConfig JSON (per-phase sampling, ode_steps)")
     parser.add_argument("--verify-hashes", action="store_true", help="re-hash the weights instead of trusting "
                                                                       "the size+mtime cache")
@@ -336,6 +359,30 @@ def build_parser() -> argparse.ArgumentParser:
     derive.add_argument("--out", help="cache directory (default: $YUE2_CACHE, $HF_HOME or ~/.cache/huggingface, "
                                       "then yue2-ar/)")
     derive.set_defaults(func=cmd_derive)
+
+    calibrate = sub.add_parser("calibrate", help="build a calibration corpus from the model's own generations")
+    _model_flags(calibrate)
+    calibrate.set_defaults(output="calibration-corpus")
+    calibrate.add_argument("--requests", help="request set JSON (default: calibration/requests.json)")
+    calibrate.add_argument("--window", type=int, default=8192, help="window length in tokens (at most 8192)")
+    calibrate.add_argument("--limit", type=int, help="only the first N requests")
+    calibrate.set_defaults(func=cmd_calibrate)
+
+    evaluate = sub.add_parser("evaluate", help="quality gate: candidate AR vs the bf16 reference, per phase")
+    evaluate.add_argument("--reference", required=True, help="torch:MODEL_DIR (the bf16 MoT)")
+    evaluate.add_argument("--candidate", action="append", required=True,
+                          help="torch:DIR[#int8|#fp8] or vllm:AR_CHECKPOINT_DIR (repeatable)")
+    evaluate.add_argument("--corpus", required=True, help="a corpus from `yue2-vllm calibrate` (held-out split)")
+    evaluate.add_argument("--output", default="quality", help="directory for quality.md/json and the plots")
+    evaluate.add_argument("--no-floor", action="store_true", help="skip the bf16-vs-bf16 floor row")
+    evaluate.set_defaults(func=cmd_evaluate)
+
+    from . import export  # light: llm-compressor is imported only when an export runs
+
+    quantize = sub.add_parser("quantize", help="write a quantized (FP8/int8) drop-in AR checkpoint "
+                                               "(run from .venv-quant: bash calibration/setup-quant-env.sh)")
+    export.add_arguments(quantize)
+    quantize.set_defaults(func=export.cmd_quantize)
 
     tiny = sub.add_parser("make-tiny", help="write the tiny deterministic MoT + VAE checkpoints into DIR")
     tiny.add_argument("directory")

