@@ -38,7 +38,7 @@ BARE = """
 import json, sys, time
 from vllm import EngineArgs, SamplingParams
 from vllm.v1.engine.llm_engine import LLMEngine
-checkpoint, kv_bytes, repeats, sampling, prefix, allowed = json.loads(sys.argv[1])
+checkpoint, kv_bytes, repeats, sampling, prefix, allowed = json.loads(sys.stdin.read())
 engine = LLMEngine.from_engine_args(EngineArgs(
     model=checkpoint, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=24576, max_num_seqs=1,
     max_num_batched_tokens=2048, enable_prefix_caching=True, enforce_eager=True, kv_cache_memory_bytes=kv_bytes,
@@ -68,8 +68,8 @@ def bare_vllm_rates(checkpoint: Path, config: YuE2Config, sampling: Sampling, re
 
     args = json.dumps([str(checkpoint), kv_cache_bytes(config, 1, 24576 + 256), repeats, sampling.to_dict(), PREFIX,
                        allowed_token_ids("semantic")])
-    out = subprocess.run([sys.executable, "-c", BARE, args], env=worker_env(), check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run([sys.executable, "-c", BARE], input=args, env=worker_env(), check=True,
+                         capture_output=True, text=True).stdout
     return json.loads(out[out.index("RATES") + 5:].splitlines()[0])
 
 

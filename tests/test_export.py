@@ -61,7 +61,8 @@ def write_windows(directory: Path) -> Path:
     for i in range(3):
         np.save(directory / f"w{i}.npy", rng.integers(0, TINY_CONFIG.vocab_size, 40 + 8 * i).astype(np.int32))
     np.save(directory / "w3.npy", np.full(16, 10 ** 7, np.int32))
-    (directory / "manifest.json").write_text(json.dumps({"held_out": ["w3.npy"]}))
+    windows = [{"file": f"w{i}.npy", "split": "train"} for i in range(3)] + [{"file": "w3.npy", "split": "heldout"}]
+    (directory / "manifest.json").write_text(json.dumps({"windows": windows}))
     return directory
 
 
@@ -100,6 +101,7 @@ def test_refusals_come_before_llmcompressor(tiny_model_dir, tmp_path, monkeypatc
     bad = tmp_path / "bad"
     bad.mkdir()
     np.save(bad / "w.npy", np.array([1, 2, TINY_CONFIG.vocab_size], np.int32))
+    (bad / "manifest.json").write_text(json.dumps({"windows": [{"file": "w.npy", "split": "train"}]}))
     with pytest.raises(ExportError, match=r"token ids must lie in \[0, 184704\)"):
         quantize_ar(tiny_model_dir, "int8", tmp_path / "d", calibration=bad)
     assert not any((tmp_path / name).exists() for name in "abcd")
@@ -121,50 +123,27 @@ def test_cli_reports_failure_as_one_json_line(tiny_model_dir, tmp_path, capsys, 
     assert "setup-quant-env.sh" in status["reason"]
 
 
-def test_calibration_loader_excludes_held_out_windows(tmp_path):
-    def make(name, manifest, files=("a", "b", "c")):
-        root = tmp_path / name
-        root.mkdir()
-        for i, stem in enumerate(files):
-            (root / stem).parent.mkdir(parents=True, exist_ok=True)
-            np.save(root / f"{stem}.npy", np.arange(i + 1, dtype=np.int32))
-        if manifest is not None:
-            (root / "manifest.json").write_text(json.dumps(manifest))
-        return root
+def test_calibration_loader_takes_the_corpus_training_windows(tmp_path, tiny_model_dir):
+    from yue2_vllm.calibration import RequestSet, build_corpus
+    from yue2_vllm.pipeline import YuE2Pipeline
+    from yue2_vllm.protocol import SongRequest
 
-    variants = {
-        "names": {"held_out": ["b.npy"]},
-        "stems": {"splits": {"eval": ["b"], "calibration": ["a", "c"]}},
-        "records": {"windows": [{"file": "a.npy", "split": "calibration"}, {"file": "b.npy", "split": "held_out"},
-                                {"file": "c.npy", "split": "calibration"}]},
-        "restricted": {"calibration": [{"file": "a.npy"}, {"file": "c.npy"}]},
-    }
-    for name, manifest in variants.items():
-        loaded = load_calibration(make(name, manifest), vocab_size=100)
-        assert loaded.names == ["a.npy", "c.npy"] and loaded.held_out == ["b.npy"], name
-        assert [len(w) for w in loaded.windows] == [1, 3] and loaded.manifest_sha256
-    folder = load_calibration(make("folder", None, files=("a", "held_out/b", "c")))
-    assert folder.names == ["a.npy", "c.npy"] and folder.held_out == ["held_out/b.npy"]
-    assert folder.describe()["tokens"] == 4 and folder.describe()["manifest_sha256"] is None
-    # The corpus tool's layout: full sequences beside the windows; only the listed train windows count.
-    corpus = make("corpus", {
-        "requests": [{"id": "r0", "split": "train"}, {"id": "r1", "split": "heldout"}],
-        "windows": [{"file": "windows/0000.npy", "request": "r0", "split": "train"},
-                    {"file": "windows/0001.npy", "request": "r0", "split": "train"},
-                    {"file": "windows/0002.npy", "request": "r1", "split": "heldout"}]},
-        files=("sequences/r0", "sequences/r1", "windows/0000", "windows/0001", "windows/0002"))
-    loaded = load_calibration(corpus)
-    assert loaded.names == ["windows/0000.npy", "windows/0001.npy"] and loaded.held_out == ["windows/0002.npy"]
-    (corpus / "windows" / "0001.npy").unlink()
-    with pytest.raises(ExportError, match="lists windows that are missing"):
-        load_calibration(corpus)
-    root = tmp_path / "matrix"
-    root.mkdir()
-    np.save(root / "m.npy", np.arange(12, dtype=np.int64).reshape(3, 4))
-    assert load_calibration(root).names == ["m.npy#0", "m.npy#1", "m.npy#2"]
-    np.save(root / "f.npy", np.ones(3, np.float32))
-    with pytest.raises(ExportError, match="integer array of token ids"):
-        load_calibration(root)
+    pipe = YuE2Pipeline(tiny_model_dir, None, generation_config={"abc": {"max_tokens": 8, "min_tokens": 2},
+                                                                  "semantic": {"max_tokens": 20, "min_tokens": 2}})
+    requests = [SongRequest("pop", "la", id="r0", seed=1), SongRequest("rock", "yo", id="r1", seed=2)]
+    manifest = build_corpus(pipe, RequestSet(requests, frozenset({"r1"}), {}), tmp_path / "corpus", window=32)
+    loaded = load_calibration(tmp_path / "corpus", vocab_size=TINY_CONFIG.vocab_size)
+    train = [w["file"] for w in manifest["windows"] if w["split"] == "train"]
+    assert loaded.names == train and loaded.held_out == [w["file"] for w in manifest["windows"]
+                                                         if w["split"] == "heldout"]
+    assert loaded.tokens == manifest["totals"]["train_tokens"] and loaded.describe()["manifest_sha256"]
+    (tmp_path / "corpus" / train[0]).unlink()
+    with pytest.raises(ExportError, match="not a readable .npy array"):
+        load_calibration(tmp_path / "corpus")
+    (tmp_path / "plain").mkdir()
+    np.save(tmp_path / "plain" / "w.npy", np.arange(4))
+    with pytest.raises(ExportError, match="no manifest.json"):
+        load_calibration(tmp_path / "plain")
 
 
 def test_recipes_are_the_documented_schemes():

