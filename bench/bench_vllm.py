@@ -73,21 +73,31 @@ def bare_vllm_rates(checkpoint: Path, config: YuE2Config, sampling: Sampling, re
     return json.loads(out[out.index("RATES") + 5:].splitlines()[0])
 
 
-def bench_decode(name: str, model_dir: Path, config: YuE2Config, workdir: Path, tokens: int, repeats: int) -> dict:
+def bench_decode(name: str, model_dir: Path, config: YuE2Config, workdir: Path, tokens: int, repeats: int,
+                 rounds: int = 2) -> dict:
+    """Bare vLLM and our backend alternate round by round (this machine's speed drifts by tens of
+    percent over minutes); the ratio is the median of the per-round ratios."""
     checkpoint = derive_ar_checkpoint(model_dir, workdir / "arcache")
     sampling = Sampling(min_tokens=tokens, max_tokens=tokens)
-    ours = VLLMBackend(config, EngineSettings(ARCheckpoint(checkpoint, "derived", None)))
-    try:
-        ours_rates = [decode_rate(ours.generate(PREFIX, sampling, seed, "semantic").timing) for seed in range(repeats)]
-    finally:
-        ours.close()
-    bare_rates = bare_vllm_rates(checkpoint, config, sampling, repeats)
+    ours_all, bare_all, ratios = [], [], []
+    for _ in range(rounds):
+        bare = statistics.median(bare_vllm_rates(checkpoint, config, sampling, repeats))
+        ours_backend = VLLMBackend(config, EngineSettings(ARCheckpoint(checkpoint, "derived", None)))
+        try:
+            ours = statistics.median(decode_rate(ours_backend.generate(PREFIX, sampling, seed, "semantic").timing)
+                                     for seed in range(repeats))
+        finally:
+            ours_backend.close()
+        bare_all.append(bare)
+        ours_all.append(ours)
+        ratios.append(ours / bare)
     torch_backend = TorchARBackend(load_model(model_dir))
-    torch_rates = [decode_rate(torch_backend.generate(PREFIX, sampling, seed, "semantic").timing)
-                   for seed in range(repeats)]
-    ours_tps, bare_tps, torch_tps = (statistics.median(r) for r in (ours_rates, bare_rates, torch_rates))
-    return {"model": name, "tokens": tokens, "ours_vllm_tok_s": ours_tps, "bare_vllm_tok_s": bare_tps,
-            "torch_tok_s": torch_tps, "ours_over_bare": ours_tps / bare_tps, "vllm_over_torch": ours_tps / torch_tps}
+    torch_tps = statistics.median(decode_rate(torch_backend.generate(PREFIX, sampling, seed, "semantic").timing)
+                                  for seed in range(repeats))
+    ours_tps = statistics.median(ours_all)
+    return {"model": name, "tokens": tokens, "ours_vllm_tok_s": ours_all, "bare_vllm_tok_s": bare_all,
+            "ours_over_bare": statistics.median(ratios), "torch_tok_s": torch_tps,
+            "vllm_over_torch": ours_tps / torch_tps}
 
 
 def write_full_size_checkpoint(directory: Path) -> Path:
