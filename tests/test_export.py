@@ -330,12 +330,12 @@ def test_quantization_record(exports, derived, tiny_model_dir):
 @needs_quant_env
 @needs_vllm
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])
-def test_song_from_the_export_on_vllm(exports, scheme, tiny_model_dir, tiny_vae_dir):
+def test_song_from_the_export_on_vllm(exports, scheme, tiny_model_dir, tiny_vae_dir, monkeypatch):
     from yue2_vllm.pipeline import YuE2Pipeline
 
     path, _ = exports[scheme]
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", ar_checkpoint=path,
-                      generation_config=GENERATION) as pipe:
+    monkeypatch.setenv("YUE2_AR_CHECKPOINT", str(path))  # served through the documented override
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION) as pipe:
         song = pipe(SongRequest("pop", "la la", id=f"q-{scheme}"))
     for phase in ("abc", "semantic"):
         assert (song.timing[phase]["backend_actual"], song.timing[phase]["fallback_reason"]) == ("vllm", None)

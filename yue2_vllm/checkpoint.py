@@ -330,6 +330,11 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
 WEIGHTS_MANIFEST = "weights_manifest.json"
 
 
+def cache_root() -> Path:
+    """yue2-vllm's own cache (hash cache, tiny default): `$YUE2_VLLM_CACHE` or `~/.cache/yue2-vllm`."""
+    return Path(os.environ.get("YUE2_VLLM_CACHE") or Path.home() / ".cache" / "yue2-vllm")
+
+
 class HashCache:
     """sha256 of large files remembered by (resolved path, size, mtime_ns), so 7 GB are hashed once.
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import artifacts as art
-from .checkpoint import HashCache, identity, model_identity, write_json_atomic
+from .checkpoint import HashCache, cache_root, identity, model_identity, write_json_atomic
 from .modeling import load_model
 from .nar import synthesize as nar_synthesize
 from .protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, Sampling, SongRequest, abc_prompt,
@@ -96,8 +96,6 @@ def resolve_device(device: str) -> torch.device:
 
 
 def default_hash_cache() -> HashCache:
-    from .testing import cache_root
-
     return HashCache(cache_root() / "sha256-cache.json")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_directory, write_bytes_atomic, write_json_atomic
+from .checkpoint import atomic_directory, cache_root, write_bytes_atomic, write_json_atomic
 from .modeling import YuE2Config, sinusoid_table, tensor_shapes
 from .tokenizer import ORDINARY_TOKENS, TOKENIZER_FILE
 
@@ -123,10 +123,6 @@ def write_tiny_vae(directory: str | os.PathLike, *, seed: int = 0) -> Path:
 
     save_vae(random_vae(tiny_vae_config(), seed), directory)
     return Path(directory)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("YUE2_VLLM_CACHE") or Path.home() / ".cache" / "yue2-vllm")
 
 
 def tiny_default(root: str | os.PathLike | None = None) -> tuple[Path, Path]:
