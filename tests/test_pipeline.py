@@ -173,3 +173,16 @@ def test_int8_proxies_serve_ar_and_are_restored_before_nar(tiny_model_dir, tiny_
     plan = pipe.plan(REQUEST)  # the next song's AR phases run on the proxies again
     assert pipe.model.quantization_status["mode"] == "int8" and len(plan.abc_ids) == 10
     assert song.identity != bf16(REQUEST).identity
+
+
+def test_song_from_an_int8_ar_checkpoint(tiny_model_dir, tiny_vae_dir, tmp_path):
+    from yue2_vllm.torch_quant import export_int8_ar
+
+    export_int8_ar(tiny_model_dir, tmp_path / "int8ar")
+    pipe = YuE2Pipeline(tmp_path / "int8ar", tiny_vae_dir, generation_config=GENERATION, quantization="auto",
+                        hash_cache=HashCache(tmp_path / "c.json"))
+    song = pipe(REQUEST)
+    assert song.config["quantization_status"]["source"] == "checkpoint"
+    assert song.audio.shape == (1920 * 30 - 64, 2) and np.isfinite(song.audio).all()
+    with pytest.raises(ValueError, match="yue2-int8-ar"):
+        YuE2Pipeline(tmp_path / "int8ar", tiny_vae_dir, quantization="none", hash_cache=HashCache(tmp_path / "c.json"))

@@ -284,7 +284,8 @@ class YuE2Pipeline:
         if not semantic.tokens:
             raise ValueError("the semantic phase produced no tokens; there is nothing to synthesize")
         self._release_engine_for_nar()
-        restore_ar(self.model)
+        if self.proxy_mode:
+            restore_ar(self.model)
         progress = (lambda done, total: on_progress("nar", done, total)) if on_progress else None
         latents = nar_synthesize(self.model, semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
                                  steps=self.generation_config.ode_steps, context=self.generation_config.context,
