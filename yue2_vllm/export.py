@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import atomic_directory, identity, read_json, sha256_file, weight_index, write_json_atomic
+from .checkpoint import (CheckpointError, Expected, atomic_directory, check_tensors, identity, read_json, sha256_file,
+                         weight_index, write_json_atomic)
 from .derive import DERIVATION_FILE, MATCHED_FIELDS, derive_ar_checkpoint, qwen_config, validate_ar_checkpoint
 from .modeling import YuE2Config, ar_tensor_shapes
 from .quantization import runnable_reason
@@ -74,16 +75,6 @@ def expected_layout(mot: YuE2Config, weight_dtype: str) -> dict[str, tuple[str, 
         else:
             layout[name] = ("BF16", shape)
     return layout
-
-
-def layout_problems(path: Path, mot: YuE2Config, weight_dtype: str) -> list[str]:
-    found = {name: (info.dtype, info.shape) for name, info in weight_index(path).items()}
-    want = expected_layout(mot, weight_dtype)
-    problems = [f"missing {name}" for name in sorted(set(want) - set(found))[:10]]
-    problems += [f"unexpected {name}" for name in sorted(set(found) - set(want))[:10]]
-    problems += [f"{name}: {found[name][0]}{list(found[name][1])}, expected {dtype}{list(shape)}"
-                 for name, (dtype, shape) in want.items() if name in found and found[name] != (dtype, shape)][:10]
-    return problems
 
 
 # --------------------------------------------------------------------------- recipes
@@ -317,9 +308,12 @@ def quantize_ar(model_dir: str | os.PathLike, scheme: str | os.PathLike, out_dir
             raise ExportError(f"scheme {recipe.scheme!r} produced {quant.name if quant else 'no quantization'}, "
                               f"expected {recipe.expected_name}")
         if recipe.expected_name:
-            problems = layout_problems(tmp, mot, WEIGHT_DTYPES[recipe.expected_name])
-            if problems:
-                raise ExportError(f"the {recipe.scheme} export does not have the drop-in layout: {'; '.join(problems)}")
+            layout = {name: Expected(shape, frozenset({dtype}))
+                      for name, (dtype, shape) in expected_layout(mot, WEIGHT_DTYPES[recipe.expected_name]).items()}
+            try:
+                check_tensors(weight_index(tmp), layout, f"the {recipe.scheme} export")
+            except CheckpointError as exc:
+                raise ExportError(f"{exc} (not the drop-in layout)") from None
         tensors = weight_index(tmp)
         record = {
             "schema": SCHEMA,

@@ -151,6 +151,7 @@ class VLLMBackend:
         self.engine_info: dict = {}
         self._lock = threading.Lock()
         self._buffer = b""
+        self._selector: selectors.BaseSelector | None = None
         self._log_dir: Path | None = None
         self._finalizer = None
 
@@ -193,6 +194,8 @@ class VLLMBackend:
                                         start_new_session=True, bufsize=0)
         log.close()
         self._buffer = b""
+        self._selector = selectors.DefaultSelector()  # one per worker: _next_event runs once per token
+        self._selector.register(self.process.stdout, selectors.EVENT_READ)
         self._finalizer = weakref.finalize(self, _kill_group, self.process)
         self._send(setup)
         event = self._next_event(timeout=self.settings.start_timeout_s)
@@ -207,6 +210,9 @@ class VLLMBackend:
         process, self.process = self.process, None
         if process is None:
             return
+        if self._selector is not None:
+            self._selector.close()
+            self._selector = None
         try:
             if process.poll() is None and process.stdin:
                 process.stdin.write(b'{"command": "shutdown"}\n')
@@ -240,33 +246,29 @@ class VLLMBackend:
     def _next_event(self, timeout: float | None = None, cancelled: Cancelled | None = None,
                     on_cancel=None) -> dict:
         deadline = None if timeout is None else time.monotonic() + timeout
-        selector = selectors.DefaultSelector()
-        selector.register(self.process.stdout, selectors.EVENT_READ)
-        try:
-            while True:
-                newline = self._buffer.find(b"\n")
-                if newline >= 0:
-                    line, self._buffer = self._buffer[:newline], self._buffer[newline + 1:]
-                    text = line.decode("utf-8", errors="replace")
-                    if text.startswith(EVENT_PREFIX):
-                        return json.loads(text[len(EVENT_PREFIX):])
-                    continue
-                if cancelled is not None and on_cancel is not None and cancelled():
-                    on_cancel()
-                    on_cancel = None  # ask once; then wait for the worker's "aborted"
-                if deadline is not None and time.monotonic() > deadline:
-                    tail = self.log_tail()
-                    self.close()
-                    raise EngineError(f"the vLLM engine did not answer within {timeout:.0f} s; log tail:\n{tail}")
-                if selector.select(timeout=0.1):
-                    chunk = os.read(self.process.stdout.fileno(), 65536)
-                    if not chunk:
-                        self._died()
-                    self._buffer += chunk
-                elif self.process.poll() is not None:
+        selector = self._selector
+        while True:
+            newline = self._buffer.find(b"\n")
+            if newline >= 0:
+                line, self._buffer = self._buffer[:newline], self._buffer[newline + 1:]
+                text = line.decode("utf-8", errors="replace")
+                if text.startswith(EVENT_PREFIX):
+                    return json.loads(text[len(EVENT_PREFIX):])
+                continue
+            if cancelled is not None and on_cancel is not None and cancelled():
+                on_cancel()
+                on_cancel = None  # ask once; then wait for the worker's "aborted"
+            if deadline is not None and time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.close()
+                raise EngineError(f"the vLLM engine did not answer within {timeout:.0f} s; log tail:\n{tail}")
+            if selector.select(timeout=0.1):
+                chunk = os.read(self.process.stdout.fileno(), 65536)
+                if not chunk:
                     self._died()
-        finally:
-            selector.close()
+                self._buffer += chunk
+            elif self.process.poll() is not None:
+                self._died()
 
     # -- AR interface
 
