@@ -71,18 +71,41 @@ def test_invalid_request_fields_are_named(tiny_model_dir, tiny_vae_dir, config_f
     assert "tempo" in json.loads(capsys.readouterr().out)["reason"]
 
 
-def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+@pytest.mark.parametrize("concurrency", [[], ["--concurrency", "3"]])
+def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys, concurrency):
     rows = [{"id": "a", "style": "pop", "lyrics": "x"}, {"id": "b", "style": "pop", "lyrics": "x", "cot": "half"},
             {"id": "a", "style": "pop", "lyrics": "y"}, {"id": "c", "style": "rock", "lyrics": "z", "cot": "off"}]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     code = main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
-                 str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")])
+                 str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"), *concurrency])
     assert code == 1
     summary = json.loads((tmp_path / "out" / "batch.json").read_text())
     assert (summary["complete"], summary["failed"], summary["expected"]) == (2, 2, 4)
     assert [r["status"] for r in summary["results"]] == ["complete", "failed", "failed", "complete"]
     assert "cot" in summary["results"][1]["reason"] and "duplicate id" in summary["results"][2]["reason"]
     assert (tmp_path / "out" / "c" / "audio.flac").exists()
+    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert final["status"] == "batch" and final["complete"] == 2 and final["concurrency"] == (3 if concurrency else 1)
+    assert final["songs_per_s"] > 0 and final["ar_tokens_per_s"] > 0
+
+
+@pytest.mark.skipif(__import__("yue2_vllm.vllm_backend", fromlist=["x"]).vllm_version() is None,
+                    reason="vllm is not installed")
+def test_batch_concurrency_on_vllm(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    from yue2_vllm.artifacts import verify_result
+
+    rows = [{"id": f"s{i}", "style": "pop", "lyrics": f"la {i}", "seed": i} for i in range(4)]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    code = main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--backend", "vllm",
+                 "--concurrency", "4", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")])
+    assert code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert {line["id"] for line in lines[:-1]} == {f"s{i}" for i in range(4)}
+    assert lines[-1]["concurrency"] == 4 and lines[-1]["complete"] == 4
+    for i in range(4):
+        verify_result(tmp_path / "out" / f"s{i}")
+        timing = json.loads((tmp_path / "out" / f"s{i}" / "result.json").read_text())["timing"]
+        assert timing["semantic"]["backend_actual"] == "vllm" and timing["semantic"]["max_num_seqs"] == 4
 
 
 def test_doctor(capsys):

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from yue2_vllm.nar import raw_timestep, solve, song_chunks, song_noise, synthesize
-from yue2_vllm.protocol import CODEC_OFFSET, EOD, MUSIC_END, MUSIC_START
+from yue2_vllm.nar import (SongInput, offloaded_ar, raw_timestep, solve, song_chunks, song_noise, synthesize,
+                           synthesize_many)
+from yue2_vllm.protocol import CODEC_OFFSET, CODEC_SIZE, EOD, MUSIC_END, MUSIC_START
 
 PREFIX = [EOD, 40, 1771, 285, 151847, 300, 151848, MUSIC_START]
 
@@ -78,3 +79,39 @@ def test_synthesize_chunks_serially_and_repeatably(tiny_model):
 def test_synthesize_cancellation(tiny_model):
     with pytest.raises(InterruptedError):
         synthesize(tiny_model, PREFIX, [1, 2, 3], seed=0, steps=4, cancelled=lambda: True)
+
+
+def test_batched_songs_equal_their_single_synthesis(tiny_model):
+    """Songs of different lengths and prefixes (one of them in three chunks) in one lockstep batch."""
+    songs = [SongInput(PREFIX + [300 + i] * i, list(range(i * 7, i * 7 + 20 + 3 * i)), seed=i) for i in range(3)]
+    songs.append(SongInput(PREFIX, list(range(0, 3000, 100)), seed=9))
+    progress = []
+    songs[1].on_progress = lambda done, total: progress.append((done, total))
+    batched = synthesize_many(tiny_model, songs, steps=3, context=40)
+    for song, latents in zip(songs, batched):
+        single = synthesize(tiny_model, song.prefix, song.codec, song.seed, steps=3, context=40)
+        assert latents.shape == single.shape and torch.allclose(latents, single, rtol=2 ** -7, atol=2 ** -7)
+    assert progress == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_batch_failures_and_cancellation_stay_with_their_song(tiny_model):
+    calls = []
+    songs = [SongInput(PREFIX, [1, 2, 3], seed=0),
+             SongInput(PREFIX, [1, 2, 3], seed=1, cancelled=lambda: len(calls) >= 2,
+                       on_progress=lambda d, n: calls.append(d)),
+             SongInput(PREFIX, [CODEC_SIZE + 5], seed=2),  # not a codec index
+             SongInput(PREFIX, [4, 5], seed=3)]
+    results = synthesize_many(tiny_model, songs, steps=4)
+    assert isinstance(results[1], InterruptedError) and isinstance(results[2], ValueError)
+    assert torch.allclose(results[0], synthesize(tiny_model, PREFIX, [1, 2, 3], seed=0, steps=4), atol=2 ** -7)
+    assert results[3].shape == (2, 64)
+
+
+def test_offloaded_ar_is_a_no_op_on_the_cpu_and_restores_after_errors(tiny_model):
+    before = {name: p.device for name, p in tiny_model.named_parameters()}
+    with pytest.raises(RuntimeError):
+        with offloaded_ar(tiny_model):
+            raise RuntimeError("boom")
+    assert {name: p.device for name, p in tiny_model.named_parameters()} == before
+    assert torch.equal(synthesize(tiny_model, PREFIX, [1, 2], seed=0, steps=2, offload_ar=True),
+                       synthesize(tiny_model, PREFIX, [1, 2], seed=0, steps=2))

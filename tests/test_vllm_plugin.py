@@ -3,47 +3,39 @@ import random
 import pytest
 import torch
 
+from yue2_vllm import engine_sampling as es
 from yue2_vllm import vllm_plugin
-from yue2_vllm.protocol import CODEC_OFFSET, CODEC_SIZE, EOD, MUSIC_START
+from yue2_vllm.protocol import CODEC_OFFSET, EOD, MUSIC_END, MUSIC_START, Sampling
 from yue2_vllm.vllm_backend import vllm_version
-from yue2_vllm.vllm_plugin import apply_window_penalty, penalty_params, recent_windows, reference_penalty
+from yue2_vllm.vllm_plugin import RowState, parse_row, row_args
 
 
-def test_hand_vectors():
-    logits = torch.tensor([[0.0, 9.0, 12.0, -2.0], [0.0, 9.0, 12.0, -2.0]])
-    states = {0: ([2, 2, 3], 2.0, 3), 1: ([1], 3.0, 2)}
-    rows, windows, penalties = recent_windows(states)
-    assert windows == [[2, 2, 3], [1, -1, -1]]
-    apply_window_penalty(logits, torch.tensor(rows), torch.tensor(windows), torch.tensor(penalties))
-    assert logits.tolist() == [[0.0, 9.0, 3.0, -4.0], [0.0, 3.0, 12.0, -2.0]]
+def test_row_args_round_trip():
+    sampling = Sampling(temperature=0.7, top_k=30, min_tokens=3, max_tokens=9)
+    settings, history = parse_row(row_args("semantic", sampling, 42, legacy=True, history=[5, 6]))
+    assert settings == es.RowSampling(1, 0.7, 0.95, 30, 1.2, 50, 3, 42, True) and history == [5, 6]
+    assert parse_row(None) is None and parse_row({"other": 1}) is None
 
 
-def test_matches_torch_backend_penalty_exactly():
-    rng = random.Random(0)
-    logits = torch.randn(7, 184704, generator=torch.Generator().manual_seed(0)) * 3
-    logits[:, :100] = float("-inf")  # masked ids stay masked
-    histories = [[rng.randrange(200) for _ in range(rng.randrange(0, 130))] for _ in range(7)]
-    settings = [(1.2, 50), (2.0, 3), None, (1.005, 100), (0.7, 10), (3.0, 1), (1.2, 100)]
-    states = {i: (histories[i], *s) for i, s in enumerate(settings) if s}
-    rows, windows, penalties = recent_windows(states)
-    out = logits.clone()
-    apply_window_penalty(out, torch.tensor(rows), torch.tensor(windows), torch.tensor(penalties))
-    assert torch.equal(out, reference_penalty(logits, histories, settings))
-
-
-@pytest.mark.parametrize("extra,message", [({"yue2_window_penalty": 0}, "> 0"),
-                                           ({"yue2_window_penalty": float("nan")}, "finite"),
-                                           ({"yue2_window_penalty": 1.2, "yue2_penalty_window": 101}, "1, 100"),
-                                           ({"yue2_window_penalty": 1.2, "yue2_penalty_window": 2.5}, "integer")])
-def test_params_validated(extra, message):
+@pytest.mark.parametrize("args,message", [
+    ({"yue2": 5}, "must be an object"),
+    ({"yue2": {"phase": "music", "seed": 1}}, "phase must be one of"),
+    ({"yue2": {"phase": "abc", "seed": -1}}, "seed must be an integer"),
+    ({"yue2": {"phase": "abc", "seed": True}}, "seed must be an integer"),
+    ({"yue2": {"phase": "abc", "seed": 1, "sampling": {"top_p": 0}}}, "top_p"),
+    ({"yue2": {"phase": "abc", "seed": 1, "history": [1.5]}}, "history"),
+    ({"yue2": {"phase": "abc", "seed": 1, "legacy": "yes"}}, "legacy"),
+])
+def test_bad_row_args_are_named(args, message):
     with pytest.raises(ValueError, match=message):
-        penalty_params(extra)
+        parse_row(args)
 
 
-def test_params_off_and_defaults():
-    assert penalty_params(None) is None and penalty_params({"other": 1}) is None
-    assert penalty_params({"yue2_window_penalty": 1.0}) is None
-    assert penalty_params({"yue2_window_penalty": 1.2}) == (1.2, 50)
+def test_recent_history_spans_accepted_and_generated_tokens():
+    settings = es.RowSampling(1, 1.0, 1.0, 10, 1.2, 4, 0, 0)
+    row = RowState(settings, [7, 8], history=[1, 2, 3, 4, 5])
+    assert row.step == 7 and row.recent() == [4, 5, 7, 8]
+    assert RowState(settings, [1, 2, 3, 4, 5, 6]).recent() == [3, 4, 5, 6]
 
 
 def test_import_does_not_load_vllm():
@@ -55,10 +47,10 @@ def test_import_does_not_load_vllm():
 
 
 @pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
-def test_penalty_inside_real_engine_with_mixed_batch(tiny_model_dir, tmp_path_factory, monkeypatch):
-    """24 mixed requests (some without the penalty, varied windows and lengths, so vLLM adds, removes and
-    moves rows): at every step, every row equals the torch backend's penalty on the same logits, and every
-    row's history is the start of the right request's output."""
+def test_sampler_inside_real_engine_with_mixed_batch(tiny_model_dir, tmp_path_factory, monkeypatch):
+    """24 requests (a third of them plain vLLM requests, the rest YuE2 rows with varied settings and
+    lengths, so vLLM adds, removes and moves rows): every YuE2 token is what the sampler draws for
+    that row alone from the same logits, and the plain rows are left to vLLM."""
     from yue2_vllm.derive import derive_ar_checkpoint
 
     derived = derive_ar_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("arcache"))
@@ -68,12 +60,12 @@ def test_penalty_inside_real_engine_with_mixed_batch(tiny_model_dir, tmp_path_fa
     from vllm import LLM, SamplingParams
 
     assert vllm_plugin.entry_point_installed()
-    processor = vllm_plugin.WindowedPenalty
+    processor = vllm_plugin.YuE2Sampler
     records, original = [], processor.apply
 
     def recording(self, logits):
         before = logits.clone()
-        snapshot = {row: (list(out), p, w) for row, (out, p, w) in self.states.items()}
+        snapshot = {row: (state.settings, list(state.recent()), state.step) for row, state in self.rows.items()}
         after = original(self, logits)
         records.append((before, after.clone(), snapshot))
         return after
@@ -87,35 +79,42 @@ def test_penalty_inside_real_engine_with_mixed_batch(tiny_model_dir, tmp_path_fa
 
     monkeypatch.setattr(processor, "apply", recording)
     monkeypatch.setattr(processor, "update_state", counting)
-    llm = LLM(model=str(derived), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, enforce_eager=True,
+    llm = LLM(model=str(derived), skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
               kv_cache_memory_bytes=64 * 2**20, max_num_seqs=8, seed=0)
     rng = random.Random(1)
-    allowed = list(range(CODEC_OFFSET, CODEC_OFFSET + CODEC_SIZE))
-    settings, params = [], []
+    params, seeds = [], []
     for i in range(24):
-        setting = None if i % 3 == 2 else (1.5 + 0.25 * i, 1 + (7 * i) % 100)
-        settings.append(setting)
-        extra = {"yue2_window_penalty": setting[0], "yue2_penalty_window": setting[1]} if setting else None
-        params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=rng.randrange(3, 40), detokenize=False,
-                                     allowed_token_ids=allowed, extra_args=extra))
+        max_tokens = rng.randrange(3, 40)
+        if i % 3 == 2:
+            params.append(SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True))
+            seeds.append(None)
+            continue
+        sampling = Sampling(temperature=[0.0, 1.0, 0.7][i % 3], top_k=[1, 30, 100][i % 3], top_p=0.9,
+                            repetition_penalty=1.5 + 0.25 * i, penalty_window=1 + (7 * i) % 100, min_tokens=2,
+                            max_tokens=max_tokens)
+        params.append(SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=[MUSIC_END],
+                                     ignore_eos=True, detokenize=False, extra_args=row_args("semantic", sampling, i)))
+        seeds.append(i)
     prompts = [{"prompt_token_ids": [EOD, 100 + i, 200, MUSIC_START]} for i in range(24)]
     try:
         outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    by_setting = {s: i for i, s in enumerate(settings) if s}
     steps_seen = [0] * 24
     for before, after, snapshot in records:
         for row in range(before.shape[0]):
-            if row in snapshot:
-                history, penalty, window = snapshot[row]
-                request = by_setting[(penalty, window)]
-                assert outputs[request][:len(history)] == history
-                steps_seen[request] += bool(history)
-                expected = reference_penalty(before[row:row + 1], [history], [(penalty, window)])
-            else:
-                expected = before[row:row + 1]
-            assert torch.equal(after[row:row + 1], expected)
-    for request, setting in enumerate(settings):
-        assert steps_seen[request] == (len(outputs[request]) - 1 if setting else 0)
-    assert sum(steps_seen) > 200 and moves  # the batch really was compacted
+            if row not in snapshot:
+                assert torch.equal(after[row], before[row])  # a plain request: untouched
+                continue
+            settings, recent, step = snapshot[row]
+            request = seeds.index(settings.seed)
+            scores = es.masked_scores(before[row:row + 1, es.phase_slice(1)], 1, es.RowBatch.build([settings]),
+                                      torch.tensor([step]), torch.tensor(es.local_windows([recent], 1)).reshape(1, -1))
+            token = int(es.choose(scores, 1, es.RowBatch.build([settings]), torch.tensor([step]))[0])
+            assert outputs[request][step] == token and after[row].argmax() == token
+            steps_seen[request] += 1
+    for request, seed in enumerate(seeds):
+        if seed is not None:
+            assert steps_seen[request] == len(outputs[request])
+            assert all(CODEC_OFFSET <= t or t == MUSIC_END for t in outputs[request])
+    assert moves  # the batch really was compacted

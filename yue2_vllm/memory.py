@@ -1,0 +1,156 @@
+"""The memory budget: how one device is split between the vLLM engine and the torch side.
+
+The engine holds the AR checkpoint and the KV cache for its rows; the torch side holds the
+whole bf16 MoT (the NAR's prefix prefill runs the AR expert), the fp32 VAE, and one NAR chunk's
+buffers per song the synthesis lane runs at once. `plan_memory` sizes the engine's rows and KV
+cache from what is left of the budget, and `MemoryPlan.check` refuses, naming every part, a
+split that cannot fit. On CUDA the engine's share becomes its `gpu_memory_utilization` and
+`kv_cache_memory_bytes`; on the CPU both sides live in host memory under the same budget.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from .modeling import YuE2Config, ar_tensor_shapes
+from .protocol import CONTEXT
+
+GIB = 2**30
+TORCH_RESERVE_BYTES = 2 * GIB  # allocator slack and temporaries on the torch side
+ENGINE_OVERHEAD_BYTES = {"cpu": GIB // 2, "cuda": 2 * GIB}  # activations, sampler, CUDA graphs, context
+KV_BLOCK_TOKENS = {"cpu": 128, "cuda": 16}  # vLLM's KV block size per platform
+KV_MARGIN_BLOCKS = 2  # vLLM keeps a block back; allot two beyond what the rows need
+ROW_CAP = {"cpu": 16, "cuda": 64}  # default rows: more do not pay on 2–16 CPU cores
+PROMPT_ESTIMATE_TOKENS = 2048  # a song's prompt (text + ABC) for default sizing; admission uses the real one
+
+
+def kv_bytes_per_token(config: YuE2Config, dtype_bytes: int = 2) -> int:
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+
+
+def kv_cache_bytes(config: YuE2Config, max_sequences: int = 1, context: int = CONTEXT, block_size: int = 16,
+                   dtype_bytes: int = 2) -> int:
+    """KV cache of `max_sequences` sequences of `context` tokens: 2.625 GiB for one full bf16 YuE2 context."""
+    return math.ceil(context / block_size) * block_size * max_sequences * kv_bytes_per_token(config, dtype_bytes)
+
+
+def total_memory_bytes(device_type: str) -> int:
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def ar_expert_bytes(config: YuE2Config) -> int:
+    """bf16 bytes of the MoT's AR expert (embeddings, lm_head, the AR half of every layer)."""
+    return 2 * sum(math.prod(shape) for shape in ar_tensor_shapes(config).values())
+
+
+def nar_chunk_bytes(config: YuE2Config, tokens: int = CONTEXT, offload_ar: bool = False) -> int:
+    """Peak extra bytes of one NAR chunk: the prefix K/V kept for the ODE steps plus activations.
+
+    With `offload_ar` the AR expert leaves the device after the prefix prefill, so the ODE steps'
+    activations use its room (the prefill itself still runs beside the whole model).
+    """
+    activations = tokens * (3 * config.intermediate_size + 4 * config.hidden_size) * 2
+    prefill = tokens * 4 * config.hidden_size * 2
+    if offload_ar:
+        activations = max(prefill, activations - ar_expert_bytes(config))
+    return kv_bytes_per_token(config) * tokens + activations
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The split of one device's budget (bytes)."""
+
+    device: str
+    total: int
+    budget: int
+    engine_weights: int
+    kv_cache: int
+    engine_overhead: int
+    torch_model: int
+    vae: int
+    nar_chunks: int
+    torch_reserve: int
+    max_num_seqs: int
+    kv_block_tokens: int
+    kv_dtype_bytes: int = 2
+
+    @property
+    def engine(self) -> int:
+        return self.engine_weights + self.kv_cache + self.engine_overhead
+
+    @property
+    def torch_side(self) -> int:
+        return self.torch_model + self.vae + self.nar_chunks + self.torch_reserve
+
+    @property
+    def gpu_memory_utilization(self) -> float | None:
+        """The engine's share of the device, for vLLM (None off CUDA)."""
+        return min(0.95, self.engine / self.total) if self.device == "cuda" else None
+
+    def problems(self) -> list[str]:
+        limit = min(self.budget, self.total)
+        need = self.engine + self.torch_side
+        if need <= limit:
+            return []
+        return [f"the engine ({_gib(self.engine_weights)} AR weights + {_gib(self.kv_cache)} KV cache for "
+                f"{self.max_num_seqs} rows + {_gib(self.engine_overhead)} overhead) and the torch side "
+                f"({_gib(self.torch_model)} MoT + {_gib(self.vae)} VAE + {_gib(self.nar_chunks)} NAR buffers + "
+                f"{_gib(self.torch_reserve)} reserve) need {_gib(need)}, but the budget allows {_gib(limit)} "
+                f"(budget {_gib(self.budget)}, {self.device} total {_gib(self.total)}); lower --concurrency or the "
+                "KV cache, use --offload-ar or a quantized AR checkpoint, or raise --budget"]
+
+    def check(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise MemoryError(problems[0])
+
+    def describe(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items()}, "engine_bytes": self.engine, "torch_bytes": self.torch_side,
+                "gpu_memory_utilization": self.gpu_memory_utilization,
+                "summary": f"engine {_gib(self.engine)} (weights {_gib(self.engine_weights)}, KV {_gib(self.kv_cache)} "
+                           f"for {self.max_num_seqs} rows) + torch {_gib(self.torch_side)} of {_gib(min(self.budget, self.total))}"}
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def row_kv_bytes(config: YuE2Config, tokens: int, block_tokens: int, dtype_bytes: int = 2) -> int:
+    """KV one engine row reserves for a request of `tokens` (prompt + max_tokens), in whole blocks."""
+    return kv_cache_bytes(config, 1, tokens, block_tokens, dtype_bytes)
+
+
+def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_weights: int, torch_model: int,
+                vae: int = 0, max_num_seqs: int | None = None, kv_cache: int | None = None,
+                typical_tokens: int = PROMPT_ESTIMATE_TOKENS + 9000, max_model_len: int = CONTEXT,
+                synthesis_batch: int = 1, offload_ar: bool = False, total: int | None = None,
+                kv_dtype_bytes: int = 2) -> MemoryPlan:
+    """Size the engine's rows and KV cache from the budget left after the torch side and the AR weights.
+
+    Defaults: as many rows as fit a typical song (`typical_tokens` of KV each), capped per device;
+    KV for that many typical songs, and never less than one `max_model_len` sequence, so that any
+    single request can be admitted. Explicit `max_num_seqs` / `kv_cache` are taken as given.
+    """
+    device = "cuda" if device.startswith("cuda") else "cpu"
+    total = total if total is not None else total_memory_bytes(device)
+    budget = int(budget_gib * GIB)
+    block = KV_BLOCK_TOKENS[device]
+    chunk = nar_chunk_bytes(config, CONTEXT, offload_ar) * max(1, synthesis_batch)
+    base = dict(device=device, total=total, budget=budget, engine_weights=engine_weights,
+                engine_overhead=ENGINE_OVERHEAD_BYTES[device], torch_model=torch_model, vae=vae, nar_chunks=chunk,
+                torch_reserve=TORCH_RESERVE_BYTES, kv_block_tokens=block, kv_dtype_bytes=kv_dtype_bytes)
+    free = min(budget, total) - (engine_weights + ENGINE_OVERHEAD_BYTES[device] + torch_model + vae + chunk
+                                 + TORCH_RESERVE_BYTES)
+    margin = KV_MARGIN_BLOCKS * block * kv_bytes_per_token(config, kv_dtype_bytes)
+    one_full = row_kv_bytes(config, max_model_len, block, kv_dtype_bytes)
+    typical = row_kv_bytes(config, min(typical_tokens, max_model_len), block, kv_dtype_bytes)
+    if max_num_seqs is None:
+        max_num_seqs = max(1, min(ROW_CAP[device], free // typical if free > 0 else 1))
+    if kv_cache is None:
+        kv_cache = max(one_full, min(max(free, 0), max_num_seqs * typical)) + margin
+    return MemoryPlan(kv_cache=int(kv_cache), max_num_seqs=int(max_num_seqs), **base)

@@ -1,0 +1,426 @@
+"""The song scheduler: many songs through one pipeline, the AR engine kept busy, synthesis beside it.
+
+Each admitted song runs `YuE2Pipeline.generate_to` in its own thread (at most `concurrency` at
+once; the rest wait in the queue), so its artifacts, resume, identity and failure records are
+exactly a single song's. Its AR phases go to the shared engine as soon as they are ready (the
+vLLM backend multiplexes them; songs that need the torch AR backend take the pipeline's torch
+lane one at a time). Its synthesis and decoding go to one `SynthesisLane` thread, which runs the
+NAR of several songs that are ready together as one batched flow matching, while the engine
+keeps decoding other songs. A failure or a cancellation belongs to its song alone.
+
+    with SongScheduler(pipe, concurrency=8) as scheduler:
+        handles = [scheduler.submit(request, runs / request.id) for request in requests]
+        for handle in scheduler.as_completed(handles):
+            print(handle.id, handle.state, handle.document or handle.error)
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from .pipeline import SemanticResult, YuE2Pipeline
+from .protocol import SongRequest
+
+STATES = ("queued", "planning", "generating", "synthesizing", "decoding", "complete", "failed", "cancelled")
+FINAL_STATES = ("complete", "failed", "cancelled")
+STAGE_STATES = {"plan": "planning", "semantic": "generating", "synthesis": "synthesizing", "audio": "decoding"}
+COALESCE_SECONDS = 0.25  # how long the lane waits for songs about to finish their AR before a batched NAR
+
+
+@dataclass
+class SongEvent:
+    """What happened to a song: `state`, `tokens` (per phase), `stage_done`, `score`, `nar`, `vae`, or a final
+    state (`complete`, `failed`, `cancelled`)."""
+
+    song: "SongHandle"
+    kind: str
+    data: dict = field(default_factory=dict)
+
+
+Listener = Callable[[SongEvent], None]
+
+
+class SongHandle:
+    """One submitted song: its live state and progress, its result, and a way to cancel it."""
+
+    def __init__(self, request: SongRequest, directory: Path, overrides: dict, resume: bool, stage: str,
+                 listener: Listener | None):
+        self.request, self.directory, self.overrides = request, Path(directory), dict(overrides or {})
+        self.resume, self.stage = resume, stage
+        self.state = "queued"
+        self.tokens = {"abc": 0, "semantic": 0}
+        self.progress: dict[str, tuple[int, int]] = {}
+        self.document: dict | None = None
+        self.error: BaseException | None = None
+        self.submitted = time.time()
+        self.finished: float | None = None
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self._listener = listener
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    def cancel(self) -> None:
+        """Stop the song at its next token, ODE step or VAE tile (a queued song never starts)."""
+        self._cancel.set()
+
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _emit(self, kind: str, **data) -> None:
+        if self._listener is not None:
+            try:
+                self._listener(SongEvent(self, kind, data))
+            except Exception:  # a listener's bug must not fail the song
+                traceback.print_exc()
+
+    def _set_state(self, state: str, **data) -> None:
+        self.state = state
+        self._emit("state", state=state, **data)
+
+    # -- pipeline callbacks
+
+    def on_token(self, phase: str, token: int) -> None:
+        self.tokens[phase] += 1
+        self._emit("tokens", phase=phase, count=self.tokens[phase])
+
+    def on_progress(self, stage: str, done: int, total: int) -> None:
+        self.progress[stage] = (done, total)
+        self._emit(stage, done=done, total=total)
+
+    def on_stage(self, stage: str, event: str, meta: dict | None) -> None:
+        if event == "start":
+            self._set_state(STAGE_STATES[stage])
+            return
+        self._emit("stage_done", stage=stage, reused=event == "reused", meta=meta)
+        if stage == "plan":
+            self._emit("score", abc=(meta or {}).get("abc"), reused=event == "reused")
+
+    def _finish(self, state: str, document: dict | None = None, error: BaseException | None = None) -> None:
+        self.document, self.error, self.finished = document, error, time.time()
+        self.state = state
+        self._done.set()
+        self._emit(state, error=None if error is None else f"{type(error).__name__}: {error}")
+
+
+@dataclass
+class _LaneJob:
+    kind: str  # "nar" | "vae"
+    payload: object
+    cancelled: Callable[[], bool] | None
+    on_progress: Callable | None
+    future: Future = field(default_factory=Future)
+    queued: float = field(default_factory=time.perf_counter)
+
+
+class SynthesisLane:
+    """The torch side of every song: one NAR thread and one VAE thread, fed by the song threads.
+
+    The NAR thread runs songs that are ready together as one batched flow matching (`batch` songs
+    at most; 1 keeps upstream's one-song path, bit for bit) while the VAE thread decodes the songs
+    before them, so the two stages overlap. On CUDA a NAR batch is admitted only while the device
+    has room for its buffers; a batched run that fails as a whole is retried one song at a time,
+    so no song fails for another's sake.
+    """
+
+    def __init__(self, pipe: YuE2Pipeline, batch: int = 1, expecting: Callable[[], int] | None = None,
+                 threads: int | None = None):
+        if batch < 1:
+            raise ValueError(f"synthesis batch must be >= 1, got {batch}")
+        self.pipe, self.batch = pipe, batch
+        self.expecting = expecting or (lambda: 0)  # songs still in their AR phases (they may join a batch)
+        self.threads = threads
+        self._queues: dict[str, queue.Queue[_LaneJob | None]] = {"nar": queue.Queue(), "vae": queue.Queue()}
+        self.started = time.perf_counter()
+        self.batches: list[int] = []
+        self._active, self._busy_since, self.busy_seconds = 0, 0.0, 0.0
+        self._busy_lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(kind,), name=f"yue2-lane-{kind}", daemon=True)
+                         for kind in self._queues]
+        for thread in self._threads:
+            thread.start()
+
+    # -- called from song threads (they block until their job is done)
+
+    def synthesize(self, semantic: SemanticResult, *, cancelled=None, on_progress=None) -> np.ndarray:
+        return self._submit("nar", semantic, cancelled, on_progress)
+
+    def decode(self, latents: np.ndarray, *, cancelled=None, on_progress=None) -> np.ndarray:
+        return self._submit("vae", latents, cancelled, on_progress)
+
+    def _submit(self, kind, payload, cancelled, on_progress):
+        job = _LaneJob(kind, payload, cancelled, on_progress)
+        self._queues[kind].put(job)
+        return job.future.result()
+
+    def close(self) -> None:
+        for jobs in self._queues.values():
+            jobs.put(None)
+        for thread in self._threads:
+            thread.join(timeout=60)
+
+    @property
+    def idle_seconds(self) -> float:
+        """Wall time since the lane started during which neither of its threads had work."""
+        return time.perf_counter() - self.started - self.busy_seconds
+
+    # -- the lane threads
+
+    def _busy(self, delta: int) -> None:
+        with self._busy_lock:
+            now = time.perf_counter()
+            if self._active == 0 and delta > 0:
+                self._busy_since = now
+            self._active += delta
+            if self._active == 0:
+                self.busy_seconds += now - self._busy_since
+
+    def _take(self, kind: str) -> list[_LaneJob] | None:
+        jobs_queue = self._queues[kind]
+        job = jobs_queue.get()
+        if job is None:
+            return None
+        jobs = [job]
+        if kind == "nar" and self.batch > 1:
+            deadline = time.perf_counter() + COALESCE_SECONDS
+            while len(jobs) < self.batch and (self.expecting() > 0 or not jobs_queue.empty()):
+                try:
+                    more = jobs_queue.get(timeout=max(0.0, deadline - time.perf_counter()))
+                except queue.Empty:
+                    break
+                if more is None:
+                    jobs_queue.put(None)  # stop after this batch
+                    break
+                jobs.append(more)
+        return jobs
+
+    def _run(self, kind: str) -> None:
+        use_threads(self.threads)
+        while True:
+            jobs = self._take(kind)
+            if jobs is None:
+                return
+            self._busy(+1)
+            try:
+                if kind == "vae":
+                    self._one(jobs[0])
+                else:
+                    self._nar(jobs)
+            finally:
+                self._busy(-1)
+
+    def _one(self, job: _LaneJob) -> None:
+        try:
+            call = self.pipe.decode if job.kind == "vae" else self.pipe.synthesize
+            job.future.set_result(call(job.payload, cancelled=job.cancelled, on_progress=job.on_progress))
+        except BaseException as exc:  # the song's own failure
+            job.future.set_exception(exc)
+
+    def _nar(self, jobs: list[_LaneJob]) -> None:
+        jobs = self._admit(jobs)
+        self.batches.append(len(jobs))
+        if len(jobs) == 1:
+            self._one(jobs[0])
+            return
+        try:
+            results = self.pipe.synthesize_many([job.payload for job in jobs], cancelled=[j.cancelled for j in jobs],
+                                                on_progress=[j.on_progress for j in jobs])
+        except Exception:  # e.g. out of memory for the whole batch: each song on its own
+            for job in jobs:
+                self._one(job)
+            return
+        for job, result in zip(jobs, results):
+            if isinstance(result, BaseException):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)
+
+    def _admit(self, jobs: list[_LaneJob]) -> list[_LaneJob]:
+        """On CUDA keep only as many songs as the free device memory holds NAR buffers for; requeue the rest."""
+        if len(jobs) == 1 or self.pipe.device.type != "cuda":
+            return jobs
+        import torch
+
+        from .memory import nar_chunk_bytes
+
+        free, _ = torch.cuda.mem_get_info(self.pipe.device)
+        admitted, need = [], 0
+        for job in jobs:
+            semantic = job.payload
+            need += nar_chunk_bytes(self.pipe.model.config, len(semantic.plan.prefix) + len(semantic.tokens) + 3)
+            if admitted and need > free:
+                self._queues["nar"].put(job)
+            else:
+                admitted.append(job)
+        return admitted
+
+
+class SongScheduler:
+    """Runs submitted songs `concurrency` at a time over one pipeline (see the module docstring)."""
+
+    def __init__(self, pipe: YuE2Pipeline, *, concurrency: int | None = None, synthesis_batch: int | None = None,
+                 listener: Listener | None = None):
+        self.pipe = pipe
+        self.concurrency = concurrency or default_concurrency(pipe)
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        self._check_memory()
+        self.threads = self._torch_threads()
+        self.listener = listener
+        self.lane = SynthesisLane(pipe, synthesis_batch or default_synthesis_batch(pipe, self.concurrency),
+                                  expecting=lambda: sum(1 for h in list(self._handles.values())
+                                                        if h.state in ("planning", "generating")),
+                                  threads=self.threads)
+        self._queue: queue.Queue[SongHandle | None] = queue.Queue()
+        self._handles: dict[str, SongHandle] = {}
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._worker, name=f"yue2-song-{i}", daemon=True)
+                         for i in range(self.concurrency)]
+        for thread in self._threads:
+            thread.start()
+
+    def _check_memory(self) -> None:
+        """Refuse, before any song starts, a concurrency whose engine + torch split cannot fit."""
+        engine = self.pipe.engine
+        if engine is not None:
+            engine.plan.check()
+
+    def _torch_threads(self) -> int | None:
+        """On the CPU beside an engine, this process's torch threads stay off the engine's cores."""
+        if self.pipe.device.type != "cpu" or self.pipe.engine is None:
+            return None
+        from .vllm_backend import cpu_split
+
+        return cpu_split()[1]
+
+    def submit(self, request: SongRequest, directory: str | os.PathLike, *, overrides: dict | None = None,
+               resume: bool = False, stage: str = "audio") -> SongHandle:
+        handle = SongHandle(request, Path(directory), overrides or {}, resume, stage, self.listener)
+        with self._lock:
+            if request.id in self._handles and not self._handles[request.id].done:
+                raise ValueError(f"song id {request.id!r} is already in flight")
+            self._handles[request.id] = handle
+        handle._emit("state", state="queued")
+        self._queue.put(handle)
+        return handle
+
+    def get(self, song_id: str) -> SongHandle | None:
+        return self._handles.get(song_id)
+
+    def cancel(self, song_id: str) -> bool:
+        handle = self._handles.get(song_id)
+        if handle is None or handle.done:
+            return False
+        handle.cancel()
+        return True
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for h in list(self._handles.values()) if h.state not in ("queued",) + FINAL_STATES)
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for h in list(self._handles.values()) if h.state == "queued")
+
+    @staticmethod
+    def as_completed(handles: Iterable[SongHandle], poll: float = 0.05) -> Iterator[SongHandle]:
+        pending = list(handles)
+        while pending:
+            for handle in [h for h in pending if h.done]:
+                pending.remove(handle)
+                yield handle
+            if pending:
+                pending[0].wait(poll)
+
+    def close(self, cancel: bool = False) -> None:
+        """Stop taking songs; with `cancel`, stop the ones in flight too. Waits for the song threads."""
+        if cancel:
+            for handle in list(self._handles.values()):
+                handle.cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
+        self.lane.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(cancel=exc[0] is not None)
+
+    # -- song threads
+
+    def _worker(self) -> None:
+        use_threads(self.threads)
+        while True:
+            handle = self._queue.get()
+            if handle is None:
+                return
+            self._run(handle)
+
+    def _run(self, handle: SongHandle) -> None:
+        if handle.cancelled():
+            handle._finish("cancelled", error=InterruptedError("cancelled before it started"))
+            return
+        try:
+            document = self.pipe.generate_to(
+                handle.directory, handle.request, resume=handle.resume, stage=handle.stage,
+                abc_sampling=handle.overrides.get("abc"), semantic_sampling=handle.overrides.get("semantic"),
+                cancelled=handle.cancelled, on_token=handle.on_token, on_progress=handle.on_progress,
+                on_stage=handle.on_stage, synthesizer=self.lane.synthesize, decoder=self.lane.decode)
+        except (InterruptedError, KeyboardInterrupt) as exc:
+            handle._finish("cancelled", error=exc)
+        except BaseException as exc:  # recorded on the song; the other songs go on
+            handle._finish("failed", error=exc)
+        else:
+            handle._finish("complete", document)  # for stage="plan": the plan record
+
+
+def use_threads(threads: int | None) -> None:
+    """Set this thread's torch intra-op threads (OpenMP keeps the count per thread)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def default_concurrency(pipe: YuE2Pipeline) -> int:
+    """What the engine's settings allow (its rows); 1 on the torch backend."""
+    engine = pipe.engine
+    return engine.settings.max_num_seqs if engine is not None else 1
+
+
+def default_synthesis_batch(pipe: YuE2Pipeline, concurrency: int) -> int:
+    """Batch the NAR of up to 4 songs on the CPU (per-op overhead dominates there), 8 on CUDA."""
+    if concurrency <= 1:
+        return 1
+    return min(concurrency, 8 if pipe.device.type == "cuda" else 4)
+
+
+def generate_many(pipe: YuE2Pipeline, requests: Iterable[SongRequest], directory: str | os.PathLike, *,
+                  concurrency: int | None = None, resume: bool = False,
+                  listener: Listener | None = None) -> Iterator[SongHandle]:
+    """Run `requests` into `directory/<id>` and yield each song's handle as it finishes."""
+    directory = Path(directory)
+    with SongScheduler(pipe, concurrency=concurrency, listener=listener) as scheduler:
+        handles = [scheduler.submit(request, directory / request.id, resume=resume) for request in requests]
+        yield from scheduler.as_completed(handles)
