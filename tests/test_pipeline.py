@@ -186,3 +186,18 @@ def test_song_from_an_int8_ar_checkpoint(tiny_model_dir, tiny_vae_dir, tmp_path)
     assert song.audio.shape == (1920 * 30 - 64, 2) and np.isfinite(song.audio).all()
     with pytest.raises(ValueError, match="yue2-int8-ar"):
         YuE2Pipeline(tmp_path / "int8ar", tiny_vae_dir, quantization="none", hash_cache=HashCache(tmp_path / "c.json"))
+
+
+def test_float_or_bool_ids_are_rejected_by_the_stages(pipe):
+    """1.0 == 1 in Python: a hand-built plan or semantic result with float ids must not slip through."""
+    from dataclasses import replace
+
+    from yue2_vllm.pipeline import SemanticResult
+
+    plan = pipe.plan(SongRequest("rock", "yeah", cot="off", id="off"))
+    with pytest.raises(ValueError, match=r"plan.prefix\[0\] = 151643.0"):
+        pipe.generate_semantic(replace(plan, prefix=[float(t) for t in plan.prefix]))
+    with pytest.raises(ValueError, match=r"semantic.tokens\[1\] = True"):
+        pipe.synthesize(SemanticResult(plan, [3, True, 5]))
+    with pytest.raises(ValueError, match=r"semantic.tokens\[0\] = 2.0"):
+        pipe.synthesize(SemanticResult(plan, [2.0]))

@@ -142,3 +142,31 @@ def test_budget_and_chunks():
     assert chunk_ranges(0, 100) == []
     with pytest.raises(ValueError, match="no room"):
         chunk_ranges(5, 24574)
+
+
+@pytest.mark.parametrize("bad", [1.0, True, 2.5, None, "7"])
+def test_token_ids_are_integers_never_coerced(bad):
+    with pytest.raises(ValueError, match=r"abc_ids\[1\] = "):
+        p.check_abc_ids([5, bad])
+    with pytest.raises(ValueError, match=r"semantic prompt\[2\] = "):
+        p.check_budget([EOD, 3, bad], 10, "semantic prompt")
+    with pytest.raises(ValueError, match=r"semantic.tokens\[0\] = "):
+        p.check_token_ids([bad], "semantic.tokens", 0, p.CODEC_SIZE)
+
+
+def test_integral_ids_and_seeds_become_plain_ints():
+    import numpy as np
+
+    assert p.check_abc_ids(np.asarray([3, 4], dtype=np.int32)) == [3, 4]
+    request = SongRequest("s", "l", seed=np.int64(7))
+    assert type(request.seed) is int and request.to_dict()["seed"] == 7
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        p.check_seed(5.0)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        p.check_seed(np.float64(3))
+
+
+@pytest.mark.parametrize("context", [24577, 30000, 0, 12.5, True])
+def test_nar_context_beyond_the_model_is_rejected(context):
+    with pytest.raises(ValueError, match=r"context must be an integer in \[1, 24576\]"):
+        chunk_ranges(10, 100, context)

@@ -21,7 +21,8 @@ from .checkpoint import HashCache, cache_root, identity, model_identity, write_j
 from .modeling import load_model
 from .nar import synthesize as nar_synthesize
 from .protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, Sampling, SongRequest, abc_prompt,
-                       check_abc_ids, default_cfg_scale, negative_prompt, resolve_sampling, semantic_prompt)
+                       check_abc_ids, check_token_ids, default_cfg_scale, negative_prompt, resolve_sampling,
+                       semantic_prompt)
 from .derive import OVERRIDE_ENV
 from .sampling import ARBackend, TorchARBackend
 from .torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, restore_ar
@@ -267,6 +268,7 @@ class YuE2Pipeline:
     def generate_semantic(self, plan: SymbolicPlan, *, sampling=None, cancelled: Cancelled | None = None,
                           on_token: OnToken | None = None) -> SemanticResult:
         request = plan.request
+        check_token_ids(plan.prefix, "plan.prefix")  # 1.0 == 1 would pass the comparison below
         expected = semantic_prompt(request, self.tokenizer, check_abc_ids(plan.abc_ids) if request.cot != "off"
                                    else None)
         if plan.prefix != expected:
@@ -283,6 +285,8 @@ class YuE2Pipeline:
                    on_progress: OnProgress | None = None) -> np.ndarray:
         if not semantic.tokens:
             raise ValueError("the semantic phase produced no tokens; there is nothing to synthesize")
+        check_token_ids(semantic.tokens, "semantic.tokens", 0, CODEC_SIZE, "a codec index")
+        check_token_ids(semantic.plan.prefix, "plan.prefix")
         self._release_engine_for_nar()
         if self.proxy_mode:
             restore_ar(self.model)

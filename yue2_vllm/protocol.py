@@ -53,6 +53,23 @@ def _is_real(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def check_seed(seed, what: str = "seed") -> int:
+    """An integer seed in [0, 2**63) as a plain int; floats and bools are refused, never rounded."""
+    if not _is_int(seed) or not 0 <= seed < MAX_SEED:
+        raise ValueError(f"{what} must be an integer in [0, 2**63), got {seed!r}")
+    return int(seed)
+
+
+def check_token_ids(ids: Sequence[int], what: str, low: int = 0, high: int = VOCAB_SIZE,
+                    kind: str = "an integer id") -> list[int]:
+    """Integer ids in [low, high) as plain ints; floats and bools are refused, never coerced."""
+    ids = list(ids)
+    for position, value in enumerate(ids):
+        if not _is_int(value) or not low <= value < high:
+            raise ValueError(f"{what}[{position}] = {value!r} is not {kind} in [{low}, {high})")
+    return [int(v) for v in ids]
+
+
 def default_cfg_scale(cot: str) -> float:
     """cot=off runs paired CFG at 1.01 by default; the score modes run without CFG."""
     return 1.01 if cot == "off" else 1.0
@@ -97,8 +114,7 @@ class SongRequest:
                 raise ValueError(f"SongRequest.{name} must be a string")
         if self.cot not in COT_MODES:
             raise ValueError(f"SongRequest.cot must be one of {COT_MODES}, got {self.cot!r}")
-        if not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED:
-            raise ValueError(f"SongRequest.seed must be an integer in [0, 2**63), got {self.seed!r}")
+        object.__setattr__(self, "seed", check_seed(self.seed, "SongRequest.seed"))
         if not isinstance(self.id, str) or not _ID_PATTERN.fullmatch(self.id) or self.id in (".", ".."):
             raise ValueError("SongRequest.id must match [A-Za-z0-9][A-Za-z0-9_.-]{0,179}, "
                              f"got {self.id!r}")
@@ -232,11 +248,7 @@ def base_prompt(request: SongRequest, tokenizer: TextEncoder) -> list[int]:
 
 
 def check_abc_ids(abc_ids: Sequence[int]) -> list[int]:
-    ids = list(abc_ids)
-    for position, value in enumerate(ids):
-        if not _is_int(value) or not 0 <= value < EOD:
-            raise ValueError(f"abc_ids[{position}] = {value!r} is not an ordinary text id in [0, {EOD})")
-    return [int(v) for v in ids]
+    return check_token_ids(abc_ids, "abc_ids", 0, EOD, "an ordinary text id")
 
 
 def abc_prompt(request: SongRequest, tokenizer: TextEncoder) -> list[int]:
@@ -277,7 +289,11 @@ def negative_prompt(request: SongRequest, tokenizer: TextEncoder, abc_ids: Seque
 
 
 def check_budget(prompt: Sequence[int], max_tokens: int, what: str = "prompt") -> None:
-    """Hard error, never silent truncation, when a prompt plus its budget exceed the context."""
+    """Hard error, never silent truncation, when a prompt plus its budget exceed the context; the
+    prompt must be integer ids inside the vocabulary (every backend checks its prompts here)."""
+    check_token_ids(prompt, what)
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise ValueError(f"{what}: max_tokens must be a positive integer, got {max_tokens!r}")
     if len(prompt) + max_tokens > CONTEXT:
         raise ValueError(f"{what} of {len(prompt)} tokens + max_tokens {max_tokens} = "
                          f"{len(prompt) + max_tokens} exceeds the {CONTEXT}-token context")
@@ -289,6 +305,8 @@ def chunk_ranges(frames: int, prefix_tokens: int, context: int = CONTEXT) -> lis
         raise ValueError(f"frames must be a non-negative integer, got {frames!r}")
     if not _is_int(prefix_tokens) or prefix_tokens < 1:
         raise ValueError(f"prefix_tokens must be a positive integer, got {prefix_tokens!r}")
+    if not _is_int(context) or not 1 <= context <= CONTEXT:
+        raise ValueError(f"context must be an integer in [1, {CONTEXT}] (the model's positions), got {context!r}")
     size = min((context - prefix_tokens - 3) // 2, CONTEXT)
     if size < 1:
         raise ValueError(f"prefix of {prefix_tokens} tokens leaves no room for audio in a {context}-token context")
