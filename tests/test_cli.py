@@ -90,3 +90,19 @@ def test_doctor(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["versions"]["torch"].startswith("2.") and report["backends"]["torch"]["usable"]
     assert report["default_cfg"] == {"full": 1.0, "melody": 1.0, "off": 1.01}
+
+
+def test_external_abc_is_read_byte_exact(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    score = b"X:1\r\nT:caf\xc3\xa9\r\nK:C\r\nCDEF|\r\n"
+    (tmp_path / "score.abc").write_bytes(score)
+    (tmp_path / "req.json").write_text(json.dumps({"id": "r", "style": "s", "lyrics": "l", "cot": "melody",
+                                                   "abc_path": "score.abc"}))
+    for name, source in (("file", ["--request", str(tmp_path / "req.json")]),
+                         ("flag", ["--style", "s", "--lyrics", "l", "--cot", "melody", "--id", "r",
+                                   "--abc-file", str(tmp_path / "score.abc")])):
+        out = tmp_path / name
+        assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, *source,
+                     "--stage", "plan", "--output", str(out)]) == 0
+        assert (out / "r" / "score.abc").read_bytes() == score
+        assert json.loads((out / "r" / "run_state.json").read_text())["request"]["abc"] == score.decode("utf-8")
+    capsys.readouterr()

@@ -29,6 +29,11 @@ class UsageError(ValueError):
 # --------------------------------------------------------------------------- requests
 
 
+def read_abc(path: Path) -> str:
+    """An external score exactly as stored: CRLF and every other byte kept (the ABC ids depend on them)."""
+    return path.read_bytes().decode("utf-8")
+
+
 def request_from_json(data: dict, base_dir: Path | None = None) -> tuple[dict, dict]:
     """Upstream's request JSON → (SongRequest fields, per-phase sampling overrides)."""
     from .protocol import SongRequest
@@ -45,7 +50,7 @@ def request_from_json(data: dict, base_dir: Path | None = None) -> tuple[dict, d
     if "abc_path" in data:
         if "abc" in fields:
             raise UsageError("request: give 'abc' or 'abc_path', not both")
-        fields["abc"] = ((base_dir or Path.cwd()) / data["abc_path"]).read_text(encoding="utf-8")
+        fields["abc"] = read_abc((base_dir or Path.cwd()) / data["abc_path"])
     overrides = {phase: data[f"{phase}_sampling"] for phase in ("abc", "semantic") if data.get(f"{phase}_sampling")}
     if "prompt" in data:
         request = SongRequest(**{"style": "", "lyrics": "", **fields})
@@ -70,7 +75,7 @@ def build_request(args) -> tuple[object, dict]:
     if args.lyrics_file:
         flag_values["lyrics"] = Path(args.lyrics_file).read_text(encoding="utf-8")
     if args.abc_file:
-        flag_values["abc"] = Path(args.abc_file).read_text(encoding="utf-8")
+        flag_values["abc"] = read_abc(Path(args.abc_file))
     fields.update({k: v for k, v in flag_values.items() if v is not None})
     for name in ("style", "lyrics"):
         if name not in fields:
