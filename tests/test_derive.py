@@ -105,6 +105,20 @@ def test_override_tensor_set_checked(derived, tmp_path):
     assert "unexpected tensors (1): model.layers.0.self_attn.q_proj.weight_scale" in str(info.value)
 
 
+def test_override_dtypes_checked(derived, tmp_path):
+    """An int8 lm_head in an unquantized checkpoint has the right shape but would serve garbage."""
+    copy = tmp_path / "copy"
+    shutil.copytree(derived, copy)
+    state = load_file(str(copy / "model.safetensors"))
+    state["lm_head.weight"] = state["lm_head.weight"].to(torch.int8)
+    state["model.norm.weight"] = state["model.norm.weight"].to(torch.float8_e4m3fn)
+    save_file(state, str(copy / "model.safetensors"))
+    with pytest.raises(DerivationError) as info:
+        validate_ar_checkpoint(copy, TINY_CONFIG)
+    assert "lm_head.weight: dtype I8, expected one of ['BF16', 'F16', 'F32', 'F64']" in str(info.value)
+    assert "model.norm.weight: dtype F8_E4M3" in str(info.value)
+
+
 def test_published_fp8_config_parses_and_matches_real_config():
     config = json.loads(PUBLISHED_FP8.read_text())
     scheme = parse_quantization(config)

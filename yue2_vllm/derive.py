@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import (CheckpointError, HashCache, atomic_directory, identity, model_identity, read_json,
+from .checkpoint import (FLOAT_DTYPES, CheckpointError, HashCache, atomic_directory, identity, model_identity,
+                         read_json,
                          sha256_file, weight_index, write_json_atomic, write_safetensors_subset)
 from .modeling import YuE2Config, ar_tensor_shapes
 from .quantization import QUANT_SUFFIXES, QuantScheme, parse_quantization, runnable_reason
@@ -135,6 +136,13 @@ def _config_problems(ar_config: dict, mot: YuE2Config) -> list[str]:
     return problems
 
 
+def _quantized_dtypes(scheme: QuantScheme) -> frozenset[str]:
+    """Dtypes a quantized linear's `weight` may be stored in under its compressed-tensors scheme."""
+    if scheme.weight_type == "float":
+        return frozenset({"F8_E4M3", "F8_E5M2"})
+    return frozenset({"I8"})
+
+
 def _tensor_problems(path: Path, mot: YuE2Config, scheme: QuantScheme | None) -> list[str]:
     infos = weight_index(path)
     shapes = ar_tensor_shapes(mot)
@@ -149,6 +157,9 @@ def _tensor_problems(path: Path, mot: YuE2Config, scheme: QuantScheme | None) ->
         if name in infos:
             if infos[name].shape != shape:
                 problems.append(f"{name}: shape {list(infos[name].shape)}, expected {list(shape)}")
+            allowed_dtypes = _quantized_dtypes(scheme) if module in quantized else FLOAT_DTYPES
+            if infos[name].dtype not in allowed_dtypes:
+                problems.append(f"{name}: dtype {infos[name].dtype}, expected one of {sorted(allowed_dtypes)}")
         elif not (module in quantized and f"{module}.weight_packed" in infos):
             problems.append(f"missing {name}")
     allowed = set(shapes) | {f"{module}.{suffix}" for module in quantized for suffix in QUANT_SUFFIXES}
