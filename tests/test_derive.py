@@ -159,3 +159,27 @@ def test_hash_cache_skips_rehash_on_reuse(tiny_model_dir, tmp_path, monkeypatch)
     monkeypatch.setattr(ck, "sha256_file", lambda p: calls.append(p) or real(p))
     derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache)
     assert all(not str(p).endswith(".safetensors") for p in calls)
+
+
+def test_verify_hashes_rehashes_a_cached_derivation(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A same-size corruption with its mtime put back passes the size+mtime cache, not --verify-hashes."""
+    import os
+
+    from yue2_vllm.cli import main
+
+    monkeypatch.setenv("YUE2_VLLM_CACHE", str(tmp_path / "user-cache"))
+    cache = HashCache(tmp_path / "h.json")
+    target = derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache)
+    weights = target / "model.safetensors"
+    stat = weights.stat()
+    with open(weights, "r+b") as handle:
+        handle.seek(stat.st_size - 2)
+        last = handle.read(2)
+        handle.seek(stat.st_size - 2)
+        handle.write(bytes(b ^ 0xFF for b in last))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache) == target  # trusted
+    with pytest.raises(DerivationError, match=r"Corrupt derived AR cache: .*model.safetensors does not match"):
+        derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache, verify=True)
+    assert main(["derive", str(tiny_model_dir), "--out", str(tmp_path / "c"), "--verify-hashes"]) == 2
+    assert "Corrupt derived AR cache" in json.loads(capsys.readouterr().out)["reason"]

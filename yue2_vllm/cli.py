@@ -276,7 +276,7 @@ def cmd_derive(args) -> int:
     from .pipeline import default_hash_cache
 
     start = time.perf_counter()
-    path = derive_ar_checkpoint(args.model, args.out, hashes=default_hash_cache())
+    path = derive_ar_checkpoint(args.model, args.out, hashes=default_hash_cache(), verify=args.verify_hashes)
     print(json.dumps({"ar_checkpoint": str(path), "seconds": round(time.perf_counter() - start, 3)}))
     return 0
 
@@ -363,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     derive.add_argument("model", help="YuE2 MoT directory")
     derive.add_argument("--out", help="cache directory (default: $YUE2_CACHE, $HF_HOME or ~/.cache/huggingface, "
                                       "then yue2-ar/)")
+    derive.add_argument("--verify-hashes", action="store_true",
+                        help="re-hash the source weights and a cached derivation instead of trusting size+mtime")
     derive.set_defaults(func=cmd_derive)
 
     calibrate = sub.add_parser("calibrate", help="build a calibration corpus from the model's own generations")

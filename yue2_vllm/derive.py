@@ -59,7 +59,7 @@ def _exclusive(lock_path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _verify_derived(target: Path, stamp: dict, key: str, hashes: HashCache) -> None:
+def _verify_derived(target: Path, stamp: dict, key: str, hashes: HashCache, verify: bool) -> None:
     clear = f"delete {target} to rebuild it"
     record_path = target / DERIVATION_FILE
     if not record_path.is_file():
@@ -70,7 +70,7 @@ def _verify_derived(target: Path, stamp: dict, key: str, hashes: HashCache) -> N
         raise DerivationError(f"Corrupt derived AR cache: {record_path} does not describe this source; {clear}")
     for name, digest in (record.get("sha256") or {}).items():
         path = target / name
-        if not path.is_file() or hashes.sha256(path) != digest:
+        if not path.is_file() or (sha256_file(path) if verify else hashes.sha256(path)) != digest:
             raise DerivationError(f"Corrupt derived AR cache: {path} does not match its sha256 in "
                                   f"{DERIVATION_FILE}; {clear}")
     if set(record.get("sha256") or {}) != {"model.safetensors", "config.json"}:
@@ -79,8 +79,11 @@ def _verify_derived(target: Path, stamp: dict, key: str, hashes: HashCache) -> N
 
 
 def derive_ar_checkpoint(model_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None, *,
-                         hashes: HashCache | None = None) -> Path:
-    """The derived Qwen3 AR checkpoint of a YuE2 MoT directory (built once, verified on reuse)."""
+                         hashes: HashCache | None = None, verify: bool = False) -> Path:
+    """The derived Qwen3 AR checkpoint of a YuE2 MoT directory (built once, verified on reuse).
+
+    Reuse trusts the hash cache (size + mtime) unless `verify`, which re-hashes the source and
+    the cached files (catching a same-size change whose mtime was put back)."""
     model_dir = Path(model_dir)
     hashes = hashes or HashCache(None)
     config = YuE2Config.load(model_dir)
@@ -93,14 +96,15 @@ def derive_ar_checkpoint(model_dir: str | os.PathLike, cache_dir: str | os.PathL
              if infos[name].shape != shape]
     if wrong:
         raise CheckpointError(f"{model_dir}: AR tensors with wrong shapes: {'; '.join(wrong[:10])}")
-    stamp = {"schema": SCHEMA, "source": model_identity(model_dir, hashes=hashes), "config": qwen_config(config)}
+    stamp = {"schema": SCHEMA, "source": model_identity(model_dir, hashes=hashes, verify=verify),
+             "config": qwen_config(config)}
     key = identity(stamp)
     root = cache_root(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / key
     with _exclusive(root / f"{key}.lock"):
         if target.exists():
-            _verify_derived(target, stamp, key, hashes)
+            _verify_derived(target, stamp, key, hashes, verify)
             return target
         with atomic_directory(target) as tmp:
             weights_sha = write_safetensors_subset([infos[name] for name in shapes], tmp / "model.safetensors",
@@ -202,7 +206,7 @@ def validate_ar_checkpoint(path: str | os.PathLike, mot: YuE2Config) -> QuantSch
 
 def resolve_ar_checkpoint(model_dir: str | os.PathLike, *, override: str | os.PathLike | None = None,
                           device_type: str = "cpu", cache_dir: str | os.PathLike | None = None,
-                          hashes: HashCache | None = None) -> ARCheckpoint:
+                          hashes: HashCache | None = None, verify: bool = False) -> ARCheckpoint:
     """The override (argument, else `$YUE2_AR_CHECKPOINT`) validated, or the derived checkpoint."""
     chosen = override or os.environ.get(OVERRIDE_ENV) or None
     mot = YuE2Config.load(model_dir)
@@ -212,4 +216,4 @@ def resolve_ar_checkpoint(model_dir: str | os.PathLike, *, override: str | os.Pa
             raise DerivationError(f"{OVERRIDE_ENV}/ar_checkpoint {chosen}: not a directory")
         scheme = validate_ar_checkpoint(path, mot)
         return ARCheckpoint(path, "override", scheme, runnable_reason(scheme, device_type))
-    return ARCheckpoint(derive_ar_checkpoint(model_dir, cache_dir, hashes=hashes), "derived", None)
+    return ARCheckpoint(derive_ar_checkpoint(model_dir, cache_dir, hashes=hashes, verify=verify), "derived", None)

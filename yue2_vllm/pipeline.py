@@ -122,6 +122,7 @@ class YuE2Pipeline:
         self.vae_core_frames = vae_core_frames or default_vae_core_frames(self.memory_budget_gib)
         start = time.perf_counter()
         self.hashes = hash_cache if hash_cache is not None else default_hash_cache()
+        self.verify_hashes = verify_hashes
         self.weights = {"mot": model_identity(self.model_dir, hashes=self.hashes, verify=verify_hashes),
                         "vae": model_identity(self.vae_dir, hashes=self.hashes, verify=verify_hashes)
                         if self.vae_dir is not None else None}
@@ -173,7 +174,8 @@ class YuE2Pipeline:
             reason = unsupported_reason(vllm_version())
             if reason is None:
                 checkpoint = resolve_ar_checkpoint(self.model_dir, override=self.ar_checkpoint,
-                                                   device_type=self.device.type, hashes=self.hashes)
+                                                   device_type=self.device.type, hashes=self.hashes,
+                                                   verify=self.verify_hashes)
                 reason = checkpoint.unservable
             if reason is not None:
                 self._vllm_unavailable = reason
