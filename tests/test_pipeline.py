@@ -201,3 +201,49 @@ def test_float_or_bool_ids_are_rejected_by_the_stages(pipe):
         pipe.synthesize(SemanticResult(plan, [3, True, 5]))
     with pytest.raises(ValueError, match=r"semantic.tokens\[0\] = 2.0"):
         pipe.synthesize(SemanticResult(plan, [2.0]))
+
+
+def _edit_json(path, change):
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize("damage,redone", [
+    # a stage claimed complete without file hashes (and its file gone)
+    (lambda d: (_edit_json(d / "plan.stage.json", lambda r: r.update(files={})), (d / "prefix.npy").unlink()),
+     {"abc", "semantic", "nar", "vae"}),
+    (lambda d: _edit_json(d / "semantic.stage.json", lambda r: r.update(files=["semantic.npy"])),
+     {"semantic", "nar", "vae"}),
+    (lambda d: _edit_json(d / "synthesis.stage.json", lambda r: r.pop("meta")), {"nar", "vae"}),
+    (lambda d: _edit_json(d / "run_state.json", lambda r: r.pop("identity")), set()),
+    (lambda d: (d / "run_state.json").write_text("null"), set()),
+])
+def test_resume_over_an_inconsistent_manifest_redoes_the_affected_stages(pipe, tmp_path, damage, redone):
+    on_token, on_progress = crash_in("vae")
+    with pytest.raises(Crash):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
+    damage(tmp_path / "s")
+    seen = set()
+    document = pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                                on_progress=recorder(seen)[1])
+    assert seen == redone | {"vae"}
+    assert verify_result(tmp_path / "s", document["identity"]) == document
+
+
+def test_result_without_hashes_or_with_a_symlink_is_not_trusted(pipe, tmp_path):
+    document = pipe.generate_to(tmp_path / "s", REQUEST)
+    _edit_json(tmp_path / "s" / "result.json", lambda r: r.update(artifacts={}))
+    seen = set()
+    again = pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                             on_progress=recorder(seen)[1])
+    assert seen == set() and again["artifacts"] == document["artifacts"]
+    latent = tmp_path / "s" / "latent.npy"
+    (tmp_path / "elsewhere.npy").write_bytes(latent.read_bytes())
+    latent.unlink()
+    latent.symlink_to(tmp_path / "elsewhere.npy")
+    redone = pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                              on_progress=recorder(seen)[1])
+    assert seen == {"nar", "vae"} and not latent.is_symlink()
+    for name in ("latent.npy", "audio.flac"):
+        assert redone["artifacts"][name] == document["artifacts"][name]

@@ -33,6 +33,11 @@ SAMPLE_RATE = 48000
 VAE_HALO_FRAMES = 16
 BACKENDS = ("torch", "vllm", "auto")
 KEEP_ENGINE_MIN_GPU_BYTES = 40 * 2**30  # below this a GPU cannot hold the engine and the NAR stage together
+# Per stage: the files its record must list (with hashes) and the meta keys the later stages read.
+STAGE_RECORDS = {"plan": (("prefix.npy", "abc_tokens.npy"), ("abc", "timing", "truncated")),
+                 "semantic": (("semantic.npy",), ("timing", "truncated")),
+                 "synthesis": (("latent.npy",), ("nar_seconds",)),
+                 "audio": (("audio.flac",), ("vae_seconds", "samples"))}
 OnToken = Callable[[str, int], None]
 OnProgress = Callable[[str, int, int], None]
 Cancelled = Callable[[], bool]
@@ -348,7 +353,7 @@ class YuE2Pipeline:
 
         def stage_meta(name: str, compute: Callable[[], tuple[dict[str, bytes], dict]]) -> dict:
             """The stage's recorded meta if it verifies; otherwise redo it (and forget later stages)."""
-            meta = run.verified_stage(name, run_id)
+            meta = run.verified_stage(name, run_id, *STAGE_RECORDS[name])
             if meta is None:
                 run.discard_from(name)
                 current["stage"] = name
