@@ -247,3 +247,17 @@ def test_result_without_hashes_or_with_a_symlink_is_not_trusted(pipe, tmp_path):
     assert seen == {"nar", "vae"} and not latent.is_symlink()
     for name in ("latent.npy", "audio.flac"):
         assert redone["artifacts"][name] == document["artifacts"][name]
+
+
+def test_a_failure_record_is_never_listed_in_the_result(pipe, tmp_path):
+    """The CLI leaves failure.json beside a failed run and removes it once the resumed run completes."""
+    from yue2_vllm.artifacts import RunDirectory
+
+    on_token, on_progress = crash_in("nar")
+    with pytest.raises(Crash):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
+    (tmp_path / "s" / "failure.json").write_text('{"status": "failed"}')
+    document = pipe.generate_to(tmp_path / "s", REQUEST, resume=True)
+    assert "failure.json" not in document["artifacts"]
+    RunDirectory(tmp_path / "s").clear_failure()
+    assert verify_result(tmp_path / "s", document["identity"]) == document

@@ -19,6 +19,7 @@ from .checkpoint import json_bytes, read_json, sha256_file, write_bytes_atomic, 
 STAGES = ("plan", "semantic", "synthesis", "audio")
 STATE_FILE = "run_state.json"
 RESULT_FILE = "result.json"
+FAILURE_FILE = "failure.json"  # why the last attempt failed; it goes once a run completes, so never an artifact
 SCHEMA_VERSION = 1
 SAMPLE_RATE = 48000
 
@@ -154,13 +155,22 @@ class RunDirectory:
             self._record(later).unlink(missing_ok=True)
         (self.path / RESULT_FILE).unlink(missing_ok=True)
 
+    # -- failure record
+
+    def write_failure(self, document: dict) -> None:
+        write_json_atomic(self.path / FAILURE_FILE, document)
+
+    def clear_failure(self) -> None:
+        (self.path / FAILURE_FILE).unlink(missing_ok=True)
+
     # -- final result
 
     def write_result(self, result: dict) -> dict:
-        """`result.json` with sha256 and size of every other file (the mutable run state aside)."""
+        """`result.json` with sha256 and size of every other file (the mutable run state and the
+        failure record aside)."""
         artifacts = {}
         for path in sorted(self.path.iterdir()):
-            if path.name in (RESULT_FILE, STATE_FILE) or path.is_symlink() or not path.is_file() \
+            if path.name in (RESULT_FILE, STATE_FILE, FAILURE_FILE) or path.is_symlink() or not path.is_file() \
                     or path.name.endswith(".tmp"):
                 continue
             artifacts[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}

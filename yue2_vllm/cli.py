@@ -154,6 +154,8 @@ def _summary(document: dict) -> dict:
 
 def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, stage: str, quiet: bool) -> dict:
     """Generate one song into `directory`; returns the status line (failure.json is written on error)."""
+    from .artifacts import STATE_FILE, RunDirectory
+
     budget = {phase: pipe.sampling_for(overrides.get(phase), phase).max_tokens for phase in ("abc", "semantic")}
     progress = Progress(not quiet, budget)
     try:
@@ -163,14 +165,14 @@ def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, s
     except Exception as exc:  # recorded per song; the caller decides whether to go on
         progress.close()
         failure = {"status": "failed", "type": type(exc).__name__, "reason": str(exc), "request": request.to_dict()}
-        if (directory / "run_state.json").exists():  # only inside a run directory we own
-            write_json_atomic(directory / "failure.json", failure)
+        if (directory / STATE_FILE).exists():  # only inside a run directory we own
+            RunDirectory(directory).write_failure(failure)
         if not quiet and not isinstance(exc, (ValueError, FileExistsError, InterruptedError)):
             traceback.print_exc(file=sys.stderr)
         return {"status": "failed", "id": request.id, "directory": str(directory), "type": type(exc).__name__,
                 "reason": str(exc)}
     progress.close()
-    (directory / "failure.json").unlink(missing_ok=True)
+    RunDirectory(directory).clear_failure()
     status = {"status": document["status"], "id": request.id, "directory": str(directory)}
     if document["status"] == "complete":
         status.update(audio_seconds=round(document["audio_seconds"], 3), truncated=document["truncated"],
