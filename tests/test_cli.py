@@ -78,11 +78,26 @@ def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config
     code = main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
                  str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")])
     assert code == 1
-    summary = json.loads((tmp_path / "out" / "batch.json").read_text())
-    assert (summary["complete"], summary["failed"], summary["expected"]) == (2, 2, 4)
+    out = tmp_path / "out"
+    summary = json.loads((out / "batch.json").read_text())
+    assert (summary["complete"], summary["failed"], summary["expected"]) == (True, 2, 4)
     assert [r["status"] for r in summary["results"]] == ["complete", "failed", "failed", "complete"]
     assert "cot" in summary["results"][1]["reason"] and "duplicate id" in summary["results"][2]["reason"]
-    assert (tmp_path / "out" / "c" / "audio.flac").exists()
+    assert (out / "c" / "audio.flac").exists()
+    for row, song in ((0, "a"), (3, "c")):
+        assert summary["results"][row]["identity"] == json.loads((out / song / "result.json").read_text())["identity"]
+    # each invalid row has its own failure.json (a duplicate id gets a directory no song id can take)
+    assert [r["id"] for r in summary["results"]] == ["a", "b", "_row3", "c"]
+    for name, kind, line in (("b", "ValueError", 2), ("_row3", "UsageError", 3)):
+        failure = json.loads((out / name / "failure.json").read_text())
+        assert (failure["status"], failure["type"], failure["line"]) == ("failed", kind, line)
+        assert failure["reason"] == summary["results"][line - 1]["reason"]
+    # the fixed row reruns in its directory
+    rows[1]["cot"] = "melody"
+    (tmp_path / "in.jsonl").write_text(json.dumps(rows[1]) + "\n")
+    assert main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
+                 str(tmp_path / "in.jsonl"), "--output", str(out)]) == 0
+    assert not (out / "b" / "failure.json").exists() and (out / "b" / "audio.flac").exists()
 
 
 def test_doctor(capsys):
@@ -106,3 +121,21 @@ def test_external_abc_is_read_byte_exact(tiny_model_dir, tiny_vae_dir, config_fi
         assert (out / "r" / "score.abc").read_bytes() == score
         assert json.loads((out / "r" / "run_state.json").read_text())["request"]["abc"] == score.decode("utf-8")
     capsys.readouterr()
+
+
+def test_failure_json_names_the_failed_state(tiny_model_dir, tiny_vae_dir, tmp_path, capsys):
+    """A semantic budget that fits the empty score but not the 8 generated score ids fails in the semantic stage."""
+    from yue2_vllm.protocol import CONTEXT, SongRequest, abc_prompt
+    from yue2_vllm.tokenizer import YuE2Tokenizer
+
+    prompt = abc_prompt(SongRequest("s", "l", id="r"), YuE2Tokenizer.from_model_dir(tiny_model_dir))
+    config = tmp_path / "gen.json"
+    config.write_text(json.dumps({"abc": {"max_tokens": 8, "min_tokens": 8},
+                                  "semantic": {"max_tokens": CONTEXT - len(prompt) - 2, "min_tokens": 4}}))
+    args = ["--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--config", str(config), *FAST]
+    assert main(["generate", *args, "--style", "s", "--lyrics", "l", "--id", "r", "--output", str(tmp_path)]) == 1
+    status = json.loads(capsys.readouterr().out)
+    failure = json.loads((tmp_path / "r" / "failure.json").read_text())
+    assert status["state"] == failure["state"] == "semantic_failed" and "exceeds the 24576-token context" in \
+        failure["reason"]
+    assert failure["type"] == "ValueError" and failure["request"]["id"] == "r"

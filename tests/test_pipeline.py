@@ -77,15 +77,16 @@ def recorder(seen):
     return (lambda phase, token: seen.add(phase)), (lambda name, done, total: seen.add(name))
 
 
-@pytest.mark.parametrize("stage,redone", [("abc", {"abc", "semantic", "nar", "vae"}),
-                                          ("semantic", {"semantic", "nar", "vae"}),
-                                          ("nar", {"nar", "vae"}), ("vae", {"vae"})])
-def test_resume_after_crash_redoes_only_later_stages(pipe, tmp_path, stage, redone):
+@pytest.mark.parametrize("stage,redone,state", [("abc", {"abc", "semantic", "nar", "vae"}, "plan_failed"),
+                                                ("semantic", {"semantic", "nar", "vae"}, "semantic_failed"),
+                                                ("nar", {"nar", "vae"}, "synthesis_failed"),
+                                                ("vae", {"vae"}, "decode_failed")])
+def test_resume_after_crash_redoes_only_later_stages(pipe, tmp_path, stage, redone, state):
     on_token, on_progress = crash_in(stage)
     with pytest.raises(Crash):
         pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
-    state = json.loads((tmp_path / "s" / "run_state.json").read_text())
-    assert state["state"].endswith("_failed") and "Crash" in state["error"]
+    recorded = json.loads((tmp_path / "s" / "run_state.json").read_text())
+    assert recorded["state"] == state and "Crash" in recorded["error"]
     with pytest.raises(FileExistsError):
         pipe.generate_to(tmp_path / "s", REQUEST)
     seen = set()
@@ -95,10 +96,15 @@ def test_resume_after_crash_redoes_only_later_stages(pipe, tmp_path, stage, redo
     reference = pipe.generate_to(tmp_path / "ref", REQUEST)
     assert document["artifacts"]["audio.flac"] == reference["artifacts"]["audio.flac"]
     assert document["identity"] == reference["identity"]
+    assert (document["resumed"], reference["resumed"]) == (True, False)
+    assert json.loads((tmp_path / "s" / "result.json").read_text())["resumed"] is True
 
 
 def test_tampered_artifact_is_detected_and_redone(pipe, tmp_path):
     document = pipe.generate_to(tmp_path / "s", REQUEST)
+    assert document["resumed"] is False
+    reused = pipe.generate_to(tmp_path / "s", REQUEST, resume=True)  # a finished result reused
+    assert reused == {**document, "resumed": True} == json.loads((tmp_path / "s" / "result.json").read_text())
     semantic = tmp_path / "s" / "semantic.npy"
     tokens = np.load(semantic)
     tokens[0] = (tokens[0] + 1) % CODEC_SIZE

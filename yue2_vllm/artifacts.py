@@ -28,6 +28,10 @@ class ResumeError(RuntimeError):
     """A run directory cannot be resumed for this request (different request, config or weights)."""
 
 
+class RunExistsError(FileExistsError):
+    """The output directory holds a run (or other files) and resuming was not asked for."""
+
+
 def npy_bytes(array) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, np.asarray(array), allow_pickle=False)
@@ -100,12 +104,14 @@ class RunDirectory:
 
     # -- run state
 
-    def start(self, run_identity: str, request: dict, *, resume: bool) -> None:
-        """Claim the directory for a run; a resumed run must have the same identity."""
+    def start(self, run_identity: str, request: dict, *, resume: bool) -> bool:
+        """Claim the directory for a run; a resumed run must have the same identity.
+
+        Returns whether an earlier run is continued (False for a fresh directory)."""
         state_path = self.path / STATE_FILE
         if state_path.exists() or state_path.is_symlink():
             if not resume:
-                raise FileExistsError(f"{self.path}: holds a run already; pass resume to continue it")
+                raise RunExistsError(f"{self.path}: holds a run already; pass resume to continue it")
             state = _read_record(state_path)
             recorded = state.get("identity") if state is not None else None
             if recorded is None:  # unreadable state: each stage's own record decides what is reused
@@ -114,11 +120,12 @@ class RunDirectory:
                 raise ResumeError(f"{self.path}: was started for a different request, configuration or weights "
                                   f"(identity {str(recorded)[:12]}…, now {run_identity[:12]}…); "
                                   "use a new output directory")
-            return
-        if self.path.exists() and any(self.path.iterdir()) and not resume:
-            raise FileExistsError(f"{self.path}: output directory is not empty")
+            return True
+        if self.path.exists() and any(p.name != FAILURE_FILE for p in self.path.iterdir()) and not resume:
+            raise RunExistsError(f"{self.path}: output directory is not empty")
         self.path.mkdir(parents=True, exist_ok=True)
         self.set_state(run_identity, request, "created")
+        return False
 
     def set_state(self, run_identity: str, request: dict, state: str, **extra) -> None:
         write_json_atomic(self.path / STATE_FILE, {"schema_version": SCHEMA_VERSION, "identity": run_identity,
@@ -176,6 +183,13 @@ class RunDirectory:
             artifacts[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
         document = {**result, "artifacts": artifacts}
         write_bytes_atomic(self.path / RESULT_FILE, json_bytes(document))
+        return document
+
+    def reuse_result(self, document: dict) -> dict:
+        """A verified finished result, returned again: it now says it was resumed."""
+        if document.get("resumed") is not True:
+            document = {**document, "resumed": True}
+            write_bytes_atomic(self.path / RESULT_FILE, json_bytes(document))
         return document
 
     def verified_result(self, run_identity: str) -> dict | None:

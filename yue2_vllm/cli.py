@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import write_json_atomic
@@ -24,6 +25,10 @@ IGNORED_FIELDS = {"lang", "eval_index", "clip_id", "prompt", "abc_path"}
 
 class UsageError(ValueError):
     """A problem with what the user asked for (shown without a traceback)."""
+
+
+# Failures a user can act on from the message alone (a traceback would only hide it).
+EXPECTED_ERRORS = (ValueError, OSError, InterruptedError)
 
 
 # --------------------------------------------------------------------------- requests
@@ -154,26 +159,31 @@ def _summary(document: dict) -> dict:
 
 def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, stage: str, quiet: bool) -> dict:
     """Generate one song into `directory`; returns the status line (failure.json is written on error)."""
-    from .artifacts import STATE_FILE, RunDirectory
+    from .artifacts import ResumeError, RunDirectory, RunExistsError
 
     budget = {phase: pipe.sampling_for(overrides.get(phase), phase).max_tokens for phase in ("abc", "semantic")}
     progress = Progress(not quiet, budget)
+    run = RunDirectory(directory)
     try:
         document = pipe.generate_to(directory, request, resume=resume, stage=stage,
                                     abc_sampling=overrides.get("abc"), semantic_sampling=overrides.get("semantic"),
                                     on_token=progress.on_token, on_progress=progress.on_progress)
     except Exception as exc:  # recorded per song; the caller decides whether to go on
         progress.close()
-        failure = {"status": "failed", "type": type(exc).__name__, "reason": str(exc), "request": request.to_dict()}
-        if (directory / STATE_FILE).exists():  # only inside a run directory we own
-            RunDirectory(directory).write_failure(failure)
-        if not quiet and not isinstance(exc, (ValueError, FileExistsError, InterruptedError)):
+        status = {"status": "failed", "id": request.id, "directory": str(directory), "type": type(exc).__name__,
+                  "reason": str(exc)}
+        if not isinstance(exc, (RunExistsError, ResumeError)):  # the run began, so the directory is ours
+            state = run.state()
+            if state is not None and state.get("identity") is not None:
+                status["state"] = state.get("state")
+                run.write_failure({**status, "request": request.to_dict()})
+        if not quiet and not isinstance(exc, EXPECTED_ERRORS):
             traceback.print_exc(file=sys.stderr)
-        return {"status": "failed", "id": request.id, "directory": str(directory), "type": type(exc).__name__,
-                "reason": str(exc)}
+        return status
     progress.close()
-    RunDirectory(directory).clear_failure()
-    status = {"status": document["status"], "id": request.id, "directory": str(directory)}
+    run.clear_failure()
+    status = {"status": document["status"], "id": request.id, "directory": str(directory),
+              "identity": document["identity"], "resumed": document["resumed"]}
     if document["status"] == "complete":
         status.update(audio_seconds=round(document["audio_seconds"], 3), truncated=document["truncated"],
                       timing=_summary(document))
@@ -192,30 +202,57 @@ def cmd_generate(args) -> int:
     return 0 if status["status"] != "failed" else 1
 
 
-def _batch_rows(path: Path, default_cot: str | None) -> list[tuple[str, object, dict, str | None]]:
-    """`(id, request, overrides, error)` per JSONL row; a bad row becomes an error, not an abort."""
-    from .protocol import SongRequest
+@dataclass(frozen=True)
+class RowError:
+    """Why a batch row never became a request."""
+
+    type: str  # the exception's class name
+    reason: str  # "FILE:LINE: message"
+    line: int
+
+
+def _batch_rows(path: Path, default_cot: str | None) -> list[tuple[str, object, dict, RowError | None]]:
+    """`(id, request, overrides, error)` per JSONL row; a bad row becomes an error, not an abort.
+
+    A row's id is its song id, or `_row<LINE>` when it has no usable id of its own (a name no song
+    id can take), so every failure has a directory of its own."""
+    from .protocol import SongRequest, valid_song_id
 
     rows, seen = [], set()
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     for number, line in enumerate(lines, 1):
-        row_id = f"row{number}"
+        row_id = f"_row{number}"
         try:
             data = json.loads(line)
-            row_id = str(data.get("id", row_id)) if isinstance(data, dict) else row_id
+            if isinstance(data, dict) and valid_song_id(data.get("id")) and data["id"] not in seen:
+                row_id = data["id"]
+            seen.add(row_id)
             if not isinstance(data, dict):
                 raise UsageError("a row must be a JSON object")
             if default_cot and "cot" not in data:
                 data["cot"] = default_cot
             fields, overrides = request_from_json(data, path.parent)
             request = SongRequest(**fields)
-            if request.id in seen:
+            if "id" not in data:
+                raise UsageError("missing 'id' (each batch row needs a unique id)")
+            if request.id != row_id:
                 raise UsageError(f"duplicate id {request.id!r}")
-            seen.add(request.id)
             rows.append((request.id, request, overrides, None))
         except (ValueError, TypeError, OSError) as exc:
-            rows.append((row_id, None, {}, f"{path}:{number}: {exc}"))
+            rows.append((row_id, None, {}, RowError(type(exc).__name__, f"{path}:{number}: {exc}", number)))
     return rows
+
+
+def invalid_row_status(directory: Path, error: RowError) -> dict:
+    """The status line of an invalid batch row; its own failure.json records it too (never over a run)."""
+    from .artifacts import STATE_FILE, RunDirectory
+
+    status = {"status": "failed", "id": directory.name, "directory": str(directory), "type": error.type,
+              "reason": error.reason}
+    if not (directory / STATE_FILE).exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        RunDirectory(directory).write_failure({**status, "line": error.line})
+    return status
 
 
 def cmd_batch(args) -> int:
@@ -227,18 +264,20 @@ def cmd_batch(args) -> int:
 def _run_batch(pipe, rows, args) -> int:
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    summary = {"complete": 0, "expected": len(rows), "failed": 0, "results": []}
+    summary = {"complete": False, "expected": len(rows), "failed": 0, "results": []}
     for index, (row_id, request, overrides, error) in enumerate(rows, 1):
         print(f"Song {index}/{len(rows)}: {row_id}", file=sys.stderr)
         if error is not None:
-            status = {"status": "failed", "id": row_id, "type": "InvalidRequest", "reason": error}
+            status = invalid_row_status(output / row_id, error)
         else:
             status = run_song(pipe, request, overrides, output / request.id, resume=args.resume, stage="audio",
                               quiet=args.quiet)
-        summary["complete" if status["status"] == "complete" else "failed"] += 1
+        summary["failed"] += status["status"] != "complete"
         summary["results"].append(status)
         write_json_atomic(output / "batch.json", summary)
         print(json.dumps(status, ensure_ascii=False))
+    summary["complete"] = True  # every row was attempted
+    write_json_atomic(output / "batch.json", summary)
     return 1 if summary["failed"] else 0
 
 

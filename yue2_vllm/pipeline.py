@@ -38,6 +38,9 @@ STAGE_RECORDS = {"plan": (("prefix.npy", "abc_tokens.npy"), ("abc", "timing", "t
                  "semantic": (("semantic.npy",), ("timing", "truncated")),
                  "synthesis": (("latent.npy",), ("nar_seconds",)),
                  "audio": (("audio.flac",), ("vae_seconds", "samples"))}
+# Run states of a failed stage, named as upstream's.
+FAILED_STATES = {"plan": "plan_failed", "semantic": "semantic_failed", "synthesis": "synthesis_failed",
+                 "audio": "decode_failed"}
 OnToken = Callable[[str, int], None]
 OnProgress = Callable[[str, int, int], None]
 Cancelled = Callable[[], bool]
@@ -345,18 +348,18 @@ class YuE2Pipeline:
         config = self.effective_config(request, abc_sampling, semantic_sampling)
         run_id = self.run_identity(request, config)
         run = art.RunDirectory(directory)
-        run.start(run_id, request.to_dict(), resume=resume)
+        resumed = run.start(run_id, request.to_dict(), resume=resume)
         finished = run.verified_result(run_id)
         if finished is not None and stage == "audio":
-            return finished
-        current = {"stage": "created"}
+            return run.reuse_result(finished)
+        current = {"stage": "plan"}
 
         def stage_meta(name: str, compute: Callable[[], tuple[dict[str, bytes], dict]]) -> dict:
             """The stage's recorded meta if it verifies; otherwise redo it (and forget later stages)."""
+            current["stage"] = name
             meta = run.verified_stage(name, run_id, *STAGE_RECORDS[name])
             if meta is None:
                 run.discard_from(name)
-                current["stage"] = name
                 files, meta = compute()
                 run.write_stage(name, run_id, files, meta)
             return meta
@@ -394,7 +397,7 @@ class YuE2Pipeline:
                                 plan_meta["timing"], plan_meta["truncated"])
             run.set_state(run_id, request.to_dict(), "planned")
             if stage == "plan":
-                return {"status": "planned", "identity": run_id, **plan_meta}
+                return {"status": "planned", "identity": run_id, "resumed": resumed, **plan_meta}
             semantic_meta = stage_meta("semantic", compute_semantic)
             tokens = art.load_npy(run.path / "semantic.npy").astype(int).tolist()
             if any(not 0 <= t < CODEC_SIZE for t in tokens):
@@ -405,21 +408,20 @@ class YuE2Pipeline:
             latents = art.load_npy(run.path / "latent.npy")
             run.set_state(run_id, request.to_dict(), "synthesized")
             audio_meta = stage_meta("audio", compute_audio)
+            write_json_atomic(run.path / "request.json", request.to_dict())
+            write_json_atomic(run.path / "config.json", config)
+            timing = {"abc": plan.timing, "semantic": semantic.timing, "nar_seconds": synthesis_meta["nar_seconds"],
+                      "vae_seconds": audio_meta["vae_seconds"], "load": self.load_timing}
+            document = run.write_result({
+                "status": "complete", "identity": run_id, "resumed": resumed,
+                "truncated": {"abc": plan.truncated, "semantic": semantic.truncated},
+                "sample_rate": SAMPLE_RATE, "audio_seconds": audio_meta["samples"] / SAMPLE_RATE,
+                "weights": self.weights, "timing": timing,
+            })
         except BaseException as exc:
             cancelled_run = isinstance(exc, (InterruptedError, KeyboardInterrupt))
-            run.set_state(run_id, request.to_dict(), "cancelled" if cancelled_run else f"{current['stage']}_failed",
+            run.set_state(run_id, request.to_dict(), "cancelled" if cancelled_run else FAILED_STATES[current["stage"]],
                           error=f"{type(exc).__name__}: {exc}")
             raise
-
-        write_json_atomic(run.path / "request.json", request.to_dict())
-        write_json_atomic(run.path / "config.json", config)
-        timing = {"abc": plan.timing, "semantic": semantic.timing, "nar_seconds": synthesis_meta["nar_seconds"],
-                  "vae_seconds": audio_meta["vae_seconds"], "load": self.load_timing}
-        document = run.write_result({
-            "status": "complete", "identity": run_id, "truncated": {"abc": plan.truncated,
-                                                                    "semantic": semantic.truncated},
-            "sample_rate": SAMPLE_RATE, "audio_seconds": audio_meta["samples"] / SAMPLE_RATE,
-            "weights": self.weights, "timing": timing,
-        })
         run.set_state(run_id, request.to_dict(), "complete")
         return document

@@ -70,6 +70,11 @@ def check_token_ids(ids: Sequence[int], what: str, low: int = 0, high: int = VOC
     return [int(v) for v in ids]
 
 
+def valid_song_id(value) -> bool:
+    """Whether `value` can name a song (and its output directory)."""
+    return isinstance(value, str) and bool(_ID_PATTERN.fullmatch(value)) and value not in (".", "..")
+
+
 def default_cfg_scale(cot: str) -> float:
     """cot=off runs paired CFG at 1.01 by default; the score modes run without CFG."""
     return 1.01 if cot == "off" else 1.0
@@ -115,7 +120,7 @@ class SongRequest:
         if self.cot not in COT_MODES:
             raise ValueError(f"SongRequest.cot must be one of {COT_MODES}, got {self.cot!r}")
         object.__setattr__(self, "seed", check_seed(self.seed, "SongRequest.seed"))
-        if not isinstance(self.id, str) or not _ID_PATTERN.fullmatch(self.id) or self.id in (".", ".."):
+        if not valid_song_id(self.id):
             raise ValueError("SongRequest.id must match [A-Za-z0-9][A-Za-z0-9_.-]{0,179}, "
                              f"got {self.id!r}")
         if self.abc is not None:
