@@ -267,3 +267,38 @@ def test_a_failure_record_is_never_listed_in_the_result(pipe, tmp_path):
     assert "failure.json" not in document["artifacts"]
     RunDirectory(tmp_path / "s").clear_failure()
     assert verify_result(tmp_path / "s", document["identity"]) == document
+
+
+def test_an_invalid_vae_is_rejected_when_the_pipeline_starts(tiny_model_dir, tiny_vae_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from yue2_vllm.checkpoint import CheckpointError
+
+    bf16 = tmp_path / "vae-bf16"
+    shutil.copytree(tiny_vae_dir, bf16)
+    state = load_file(str(bf16 / "model.safetensors"))
+    save_file({k: v.bfloat16() for k, v in state.items()}, str(bf16 / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="the VAE must be float32"):
+        YuE2Pipeline(tiny_model_dir, bf16, generation_config=GENERATION, hash_cache=HashCache(tmp_path / "c.json"))
+
+
+def test_a_changed_vae_redoes_only_the_audio_stage(pipe, tiny_model_dir, tmp_path):
+    from yue2_vllm.testing import write_tiny_vae
+
+    on_token, on_progress = crash_in("vae")
+    with pytest.raises(Crash):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
+    other = YuE2Pipeline(tiny_model_dir, write_tiny_vae(tmp_path / "vae2", seed=1), generation_config=GENERATION,
+                         hash_cache=HashCache(tmp_path / "c.json"))
+    seen = set()
+    document = other.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                                 on_progress=recorder(seen)[1])
+    assert seen == {"vae"} and document["weights"]["vae"] == other.weights["vae"]
+    assert verify_result(tmp_path / "s", document["identity"]) == document
+    seen.clear()
+    back = pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                            on_progress=recorder(seen)[1])  # and back to the first VAE: audio again
+    assert seen == {"vae"} and back["identity"] != document["identity"]
+    assert back["identity"] == pipe(REQUEST).identity

@@ -27,7 +27,7 @@ from .derive import OVERRIDE_ENV
 from .sampling import ARBackend, TorchARBackend
 from .torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, restore_ar
 from .tokenizer import YuE2Tokenizer
-from .vae import VAEConfig, load_vae
+from .vae import check_vae, load_vae
 
 SAMPLE_RATE = 48000
 VAE_HALO_FRAMES = 16
@@ -38,6 +38,8 @@ STAGE_RECORDS = {"plan": (("prefix.npy", "abc_tokens.npy"), ("abc", "timing", "t
                  "semantic": (("semantic.npy",), ("timing", "truncated")),
                  "synthesis": (("latent.npy",), ("nar_seconds",)),
                  "audio": (("audio.flac",), ("vae_seconds", "samples"))}
+# Effective-config keys only the audio (VAE) stage depends on.
+AUDIO_CONFIG_KEYS = ("vae_dtype", "vae_decode", "vae_core_frames", "vae_halo_frames", "decoder_release")
 # Run states of a failed stage, named as upstream's.
 FAILED_STATES = {"plan": "plan_failed", "semantic": "semantic_failed", "synthesis": "synthesis_failed",
                  "audio": "decode_failed"}
@@ -134,7 +136,8 @@ class YuE2Pipeline:
         self.weights = {"mot": model_identity(self.model_dir, hashes=self.hashes, verify=verify_hashes),
                         "vae": model_identity(self.vae_dir, hashes=self.hashes, verify=verify_hashes)
                         if self.vae_dir is not None else None}
-        self.vae_config = VAEConfig.load(self.vae_dir) if self.vae_dir is not None else None
+        # Checked now (config, names, shapes, float32), not after the AR and NAR stages have run.
+        self.vae_config = check_vae(self.vae_dir) if self.vae_dir is not None else None
         identity_seconds = time.perf_counter() - start
         self.tokenizer = YuE2Tokenizer.from_model_dir(self.model_dir)
         self.quantization = quantization
@@ -256,7 +259,14 @@ class YuE2Pipeline:
         }
 
     def run_identity(self, request: SongRequest, config: dict) -> str:
+        """The song's identity: request, effective config and all weights (upstream's request identity)."""
         return identity({"request": request.to_dict(), "config": config, "weights": self.weights})
+
+    def latent_identity(self, request: SongRequest, config: dict) -> str:
+        """What the plan, semantic and latent stages depend on: the song's identity without the VAE."""
+        return identity({"request": request.to_dict(),
+                         "config": {k: v for k, v in config.items() if k not in AUDIO_CONFIG_KEYS},
+                         "weights": {"mot": self.weights["mot"]}})
 
     # -- stages
 
@@ -347,8 +357,10 @@ class YuE2Pipeline:
             raise ValueError(f"stage must be 'plan' or 'audio', got {stage!r}")
         config = self.effective_config(request, abc_sampling, semantic_sampling)
         run_id = self.run_identity(request, config)
+        # The directory belongs to the latents' identity, so a changed VAE redoes only the audio stage.
+        latent_id = self.latent_identity(request, config)
         run = art.RunDirectory(directory)
-        resumed = run.start(run_id, request.to_dict(), resume=resume)
+        resumed = run.start(latent_id, request.to_dict(), resume=resume)
         finished = run.verified_result(run_id)
         if finished is not None and stage == "audio":
             return run.reuse_result(finished)
@@ -357,11 +369,12 @@ class YuE2Pipeline:
         def stage_meta(name: str, compute: Callable[[], tuple[dict[str, bytes], dict]]) -> dict:
             """The stage's recorded meta if it verifies; otherwise redo it (and forget later stages)."""
             current["stage"] = name
-            meta = run.verified_stage(name, run_id, *STAGE_RECORDS[name])
+            stage_id = run_id if name == "audio" else latent_id
+            meta = run.verified_stage(name, stage_id, *STAGE_RECORDS[name])
             if meta is None:
                 run.discard_from(name)
                 files, meta = compute()
-                run.write_stage(name, run_id, files, meta)
+                run.write_stage(name, stage_id, files, meta)
             return meta
 
         def compute_plan():
@@ -395,7 +408,7 @@ class YuE2Pipeline:
                                 art.load_npy(run.path / "abc_tokens.npy").astype(int).tolist(),
                                 art.load_npy(run.path / "prefix.npy").astype(int).tolist(),
                                 plan_meta["timing"], plan_meta["truncated"])
-            run.set_state(run_id, request.to_dict(), "planned")
+            run.set_state(latent_id, request.to_dict(), "planned")
             if stage == "plan":
                 return {"status": "planned", "identity": run_id, "resumed": resumed, **plan_meta}
             semantic_meta = stage_meta("semantic", compute_semantic)
@@ -403,10 +416,10 @@ class YuE2Pipeline:
             if any(not 0 <= t < CODEC_SIZE for t in tokens):
                 raise ValueError(f"{run.path / 'semantic.npy'}: holds ids outside the codec range")
             semantic = SemanticResult(plan, tokens, semantic_meta["timing"], semantic_meta["truncated"])
-            run.set_state(run_id, request.to_dict(), "semantic_generated")
+            run.set_state(latent_id, request.to_dict(), "semantic_generated")
             synthesis_meta = stage_meta("synthesis", compute_latents)
             latents = art.load_npy(run.path / "latent.npy")
-            run.set_state(run_id, request.to_dict(), "synthesized")
+            run.set_state(latent_id, request.to_dict(), "synthesized")
             audio_meta = stage_meta("audio", compute_audio)
             write_json_atomic(run.path / "request.json", request.to_dict())
             write_json_atomic(run.path / "config.json", config)
@@ -420,8 +433,8 @@ class YuE2Pipeline:
             })
         except BaseException as exc:
             cancelled_run = isinstance(exc, (InterruptedError, KeyboardInterrupt))
-            run.set_state(run_id, request.to_dict(), "cancelled" if cancelled_run else FAILED_STATES[current["stage"]],
-                          error=f"{type(exc).__name__}: {exc}")
+            state = "cancelled" if cancelled_run else FAILED_STATES[current["stage"]]
+            run.set_state(latent_id, request.to_dict(), state, error=f"{type(exc).__name__}: {exc}")
             raise
-        run.set_state(run_id, request.to_dict(), "complete")
+        run.set_state(latent_id, request.to_dict(), "complete")
         return document
