@@ -139,3 +139,78 @@ def test_failure_json_names_the_failed_state(tiny_model_dir, tiny_vae_dir, tmp_p
     assert status["state"] == failure["state"] == "semantic_failed" and "exceeds the 24576-token context" in \
         failure["reason"]
     assert failure["type"] == "ValueError" and failure["request"]["id"] == "r"
+
+
+class FullDisk:
+    """os.fsync that fails with ENOSPC at the `at`-th write under `root` (and after it, if the disk stays full)."""
+
+    def __init__(self, root, at, stays_full):
+        self.root, self.at, self.stays_full, self.writes = str(root), at, stays_full, 0
+        self.real = os.fsync
+
+    def __call__(self, fd):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(self.root):
+            self.writes += 1
+            if self.writes == self.at or (self.stays_full and self.writes > self.at):
+                raise OSError(28, os.strerror(28))
+        return self.real(fd)
+
+
+# The 18 writes of a run: run_state (1), plan files (2-4) and record (5), run_state (6), semantic (7-8),
+# run_state (9), latents (10-11), run_state (12), audio (13-14), request.json, config.json, result.json (15-17),
+# run_state "complete" (18).
+RUN_WRITES = 18
+
+
+@pytest.fixture(scope="module")
+def cli_pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
+    from yue2_vllm.checkpoint import HashCache
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, hash_cache=HashCache(tmp_path_factory.mktemp("h") / "c.json"),
+                        generation_config={"semantic": {"max_tokens": 4, "min_tokens": 4}, "ode_steps": 1})
+
+
+QUICK_SONG = dict(style="a", lyrics="b", cot="melody", abc="X:1\nK:C\nCD|", id="x")  # no score phase, 4 tokens
+
+
+@pytest.mark.parametrize("at", range(1, RUN_WRITES + 1))
+def test_disk_full_at_any_write_fails_cleanly(cli_pipe, tmp_path, monkeypatch, at):
+    from yue2_vllm.artifacts import RunDirectory
+    from yue2_vllm.cli import run_song
+    from yue2_vllm.protocol import SongRequest
+
+    disk = FullDisk(tmp_path, at, stays_full=True)
+    monkeypatch.setattr(os, "fsync", disk)
+    run = tmp_path / "x"
+    status = run_song(cli_pipe, SongRequest(**QUICK_SONG), {}, run, resume=False, stage="audio", quiet=True)
+    assert disk.writes >= at and not list(run.glob("*.tmp")) and not (run / "failure.json").exists()
+    if at == RUN_WRITES:  # result.json is complete and verifies: the song stands, its run state is stale
+        assert status["status"] == "complete" and RunDirectory(run).state()["state"] == "synthesized"
+        return
+    assert status["status"] == "failed" and status["type"] == "OSError"
+    assert status["reason"].startswith("[Errno 28] cannot write ") and "No space left on device" in status["reason"]
+    monkeypatch.setattr(os, "fsync", disk.real)
+    # nothing is half-written: whatever was recorded verifies, so a resume after freeing space completes
+    assert run_song(cli_pipe, SongRequest(**QUICK_SONG), {}, run, resume=True, stage="audio",
+                    quiet=True)["status"] == "complete"
+    assert not (run / "failure.json").exists() and RunDirectory(run).state()["state"] == "complete"
+
+
+@pytest.mark.parametrize("at,state", [(7, "semantic_failed"), (17, "decode_failed")])
+def test_disk_full_in_the_cli_is_one_line_and_resumable(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
+                                                        monkeypatch, capsys, at, state):
+    from yue2_vllm.artifacts import verify_result
+
+    monkeypatch.setattr(os, "fsync", FullDisk(tmp_path / "out", at, stays_full=False))
+    command = ["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--style", "a",
+               "--lyrics", "b", "--id", "x", "--output", str(tmp_path / "out")]
+    assert main(command) == 1
+    captured = capsys.readouterr()
+    status = json.loads(captured.out)
+    assert (status["status"], status["state"]) == ("failed", state) and "No space left" in status["reason"]
+    assert captured.err.strip().splitlines() == [f"yue2-vllm: error: {status['reason']}"]
+    assert json.loads((tmp_path / "out" / "x" / "failure.json").read_text())["state"] == state
+    assert main(command + ["--resume"]) == 0
+    document = verify_result(tmp_path / "out" / "x", json.loads(capsys.readouterr().out)["identity"])
+    assert document["resumed"] is True and "failure.json" not in document["artifacts"]

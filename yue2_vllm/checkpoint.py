@@ -278,7 +278,10 @@ def read_json(path: str | os.PathLike):
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write to `<name>.<pid>.tmp` beside the target, fsync, then rename into place."""
+    """Write to `<name>.<pid>.tmp` beside the target, fsync, then rename into place.
+
+    On any error the temp file is removed and the target is untouched; an OSError (e.g. ENOSPC)
+    is re-raised naming the target file."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
@@ -287,8 +290,11 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise OSError(exc.errno, f"cannot write {path}: {exc.strerror}") from None
         raise
 
 
@@ -360,8 +366,11 @@ class HashCache:
         stat = file.stat()
         entries = self._entries()
         entries[str(file.resolve())] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, entries)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.path, entries)
+        except OSError:
+            pass  # e.g. a full disk: an unsaved entry only costs a re-hash next time
 
     def sha256(self, file: Path, *, verify: bool = False) -> str:
         stat = file.stat()

@@ -176,7 +176,10 @@ def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, s
             state = run.state()
             if state is not None and state.get("identity") is not None:
                 status["state"] = state.get("state")
-                run.write_failure({**status, "request": request.to_dict()})
+                try:
+                    run.write_failure({**status, "request": request.to_dict()})
+                except OSError:
+                    pass  # e.g. a full disk: the status line still says why
         if not quiet and not isinstance(exc, EXPECTED_ERRORS):
             traceback.print_exc(file=sys.stderr)
         return status
@@ -199,7 +202,10 @@ def cmd_generate(args) -> int:
         status = run_song(pipe, request, overrides, Path(args.output) / request.id, resume=args.resume,
                           stage=args.stage, quiet=args.quiet)
     print(json.dumps(status, ensure_ascii=False))
-    return 0 if status["status"] != "failed" else 1
+    if status["status"] == "failed":
+        print(f"yue2-vllm: error: {status['reason']}", file=sys.stderr)
+        return 1
+    return 0
 
 
 @dataclass(frozen=True)
@@ -443,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, ValueError, FileNotFoundError, json.JSONDecodeError) as exc:
+    except (ValueError, OSError) as exc:  # UsageError, CheckpointError, a full disk, ...
         print(json.dumps({"status": "failed", "type": type(exc).__name__, "reason": str(exc)}, ensure_ascii=False))
         print(f"yue2-vllm: error: {exc}", file=sys.stderr)
         return 2

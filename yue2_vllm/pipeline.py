@@ -7,6 +7,7 @@ run resumes from the last stage whose files still verify.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -29,6 +30,7 @@ from .torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, res
 from .tokenizer import YuE2Tokenizer
 from .vae import check_vae, load_vae
 
+LOG = logging.getLogger(__name__)
 SAMPLE_RATE = 48000
 VAE_HALO_FRAMES = 16
 BACKENDS = ("torch", "vllm", "auto")
@@ -434,7 +436,13 @@ class YuE2Pipeline:
         except BaseException as exc:
             cancelled_run = isinstance(exc, (InterruptedError, KeyboardInterrupt))
             state = "cancelled" if cancelled_run else FAILED_STATES[current["stage"]]
-            run.set_state(latent_id, request.to_dict(), state, error=f"{type(exc).__name__}: {exc}")
+            try:
+                run.set_state(latent_id, request.to_dict(), state, error=f"{type(exc).__name__}: {exc}")
+            except OSError:  # e.g. the disk is still full: the original error is the one to report
+                pass
             raise
-        run.set_state(latent_id, request.to_dict(), "complete")
+        try:
+            run.set_state(latent_id, request.to_dict(), "complete")
+        except OSError as exc:  # result.json, the authority, is complete and verifies
+            LOG.warning("%s: the song is complete but its run state could not be updated (%s)", run.path, exc)
         return document
