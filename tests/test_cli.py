@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -214,3 +215,57 @@ def test_disk_full_in_the_cli_is_one_line_and_resumable(tiny_model_dir, tiny_vae
     assert main(command + ["--resume"]) == 0
     document = verify_result(tmp_path / "out" / "x", json.loads(capsys.readouterr().out)["identity"])
     assert document["resumed"] is True and "failure.json" not in document["artifacts"]
+
+
+def _wait_for_state(path, state, process, timeout=120.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if json.loads(path.read_text())["state"] == state:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never reached {state!r}")
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_and_ctrl_c_cancel_the_run(tiny_model_dir, tiny_vae_dir, tmp_path, signum, code):
+    config = tmp_path / "gen.json"
+    config.write_text(json.dumps({"abc": {"max_tokens": 4, "min_tokens": 4},
+                                  "semantic": {"max_tokens": 5000, "min_tokens": 5000}}))
+    env = {**os.environ, "YUE2_VLLM_CACHE": str(tmp_path / "cache")}
+    process = subprocess.Popen([sys.executable, "-m", "yue2_vllm.cli", "generate", "--model", str(tiny_model_dir),
+                                "--vae", str(tiny_vae_dir), "--config", str(config), "--style", "a", "--lyrics", "b",
+                                "--id", "x", "--output", str(tmp_path / "out")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for_state(tmp_path / "out" / "x" / "run_state.json", "planned", process)  # semantic phase running
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    name = signal.Signals(signum).name
+    assert process.returncode == code, err
+    assert json.loads(out.strip().splitlines()[-1]) == {
+        "status": "cancelled", "id": "x", "directory": str(tmp_path / "out" / "x"), "state": "cancelled",
+        "reason": f"cancelled by {name}; rerun with --resume"}
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "yue2-vllm: cancelled; rerun with --resume"
+    assert json.loads((tmp_path / "out" / "x" / "run_state.json").read_text())["state"] == "cancelled"
+    assert json.loads((tmp_path / "out" / "x" / "failure.json").read_text())["state"] == "cancelled"
+
+
+@pytest.mark.parametrize("device,message", [("cuda", "CUDA is not available"), ("gpu", "not a device"),
+                                            ("cuda:7", "CUDA")])
+def test_device_errors_are_one_line(device, message, tiny_model_dir, tiny_vae_dir, tmp_path, capsys):
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["generate", "--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--device", device,
+                 "--output", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert f"--device {device}: " in json.loads(captured.out)["reason"] and message in captured.out
+    assert captured.err.count("\n") == 1 and not list(tmp_path.iterdir())

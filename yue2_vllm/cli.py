@@ -5,7 +5,9 @@ Progress goes to stderr; stdout carries one JSON status line per song (or per co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -133,10 +135,13 @@ class Progress:
 
 
 def _pipeline(args, need_vae: bool = True):
-    from .pipeline import YuE2Pipeline
+    from .pipeline import YuE2Pipeline, device_problem
     from .protocol import GenerationConfig
     from .testing import TINY_GENERATION, tiny_default
 
+    problem = device_problem(args.device)
+    if problem is not None:
+        raise UsageError(f"--device {args.device}: {problem}")
     generation = json.loads(Path(args.config).read_text(encoding="utf-8")) if args.config else None
     if args.model is None and args.vae is None:
         model_dir, vae_dir = tiny_default()
@@ -168,6 +173,14 @@ def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, s
         document = pipe.generate_to(directory, request, resume=resume, stage=stage,
                                     abc_sampling=overrides.get("abc"), semantic_sampling=overrides.get("semantic"),
                                     on_token=progress.on_token, on_progress=progress.on_progress)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: recorded, then the whole command stops
+        progress.close()
+        exc.status = {"status": "cancelled", "id": request.id, "directory": str(directory), "state": "cancelled",
+                      "reason": f"cancelled by {_signal_name(exc)}; rerun with --resume"}
+        if run.state() is not None:
+            with contextlib.suppress(OSError):
+                run.write_failure({**exc.status, "type": type(exc).__name__, "request": request.to_dict()})
+        raise
     except Exception as exc:  # recorded per song; the caller decides whether to go on
         progress.close()
         status = {"status": "failed", "id": request.id, "directory": str(directory), "type": type(exc).__name__,
@@ -445,14 +458,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised where the program is, so every stage unwinds as on Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _signal_name(exc: KeyboardInterrupt) -> str:
+    return signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
+
+
+def _interrupt(signum, frame):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not break the cleanup
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import threading
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # only there can Python handle signals
+        previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return args.func(args)
+    except KeyboardInterrupt as exc:
+        status = getattr(exc, "status", None) or {"status": "cancelled",
+                                                  "reason": f"cancelled by {_signal_name(exc)}"}
+        print(json.dumps(status, ensure_ascii=False))
+        print("yue2-vllm: cancelled; rerun with --resume", file=sys.stderr)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     except (ValueError, OSError) as exc:  # UsageError, CheckpointError, a full disk, ...
         print(json.dumps({"status": "failed", "type": type(exc).__name__, "reason": str(exc)}, ensure_ascii=False))
         print(f"yue2-vllm: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

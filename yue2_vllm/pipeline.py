@@ -102,7 +102,30 @@ def default_vae_core_frames(memory_budget_gib: float) -> int:
     return 512 if memory_budget_gib <= 12 else 1024
 
 
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot run the pipeline on this machine, or None."""
+    if device == "auto":
+        return None
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return "not a device (use auto, cpu, cuda, cuda:N or mps)"
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"CUDA is not available (torch {torch.__version__}, {torch.cuda.device_count()} CUDA devices)"
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            return f"there are only {torch.cuda.device_count()} CUDA devices"
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        return "MPS is not available on this machine"
+    elif resolved.type not in ("cpu", "cuda", "mps"):
+        return f"device type {resolved.type!r} is not supported (use auto, cpu, cuda, cuda:N or mps)"
+    return None
+
+
 def resolve_device(device: str) -> torch.device:
+    problem = device_problem(device)
+    if problem is not None:
+        raise ValueError(f"device {device!r}: {problem}")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
