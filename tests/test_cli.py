@@ -269,3 +269,107 @@ def test_device_errors_are_one_line(device, message, tiny_model_dir, tiny_vae_di
     captured = capsys.readouterr()
     assert f"--device {device}: " in json.loads(captured.out)["reason"] and message in captured.out
     assert captured.err.count("\n") == 1 and not list(tmp_path.iterdir())
+
+
+BAD_REQUESTS = [
+    ("null", "must be a JSON object, got null"), ("5", "must be a JSON object, got a number"),
+    ("[]", "must be a JSON object, got an array"), ("{", "invalid JSON (Expecting property name"),
+    ("[" * 100_000, "invalid JSON (nested too deeply)"),
+    ('{"style": "a", "lyrics": "b", "abc_path": 5}', "abc_path must be a file name, got a number 5"),
+    ('{"style": "a", "lyrics": "b", "abc_path": ""}', "abc_path must be a file name, got a string ''"),
+    ('{"style": "a", "lyrics": "b", "abc_path": "absent.abc"}', "abc_path "),
+    ('{"style": "a", "lyrics": "b", "abc_sampling": "fast"}', "abc_sampling: Sampling overrides must be an object"),
+    ('{"style": "a", "lyrics": "b", "semantic_sampling": false}', "semantic_sampling: Sampling overrides must be"),
+    ('{"style": "a", "lyrics": "b", "semantic_sampling": []}', "semantic_sampling: Sampling overrides must be"),
+    ('{"style": "a", "lyrics": "b", "abc_sampling": 0}', "abc_sampling: Sampling overrides must be an object"),
+    ('{"style": "a", "lyrics": "b", "abc_sampling": {"top_k": "30"}}', "abc_sampling: Sampling.top_k must be an int"),
+    ('{"style": "a", "lyrics": "b", "id": "\\ud800"}', "SongRequest.id must match"),
+    ('{"style": "a\\udc00", "lyrics": "b"}', "SongRequest.style is not valid Unicode text (a lone surrogate"),
+]
+
+
+@pytest.mark.parametrize("document,message", BAD_REQUESTS)
+def test_bad_request_documents_are_one_line_errors(document, message, tmp_path, capsys):
+    (tmp_path / "req.json").write_text(document, encoding="utf-8")
+    code = main(["generate", "--request", str(tmp_path / "req.json"), "--output", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    status = json.loads(captured.out)
+    assert code == 2 and status["status"] == "failed" and message in status["reason"], status
+    assert status["reason"].startswith(f"--request {tmp_path / 'req.json'}")
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_batch_rows_fail_alone(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    lines = [json.dumps({"id": "ok1", "style": "pop", "lyrics": "x", "cot": "off"}).encode(), b"",
+             b"null", b'{"id": "bad\xff", "style": "a"}', b"[" * 100_000,
+             json.dumps({"id": "fast", "style": "a", "lyrics": "b", "abc_sampling": "fast"}).encode(),
+             json.dumps({"id": "big", "style": "a", "lyrics": "b", "semantic_sampling": {"min_tokens": 50}}).encode(),
+             b'{"id": "\\ud800", "style": "a", "lyrics": "b"}', b"   ",
+             json.dumps({"id": "ok2", "style": "rock", "lyrics": "y", "cot": "off"}).encode()]
+    (tmp_path / "in.jsonl").write_bytes(b"\r\n".join(lines) + b"\n")
+    code = main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
+                 str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")])
+    assert code == 1 and "Traceback" not in capsys.readouterr().err
+    results = json.loads((tmp_path / "out" / "batch.json").read_text())["results"]
+    where = str(tmp_path / "in.jsonl")
+    assert [(r["id"], r["status"]) for r in results] == [
+        ("ok1", "complete"), ("_row3", "failed"), ("_row4", "failed"), ("_row5", "failed"), ("fast", "failed"),
+        ("big", "failed"), ("_row8", "failed"), ("ok2", "complete")]
+    reasons = [r.get("reason") for r in results]
+    assert reasons[1] == f"{where}:3: row: must be a JSON object, got null"
+    assert reasons[2] == f"{where}:4: not UTF-8 text (byte 0xff at column 12)"
+    assert reasons[3] == f"{where}:5: invalid JSON (nested too deeply)"
+    assert reasons[4].startswith(f"{where}:6: row: abc_sampling: Sampling overrides must be an object")
+    # valid types, but min_tokens 50 > the --config's semantic max_tokens 12: refused before any song starts
+    assert reasons[5] == f"{where}:7: semantic_sampling: Sampling.min_tokens must be in [0, max_tokens]"
+    assert reasons[6].startswith(f"{where}:8: SongRequest.id must match")
+    assert json.loads((tmp_path / "out" / "_row4" / "failure.json").read_text())["type"] == "UsageError"
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from yue2_vllm.cli import IGNORED_FIELDS, REQUEST_FIELDS, _batch_rows, request_from_json  # noqa: E402
+from yue2_vllm.checkpoint import json_text  # noqa: E402
+
+TEXT = st.one_of(st.text(max_size=12), st.sampled_from(["", " ", "\ud800", "a\udfff", "X:1\r\nK:C", "../x", "song"]))
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), TEXT)
+JSON = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                     st.dictionaries(TEXT, inner, max_size=4)), max_leaves=12)
+SAMPLING = st.one_of(JSON, st.dictionaries(st.sampled_from(["temperature", "top_p", "top_k", "min_tokens",
+                                                            "max_tokens", "penalty_window", "tempo"]), SCALARS))
+DOCUMENTS = st.one_of(JSON, st.fixed_dictionaries({}, optional={
+    **{name: JSON for name in sorted(REQUEST_FIELDS | IGNORED_FIELDS)},
+    "style": TEXT, "lyrics": TEXT, "cot": st.sampled_from(["full", "melody", "off", "half", 1]),
+    "abc_sampling": SAMPLING, "semantic_sampling": SAMPLING}))
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(document=DOCUMENTS)
+def test_fuzzed_request_documents_give_clean_errors(document, tmp_path):
+    """Any JSON document either becomes a request or a ValueError whose message is printable."""
+    from yue2_vllm.protocol import SongRequest
+
+    try:
+        fields, overrides = request_from_json(document, tmp_path)
+        SongRequest(**{"style": "s", "lyrics": "l", **fields})
+    except ValueError as exc:
+        json_text({"reason": str(exc)}).encode("utf-8")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(st.one_of(st.binary(max_size=30), DOCUMENTS.map(lambda d: json.dumps(d).encode())),
+                      max_size=6))
+def test_fuzzed_batch_files_fail_row_by_row(lines, tmp_path):
+    path = tmp_path / "fuzz.jsonl"
+    path.write_bytes(b"\n".join(line.replace(b"\n", b" ") for line in lines))
+    rows = _batch_rows(path, None)
+    numbers = [n for n, line in enumerate(path.read_bytes().split(b"\n"), 1) if line.strip()]
+    assert len(rows) == len(numbers) and len({row[0] for row in rows}) == len(rows)
+    for (row_id, request, _, error), number in zip(rows, numbers):
+        assert (request is None) == (error is not None)
+        if error is not None:
+            assert error.reason.startswith(f"{path}:{number}: ") and error.line == number
+            json_text({"reason": error.reason}).encode("utf-8")

@@ -298,8 +298,19 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
+def json_text(value, indent: int | None = None) -> str:
+    """JSON as readable UTF-8 text; a string that is not valid Unicode (a lone surrogate) makes it
+    fall back to \\u escapes rather than fail to encode."""
+    text = json.dumps(value, indent=indent, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, indent=indent, allow_nan=False)
+    return text
+
+
 def json_bytes(value) -> bytes:
-    return (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+    return (json_text(value, indent=2) + "\n").encode("utf-8")
 
 
 def write_json_atomic(path: str | os.PathLike, value) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import signal
 import sys
 import traceback
@@ -36,58 +37,127 @@ EXPECTED_ERRORS = (ValueError, OSError, InterruptedError)
 # --------------------------------------------------------------------------- requests
 
 
-def read_abc(path: Path) -> str:
+def _json_type(value) -> str:
+    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+             list: "an array", dict: "an object"}
+    return names.get(type(value), type(value).__name__)
+
+
+def parse_json(text: str):
+    """A JSON document; malformed or absurdly nested input is a UsageError (the caller names where)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise UsageError("invalid JSON (nested too deeply)") from None
+
+
+def read_text_file(path: Path, what: str, *, exact: bool = False) -> str:
+    """A UTF-8 file named by the flag or field `what`; `exact` keeps every byte (CRLF too), else
+    line ends are read as Python's text mode reads them."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{what} {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") \
+            from None
+    return text if exact else text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_json_file(path: Path, what: str):
+    try:
+        return parse_json(read_text_file(path, what))
+    except UsageError as exc:
+        message = str(exc)
+        raise UsageError(message if message.startswith(what) else f"{what} {path}: {message}") from None
+
+
+def read_abc(path: Path, what: str) -> str:
     """An external score exactly as stored: CRLF and every other byte kept (the ABC ids depend on them)."""
-    return path.read_bytes().decode("utf-8")
+    return read_text_file(path, what, exact=True)
 
 
-def request_from_json(data: dict, base_dir: Path | None = None) -> tuple[dict, dict]:
-    """Upstream's request JSON → (SongRequest fields, per-phase sampling overrides)."""
-    from .protocol import SongRequest
+def request_from_json(data, base_dir: Path | None = None, where: str = "request") -> tuple[dict, dict]:
+    """Upstream's request JSON → (SongRequest fields, per-phase sampling overrides); `where` names
+    the document in errors."""
+    from .protocol import PHASES, SongRequest, check_sampling_overrides
 
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: must be a JSON object, got {_json_type(data)}")
     unknown = sorted(set(data) - REQUEST_FIELDS - IGNORED_FIELDS)
     if unknown:
-        raise UsageError(f"request: unknown field(s) {unknown}")
+        raise UsageError(f"{where}: unknown field(s) {unknown}")
     fields = {k: v for k, v in data.items() if k in REQUEST_FIELDS and k not in ("abc_sampling", "semantic_sampling")}
     tags = fields.pop("tags", None)
     if tags is not None:
         if "style" in fields and fields["style"] != tags:
-            raise UsageError("request: 'tags' and 'style' differ (tags is an alias of style)")
+            raise UsageError(f"{where}: 'tags' and 'style' differ (tags is an alias of style)")
         fields["style"] = tags
     if "abc_path" in data:
+        value = data["abc_path"]
         if "abc" in fields:
-            raise UsageError("request: give 'abc' or 'abc_path', not both")
-        fields["abc"] = read_abc((base_dir or Path.cwd()) / data["abc_path"])
-    overrides = {phase: data[f"{phase}_sampling"] for phase in ("abc", "semantic") if data.get(f"{phase}_sampling")}
+            raise UsageError(f"{where}: give 'abc' or 'abc_path', not both")
+        if not isinstance(value, str) or not value.strip():
+            raise UsageError(f"{where}: abc_path must be a file name, got {_json_type(value)} {value!r}")
+        fields["abc"] = read_abc((base_dir or Path.cwd()) / value, f"{where}: abc_path")
+    overrides = {}
+    for phase in PHASES:
+        key = f"{phase}_sampling"
+        if data.get(key) is not None:
+            try:
+                value = check_sampling_overrides(data[key])
+            except ValueError as exc:
+                raise UsageError(f"{where}: {key}: {exc}") from None
+            if value:
+                overrides[phase] = value
     if "prompt" in data:
-        request = SongRequest(**{"style": "", "lyrics": "", **fields})
-        if data["prompt"] != request.text():
-            raise UsageError("request: 'prompt' does not equal the text built from style and lyrics")
+        if "style" not in fields or "lyrics" not in fields:
+            raise UsageError(f"{where}: 'prompt' needs 'style' (or 'tags') and 'lyrics' beside it")
+        if data["prompt"] != SongRequest(**fields).text():
+            raise UsageError(f"{where}: 'prompt' does not equal the text built from style and lyrics")
     return fields, overrides
 
 
 def build_request(args) -> tuple[object, dict]:
     from .protocol import SongRequest
 
-    data, base_dir = {}, None
+    data, base_dir, where = {}, None, "request"
     if args.request:
         path = Path(args.request)
-        data = json.loads(path.read_text(encoding="utf-8"))
-        base_dir = path.parent
-    elif not any([args.style, args.lyrics, args.lyrics_file]):
+        data, base_dir, where = read_json_file(path, "--request"), path.parent, f"--request {path}"
+    elif args.style is None and args.lyrics is None and args.lyrics_file is None:
         data = dict(DEFAULT_REQUEST)
-    fields, overrides = request_from_json(data, base_dir)
-    flag_values = {"style": args.style, "lyrics": args.lyrics, "cot": args.cot, "seed": args.seed,
-                   "cfg_scale": args.cfg_scale, "id": args.id}
+    fields, overrides = request_from_json(data, base_dir, where)
+    flags = {"style": "--style", "lyrics": "--lyrics", "cot": "--cot", "seed": "--seed", "cfg_scale": "--cfg-scale",
+             "id": "--id"}
+    flag_values = {name: getattr(args, name) for name in flags}
     if args.lyrics_file:
-        flag_values["lyrics"] = Path(args.lyrics_file).read_text(encoding="utf-8")
+        flags["lyrics"], flag_values["lyrics"] = "--lyrics-file", read_text_file(Path(args.lyrics_file),
+                                                                                 "--lyrics-file")
     if args.abc_file:
-        flag_values["abc"] = read_abc(Path(args.abc_file))
-    fields.update({k: v for k, v in flag_values.items() if v is not None})
+        flags["abc"], flag_values["abc"] = "--abc-file", read_abc(Path(args.abc_file), "--abc-file")
+    given = {k: v for k, v in flag_values.items() if v is not None}
+    fields.update(given)
     for name in ("style", "lyrics"):
         if name not in fields:
             raise UsageError(f"request: missing '{name}' (give --{name} or a --request file)")
-    return SongRequest(**fields), overrides
+    try:
+        return SongRequest(**fields), overrides
+    except ValueError as exc:  # name the flag or the file the bad value came from
+        field = re.match(r"SongRequest\.(\w+)", str(exc))
+        source = flags[field.group(1)] if field and field.group(1) in given else where
+        raise UsageError(f"{source}: {exc}") from None
+
+
+def print_status(status: dict) -> None:
+    """One JSON status line on stdout."""
+    from .checkpoint import json_text
+
+    print(json_text(status), flush=True)
 
 
 # --------------------------------------------------------------------------- progress
@@ -142,7 +212,7 @@ def _pipeline(args, need_vae: bool = True):
     problem = device_problem(args.device)
     if problem is not None:
         raise UsageError(f"--device {args.device}: {problem}")
-    generation = json.loads(Path(args.config).read_text(encoding="utf-8")) if args.config else None
+    generation = read_json_file(Path(args.config), "--config") if args.config else None
     if args.model is None and args.vae is None:
         model_dir, vae_dir = tiny_default()
         generation = generation or TINY_GENERATION  # a 10 s song, so the default run takes seconds
@@ -214,7 +284,7 @@ def cmd_generate(args) -> int:
     with _pipeline(args) as pipe:
         status = run_song(pipe, request, overrides, Path(args.output) / request.id, resume=args.resume,
                           stage=args.stage, quiet=args.quiet)
-    print(json.dumps(status, ensure_ascii=False))
+    print_status(status)
     if status["status"] == "failed":
         print(f"yue2-vllm: error: {status['reason']}", file=sys.stderr)
         return 1
@@ -230,36 +300,60 @@ class RowError:
     line: int
 
 
-def _batch_rows(path: Path, default_cot: str | None) -> list[tuple[str, object, dict, RowError | None]]:
-    """`(id, request, overrides, error)` per JSONL row; a bad row becomes an error, not an abort.
+def _batch_rows(path: Path, default_cot: str | None,
+                check=None) -> list[tuple[str, object, dict, RowError | None]]:
+    """`(id, request, overrides, error)` per non-blank JSONL line; a bad row becomes an error, not an abort.
 
-    A row's id is its song id, or `_row<LINE>` when it has no usable id of its own (a name no song
-    id can take), so every failure has a directory of its own."""
+    Lines are decoded one by one, so a line that is not UTF-8 fails alone. `check(request,
+    overrides)` may refuse a row before any song starts (e.g. overrides outside the pipeline's
+    limits). A row's id is its song id, or `_row<LINE>` when it has no usable id of its own (a name
+    no song id can take), so every failure has a directory of its own."""
     from .protocol import SongRequest, valid_song_id
 
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as exc:
+        raise UsageError(f"--input {path}: {exc.strerror or exc}") from None
     rows, seen = [], set()
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    for number, line in enumerate(lines, 1):
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
         row_id = f"_row{number}"
         try:
-            data = json.loads(line)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UsageError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") \
+                    from None
+            data = parse_json(line)
             if isinstance(data, dict) and valid_song_id(data.get("id")) and data["id"] not in seen:
                 row_id = data["id"]
             seen.add(row_id)
-            if not isinstance(data, dict):
-                raise UsageError("a row must be a JSON object")
-            if default_cot and "cot" not in data:
+            if isinstance(data, dict) and default_cot and "cot" not in data:
                 data["cot"] = default_cot
-            fields, overrides = request_from_json(data, path.parent)
+            fields, overrides = request_from_json(data, path.parent, "row")
             request = SongRequest(**fields)
             if "id" not in data:
                 raise UsageError("missing 'id' (each batch row needs a unique id)")
             if request.id != row_id:
                 raise UsageError(f"duplicate id {request.id!r}")
+            if check is not None:
+                check(request, overrides)
             rows.append((request.id, request, overrides, None))
-        except (ValueError, TypeError, OSError) as exc:
+        except (ValueError, TypeError, OSError, RecursionError) as exc:
             rows.append((row_id, None, {}, RowError(type(exc).__name__, f"{path}:{number}: {exc}", number)))
     return rows
+
+
+def _check_overrides(pipe):
+    """Row check: each phase's overrides resolve over the pipeline's generation config."""
+    def check(request, overrides: dict) -> None:
+        for phase, value in overrides.items():
+            try:
+                pipe.sampling_for(value, phase)
+            except ValueError as exc:
+                raise UsageError(f"{phase}_sampling: {exc}") from None
+    return check
 
 
 def invalid_row_status(directory: Path, error: RowError) -> dict:
@@ -275,9 +369,9 @@ def invalid_row_status(directory: Path, error: RowError) -> dict:
 
 
 def cmd_batch(args) -> int:
-    rows = _batch_rows(Path(args.input), args.cot)
+    _batch_rows(Path(args.input), args.cot)  # an unreadable file stops here, before any model loads
     with _pipeline(args) as pipe:
-        return _run_batch(pipe, rows, args)
+        return _run_batch(pipe, _batch_rows(Path(args.input), args.cot, _check_overrides(pipe)), args)
 
 
 def _run_batch(pipe, rows, args) -> int:
@@ -294,7 +388,7 @@ def _run_batch(pipe, rows, args) -> int:
         summary["failed"] += status["status"] != "complete"
         summary["results"].append(status)
         write_json_atomic(output / "batch.json", summary)
-        print(json.dumps(status, ensure_ascii=False))
+        print_status(status)
     summary["complete"] = True  # every row was attempted
     write_json_atomic(output / "batch.json", summary)
     return 1 if summary["failed"] else 0
@@ -488,11 +582,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         status = getattr(exc, "status", None) or {"status": "cancelled",
                                                   "reason": f"cancelled by {_signal_name(exc)}"}
-        print(json.dumps(status, ensure_ascii=False))
+        print_status(status)
         print("yue2-vllm: cancelled; rerun with --resume", file=sys.stderr)
         return 128 + getattr(exc, "signum", signal.SIGINT)
     except (ValueError, OSError) as exc:  # UsageError, CheckpointError, a full disk, ...
-        print(json.dumps({"status": "failed", "type": type(exc).__name__, "reason": str(exc)}, ensure_ascii=False))
+        print_status({"status": "failed", "type": type(exc).__name__, "reason": str(exc)})
         print(f"yue2-vllm: error: {exc}", file=sys.stderr)
         return 2
     finally:

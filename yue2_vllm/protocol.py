@@ -70,6 +70,14 @@ def check_token_ids(ids: Sequence[int], what: str, low: int = 0, high: int = VOC
     return [int(v) for v in ids]
 
 
+def check_unicode(text: str, what: str) -> None:
+    """Text must encode as UTF-8: JSON's \\ud800 escapes can smuggle in lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode text (a lone surrogate at position {exc.start})") from None
+
+
 def valid_song_id(value) -> bool:
     """Whether `value` can name a song (and its output directory)."""
     return isinstance(value, str) and bool(_ID_PATTERN.fullmatch(value)) and value not in (".", "..")
@@ -117,6 +125,7 @@ class SongRequest:
         for name in ("style", "lyrics"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"SongRequest.{name} must be a string")
+            check_unicode(getattr(self, name), f"SongRequest.{name}")
         if self.cot not in COT_MODES:
             raise ValueError(f"SongRequest.cot must be one of {COT_MODES}, got {self.cot!r}")
         object.__setattr__(self, "seed", check_seed(self.seed, "SongRequest.seed"))
@@ -126,6 +135,7 @@ class SongRequest:
         if self.abc is not None:
             if not isinstance(self.abc, str) or not self.abc.strip():
                 raise ValueError("SongRequest.abc must be non-blank text when given")
+            check_unicode(self.abc, "SongRequest.abc")
             if self.cot == "off":
                 raise ValueError("SongRequest.abc needs cot 'melody' or 'full' (cot 'off' has no score)")
         if self.cfg_scale is not None and (not _is_real(self.cfg_scale)
@@ -168,12 +178,10 @@ class Sampling:
     max_tokens: int = 9000
 
     def __post_init__(self):
-        for name in ("top_k", "penalty_window", "min_tokens", "max_tokens"):
-            if not _is_int(getattr(self, name)):
-                raise ValueError(f"Sampling.{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("temperature", "top_p", "repetition_penalty"):
-            if not _is_real(getattr(self, name)):
-                raise ValueError(f"Sampling.{name} must be a finite number, got {getattr(self, name)!r}")
+        for f in fields(self):
+            problem = _sampling_type_problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"Sampling.{problem}")
         checks = [
             (0 <= self.temperature <= 5, "temperature must be in [0, 5]"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
@@ -191,6 +199,31 @@ class Sampling:
         return asdict(self)
 
 
+_SAMPLING_INTS = ("top_k", "penalty_window", "min_tokens", "max_tokens")
+
+
+def _sampling_type_problem(name: str, value) -> str | None:
+    if name in _SAMPLING_INTS:
+        return None if _is_int(value) else f"{name} must be an integer, got {value!r}"
+    return None if _is_real(value) else f"{name} must be a finite number, got {value!r}"
+
+
+def check_sampling_overrides(value) -> dict:
+    """A dict of Sampling fields with values of the right types (ranges are checked once merged
+    over a phase's defaults)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"Sampling overrides must be an object of Sampling fields, got {type(value).__name__} "
+                         f"{value!r}")
+    unknown = sorted(set(value) - {f.name for f in fields(Sampling)})
+    if unknown:
+        raise ValueError(f"Sampling: unknown field(s) {unknown}")
+    for name, item in value.items():
+        problem = _sampling_type_problem(name, item)
+        if problem:
+            raise ValueError(f"Sampling.{problem}")
+    return value
+
+
 ABC_DEFAULTS = Sampling(temperature=0.7, top_p=0.9, top_k=30, repetition_penalty=1.005,
                         penalty_window=100, min_tokens=32, max_tokens=4096)
 SEMANTIC_DEFAULTS = Sampling()
@@ -203,10 +236,7 @@ def resolve_sampling(value: Sampling | dict | None, default: Sampling) -> Sampli
     if isinstance(value, Sampling):
         return value
     if isinstance(value, dict):
-        unknown = sorted(set(value) - {f.name for f in fields(Sampling)})
-        if unknown:
-            raise ValueError(f"Sampling: unknown field(s) {unknown}")
-        return replace(default, **value)
+        return replace(default, **check_sampling_overrides(value))
     raise ValueError(f"sampling must be None, a Sampling or a dict, got {type(value).__name__}")
 
 
