@@ -373,3 +373,13 @@ def test_fuzzed_batch_files_fail_row_by_row(lines, tmp_path):
         if error is not None:
             assert error.reason.startswith(f"{path}:{number}: ") and error.line == number
             json_text({"reason": error.reason}).encode("utf-8")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--style", "", "--lyrics", "x"], "--style: SongRequest.style must be non-blank text, got ''"),
+    (["--style", "pop", "--lyrics", "  "], "--lyrics: SongRequest.lyrics must be non-blank text, got '  '"),
+])
+def test_blank_style_or_lyrics_are_refused(flags, message, tmp_path, capsys):
+    assert main(["generate", *flags, "--output", str(tmp_path / "out")]) == 2
+    assert json.loads(capsys.readouterr().out)["reason"] == message
+    assert not (tmp_path / "out").exists()

@@ -302,3 +302,13 @@ def test_a_changed_vae_redoes_only_the_audio_stage(pipe, tiny_model_dir, tmp_pat
                             on_progress=recorder(seen)[1])  # and back to the first VAE: audio again
     assert seen == {"vae"} and back["identity"] != document["identity"]
     assert back["identity"] == pipe(REQUEST).identity
+
+
+@pytest.mark.parametrize("cot", ["full", "off"])
+def test_too_long_lyrics_fail_before_anything_is_written(pipe, tmp_path, cot):
+    request = SongRequest("pop", "la " * 30000, cot=cot, id="long")
+    with pytest.raises(ValueError, match="the request is too long: .* exceeds the 24576-token context; shorten"):
+        pipe.generate_to(tmp_path / "s", request)
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(ValueError, match="too long"):
+        pipe(request)

@@ -96,7 +96,9 @@ def test_song_request_defaults_and_guidance():
     ("cot", "half", "cot"), ("seed", -1, "seed"), ("seed", 2**63, "seed"), ("seed", True, "seed"),
     ("seed", 1.5, "seed"), ("id", "../x", "id"), ("id", "..", "id"), ("id", "a" * 181, "id"),
     ("cfg_scale", 20.5, "cfg_scale"), ("cfg_scale", float("nan"), "cfg_scale"), ("abc", "  ", "abc"),
-    ("style", None, "style"), ("lyrics", 3, "lyrics"),
+    ("style", None, "style"), ("lyrics", 3, "lyrics"), ("style", "", "style must be non-blank"),
+    ("style", " \n\t", "style must be non-blank"), ("lyrics", "", "lyrics must be non-blank"),
+    ("lyrics", "\u3000", "lyrics must be non-blank"),
 ])
 def test_song_request_validation_names_field(field, value, message):
     with pytest.raises(ValueError, match=message):

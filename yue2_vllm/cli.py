@@ -345,15 +345,9 @@ def _batch_rows(path: Path, default_cot: str | None,
     return rows
 
 
-def _check_overrides(pipe):
-    """Row check: each phase's overrides resolve over the pipeline's generation config."""
-    def check(request, overrides: dict) -> None:
-        for phase, value in overrides.items():
-            try:
-                pipe.sampling_for(value, phase)
-            except ValueError as exc:
-                raise UsageError(f"{phase}_sampling: {exc}") from None
-    return check
+def _row_check(pipe):
+    """Row check: overrides resolve over the pipeline's generation config and the prompts fit."""
+    return lambda request, overrides: pipe.check_request(request, overrides.get("abc"), overrides.get("semantic"))
 
 
 def invalid_row_status(directory: Path, error: RowError) -> dict:
@@ -371,7 +365,7 @@ def invalid_row_status(directory: Path, error: RowError) -> dict:
 def cmd_batch(args) -> int:
     _batch_rows(Path(args.input), args.cot)  # an unreadable file stops here, before any model loads
     with _pipeline(args) as pipe:
-        return _run_batch(pipe, _batch_rows(Path(args.input), args.cot, _check_overrides(pipe)), args)
+        return _run_batch(pipe, _batch_rows(Path(args.input), args.cot, _row_check(pipe)), args)
 
 
 def _run_batch(pipe, rows, args) -> int:

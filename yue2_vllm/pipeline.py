@@ -21,9 +21,9 @@ from . import artifacts as art
 from .checkpoint import HashCache, cache_root, identity, model_identity, write_json_atomic
 from .modeling import load_model
 from .nar import synthesize as nar_synthesize
-from .protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, Sampling, SongRequest, abc_prompt,
-                       check_abc_ids, check_token_ids, default_cfg_scale, negative_prompt, resolve_sampling,
-                       semantic_prompt)
+from .protocol import (ABC_END, CODEC_OFFSET, CODEC_SIZE, MUSIC_START, GenerationConfig, Sampling, SongRequest,
+                       abc_prompt, check_abc_ids, check_budget, check_token_ids, default_cfg_scale, negative_prompt,
+                       resolve_sampling, semantic_prompt)
 from .derive import OVERRIDE_ENV
 from .sampling import ARBackend, TorchARBackend
 from .torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, restore_ar
@@ -283,6 +283,28 @@ class YuE2Pipeline:
             "memory_budget_gib": self.memory_budget_gib, "decoder_release": self.vae_config.release_variant if self.vae_config else None,
         }
 
+    def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
+        """Refuse, before any stage runs, overrides that do not resolve and prompts that cannot fit the
+        context with their token budgets (a generated score can only make the semantic prompt longer)."""
+        sampling = {}
+        for phase, value in (("abc", abc_sampling), ("semantic", semantic_sampling)):
+            try:
+                sampling[phase] = self.sampling_for(value, phase)
+            except ValueError as exc:
+                raise ValueError(f"{phase}_sampling: {exc}") from None
+        try:
+            if request.cot == "off" or request.abc is not None:
+                check_budget(semantic_prompt(request, self.tokenizer), sampling["semantic"].max_tokens,
+                             "semantic prompt")
+            else:
+                prompt = abc_prompt(request, self.tokenizer)
+                check_budget(prompt, sampling["abc"].max_tokens, "abc prompt")
+                check_budget(prompt + [ABC_END, MUSIC_START], sampling["semantic"].max_tokens,
+                             "semantic prompt (before any score token)")
+        except ValueError as exc:
+            raise ValueError(f"the request is too long: {exc}; shorten the lyrics, style or score, or lower "
+                             "max_tokens") from None
+
     def run_identity(self, request: SongRequest, config: dict) -> str:
         """The song's identity: request, effective config and all weights (upstream's request identity)."""
         return identity({"request": request.to_dict(), "config": config, "weights": self.weights})
@@ -356,6 +378,7 @@ class YuE2Pipeline:
     def __call__(self, request: SongRequest, *, abc_sampling=None, semantic_sampling=None,
                  cancelled: Cancelled | None = None, on_token: OnToken | None = None,
                  on_progress: OnProgress | None = None) -> SongResult:
+        self.check_request(request, abc_sampling, semantic_sampling)
         config = self.effective_config(request, abc_sampling, semantic_sampling)
         start = time.perf_counter()
         plan = self.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token)
@@ -380,6 +403,7 @@ class YuE2Pipeline:
         (or, with `stage="plan"`, the plan record). Resuming redoes only stages that do not verify."""
         if stage not in ("plan", "audio"):
             raise ValueError(f"stage must be 'plan' or 'audio', got {stage!r}")
+        self.check_request(request, abc_sampling, semantic_sampling)  # before anything is written
         config = self.effective_config(request, abc_sampling, semantic_sampling)
         run_id = self.run_identity(request, config)
         # The directory belongs to the latents' identity, so a changed VAE redoes only the audio stage.

@@ -122,9 +122,9 @@ class SongRequest:
     id: str = "song"
 
     def __post_init__(self):
-        for name in ("style", "lyrics"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"SongRequest.{name} must be a string")
+        for name in ("style", "lyrics"):  # the model is conditioned on both; blank text has no upstream meaning
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ValueError(f"SongRequest.{name} must be non-blank text, got {getattr(self, name)!r}")
             check_unicode(getattr(self, name), f"SongRequest.{name}")
         if self.cot not in COT_MODES:
             raise ValueError(f"SongRequest.cot must be one of {COT_MODES}, got {self.cot!r}")
