@@ -58,7 +58,9 @@ def test_generate_from_request_file_with_flags(tiny_model_dir, tiny_vae_dir, con
     # the same directory again: refused without --resume, returned as is with it
     assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--request",
                  str(tmp_path / "req.json"), "--seed", "5", "--output", str(tmp_path / "out")]) == 1
-    assert "pass resume to continue" in json.loads(capsys.readouterr().out)["reason"]
+    assert json.loads(capsys.readouterr().out)["reason"] == (
+        f"{tmp_path / 'out' / 'r1'}: holds a run already; pass --resume to continue it, or choose another --output "
+        "or --id")
     assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--request",
                  str(tmp_path / "req.json"), "--seed", "5", "--output", str(tmp_path / "out"), "--resume"]) == 0
 
@@ -383,3 +385,67 @@ def test_blank_style_or_lyrics_are_refused(flags, message, tmp_path, capsys):
     assert main(["generate", *flags, "--output", str(tmp_path / "out")]) == 2
     assert json.loads(capsys.readouterr().out)["reason"] == message
     assert not (tmp_path / "out").exists()
+
+
+
+def _parsers():
+    import argparse
+
+    from yue2_vllm.cli import build_parser
+
+    parser = build_parser()
+    yield "yue2-vllm", parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices.items()
+
+
+def test_every_flag_has_help_with_its_default():
+    import argparse
+
+    checked = 0
+    for name, parser in _parsers():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            text = formatter._expand_help(action) if action.help else ""
+            assert text, f"{name} {action.option_strings or action.dest}: no help text"
+            if action.default not in (None, False, argparse.SUPPRESS):
+                assert str(action.default) in text, f"{name} {action.option_strings}: default not shown in {text!r}"
+            checked += 1
+    assert checked > 60
+
+
+def test_version_and_a_fast_help_without_torch():
+    from yue2_vllm import __version__
+
+    code = ("import sys\nfrom yue2_vllm.cli import main\n"
+            "for argv in (['--help'], ['generate', '--help'], ['--version']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == f"yue2-vllm {__version__}"
+    assert "--cot {full,melody,off}" in result.stdout and "(default: 24.0)" in result.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--model", "/nonexistent/YuE2-3B", "--vae", "/nonexistent/vae"],
+     "--model /nonexistent/YuE2-3B: does not exist"),
+    (["generate", "--config", "{config}"], "--config {config}: invalid JSON (Expecting value at line 1 column 1)"),
+    (["batch", "--input", "/nonexistent/in.jsonl"], "--input /nonexistent/in.jsonl: No such file or directory"),
+    (["derive", "/nonexistent/YuE2-3B"], "/nonexistent/YuE2-3B: model directory does not exist"),
+])
+def test_messages_name_flags_and_files(argv, message, tmp_path, capsys):
+    config = tmp_path / "bad.json"
+    config.write_text("oops")
+    argv = [a.replace("{config}", str(config)) for a in argv]
+    assert main([*argv, *(["--output", str(tmp_path / "out")] if argv[0] != "derive" else [])]) == 2
+    assert json.loads(capsys.readouterr().out)["reason"] == message.replace("{config}", str(config))
+
+
+def test_budget_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--budget", "0"])
+    assert info.value.code == 2 and "argument --budget: must be a positive number of GiB, got 0" in \
+        capsys.readouterr().err

@@ -29,7 +29,11 @@ class ResumeError(RuntimeError):
 
 
 class RunExistsError(FileExistsError):
-    """The output directory holds a run (or other files) and resuming was not asked for."""
+    """The output directory holds a run (`holds_run`) or other files, and resuming was not asked for."""
+
+    def __init__(self, message: str, holds_run: bool):
+        super().__init__(message)
+        self.holds_run = holds_run
 
 
 def npy_bytes(array) -> bytes:
@@ -111,7 +115,7 @@ class RunDirectory:
         state_path = self.path / STATE_FILE
         if state_path.exists() or state_path.is_symlink():
             if not resume:
-                raise RunExistsError(f"{self.path}: holds a run already; pass resume to continue it")
+                raise RunExistsError(f"{self.path}: holds a run already; pass resume=True to continue it", True)
             state = _read_record(state_path)
             recorded = state.get("identity") if state is not None else None
             if recorded is None:  # unreadable state: each stage's own record decides what is reused
@@ -122,7 +126,7 @@ class RunDirectory:
                                   "use a new output directory")
             return True
         if self.path.exists() and any(p.name != FAILURE_FILE for p in self.path.iterdir()) and not resume:
-            raise RunExistsError(f"{self.path}: output directory is not empty")
+            raise RunExistsError(f"{self.path}: output directory is not empty", False)
         self.path.mkdir(parents=True, exist_ok=True)
         self.set_state(run_identity, request, "created")
         return False

@@ -77,13 +77,22 @@ def _is_hub_blob_link(path: Path) -> bool:
     return path.resolve().parent == blobs
 
 
+def model_dir_path(model_dir: str | os.PathLike) -> Path:
+    """`model_dir` as a Path, after checking it is an existing directory."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: " + ("is not a directory" if root.exists()
+                                             else "model directory does not exist"))
+    return root
+
+
 def model_file(model_dir: str | os.PathLike, name: str) -> Path:
     """Resolve `name` inside `model_dir`, refusing escapes and foreign symlinks.
 
     A name must be a relative path that stays inside the directory. A symlink is accepted
     only when it is a Hugging Face cache snapshot link into the same repository's blobs.
     """
-    root = Path(model_dir)
+    root = model_dir_path(model_dir)
     relative = Path(name)
     if relative.is_absolute() or ".." in relative.parts or name in ("", "."):
         raise CheckpointError(f"{root}: file name {name!r} escapes the model directory")
@@ -148,9 +157,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
 
 def weight_index(model_dir: str | os.PathLike) -> dict[str, TensorInfo]:
     """All tensors of a model directory (single file or sharded with an index), headers only."""
-    root = Path(model_dir)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: not a model directory")
+    root = model_dir_path(model_dir)
     if (root / INDEX_FILE).exists():
         index = read_json(model_file(root, INDEX_FILE))
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -406,7 +413,7 @@ def model_identity(model_dir: str | os.PathLike, *, hashes: HashCache | None = N
     With `verify`, every file is re-hashed; a `weights_manifest.json` beside the weights, when
     present, must agree with the file set and hashes.
     """
-    root = Path(model_dir)
+    root = model_dir_path(model_dir)
     hashes = hashes or HashCache(None)
     files = {}
     for path in sorted(root.glob("*.safetensors")):

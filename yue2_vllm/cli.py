@@ -14,7 +14,13 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import write_json_atomic
+
+
+def write_json_atomic(path, value) -> None:
+    """checkpoint.write_json_atomic, imported on first use: `yue2-vllm --help` must not import torch."""
+    from .checkpoint import write_json_atomic as write
+
+    write(path, value)
 
 DEFAULT_REQUEST = {
     "id": "first_song",
@@ -220,6 +226,10 @@ def _pipeline(args, need_vae: bool = True):
         raise UsageError("give both --model and --vae, or neither for the embedded tiny default")
     else:
         model_dir, vae_dir = Path(args.model), (Path(args.vae) if args.vae else None)
+        for flag, path in (("--model", model_dir), ("--vae", vae_dir), ("--ar-checkpoint", args.ar_checkpoint)):
+            if path is not None and not Path(path).is_dir():
+                raise UsageError(f"{flag} {path}: " + ("is not a directory" if Path(path).exists()
+                                                       else "does not exist"))
     return YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=args.backend,
                         generation_config=GenerationConfig.from_dict(generation), verify_hashes=args.verify_hashes,
                         ar_checkpoint=args.ar_checkpoint, quantization=args.quantization)
@@ -253,8 +263,12 @@ def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, s
         raise
     except Exception as exc:  # recorded per song; the caller decides whether to go on
         progress.close()
+        reason = str(exc)
+        if isinstance(exc, RunExistsError):
+            reason = (f"{directory}: holds a run already; pass --resume to continue it, or choose another --output "
+                      "or --id" if exc.holds_run else f"{directory}: is not empty; choose another --output or --id")
         status = {"status": "failed", "id": request.id, "directory": str(directory), "type": type(exc).__name__,
-                  "reason": str(exc)}
+                  "reason": reason}
         if not isinstance(exc, (RunExistsError, ResumeError)):  # the run began, so the directory is ours
             state = run.state()
             if state is not None and state.get("identity") is not None:
@@ -459,71 +473,110 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, when it has one worth showing."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text \
+                and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+    return value
+
+
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="YuE2 MoT directory (config.json, model.safetensors, qwen.tiktoken); "
                                         "default: the embedded tiny model")
-    parser.add_argument("--vae", help="YuE2 VAE directory")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--budget", type=float, default=24.0, help="memory budget in GiB (default 24)")
-    parser.add_argument("--backend", choices=("torch", "vllm", "auto"), default="torch")
+    parser.add_argument("--vae", help="YuE2 VAE directory (needed with --model; default: the embedded tiny VAE)")
+    parser.add_argument("--device", default="auto", help="torch device: auto (CUDA if available, else CPU), cpu, "
+                                                         "cuda, cuda:N or mps")
+    parser.add_argument("--budget", type=_positive_float, default=24.0,
+                        help="memory budget in GiB (the vLLM engine must fit it; <= 12 decodes smaller VAE tiles)")
+    parser.add_argument("--backend", choices=("torch", "vllm", "auto"), default="torch",
+                        help="AR backend: torch, or vllm/auto (vLLM whenever it can serve the phase, else torch, "
+                             "shown on screen and recorded)")
     parser.add_argument("--ar-checkpoint", help="serve the AR half from this Qwen3 checkpoint (e.g. an FP8/int8 "
-                                                 "export) instead of deriving one; same as $YUE2_AR_CHECKPOINT")
+                                                 "export) instead of deriving one; default: $YUE2_AR_CHECKPOINT, "
+                                                 "else derived")
     parser.add_argument("--quantization", choices=("none", "auto", "int8", "fp8"), default="none",
                         help="torch AR path: int8/fp8 load-time proxies (restored before the NAR); a yue2-int8-ar "
                              "checkpoint needs auto or int8")
-    parser.add_argument("--config", help="GenerationConfig JSON (per-phase sampling, ode_steps)")
+    parser.add_argument("--config", help="generation config JSON: abc / semantic (or abc_sampling / "
+                                          "semantic_sampling, as in request files) objects of sampling fields, and "
+                                          "ode_steps; default: upstream's (the tiny model's budgets without --model)")
     parser.add_argument("--verify-hashes", action="store_true", help="re-hash the weights instead of trusting "
                                                                       "the size+mtime cache")
-    parser.add_argument("--output", default="runs", help="songs go to OUTPUT/<id> (default: runs)")
+    parser.add_argument("--output", default="runs", help="songs go to OUTPUT/<id>")
     parser.add_argument("--resume", action="store_true", help="continue a run from its last verified stage")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="yue2-vllm", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from . import __version__
 
-    generate = sub.add_parser("generate", help="generate one song")
+    parser = argparse.ArgumentParser(prog="yue2-vllm", description=__doc__, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter, **kwargs)
+
+    generate = command("generate", "generate one song")
     _model_flags(generate)
-    generate.add_argument("--request", help="request JSON (style/tags, lyrics, cot, seed, abc, cfg_scale, id, "
-                                            "abc_sampling, semantic_sampling)")
-    generate.add_argument("--style")
-    generate.add_argument("--lyrics")
-    generate.add_argument("--lyrics-file")
-    generate.add_argument("--abc-file", help="external ABC score (cot melody/full): skips the score phase")
-    generate.add_argument("--cot", choices=("full", "melody", "off"))
-    generate.add_argument("--seed", type=int)
-    generate.add_argument("--cfg-scale", type=float)
-    generate.add_argument("--id")
-    generate.add_argument("--stage", choices=("plan", "audio"), default="audio")
+    generate.add_argument("--request", help="request JSON (style/tags, lyrics, cot, seed, abc or abc_path, cfg_scale, "
+                                            "id, abc_sampling, semantic_sampling); flags override its fields")
+    generate.add_argument("--style", help="style tags, e.g. 'pop, piano, female vocal' (default: the request's)")
+    generate.add_argument("--lyrics", help="lyrics text with [verse]/[chorus] sections (default: the request's)")
+    generate.add_argument("--lyrics-file", help="read the lyrics from this UTF-8 file")
+    generate.add_argument("--abc-file", help="external ABC score (cot melody/full), read byte for byte: skips the "
+                                             "score phase")
+    generate.add_argument("--cot", choices=("full", "melody", "off"),
+                          help="chain of thought: full (chord-annotated score first), melody (melody-only score), "
+                               "off (no score, paired CFG 1.01); default: the request's, else full")
+    generate.add_argument("--seed", type=int, help="sampling and noise seed in [0, 2**63); default: the request's, "
+                                                  "else 831001")
+    generate.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale in [0, 20] (≠ 1 runs on "
+                                                          "the torch backend); default: 1, or 1.01 for cot off")
+    generate.add_argument("--id", help="song id and output directory name; default: the request's, else "
+                                       "'first_song' for the embedded example, else 'song'")
+    generate.add_argument("--stage", choices=("plan", "audio"), default="audio",
+                          help="stop after the score (plan) or make the whole song (audio)")
     generate.set_defaults(func=cmd_generate)
 
-    batch = sub.add_parser("batch", help="generate every request of a JSONL file")
+    batch = command("batch", "generate every request of a JSONL file")
     _model_flags(batch)
-    batch.add_argument("--input", required=True, help="JSONL, one request per line, unique ids")
+    batch.add_argument("--input", required=True, help="JSONL, one request object per line, each with a unique id "
+                                                      "(a bad line fails alone, in OUTPUT/<id> or OUTPUT/_row<LINE>)")
     batch.add_argument("--cot", choices=("full", "melody", "off"), help="cot for rows that do not set one")
     batch.set_defaults(func=cmd_batch)
 
-    doctor = sub.add_parser("doctor", help="versions, devices and which backends are usable")
+    doctor = command("doctor", "versions, devices and which backends are usable")
     doctor.set_defaults(func=cmd_doctor)
 
-    derive = sub.add_parser("derive", help="write the Qwen3 AR checkpoint vLLM serves (cached by content)")
+    derive = command("derive", "write the Qwen3 AR checkpoint vLLM serves (cached by content)")
     derive.add_argument("model", help="YuE2 MoT directory")
-    derive.add_argument("--out", help="cache directory (default: $YUE2_CACHE, $HF_HOME or ~/.cache/huggingface, "
-                                      "then yue2-ar/)")
+    derive.add_argument("--out", help="cache directory; default: $YUE2_CACHE, $HF_HOME or ~/.cache/huggingface, "
+                                      "then yue2-ar/")
     derive.add_argument("--verify-hashes", action="store_true",
                         help="re-hash the source weights and a cached derivation instead of trusting size+mtime")
     derive.set_defaults(func=cmd_derive)
 
-    calibrate = sub.add_parser("calibrate", help="build a calibration corpus from the model's own generations")
+    calibrate = command("calibrate", "build a calibration corpus from the model's own generations")
     _model_flags(calibrate)
     calibrate.set_defaults(output="calibration-corpus")
-    calibrate.add_argument("--requests", help="request set JSON (default: calibration/requests.json)")
+    calibrate.add_argument("--requests", help="request set JSON; default: calibration/requests.json")
     calibrate.add_argument("--window", type=int, default=8192, help="window length in tokens (at most 8192)")
-    calibrate.add_argument("--limit", type=int, help="only the first N requests")
+    calibrate.add_argument("--limit", type=int, help="only the first N requests; default: all")
     calibrate.set_defaults(func=cmd_calibrate)
 
-    evaluate = sub.add_parser("evaluate", help="quality gate: candidate AR vs the bf16 reference, per phase")
+    evaluate = command("evaluate", "quality gate: candidate AR vs the bf16 reference, per phase")
     evaluate.add_argument("--reference", required=True, help="torch:MODEL_DIR (the bf16 MoT)")
     evaluate.add_argument("--candidate", action="append", required=True,
                           help="torch:DIR[#int8|#fp8] or vllm:AR_CHECKPOINT_DIR (repeatable)")
@@ -532,18 +585,22 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--no-floor", action="store_true", help="skip the bf16-vs-bf16 floor row")
     evaluate.set_defaults(func=cmd_evaluate)
 
-    from . import export  # light: llm-compressor is imported only when an export runs
+    # Its flags belong to yue2_vllm.export, which needs torch: they are parsed there (`quantize --help`).
+    quantize = command("quantize", "write a quantized (FP8/int8) drop-in AR checkpoint: MODEL --scheme S --out DIR "
+                                   "(run from .venv-quant: bash calibration/setup-quant-env.sh)", add_help=False)
+    quantize.set_defaults(func=cmd_quantize)
 
-    quantize = sub.add_parser("quantize", help="write a quantized (FP8/int8) drop-in AR checkpoint "
-                                               "(run from .venv-quant: bash calibration/setup-quant-env.sh)")
-    export.add_arguments(quantize)
-    quantize.set_defaults(func=export.cmd_quantize)
-
-    tiny = sub.add_parser("make-tiny", help="write the tiny deterministic MoT + VAE checkpoints into DIR")
-    tiny.add_argument("directory")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny = command("make-tiny", "write the tiny deterministic MoT + VAE checkpoints into DIR")
+    tiny.add_argument("directory", help="where YuE2-3B-tiny/ and YuE2-Vae-tiny/ go")
+    tiny.add_argument("--seed", type=int, default=0, help="weight seed")
     tiny.set_defaults(func=cmd_make_tiny)
     return parser
+
+
+def cmd_quantize(args) -> int:
+    from .export import main as export_main
+
+    return export_main(args.export_arguments, prog="yue2-vllm quantize")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -565,7 +622,12 @@ def _interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "quantize":
+        args.export_arguments = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     import threading
 
     previous = {}
