@@ -449,3 +449,10 @@ def test_budget_must_be_positive(capsys):
         main(["generate", "--budget", "0"])
     assert info.value.code == 2 and "argument --budget: must be a positive number of GiB, got 0" in \
         capsys.readouterr().err
+
+
+def test_a_backend_fallback_is_shown_on_screen(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), "--backend", "vllm", "--cot",
+                 "off", "--style", "a", "--lyrics", "b", "--stage", "audio", "--output", str(tmp_path)]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "phase:" in line]
+    assert notes == ["semantic phase: torch backend (cfg_scale != 1 (1.01): paired CFG runs on the torch backend)"]

@@ -312,3 +312,16 @@ def test_too_long_lyrics_fail_before_anything_is_written(pipe, tmp_path, cot):
     assert not (tmp_path / "s").exists()
     with pytest.raises(ValueError, match="too long"):
         pipe(request)
+
+
+def test_resume_decisions_are_told(pipe, tmp_path, caplog):
+    import logging
+
+    on_token, on_progress = crash_in("semantic")
+    with pytest.raises(Crash):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
+    with caplog.at_level(logging.INFO, logger="yue2_vllm"):
+        pipe.generate_to(tmp_path / "s", REQUEST, resume=True)
+        pipe.generate_to(tmp_path / "s", REQUEST, resume=True)
+    assert [r.getMessage() for r in caplog.records] == ["resuming: plan verified, redoing semantic",
+                                                        "resuming: the finished song verifies, nothing to redo"]

@@ -628,8 +628,15 @@ def main(argv: list[str] | None = None) -> int:
         args.export_arguments = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    import logging
     import threading
 
+    # The pipeline's notes (a backend fallback, what a resume keeps) are one stderr line each.
+    notes = logging.StreamHandler(sys.stderr)
+    notes.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("yue2_vllm")
+    logger.addHandler(notes)
+    logger.setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
     previous = {}
     if threading.current_thread() is threading.main_thread():  # only there can Python handle signals
         previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -646,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"yue2-vllm: error: {exc}", file=sys.stderr)
         return 2
     finally:
+        logger.removeHandler(notes)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

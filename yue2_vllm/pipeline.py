@@ -242,6 +242,8 @@ class YuE2Pipeline:
 
     def _generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, **kwargs):
         backend, reason = self.select_ar_backend(kwargs.get("cfg_scale", 1.0), kwargs.get("legacy_off", False))
+        if reason is not None:
+            LOG.info("%s phase: torch backend (%s)", phase, reason)
         if backend is self.torch_backend and self.proxy_mode:
             prepare_ar_proxies(self.model, self.proxy_mode)  # idempotent; undone before each NAR stage
         ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
@@ -412,18 +414,24 @@ class YuE2Pipeline:
         resumed = run.start(latent_id, request.to_dict(), resume=resume)
         finished = run.verified_result(run_id)
         if finished is not None and stage == "audio":
+            LOG.info("resuming: the finished song verifies, nothing to redo")
             return run.reuse_result(finished)
-        current = {"stage": "plan"}
+        current = {"stage": "plan", "verified": []}  # verified: the stages a resume kept, until one is redone
 
         def stage_meta(name: str, compute: Callable[[], tuple[dict[str, bytes], dict]]) -> dict:
             """The stage's recorded meta if it verifies; otherwise redo it (and forget later stages)."""
             current["stage"] = name
             stage_id = run_id if name == "audio" else latent_id
             meta = run.verified_stage(name, stage_id, *STAGE_RECORDS[name])
+            if meta is None and resumed and current["verified"] is not None:  # say what a resume keeps, once
+                LOG.info("resuming: %s verified, redoing %s", ", ".join(current["verified"]) or "no stage", name)
+                current["verified"] = None
             if meta is None:
                 run.discard_from(name)
                 files, meta = compute()
                 run.write_stage(name, stage_id, files, meta)
+            elif current["verified"] is not None:
+                current["verified"].append(name)
             return meta
 
         def compute_plan():
