@@ -456,3 +456,17 @@ def test_a_backend_fallback_is_shown_on_screen(tiny_model_dir, tiny_vae_dir, con
                  "off", "--style", "a", "--lyrics", "b", "--stage", "audio", "--output", str(tmp_path)]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if "phase:" in line]
     assert notes == ["semantic phase: torch backend (cfg_scale != 1 (1.01): paired CFG runs on the torch backend)"]
+
+
+def test_config_file_with_request_sampling_keys(tiny_model_dir, tiny_vae_dir, tmp_path, capsys):
+    config = tmp_path / "gen.json"
+    config.write_text(json.dumps({"abc_sampling": {"max_tokens": 3, "min_tokens": 3}, "ode_steps": 1,
+                                  "semantic_sampling": {"max_tokens": 5, "min_tokens": 5}}))
+    assert main(["generate", "--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--config", str(config),
+                 *FAST, "--style", "a", "--lyrics", "b", "--output", str(tmp_path / "out")]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["timing"]["abc"]["output_tokens"] == 3 and status["timing"]["semantic"]["output_tokens"] == 5
+    config.write_text(json.dumps({"sampling": {}}))
+    assert main(["generate", "--config", str(config), "--output", str(tmp_path / "out2")]) == 2
+    assert json.loads(capsys.readouterr().out)["reason"].startswith(
+        f"--config {config}: GenerationConfig: unknown field(s) ['sampling']; the fields are abc (or abc_sampling)")

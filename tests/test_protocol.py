@@ -172,3 +172,18 @@ def test_integral_ids_and_seeds_become_plain_ints():
 def test_nar_context_beyond_the_model_is_rejected(context):
     with pytest.raises(ValueError, match=r"context must be an integer in \[1, 24576\]"):
         chunk_ranges(10, 100, context)
+
+
+def test_generation_config_takes_the_request_file_spelling():
+    spelled = {"abc_sampling": {"max_tokens": 100}, "semantic_sampling": {"top_k": 5}, "ode_steps": 8}
+    assert GenerationConfig.from_dict(spelled) == GenerationConfig.from_dict(
+        {"abc": {"max_tokens": 100}, "semantic": {"top_k": 5}, "ode_steps": 8})
+    with pytest.raises(ValueError, match="give 'abc' or 'abc_sampling', not both"):
+        GenerationConfig.from_dict({"abc": {}, "abc_sampling": {}})
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['steps'\]; the fields are abc \(or abc_sampling\), "
+                                         r"semantic \(or semantic_sampling\), ode_steps, ode_method, context, version"):
+        GenerationConfig.from_dict({"steps": 8})
+    with pytest.raises(ValueError, match=r"GenerationConfig.semantic: Sampling.top_k must be an integer"):
+        GenerationConfig.from_dict({"semantic_sampling": {"top_k": "5"}})
+    with pytest.raises(ValueError, match="GenerationConfig must be an object, got list"):
+        GenerationConfig.from_dict([])

@@ -230,8 +230,12 @@ def _pipeline(args, need_vae: bool = True):
             if path is not None and not Path(path).is_dir():
                 raise UsageError(f"{flag} {path}: " + ("is not a directory" if Path(path).exists()
                                                        else "does not exist"))
+    try:
+        generation = GenerationConfig.from_dict(generation)
+    except ValueError as exc:
+        raise UsageError(f"--config {args.config}: {exc}") from None
     return YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=args.backend,
-                        generation_config=GenerationConfig.from_dict(generation), verify_hashes=args.verify_hashes,
+                        generation_config=generation, verify_hashes=args.verify_hashes,
                         ar_checkpoint=args.ar_checkpoint, quantization=args.quantization)
 
 

@@ -266,12 +266,27 @@ class GenerationConfig:
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "GenerationConfig":
+        """Fields over the defaults; a phase's sampling may be partial and may also be spelled as in
+        request files (`abc_sampling`, `semantic_sampling`)."""
+        if data is not None and not isinstance(data, dict):
+            raise ValueError(f"GenerationConfig must be an object, got {type(data).__name__}")
         data = dict(data or {})
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        for phase in PHASES:
+            alias = f"{phase}_sampling"
+            if alias in data:
+                if phase in data:
+                    raise ValueError(f"GenerationConfig: give {phase!r} or {alias!r}, not both")
+                data[phase] = data.pop(alias)
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
         if unknown:
-            raise ValueError(f"GenerationConfig: unknown field(s) {unknown}")
+            raise ValueError(f"GenerationConfig: unknown field(s) {unknown}; the fields are abc (or abc_sampling), "
+                             f"semantic (or semantic_sampling), {', '.join(known[2:])}")
         for phase, default in (("abc", ABC_DEFAULTS), ("semantic", SEMANTIC_DEFAULTS)):
-            data[phase] = resolve_sampling(data.get(phase), default)
+            try:
+                data[phase] = resolve_sampling(data.get(phase), default)
+            except ValueError as exc:
+                raise ValueError(f"GenerationConfig.{phase}: {exc}") from None
         return cls(**data)
 
 
