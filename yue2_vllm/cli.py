@@ -277,10 +277,8 @@ def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, s
             state = run.state()
             if state is not None and state.get("identity") is not None:
                 status["state"] = state.get("state")
-                try:
+                with contextlib.suppress(OSError):  # e.g. a full disk: the status line still says why
                     run.write_failure({**status, "request": request.to_dict()})
-                except OSError:
-                    pass  # e.g. a full disk: the status line still says why
         if not quiet and not isinstance(exc, EXPECTED_ERRORS):
             traceback.print_exc(file=sys.stderr)
         return status
