@@ -132,3 +132,23 @@ def test_atomic_directory_leaves_nothing_on_failure(tmp_path):
     with pytest.raises(FileExistsError):
         with atomic_directory(target):
             pass
+
+
+def test_a_write_error_names_the_file_and_leaves_nothing(tmp_path, monkeypatch):
+    from yue2_vllm.checkpoint import write_bytes_atomic
+
+    (tmp_path / "x.bin").write_bytes(b"old")
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, os.strerror(28))))
+    with pytest.raises(OSError, match=r"\[Errno 28\] cannot write .*x.bin: No space left on device") as info:
+        write_bytes_atomic(tmp_path / "x.bin", b"new")
+    assert info.value.errno == 28
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"] and (tmp_path / "x.bin").read_bytes() == b"old"
+
+
+def test_an_unwritable_hash_cache_only_costs_a_rehash(tmp_path):
+    from yue2_vllm.checkpoint import HashCache
+
+    (tmp_path / "file").write_bytes(b"abc")
+    (tmp_path / "not-a-dir").write_text("")
+    cache = HashCache(tmp_path / "not-a-dir" / "cache.json")
+    assert cache.sha256(tmp_path / "file") == hashlib.sha256(b"abc").hexdigest()

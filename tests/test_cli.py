@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -57,7 +58,9 @@ def test_generate_from_request_file_with_flags(tiny_model_dir, tiny_vae_dir, con
     # the same directory again: refused without --resume, returned as is with it
     assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--request",
                  str(tmp_path / "req.json"), "--seed", "5", "--output", str(tmp_path / "out")]) == 1
-    assert "pass resume to continue" in json.loads(capsys.readouterr().out)["reason"]
+    assert json.loads(capsys.readouterr().out)["reason"] == (
+        f"{tmp_path / 'out' / 'r1'}: holds a run already; pass --resume to continue it, or choose another --output "
+        "or --id")
     assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--request",
                  str(tmp_path / "req.json"), "--seed", "5", "--output", str(tmp_path / "out"), "--resume"]) == 0
 
@@ -79,14 +82,29 @@ def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config
     code = main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
                  str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"), *concurrency])
     assert code == 1
-    summary = json.loads((tmp_path / "out" / "batch.json").read_text())
-    assert (summary["complete"], summary["failed"], summary["expected"]) == (2, 2, 4)
+    out = tmp_path / "out"
+    summary = json.loads((out / "batch.json").read_text())
+    assert (summary["complete"], summary["failed"], summary["expected"]) == (True, 2, 4)
     assert [r["status"] for r in summary["results"]] == ["complete", "failed", "failed", "complete"]
     assert "cot" in summary["results"][1]["reason"] and "duplicate id" in summary["results"][2]["reason"]
-    assert (tmp_path / "out" / "c" / "audio.flac").exists()
+    assert (out / "c" / "audio.flac").exists()
+    for row, song in ((0, "a"), (3, "c")):
+        assert summary["results"][row]["identity"] == json.loads((out / song / "result.json").read_text())["identity"]
+    # each invalid row has its own failure.json (a duplicate id gets a directory no song id can take)
+    assert [r["id"] for r in summary["results"]] == ["a", "b", "_row3", "c"]
+    for name, kind, line in (("b", "ValueError", 2), ("_row3", "UsageError", 3)):
+        failure = json.loads((out / name / "failure.json").read_text())
+        assert (failure["status"], failure["type"], failure["line"]) == ("failed", kind, line)
+        assert failure["reason"] == summary["results"][line - 1]["reason"]
     final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert final["status"] == "batch" and final["complete"] == 2 and final["concurrency"] == (3 if concurrency else 1)
+    assert final["status"] == "batch" and final["completed"] == 2 and final["concurrency"] == (3 if concurrency else 1)
     assert final["songs_per_s"] > 0 and final["ar_tokens_per_s"] > 0
+    # the fixed row reruns in its directory
+    rows[1]["cot"] = "melody"
+    (tmp_path / "in.jsonl").write_text(json.dumps(rows[1]) + "\n")
+    assert main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
+                 str(tmp_path / "in.jsonl"), "--output", str(out)]) == 0
+    assert not (out / "b" / "failure.json").exists() and (out / "b" / "audio.flac").exists()
 
 
 @pytest.mark.skipif(__import__("yue2_vllm.vllm_backend", fromlist=["x"]).vllm_version() is None,
@@ -101,7 +119,7 @@ def test_batch_concurrency_on_vllm(tiny_model_dir, tiny_vae_dir, config_file, tm
     assert code == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert {line["id"] for line in lines[:-1]} == {f"s{i}" for i in range(4)}
-    assert lines[-1]["concurrency"] == 4 and lines[-1]["complete"] == 4
+    assert lines[-1]["concurrency"] == 4 and lines[-1]["completed"] == 4
     for i in range(4):
         verify_result(tmp_path / "out" / f"s{i}")
         timing = json.loads((tmp_path / "out" / f"s{i}" / "result.json").read_text())["timing"]
@@ -113,3 +131,365 @@ def test_doctor(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["versions"]["torch"].startswith("2.") and report["backends"]["torch"]["usable"]
     assert report["default_cfg"] == {"full": 1.0, "melody": 1.0, "off": 1.01}
+
+
+def test_external_abc_is_read_byte_exact(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    score = b"X:1\r\nT:caf\xc3\xa9\r\nK:C\r\nCDEF|\r\n"
+    (tmp_path / "score.abc").write_bytes(score)
+    (tmp_path / "req.json").write_text(json.dumps({"id": "r", "style": "s", "lyrics": "l", "cot": "melody",
+                                                   "abc_path": "score.abc"}))
+    for name, source in (("file", ["--request", str(tmp_path / "req.json")]),
+                         ("flag", ["--style", "s", "--lyrics", "l", "--cot", "melody", "--id", "r",
+                                   "--abc-file", str(tmp_path / "score.abc")])):
+        out = tmp_path / name
+        assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, *source,
+                     "--stage", "plan", "--output", str(out)]) == 0
+        assert (out / "r" / "score.abc").read_bytes() == score
+        assert json.loads((out / "r" / "run_state.json").read_text())["request"]["abc"] == score.decode("utf-8")
+    capsys.readouterr()
+
+
+def test_failure_json_names_the_failed_state(tiny_model_dir, tiny_vae_dir, tmp_path, capsys):
+    """A semantic budget that fits the empty score but not the 8 generated score ids fails in the semantic stage."""
+    from yue2_vllm.protocol import CONTEXT, SongRequest, abc_prompt
+    from yue2_vllm.tokenizer import YuE2Tokenizer
+
+    prompt = abc_prompt(SongRequest("s", "l", id="r"), YuE2Tokenizer.from_model_dir(tiny_model_dir))
+    config = tmp_path / "gen.json"
+    config.write_text(json.dumps({"abc": {"max_tokens": 8, "min_tokens": 8},
+                                  "semantic": {"max_tokens": CONTEXT - len(prompt) - 2, "min_tokens": 4}}))
+    args = ["--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--config", str(config), *FAST]
+    assert main(["generate", *args, "--style", "s", "--lyrics", "l", "--id", "r", "--output", str(tmp_path)]) == 1
+    status = json.loads(capsys.readouterr().out)
+    failure = json.loads((tmp_path / "r" / "failure.json").read_text())
+    assert status["state"] == failure["state"] == "semantic_failed" and "exceeds the 24576-token context" in \
+        failure["reason"]
+    assert failure["type"] == "ValueError" and failure["request"]["id"] == "r"
+
+
+class FullDisk:
+    """os.fsync that fails with ENOSPC at the `at`-th write under `root` (and after it, if the disk stays full)."""
+
+    def __init__(self, root, at, stays_full):
+        self.root, self.at, self.stays_full, self.writes = str(root), at, stays_full, 0
+        self.real = os.fsync
+
+    def __call__(self, fd):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(self.root):
+            self.writes += 1
+            if self.writes == self.at or (self.stays_full and self.writes > self.at):
+                raise OSError(28, os.strerror(28))
+        return self.real(fd)
+
+
+# The 18 writes of a run: run_state (1), plan files (2-4) and record (5), run_state (6), semantic (7-8),
+# run_state (9), latents (10-11), run_state (12), audio (13-14), request.json, config.json, result.json (15-17),
+# run_state "complete" (18).
+RUN_WRITES = 18
+
+
+@pytest.fixture(scope="module")
+def cli_pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
+    from yue2_vllm.checkpoint import HashCache
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, hash_cache=HashCache(tmp_path_factory.mktemp("h") / "c.json"),
+                        generation_config={"semantic": {"max_tokens": 4, "min_tokens": 4}, "ode_steps": 1})
+
+
+QUICK_SONG = dict(style="a", lyrics="b", cot="melody", abc="X:1\nK:C\nCD|", id="x")  # no score phase, 4 tokens
+
+
+@pytest.mark.parametrize("at", range(1, RUN_WRITES + 1))
+def test_disk_full_at_any_write_fails_cleanly(cli_pipe, tmp_path, monkeypatch, at):
+    from yue2_vllm.artifacts import RunDirectory
+    from yue2_vllm.cli import run_song
+    from yue2_vllm.protocol import SongRequest
+
+    disk = FullDisk(tmp_path, at, stays_full=True)
+    monkeypatch.setattr(os, "fsync", disk)
+    run = tmp_path / "x"
+    status = run_song(cli_pipe, SongRequest(**QUICK_SONG), {}, run, resume=False, stage="audio", quiet=True)
+    assert disk.writes >= at and not list(run.glob("*.tmp")) and not (run / "failure.json").exists()
+    if at == RUN_WRITES:  # result.json is complete and verifies: the song stands, its run state is stale
+        assert status["status"] == "complete" and RunDirectory(run).state()["state"] == "synthesized"
+        return
+    assert status["status"] == "failed" and status["type"] == "OSError"
+    assert status["reason"].startswith("[Errno 28] cannot write ") and "No space left on device" in status["reason"]
+    monkeypatch.setattr(os, "fsync", disk.real)
+    # nothing is half-written: whatever was recorded verifies, so a resume after freeing space completes
+    assert run_song(cli_pipe, SongRequest(**QUICK_SONG), {}, run, resume=True, stage="audio",
+                    quiet=True)["status"] == "complete"
+    assert not (run / "failure.json").exists() and RunDirectory(run).state()["state"] == "complete"
+
+
+@pytest.mark.parametrize("at,state", [(7, "semantic_failed"), (17, "decode_failed")])
+def test_disk_full_in_the_cli_is_one_line_and_resumable(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
+                                                        monkeypatch, capsys, at, state):
+    from yue2_vllm.artifacts import verify_result
+
+    monkeypatch.setattr(os, "fsync", FullDisk(tmp_path / "out", at, stays_full=False))
+    command = ["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--style", "a",
+               "--lyrics", "b", "--id", "x", "--output", str(tmp_path / "out")]
+    assert main(command) == 1
+    captured = capsys.readouterr()
+    status = json.loads(captured.out)
+    assert (status["status"], status["state"]) == ("failed", state) and "No space left" in status["reason"]
+    assert captured.err.strip().splitlines() == [f"yue2-vllm: error: {status['reason']}"]
+    assert json.loads((tmp_path / "out" / "x" / "failure.json").read_text())["state"] == state
+    assert main(command + ["--resume"]) == 0
+    document = verify_result(tmp_path / "out" / "x", json.loads(capsys.readouterr().out)["identity"])
+    assert document["resumed"] is True and "failure.json" not in document["artifacts"]
+
+
+def _wait_for_state(path, state, process, timeout=120.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if json.loads(path.read_text())["state"] == state:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never reached {state!r}")
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_and_ctrl_c_cancel_the_run(tiny_model_dir, tiny_vae_dir, tmp_path, signum, code):
+    config = tmp_path / "gen.json"
+    config.write_text(json.dumps({"abc": {"max_tokens": 4, "min_tokens": 4},
+                                  "semantic": {"max_tokens": 5000, "min_tokens": 5000}}))
+    env = {**os.environ, "YUE2_VLLM_CACHE": str(tmp_path / "cache")}
+    process = subprocess.Popen([sys.executable, "-m", "yue2_vllm.cli", "generate", "--model", str(tiny_model_dir),
+                                "--vae", str(tiny_vae_dir), "--config", str(config), "--style", "a", "--lyrics", "b",
+                                "--id", "x", "--output", str(tmp_path / "out")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for_state(tmp_path / "out" / "x" / "run_state.json", "planned", process)  # semantic phase running
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    name = signal.Signals(signum).name
+    assert process.returncode == code, err
+    assert json.loads(out.strip().splitlines()[-1]) == {
+        "status": "cancelled", "id": "x", "directory": str(tmp_path / "out" / "x"), "state": "cancelled",
+        "reason": f"cancelled by {name}; rerun with --resume"}
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "yue2-vllm: cancelled; rerun with --resume"
+    assert json.loads((tmp_path / "out" / "x" / "run_state.json").read_text())["state"] == "cancelled"
+    assert json.loads((tmp_path / "out" / "x" / "failure.json").read_text())["state"] == "cancelled"
+
+
+@pytest.mark.parametrize("device,message", [("cuda", "CUDA is not available"), ("gpu", "not a device"),
+                                            ("cuda:7", "CUDA")])
+def test_device_errors_are_one_line(device, message, tiny_model_dir, tiny_vae_dir, tmp_path, capsys):
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["generate", "--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--device", device,
+                 "--output", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert f"--device {device}: " in json.loads(captured.out)["reason"] and message in captured.out
+    assert captured.err.count("\n") == 1 and not list(tmp_path.iterdir())
+
+
+BAD_REQUESTS = [
+    ("null", "must be a JSON object, got null"), ("5", "must be a JSON object, got a number"),
+    ("[]", "must be a JSON object, got an array"), ("{", "invalid JSON (Expecting property name"),
+    ("[" * 100_000, "invalid JSON (nested too deeply)"),
+    ('{"style": "a", "lyrics": "b", "abc_path": 5}', "abc_path must be a file name, got a number 5"),
+    ('{"style": "a", "lyrics": "b", "abc_path": ""}', "abc_path must be a file name, got a string ''"),
+    ('{"style": "a", "lyrics": "b", "abc_path": "absent.abc"}', "abc_path "),
+    ('{"style": "a", "lyrics": "b", "abc_sampling": "fast"}', "abc_sampling: Sampling overrides must be an object"),
+    ('{"style": "a", "lyrics": "b", "semantic_sampling": false}', "semantic_sampling: Sampling overrides must be"),
+    ('{"style": "a", "lyrics": "b", "semantic_sampling": []}', "semantic_sampling: Sampling overrides must be"),
+    ('{"style": "a", "lyrics": "b", "abc_sampling": 0}', "abc_sampling: Sampling overrides must be an object"),
+    ('{"style": "a", "lyrics": "b", "abc_sampling": {"top_k": "30"}}', "abc_sampling: Sampling.top_k must be an int"),
+    ('{"style": "a", "lyrics": "b", "id": "\\ud800"}', "SongRequest.id must match"),
+    ('{"style": "a\\udc00", "lyrics": "b"}', "SongRequest.style is not valid Unicode text (a lone surrogate"),
+]
+
+
+@pytest.mark.parametrize("document,message", BAD_REQUESTS)
+def test_bad_request_documents_are_one_line_errors(document, message, tmp_path, capsys):
+    (tmp_path / "req.json").write_text(document, encoding="utf-8")
+    code = main(["generate", "--request", str(tmp_path / "req.json"), "--output", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    status = json.loads(captured.out)
+    assert code == 2 and status["status"] == "failed" and message in status["reason"], status
+    assert status["reason"].startswith(f"--request {tmp_path / 'req.json'}")
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_batch_rows_fail_alone(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    lines = [json.dumps({"id": "ok1", "style": "pop", "lyrics": "x", "cot": "off"}).encode(), b"",
+             b"null", b'{"id": "bad\xff", "style": "a"}', b"[" * 100_000,
+             json.dumps({"id": "fast", "style": "a", "lyrics": "b", "abc_sampling": "fast"}).encode(),
+             json.dumps({"id": "big", "style": "a", "lyrics": "b", "semantic_sampling": {"min_tokens": 50}}).encode(),
+             b'{"id": "\\ud800", "style": "a", "lyrics": "b"}', b"   ",
+             json.dumps({"id": "ok2", "style": "rock", "lyrics": "y", "cot": "off"}).encode()]
+    (tmp_path / "in.jsonl").write_bytes(b"\r\n".join(lines) + b"\n")
+    code = main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
+                 str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")])
+    assert code == 1 and "Traceback" not in capsys.readouterr().err
+    results = json.loads((tmp_path / "out" / "batch.json").read_text())["results"]
+    where = str(tmp_path / "in.jsonl")
+    assert [(r["id"], r["status"]) for r in results] == [
+        ("ok1", "complete"), ("_row3", "failed"), ("_row4", "failed"), ("_row5", "failed"), ("fast", "failed"),
+        ("big", "failed"), ("_row8", "failed"), ("ok2", "complete")]
+    reasons = [r.get("reason") for r in results]
+    assert reasons[1] == f"{where}:3: row: must be a JSON object, got null"
+    assert reasons[2] == f"{where}:4: not UTF-8 text (byte 0xff at column 12)"
+    assert reasons[3] == f"{where}:5: invalid JSON (nested too deeply)"
+    assert reasons[4].startswith(f"{where}:6: row: abc_sampling: Sampling overrides must be an object")
+    # valid types, but min_tokens 50 > the --config's semantic max_tokens 12: refused before any song starts
+    assert reasons[5] == f"{where}:7: semantic_sampling: Sampling.min_tokens must be in [0, max_tokens]"
+    assert reasons[6].startswith(f"{where}:8: SongRequest.id must match")
+    assert json.loads((tmp_path / "out" / "_row4" / "failure.json").read_text())["type"] == "UsageError"
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from yue2_vllm.cli import IGNORED_FIELDS, REQUEST_FIELDS, _batch_rows, request_from_json  # noqa: E402
+from yue2_vllm.checkpoint import json_text  # noqa: E402
+
+TEXT = st.one_of(st.text(max_size=12), st.sampled_from(["", " ", "\ud800", "a\udfff", "X:1\r\nK:C", "../x", "song"]))
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), TEXT)
+JSON = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                     st.dictionaries(TEXT, inner, max_size=4)), max_leaves=12)
+SAMPLING = st.one_of(JSON, st.dictionaries(st.sampled_from(["temperature", "top_p", "top_k", "min_tokens",
+                                                            "max_tokens", "penalty_window", "tempo"]), SCALARS))
+DOCUMENTS = st.one_of(JSON, st.fixed_dictionaries({}, optional={
+    **{name: JSON for name in sorted(REQUEST_FIELDS | IGNORED_FIELDS)},
+    "style": TEXT, "lyrics": TEXT, "cot": st.sampled_from(["full", "melody", "off", "half", 1]),
+    "abc_sampling": SAMPLING, "semantic_sampling": SAMPLING}))
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(document=DOCUMENTS)
+def test_fuzzed_request_documents_give_clean_errors(document, tmp_path):
+    """Any JSON document either becomes a request or a ValueError whose message is printable."""
+    from yue2_vllm.protocol import SongRequest
+
+    try:
+        fields, overrides = request_from_json(document, tmp_path)
+        SongRequest(**{"style": "s", "lyrics": "l", **fields})
+    except ValueError as exc:
+        json_text({"reason": str(exc)}).encode("utf-8")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(st.one_of(st.binary(max_size=30), DOCUMENTS.map(lambda d: json.dumps(d).encode())),
+                      max_size=6))
+def test_fuzzed_batch_files_fail_row_by_row(lines, tmp_path):
+    path = tmp_path / "fuzz.jsonl"
+    path.write_bytes(b"\n".join(line.replace(b"\n", b" ") for line in lines))
+    rows = _batch_rows(path, None)
+    numbers = [n for n, line in enumerate(path.read_bytes().split(b"\n"), 1) if line.strip()]
+    assert len(rows) == len(numbers) and len({row[0] for row in rows}) == len(rows)
+    for (row_id, request, _, error), number in zip(rows, numbers):
+        assert (request is None) == (error is not None)
+        if error is not None:
+            assert error.reason.startswith(f"{path}:{number}: ") and error.line == number
+            json_text({"reason": error.reason}).encode("utf-8")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--style", "", "--lyrics", "x"], "--style: SongRequest.style must be non-blank text, got ''"),
+    (["--style", "pop", "--lyrics", "  "], "--lyrics: SongRequest.lyrics must be non-blank text, got '  '"),
+])
+def test_blank_style_or_lyrics_are_refused(flags, message, tmp_path, capsys):
+    assert main(["generate", *flags, "--output", str(tmp_path / "out")]) == 2
+    assert json.loads(capsys.readouterr().out)["reason"] == message
+    assert not (tmp_path / "out").exists()
+
+
+
+def _parsers():
+    import argparse
+
+    from yue2_vllm.cli import build_parser
+
+    parser = build_parser()
+    yield "yue2-vllm", parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices.items()
+
+
+def test_every_flag_has_help_with_its_default():
+    import argparse
+
+    checked = 0
+    for name, parser in _parsers():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            text = formatter._expand_help(action) if action.help else ""
+            assert text, f"{name} {action.option_strings or action.dest}: no help text"
+            if action.default not in (None, False, argparse.SUPPRESS):
+                assert str(action.default) in text, f"{name} {action.option_strings}: default not shown in {text!r}"
+            checked += 1
+    assert checked > 60
+
+
+def test_version_and_a_fast_help_without_torch():
+    from yue2_vllm import __version__
+
+    code = ("import sys\nfrom yue2_vllm.cli import main\n"
+            "for argv in (['--help'], ['generate', '--help'], ['--version']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == f"yue2-vllm {__version__}"
+    assert "--cot {full,melody,off}" in result.stdout and "(default: 24.0)" in result.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--model", "/nonexistent/YuE2-3B", "--vae", "/nonexistent/vae"],
+     "--model /nonexistent/YuE2-3B: does not exist"),
+    (["generate", "--config", "{config}"], "--config {config}: invalid JSON (Expecting value at line 1 column 1)"),
+    (["batch", "--input", "/nonexistent/in.jsonl"], "--input /nonexistent/in.jsonl: No such file or directory"),
+    (["derive", "/nonexistent/YuE2-3B"], "/nonexistent/YuE2-3B: model directory does not exist"),
+])
+def test_messages_name_flags_and_files(argv, message, tmp_path, capsys):
+    config = tmp_path / "bad.json"
+    config.write_text("oops")
+    argv = [a.replace("{config}", str(config)) for a in argv]
+    assert main([*argv, *(["--output", str(tmp_path / "out")] if argv[0] != "derive" else [])]) == 2
+    assert json.loads(capsys.readouterr().out)["reason"] == message.replace("{config}", str(config))
+
+
+def test_budget_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--budget", "0"])
+    assert info.value.code == 2 and "argument --budget: must be a positive number of GiB, got 0" in \
+        capsys.readouterr().err
+
+
+def test_a_backend_fallback_is_shown_on_screen(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), "--backend", "vllm", "--cot",
+                 "off", "--style", "a", "--lyrics", "b", "--stage", "audio", "--output", str(tmp_path)]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "phase:" in line]
+    assert notes == ["semantic phase: torch backend (cfg_scale != 1 (1.01): paired CFG runs on the torch backend)"]
+
+
+def test_config_file_with_request_sampling_keys(tiny_model_dir, tiny_vae_dir, tmp_path, capsys):
+    config = tmp_path / "gen.json"
+    config.write_text(json.dumps({"abc_sampling": {"max_tokens": 3, "min_tokens": 3}, "ode_steps": 1,
+                                  "semantic_sampling": {"max_tokens": 5, "min_tokens": 5}}))
+    assert main(["generate", "--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--config", str(config),
+                 *FAST, "--style", "a", "--lyrics", "b", "--output", str(tmp_path / "out")]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["timing"]["abc"]["output_tokens"] == 3 and status["timing"]["semantic"]["output_tokens"] == 5
+    config.write_text(json.dumps({"sampling": {}}))
+    assert main(["generate", "--config", str(config), "--output", str(tmp_path / "out2")]) == 2
+    assert json.loads(capsys.readouterr().out)["reason"].startswith(
+        f"--config {config}: GenerationConfig: unknown field(s) ['sampling']; the fields are abc (or abc_sampling)")

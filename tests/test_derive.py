@@ -105,6 +105,20 @@ def test_override_tensor_set_checked(derived, tmp_path):
     assert "unexpected tensors (1): model.layers.0.self_attn.q_proj.weight_scale" in str(info.value)
 
 
+def test_override_dtypes_checked(derived, tmp_path):
+    """An int8 lm_head in an unquantized checkpoint has the right shape but would serve garbage."""
+    copy = tmp_path / "copy"
+    shutil.copytree(derived, copy)
+    state = load_file(str(copy / "model.safetensors"))
+    state["lm_head.weight"] = state["lm_head.weight"].to(torch.int8)
+    state["model.norm.weight"] = state["model.norm.weight"].to(torch.float8_e4m3fn)
+    save_file(state, str(copy / "model.safetensors"))
+    with pytest.raises(DerivationError) as info:
+        validate_ar_checkpoint(copy, TINY_CONFIG)
+    assert "lm_head.weight: dtype I8, expected one of ['BF16', 'F16', 'F32', 'F64']" in str(info.value)
+    assert "model.norm.weight: dtype F8_E4M3" in str(info.value)
+
+
 def test_published_fp8_config_parses_and_matches_real_config():
     config = json.loads(PUBLISHED_FP8.read_text())
     scheme = parse_quantization(config)
@@ -145,3 +159,27 @@ def test_hash_cache_skips_rehash_on_reuse(tiny_model_dir, tmp_path, monkeypatch)
     monkeypatch.setattr(ck, "sha256_file", lambda p: calls.append(p) or real(p))
     derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache)
     assert all(not str(p).endswith(".safetensors") for p in calls)
+
+
+def test_verify_hashes_rehashes_a_cached_derivation(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A same-size corruption with its mtime put back passes the size+mtime cache, not --verify-hashes."""
+    import os
+
+    from yue2_vllm.cli import main
+
+    monkeypatch.setenv("YUE2_VLLM_CACHE", str(tmp_path / "user-cache"))
+    cache = HashCache(tmp_path / "h.json")
+    target = derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache)
+    weights = target / "model.safetensors"
+    stat = weights.stat()
+    with open(weights, "r+b") as handle:
+        handle.seek(stat.st_size - 2)
+        last = handle.read(2)
+        handle.seek(stat.st_size - 2)
+        handle.write(bytes(b ^ 0xFF for b in last))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache) == target  # trusted
+    with pytest.raises(DerivationError, match=r"Corrupt derived AR cache: .*model.safetensors does not match"):
+        derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache, verify=True)
+    assert main(["derive", str(tiny_model_dir), "--out", str(tmp_path / "c"), "--verify-hashes"]) == 2
+    assert "Corrupt derived AR cache" in json.loads(capsys.readouterr().out)["reason"]

@@ -63,6 +63,22 @@ def test_cache_overflow_is_an_error(tiny_model):
         tiny_model.forward_ar(torch.tensor([PROMPT[:5]]), cache)
 
 
+def test_cache_reset_reuses_the_buffers(tiny_model):
+    cache = tiny_model.new_cache(len(PROMPT) + 1)
+    buffers = [k.data_ptr() for k in cache.keys]
+    first = tiny_model.forward_ar(torch.tensor([PROMPT]), cache)
+    tiny_model.forward_ar(torch.tensor([[40]]), cache)
+    assert cache.length == len(PROMPT) + 1
+    cache.reset()
+    assert cache.length == 0
+    again = tiny_model.forward_ar(torch.tensor([PROMPT]), cache)  # would overflow without the reset
+    assert torch.equal(again, first) and [k.data_ptr() for k in cache.keys] == buffers
+    decode = tiny_model.forward_ar(torch.tensor([[40]]), cache)
+    fresh = tiny_model.new_cache(len(PROMPT) + 1)
+    tiny_model.forward_ar(torch.tensor([PROMPT]), fresh)
+    assert torch.equal(decode, tiny_model.forward_ar(torch.tensor([[40]]), fresh))
+
+
 def chunk_tokens(codec):
     return PROMPT + [CODEC_OFFSET + c for c in codec] + [MUSIC_END]
 
@@ -155,3 +171,21 @@ def test_loader_rejects_config_mismatch(tiny_model_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="config.json: config.latent_type"):
         load_model(bad)
+
+
+def test_unknown_config_keys_are_ignored(tiny_model_dir, tmp_path, caplog):
+    """A config.json saved by another transformers version (extra bookkeeping keys) still loads."""
+    import json
+    import logging
+    import shutil
+
+    other = tmp_path / "saved"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update({"_name_or_path": "m-a-p/YuE2-3B", "layer_types": ["full_attention"] * 2, "some_future_key": 1})
+    (other / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.DEBUG, logger="yue2_vllm.modeling"):
+        assert YuE2Config.load(other) == YuE2Config.load(tiny_model_dir)
+        model = load_model(other)
+    assert model.config.num_hidden_layers == 2
+    assert "ignoring unknown field(s) ['_name_or_path', 'layer_types', 'some_future_key']" in caplog.text

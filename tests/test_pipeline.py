@@ -77,15 +77,16 @@ def recorder(seen):
     return (lambda phase, token: seen.add(phase)), (lambda name, done, total: seen.add(name))
 
 
-@pytest.mark.parametrize("stage,redone", [("abc", {"abc", "semantic", "nar", "vae"}),
-                                          ("semantic", {"semantic", "nar", "vae"}),
-                                          ("nar", {"nar", "vae"}), ("vae", {"vae"})])
-def test_resume_after_crash_redoes_only_later_stages(pipe, tmp_path, stage, redone):
+@pytest.mark.parametrize("stage,redone,state", [("abc", {"abc", "semantic", "nar", "vae"}, "plan_failed"),
+                                                ("semantic", {"semantic", "nar", "vae"}, "semantic_failed"),
+                                                ("nar", {"nar", "vae"}, "synthesis_failed"),
+                                                ("vae", {"vae"}, "decode_failed")])
+def test_resume_after_crash_redoes_only_later_stages(pipe, tmp_path, stage, redone, state):
     on_token, on_progress = crash_in(stage)
     with pytest.raises(Crash):
         pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
-    state = json.loads((tmp_path / "s" / "run_state.json").read_text())
-    assert state["state"].endswith("_failed") and "Crash" in state["error"]
+    recorded = json.loads((tmp_path / "s" / "run_state.json").read_text())
+    assert recorded["state"] == state and "Crash" in recorded["error"]
     with pytest.raises(FileExistsError):
         pipe.generate_to(tmp_path / "s", REQUEST)
     seen = set()
@@ -95,10 +96,15 @@ def test_resume_after_crash_redoes_only_later_stages(pipe, tmp_path, stage, redo
     reference = pipe.generate_to(tmp_path / "ref", REQUEST)
     assert document["artifacts"]["audio.flac"] == reference["artifacts"]["audio.flac"]
     assert document["identity"] == reference["identity"]
+    assert (document["resumed"], reference["resumed"]) == (True, False)
+    assert json.loads((tmp_path / "s" / "result.json").read_text())["resumed"] is True
 
 
 def test_tampered_artifact_is_detected_and_redone(pipe, tmp_path):
     document = pipe.generate_to(tmp_path / "s", REQUEST)
+    assert document["resumed"] is False
+    reused = pipe.generate_to(tmp_path / "s", REQUEST, resume=True)  # a finished result reused
+    assert reused == {**document, "resumed": True} == json.loads((tmp_path / "s" / "result.json").read_text())
     semantic = tmp_path / "s" / "semantic.npy"
     tokens = np.load(semantic)
     tokens[0] = (tokens[0] + 1) % CODEC_SIZE
@@ -186,3 +192,136 @@ def test_song_from_an_int8_ar_checkpoint(tiny_model_dir, tiny_vae_dir, tmp_path)
     assert song.audio.shape == (1920 * 30 - 64, 2) and np.isfinite(song.audio).all()
     with pytest.raises(ValueError, match="yue2-int8-ar"):
         YuE2Pipeline(tmp_path / "int8ar", tiny_vae_dir, quantization="none", hash_cache=HashCache(tmp_path / "c.json"))
+
+
+def test_float_or_bool_ids_are_rejected_by_the_stages(pipe):
+    """1.0 == 1 in Python: a hand-built plan or semantic result with float ids must not slip through."""
+    from dataclasses import replace
+
+    from yue2_vllm.pipeline import SemanticResult
+
+    plan = pipe.plan(SongRequest("rock", "yeah", cot="off", id="off"))
+    with pytest.raises(ValueError, match=r"plan.prefix\[0\] = 151643.0"):
+        pipe.generate_semantic(replace(plan, prefix=[float(t) for t in plan.prefix]))
+    with pytest.raises(ValueError, match=r"semantic.tokens\[1\] = True"):
+        pipe.synthesize(SemanticResult(plan, [3, True, 5]))
+    with pytest.raises(ValueError, match=r"semantic.tokens\[0\] = 2.0"):
+        pipe.synthesize(SemanticResult(plan, [2.0]))
+
+
+def _edit_json(path, change):
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize("damage,redone", [
+    # a stage claimed complete without file hashes (and its file gone)
+    (lambda d: (_edit_json(d / "plan.stage.json", lambda r: r.update(files={})), (d / "prefix.npy").unlink()),
+     {"abc", "semantic", "nar", "vae"}),
+    (lambda d: _edit_json(d / "semantic.stage.json", lambda r: r.update(files=["semantic.npy"])),
+     {"semantic", "nar", "vae"}),
+    (lambda d: _edit_json(d / "synthesis.stage.json", lambda r: r.pop("meta")), {"nar", "vae"}),
+    (lambda d: _edit_json(d / "run_state.json", lambda r: r.pop("identity")), set()),
+    (lambda d: (d / "run_state.json").write_text("null"), set()),
+])
+def test_resume_over_an_inconsistent_manifest_redoes_the_affected_stages(pipe, tmp_path, damage, redone):
+    on_token, on_progress = crash_in("vae")
+    with pytest.raises(Crash):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
+    damage(tmp_path / "s")
+    seen = set()
+    document = pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                                on_progress=recorder(seen)[1])
+    assert seen == redone | {"vae"}
+    assert verify_result(tmp_path / "s", document["identity"]) == document
+
+
+def test_result_without_hashes_or_with_a_symlink_is_not_trusted(pipe, tmp_path):
+    document = pipe.generate_to(tmp_path / "s", REQUEST)
+    _edit_json(tmp_path / "s" / "result.json", lambda r: r.update(artifacts={}))
+    seen = set()
+    again = pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                             on_progress=recorder(seen)[1])
+    assert seen == set() and again["artifacts"] == document["artifacts"]
+    latent = tmp_path / "s" / "latent.npy"
+    (tmp_path / "elsewhere.npy").write_bytes(latent.read_bytes())
+    latent.unlink()
+    latent.symlink_to(tmp_path / "elsewhere.npy")
+    redone = pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                              on_progress=recorder(seen)[1])
+    assert seen == {"nar", "vae"} and not latent.is_symlink()
+    for name in ("latent.npy", "audio.flac"):
+        assert redone["artifacts"][name] == document["artifacts"][name]
+
+
+def test_a_failure_record_is_never_listed_in_the_result(pipe, tmp_path):
+    """The CLI leaves failure.json beside a failed run and removes it once the resumed run completes."""
+    from yue2_vllm.artifacts import RunDirectory
+
+    on_token, on_progress = crash_in("nar")
+    with pytest.raises(Crash):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
+    (tmp_path / "s" / "failure.json").write_text('{"status": "failed"}')
+    document = pipe.generate_to(tmp_path / "s", REQUEST, resume=True)
+    assert "failure.json" not in document["artifacts"]
+    RunDirectory(tmp_path / "s").clear_failure()
+    assert verify_result(tmp_path / "s", document["identity"]) == document
+
+
+def test_an_invalid_vae_is_rejected_when_the_pipeline_starts(tiny_model_dir, tiny_vae_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from yue2_vllm.checkpoint import CheckpointError
+
+    bf16 = tmp_path / "vae-bf16"
+    shutil.copytree(tiny_vae_dir, bf16)
+    state = load_file(str(bf16 / "model.safetensors"))
+    save_file({k: v.bfloat16() for k, v in state.items()}, str(bf16 / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="the VAE must be float32"):
+        YuE2Pipeline(tiny_model_dir, bf16, generation_config=GENERATION, hash_cache=HashCache(tmp_path / "c.json"))
+
+
+def test_a_changed_vae_redoes_only_the_audio_stage(pipe, tiny_model_dir, tmp_path):
+    from yue2_vllm.testing import write_tiny_vae
+
+    on_token, on_progress = crash_in("vae")
+    with pytest.raises(Crash):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
+    other = YuE2Pipeline(tiny_model_dir, write_tiny_vae(tmp_path / "vae2", seed=1), generation_config=GENERATION,
+                         hash_cache=HashCache(tmp_path / "c.json"))
+    seen = set()
+    document = other.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                                 on_progress=recorder(seen)[1])
+    assert seen == {"vae"} and document["weights"]["vae"] == other.weights["vae"]
+    assert verify_result(tmp_path / "s", document["identity"]) == document
+    seen.clear()
+    back = pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                            on_progress=recorder(seen)[1])  # and back to the first VAE: audio again
+    assert seen == {"vae"} and back["identity"] != document["identity"]
+    assert back["identity"] == pipe(REQUEST).identity
+
+
+@pytest.mark.parametrize("cot", ["full", "off"])
+def test_too_long_lyrics_fail_before_anything_is_written(pipe, tmp_path, cot):
+    request = SongRequest("pop", "la " * 30000, cot=cot, id="long")
+    with pytest.raises(ValueError, match="the request is too long: .* exceeds the 24576-token context; shorten"):
+        pipe.generate_to(tmp_path / "s", request)
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(ValueError, match="too long"):
+        pipe(request)
+
+
+def test_resume_decisions_are_told(pipe, tmp_path, caplog):
+    import logging
+
+    on_token, on_progress = crash_in("semantic")
+    with pytest.raises(Crash):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
+    with caplog.at_level(logging.INFO, logger="yue2_vllm"):
+        pipe.generate_to(tmp_path / "s", REQUEST, resume=True)
+        pipe.generate_to(tmp_path / "s", REQUEST, resume=True)
+    assert [r.getMessage() for r in caplog.records] == ["resuming: plan verified, redoing semantic",
+                                                        "resuming: the finished song verifies, nothing to redo"]

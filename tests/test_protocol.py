@@ -96,7 +96,9 @@ def test_song_request_defaults_and_guidance():
     ("cot", "half", "cot"), ("seed", -1, "seed"), ("seed", 2**63, "seed"), ("seed", True, "seed"),
     ("seed", 1.5, "seed"), ("id", "../x", "id"), ("id", "..", "id"), ("id", "a" * 181, "id"),
     ("cfg_scale", 20.5, "cfg_scale"), ("cfg_scale", float("nan"), "cfg_scale"), ("abc", "  ", "abc"),
-    ("style", None, "style"), ("lyrics", 3, "lyrics"),
+    ("style", None, "style"), ("lyrics", 3, "lyrics"), ("style", "", "style must be non-blank"),
+    ("style", " \n\t", "style must be non-blank"), ("lyrics", "", "lyrics must be non-blank"),
+    ("lyrics", "\u3000", "lyrics must be non-blank"),
 ])
 def test_song_request_validation_names_field(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -142,3 +144,46 @@ def test_budget_and_chunks():
     assert chunk_ranges(0, 100) == []
     with pytest.raises(ValueError, match="no room"):
         chunk_ranges(5, 24574)
+
+
+@pytest.mark.parametrize("bad", [1.0, True, 2.5, None, "7"])
+def test_token_ids_are_integers_never_coerced(bad):
+    with pytest.raises(ValueError, match=r"abc_ids\[1\] = "):
+        p.check_abc_ids([5, bad])
+    with pytest.raises(ValueError, match=r"semantic prompt\[2\] = "):
+        p.check_budget([EOD, 3, bad], 10, "semantic prompt")
+    with pytest.raises(ValueError, match=r"semantic.tokens\[0\] = "):
+        p.check_token_ids([bad], "semantic.tokens", 0, p.CODEC_SIZE)
+
+
+def test_integral_ids_and_seeds_become_plain_ints():
+    import numpy as np
+
+    assert p.check_abc_ids(np.asarray([3, 4], dtype=np.int32)) == [3, 4]
+    request = SongRequest("s", "l", seed=np.int64(7))
+    assert type(request.seed) is int and request.to_dict()["seed"] == 7
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        p.check_seed(5.0)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        p.check_seed(np.float64(3))
+
+
+@pytest.mark.parametrize("context", [24577, 30000, 0, 12.5, True])
+def test_nar_context_beyond_the_model_is_rejected(context):
+    with pytest.raises(ValueError, match=r"context must be an integer in \[1, 24576\]"):
+        chunk_ranges(10, 100, context)
+
+
+def test_generation_config_takes_the_request_file_spelling():
+    spelled = {"abc_sampling": {"max_tokens": 100}, "semantic_sampling": {"top_k": 5}, "ode_steps": 8}
+    assert GenerationConfig.from_dict(spelled) == GenerationConfig.from_dict(
+        {"abc": {"max_tokens": 100}, "semantic": {"top_k": 5}, "ode_steps": 8})
+    with pytest.raises(ValueError, match="give 'abc' or 'abc_sampling', not both"):
+        GenerationConfig.from_dict({"abc": {}, "abc_sampling": {}})
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['steps'\]; the fields are abc \(or abc_sampling\), "
+                                         r"semantic \(or semantic_sampling\), ode_steps, ode_method, context, version"):
+        GenerationConfig.from_dict({"steps": 8})
+    with pytest.raises(ValueError, match=r"GenerationConfig.semantic: Sampling.top_k must be an integer"):
+        GenerationConfig.from_dict({"semantic_sampling": {"top_k": "5"}})
+    with pytest.raises(ValueError, match="GenerationConfig must be an object, got list"):
+        GenerationConfig.from_dict([])

@@ -91,9 +91,9 @@ def test_cancel_aborts_the_request_and_keeps_the_engine(backend):
     assert len(backend.generate(SEMANTIC_PROMPT, Sampling(min_tokens=3, max_tokens=3), 1, "semantic").ids) == 3
 
 
-def test_refuses_cfg_and_budget(backend):
-    with pytest.raises(ValueError, match="torch backend"):
-        backend.generate(SEMANTIC_PROMPT, Sampling(), 0, "semantic", negative=[EOD], cfg_scale=1.5)
+def test_refuses_cfg_without_negative_and_over_budget(backend):
+    with pytest.raises(ValueError, match="needs a negative"):
+        backend.generate(SEMANTIC_PROMPT, Sampling(), 0, "semantic", cfg_scale=1.5)
     with pytest.raises(ValueError, match="exceeds the 24576-token context"):
         backend.generate([EOD] * 20000, Sampling(max_tokens=5000), 0, "semantic")
 
@@ -209,7 +209,7 @@ def vllm_pipe(tiny_model_dir, tiny_vae_dir, derived):
     pipe.close()
 
 
-def test_song_on_vllm_and_recorded_fallbacks(vllm_pipe):
+def test_song_on_vllm_and_recorded_fallbacks(vllm_pipe, monkeypatch):
     song = vllm_pipe(SongRequest("pop", "la", id="v1"))
     for phase in ("abc", "semantic"):
         timing = song.timing[phase]
@@ -217,12 +217,13 @@ def test_song_on_vllm_and_recorded_fallbacks(vllm_pipe):
             ("vllm", "vllm", None)
     assert song.audio.shape == (1920 * 30 - 64, 2)
     off = vllm_pipe(SongRequest("pop", "la", cot="off", id="v2"))
-    assert off.timing["semantic"]["backend_actual"] == "torch"
-    assert off.timing["semantic"]["fallback_reason"].startswith("cfg_scale != 1 (1.01)")
+    assert off.timing["semantic"]["backend_actual"] == "vllm" and off.timing["semantic"]["cfg_branches"] == 2
+    assert off.timing["semantic"]["fallback_reason"] is None
+    monkeypatch.setattr(vllm_pipe, "cfg_engine", "torch")  # the documented switch back to the torch CFG path
     guided = vllm_pipe(SongRequest("pop", "la", cfg_scale=1.5, id="v3"))
     assert guided.timing["abc"]["backend_actual"] == "vllm"
     assert guided.timing["semantic"]["backend_actual"] == "torch"
-    assert "cfg_scale != 1 (1.5)" in guided.timing["semantic"]["fallback_reason"]
+    assert "cfg_scale 1.5 ≠ 1" in guided.timing["semantic"]["fallback_reason"]
     assert vllm_pipe._vllm.running  # resident across songs on CPU
 
 

@@ -7,14 +7,16 @@ from yue2_vllm import engine_sampling as es
 from yue2_vllm import vllm_plugin
 from yue2_vllm.protocol import CODEC_OFFSET, EOD, MUSIC_END, MUSIC_START, Sampling
 from yue2_vllm.vllm_backend import vllm_version
-from yue2_vllm.vllm_plugin import RowState, parse_row, row_args
+from yue2_vllm.vllm_plugin import Pairing, RowState, parse_row, row_args, sample_rows, step_layout
 
 
 def test_row_args_round_trip():
     sampling = Sampling(temperature=0.7, top_k=30, min_tokens=3, max_tokens=9)
-    settings, history = parse_row(row_args("semantic", sampling, 42, legacy=True, history=[5, 6]))
-    assert settings == es.RowSampling(1, 0.7, 0.95, 30, 1.2, 50, 3, 42, True) and history == [5, 6]
-    assert parse_row(None) is None and parse_row({"other": 1}) is None
+    state = parse_row(row_args("semantic", sampling, 42, legacy=True, history=[5, 6]))
+    assert state.settings == es.RowSampling(1, 0.7, 0.95, 30, 1.2, 50, 3, 42, True) and state.history == [5, 6]
+    assert state.pairing is None and parse_row(None) is None and parse_row({"other": 1}) is None
+    paired = parse_row(row_args("abc", sampling, 1, pairing=Pairing("p1", "uncond", 1.5)))
+    assert paired.pairing == Pairing("p1", "uncond", 1.5)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -25,6 +27,8 @@ def test_row_args_round_trip():
     ({"yue2": {"phase": "abc", "seed": 1, "sampling": {"top_p": 0}}}, "top_p"),
     ({"yue2": {"phase": "abc", "seed": 1, "history": [1.5]}}, "history"),
     ({"yue2": {"phase": "abc", "seed": 1, "legacy": "yes"}}, "legacy"),
+    ({"yue2": {"phase": "abc", "seed": 1, "pair": "p", "role": "both", "scale": 1.5}}, "role in"),
+    ({"yue2": {"phase": "abc", "seed": 1, "pair": "p", "role": "cond", "scale": 25}}, "scale must be"),
 ])
 def test_bad_row_args_are_named(args, message):
     with pytest.raises(ValueError, match=message):
@@ -36,6 +40,35 @@ def test_recent_history_spans_accepted_and_generated_tokens():
     row = RowState(settings, [7, 8], history=[1, 2, 3, 4, 5])
     assert row.step == 7 and row.recent() == [4, 5, 7, 8]
     assert RowState(settings, [1, 2, 3, 4, 5, 6]).recent() == [3, 4, 5, 6]
+
+
+def test_pairs_are_guided_together_and_lone_rows_get_the_sentinel():
+    """Rows 0/1: an aligned pair (one guided token in both); rows 2/3: a pair one step apart; row 4: no
+    partner; row 5: a single row. Guided = the single-row draw on the bf16-mixed logits."""
+    sampling = Sampling(temperature=1.0, top_k=50, min_tokens=0, max_tokens=100)
+
+    def row(role, pair, output, seed=3):
+        args = row_args("semantic", sampling, seed, pairing=Pairing(pair, role, 1.5) if role else None)
+        state = parse_row(args)
+        state.output_ids = output
+        return state
+
+    rows = {0: row("cond", "a", [CODEC_OFFSET + 1]), 1: row("uncond", "a", [CODEC_OFFSET + 1]),
+            2: row("cond", "b", [CODEC_OFFSET + 1]), 3: row("uncond", "b", []), 4: row("cond", "c", []),
+            5: row(None, None, [])}
+    logits = (torch.randn(6, 184704, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16).float()
+    original = logits.clone()
+    sample_rows(logits, rows, step_layout(rows, torch.device("cpu"), {}), torch.bfloat16)
+    tokens = logits.argmax(-1).tolist()
+    assert tokens[0] == tokens[1] and tokens[2] == tokens[3] == tokens[4] == es.PAIR_SENTINEL
+    mixed = es.mix_guidance(original[0:1].to(torch.bfloat16), original[1:2].to(torch.bfloat16),
+                            torch.tensor([1.5])).float()
+    single = parse_row(row_args("semantic", sampling, 3))
+    single.output_ids = [CODEC_OFFSET + 1]
+    reference = mixed.repeat(1, 1)
+    sample_rows(reference, {0: single}, step_layout({0: single}, torch.device("cpu"), {}), torch.bfloat16)
+    assert reference.argmax(-1).item() == tokens[0] != es.PAIR_SENTINEL
+    assert CODEC_OFFSET <= tokens[5] < CODEC_OFFSET + 32768
 
 
 def test_import_does_not_load_vllm():

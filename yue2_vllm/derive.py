@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import (CheckpointError, HashCache, atomic_directory, identity, model_identity, read_json,
+from .checkpoint import (FLOAT_DTYPES, CheckpointError, HashCache, atomic_directory, identity, model_identity,
+                         read_json,
                          sha256_file, weight_index, write_json_atomic, write_safetensors_subset)
 from .modeling import YuE2Config, ar_tensor_shapes
 from .quantization import QUANT_SUFFIXES, QuantScheme, parse_quantization, runnable_reason
@@ -58,7 +59,7 @@ def _exclusive(lock_path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _verify_derived(target: Path, stamp: dict, key: str, hashes: HashCache) -> None:
+def _verify_derived(target: Path, stamp: dict, key: str, hashes: HashCache, verify: bool) -> None:
     clear = f"delete {target} to rebuild it"
     record_path = target / DERIVATION_FILE
     if not record_path.is_file():
@@ -69,7 +70,7 @@ def _verify_derived(target: Path, stamp: dict, key: str, hashes: HashCache) -> N
         raise DerivationError(f"Corrupt derived AR cache: {record_path} does not describe this source; {clear}")
     for name, digest in (record.get("sha256") or {}).items():
         path = target / name
-        if not path.is_file() or hashes.sha256(path) != digest:
+        if not path.is_file() or (sha256_file(path) if verify else hashes.sha256(path)) != digest:
             raise DerivationError(f"Corrupt derived AR cache: {path} does not match its sha256 in "
                                   f"{DERIVATION_FILE}; {clear}")
     if set(record.get("sha256") or {}) != {"model.safetensors", "config.json"}:
@@ -78,8 +79,11 @@ def _verify_derived(target: Path, stamp: dict, key: str, hashes: HashCache) -> N
 
 
 def derive_ar_checkpoint(model_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None, *,
-                         hashes: HashCache | None = None) -> Path:
-    """The derived Qwen3 AR checkpoint of a YuE2 MoT directory (built once, verified on reuse)."""
+                         hashes: HashCache | None = None, verify: bool = False) -> Path:
+    """The derived Qwen3 AR checkpoint of a YuE2 MoT directory (built once, verified on reuse).
+
+    Reuse trusts the hash cache (size + mtime) unless `verify`, which re-hashes the source and
+    the cached files (catching a same-size change whose mtime was put back)."""
     model_dir = Path(model_dir)
     hashes = hashes or HashCache(None)
     config = YuE2Config.load(model_dir)
@@ -92,14 +96,15 @@ def derive_ar_checkpoint(model_dir: str | os.PathLike, cache_dir: str | os.PathL
              if infos[name].shape != shape]
     if wrong:
         raise CheckpointError(f"{model_dir}: AR tensors with wrong shapes: {'; '.join(wrong[:10])}")
-    stamp = {"schema": SCHEMA, "source": model_identity(model_dir, hashes=hashes), "config": qwen_config(config)}
+    stamp = {"schema": SCHEMA, "source": model_identity(model_dir, hashes=hashes, verify=verify),
+             "config": qwen_config(config)}
     key = identity(stamp)
     root = cache_root(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / key
     with _exclusive(root / f"{key}.lock"):
         if target.exists():
-            _verify_derived(target, stamp, key, hashes)
+            _verify_derived(target, stamp, key, hashes, verify)
             return target
         with atomic_directory(target) as tmp:
             weights_sha = write_safetensors_subset([infos[name] for name in shapes], tmp / "model.safetensors",
@@ -135,6 +140,13 @@ def _config_problems(ar_config: dict, mot: YuE2Config) -> list[str]:
     return problems
 
 
+def _quantized_dtypes(scheme: QuantScheme) -> frozenset[str]:
+    """Dtypes a quantized linear's `weight` may be stored in under its compressed-tensors scheme."""
+    if scheme.weight_type == "float":
+        return frozenset({"F8_E4M3", "F8_E5M2"})
+    return frozenset({"I8"})
+
+
 def _tensor_problems(path: Path, mot: YuE2Config, scheme: QuantScheme | None) -> list[str]:
     infos = weight_index(path)
     shapes = ar_tensor_shapes(mot)
@@ -149,6 +161,9 @@ def _tensor_problems(path: Path, mot: YuE2Config, scheme: QuantScheme | None) ->
         if name in infos:
             if infos[name].shape != shape:
                 problems.append(f"{name}: shape {list(infos[name].shape)}, expected {list(shape)}")
+            allowed_dtypes = _quantized_dtypes(scheme) if module in quantized else FLOAT_DTYPES
+            if infos[name].dtype not in allowed_dtypes:
+                problems.append(f"{name}: dtype {infos[name].dtype}, expected one of {sorted(allowed_dtypes)}")
         elif not (module in quantized and f"{module}.weight_packed" in infos):
             problems.append(f"missing {name}")
     allowed = set(shapes) | {f"{module}.{suffix}" for module in quantized for suffix in QUANT_SUFFIXES}
@@ -191,7 +206,7 @@ def validate_ar_checkpoint(path: str | os.PathLike, mot: YuE2Config) -> QuantSch
 
 def resolve_ar_checkpoint(model_dir: str | os.PathLike, *, override: str | os.PathLike | None = None,
                           device_type: str = "cpu", cache_dir: str | os.PathLike | None = None,
-                          hashes: HashCache | None = None) -> ARCheckpoint:
+                          hashes: HashCache | None = None, verify: bool = False) -> ARCheckpoint:
     """The override (argument, else `$YUE2_AR_CHECKPOINT`) validated, or the derived checkpoint."""
     chosen = override or os.environ.get(OVERRIDE_ENV) or None
     mot = YuE2Config.load(model_dir)
@@ -201,4 +216,4 @@ def resolve_ar_checkpoint(model_dir: str | os.PathLike, *, override: str | os.Pa
             raise DerivationError(f"{OVERRIDE_ENV}/ar_checkpoint {chosen}: not a directory")
         scheme = validate_ar_checkpoint(path, mot)
         return ARCheckpoint(path, "override", scheme, runnable_reason(scheme, device_type))
-    return ARCheckpoint(derive_ar_checkpoint(model_dir, cache_dir, hashes=hashes), "derived", None)
+    return ARCheckpoint(derive_ar_checkpoint(model_dir, cache_dir, hashes=hashes, verify=verify), "derived", None)

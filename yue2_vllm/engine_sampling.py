@@ -21,6 +21,7 @@ import torch
 from .protocol import ABC_END, CODEC_OFFSET, CODEC_SIZE, EOD, MUSIC_END, VOCAB_SIZE
 
 PHASE_INDEX = {"abc": 0, "semantic": 1}
+PAIR_SENTINEL = VOCAB_SIZE - 1  # a padded-vocabulary id no phase may emit: ends an out-of-step CFG row
 END_TOKENS = (ABC_END, MUSIC_END)
 MAX_WINDOW = 100
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64

@@ -374,9 +374,9 @@ def cmd_quantize(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m yue2_vllm.export") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m yue2_vllm.export",
+        prog=prog,
         description="Write a quantized (FP8/int8 compressed-tensors) drop-in AR checkpoint of a YuE2 model.")
     add_arguments(parser)
     return cmd_quantize(parser.parse_args(argv))

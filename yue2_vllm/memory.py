@@ -19,7 +19,9 @@ from .protocol import CONTEXT
 GIB = 2**30
 TORCH_RESERVE_BYTES = 2 * GIB  # allocator slack and temporaries on the torch side
 ENGINE_OVERHEAD_BYTES = {"cpu": GIB // 2, "cuda": 2 * GIB}  # activations, sampler, CUDA graphs, context
-KV_BLOCK_TOKENS = {"cpu": 128, "cuda": 16}  # vLLM's KV block size per platform
+# KV block size we start the engine with: vLLM's CUDA default; on the CPU the smallest its attention kernel
+# takes (vLLM-CPU defaults to 128), so prefix caching keeps all but < 32 tokens of a warmed CFG prompt.
+KV_BLOCK_TOKENS = {"cpu": 32, "cuda": 16}
 KV_MARGIN_BLOCKS = 2  # vLLM keeps a block back; allot two beyond what the rows need
 ROW_CAP = {"cpu": 16, "cuda": 64}  # default rows: more do not pay on 2–16 CPU cores
 PROMPT_ESTIMATE_TOKENS = 2048  # a song's prompt (text + ABC) for default sizing; admission uses the real one

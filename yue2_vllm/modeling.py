@@ -10,6 +10,7 @@ unscaled t, and attention goes through SDPA with the same shapes and masks.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass, fields
@@ -23,6 +24,7 @@ from torch import nn
 from .checkpoint import FLOAT_DTYPES, Expected, check_tensors, load_tensors, model_file, read_json, weight_index
 
 CONFIG_FILE = "config.json"
+LOG = logging.getLogger(__name__)
 FREQUENCY_EMBEDDING_SIZE = 256
 AR_LAYER_TENSORS = (
     "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -35,7 +37,7 @@ NAR_LAYER_TENSORS = (
     "nar_self_attn.k_norm.weight", "nar_pre_mlp_layernorm.weight", "nar_mlp.gate_proj.weight",
     "nar_mlp.up_proj.weight", "nar_mlp.down_proj.weight",
 )
-# Keys of a Hugging Face config.json that carry no model fact for us.
+# Keys of a Hugging Face config.json that carry no model fact for us (ignored without a note).
 _HF_KEYS = frozenset({
     "model_type", "architectures", "auto_map", "transformers_version", "dtype", "torch_dtype", "return_dict",
     "output_hidden_states", "output_attentions", "use_cache", "torchscript", "is_decoder", "is_encoder_decoder",
@@ -83,10 +85,14 @@ class YuE2Config:
 
     @classmethod
     def from_dict(cls, data: dict) -> "YuE2Config":
+        """Known fields are checked; any other key (`_name_or_path`, whatever another transformers
+        version's `save_pretrained` adds) is ignored, as upstream's config class ignores it."""
+        if not isinstance(data, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known - _HF_KEYS)
         if unknown:
-            raise ValueError(f"config.json: unknown field(s) {unknown}")
+            LOG.debug("config.json: ignoring unknown field(s) %s", unknown)
         return cls(**{k: v for k, v in data.items() if k in known})
 
     @classmethod
@@ -283,6 +289,11 @@ class StaticKVCache:
         self.num_layers, self.capacity, self.length = config.num_hidden_layers, capacity, 0
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+
+    def reset(self) -> None:
+        """Forget every position so the same buffers serve a new sequence (nothing is reallocated;
+        stale entries beyond `length` are never read)."""
+        self.length = 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[2]

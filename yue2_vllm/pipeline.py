@@ -8,6 +8,7 @@ run resumes from the last stage whose files still verify.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -23,19 +24,32 @@ from .checkpoint import HashCache, cache_root, identity, model_identity, write_j
 from .modeling import YuE2Config, load_model
 from .nar import SongInput, synthesize_many
 from .nar import synthesize as nar_synthesize
-from .protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, Sampling, SongRequest, abc_prompt,
-                       check_abc_ids, default_cfg_scale, negative_prompt, resolve_sampling, semantic_prompt)
+from .protocol import (ABC_END, CODEC_OFFSET, CODEC_SIZE, MUSIC_START, GenerationConfig, Sampling, SongRequest,
+                       abc_prompt, check_abc_ids, check_budget, check_token_ids, default_cfg_scale, negative_prompt,
+                       resolve_sampling, semantic_prompt)
 from .derive import OVERRIDE_ENV
 from .memory import PROMPT_ESTIMATE_TOKENS
 from .sampling import ARBackend, TorchARBackend
 from .torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, restore_ar
 from .tokenizer import YuE2Tokenizer
-from .vae import VAEConfig, load_vae
+from .vae import check_vae, load_vae
 
+LOG = logging.getLogger(__name__)
 SAMPLE_RATE = 48000
 VAE_HALO_FRAMES = 16
 BACKENDS = ("torch", "vllm", "auto")
+CFG_ENGINES = ("vllm", "torch")  # where cfg_scale != 1 and cot=off songs run when the backend is vllm/auto
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # float32: verification runs of both AR backends
+# Per stage: the files its record must list (with hashes) and the meta keys the later stages read.
+STAGE_RECORDS = {"plan": (("prefix.npy", "abc_tokens.npy"), ("abc", "timing", "truncated")),
+                 "semantic": (("semantic.npy",), ("timing", "truncated")),
+                 "synthesis": (("latent.npy",), ("nar_seconds",)),
+                 "audio": (("audio.flac",), ("vae_seconds", "samples"))}
+# Effective-config keys only the audio (VAE) stage depends on.
+AUDIO_CONFIG_KEYS = ("vae_dtype", "vae_decode", "vae_core_frames", "vae_halo_frames", "decoder_release")
+# Run states of a failed stage, named as upstream's.
+FAILED_STATES = {"plan": "plan_failed", "semantic": "semantic_failed", "synthesis": "synthesis_failed",
+                 "audio": "decode_failed"}
 OnToken = Callable[[str, int], None]
 OnProgress = Callable[[str, int, int], None]
 Cancelled = Callable[[], bool]
@@ -96,10 +110,41 @@ def default_vae_core_frames(memory_budget_gib: float) -> int:
     return 512 if memory_budget_gib <= 12 else 1024
 
 
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot run the pipeline on this machine, or None."""
+    if device == "auto":
+        return None
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return "not a device (use auto, cpu, cuda, cuda:N or mps)"
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"CUDA is not available (torch {torch.__version__}, {torch.cuda.device_count()} CUDA devices)"
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            return f"there are only {torch.cuda.device_count()} CUDA devices"
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        return "MPS is not available on this machine"
+    elif resolved.type not in ("cpu", "cuda", "mps"):
+        return f"device type {resolved.type!r} is not supported (use auto, cpu, cuda, cuda:N or mps)"
+    return None
+
+
 def resolve_device(device: str) -> torch.device:
+    problem = device_problem(device)
+    if problem is not None:
+        raise ValueError(f"device {device!r}: {problem}")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def check_semantic(semantic: "SemanticResult") -> None:
+    """What the NAR needs: codec indices, and a prefix of vocabulary ids."""
+    if not semantic.tokens:
+        raise ValueError("the semantic phase produced no tokens; there is nothing to synthesize")
+    check_token_ids(semantic.tokens, "semantic.tokens", 0, CODEC_SIZE, "a codec index")
+    check_token_ids(semantic.plan.prefix, "plan.prefix")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -122,13 +167,16 @@ class YuE2Pipeline:
                  vae_core_frames: int | None = None, hash_cache: HashCache | None = None,
                  ar_checkpoint: str | os.PathLike | None = None, keep_engine: bool | None = None,
                  engine_options: dict | None = None, quantization: str = "none", offload_ar: bool = False,
-                 dtype: str = "bfloat16", start_engine: bool = False):
+                 dtype: str = "bfloat16", start_engine: bool = False, cfg_engine: str = "vllm"):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not memory_budget_gib > 0:
             raise ValueError(f"memory_budget_gib must be positive, got {memory_budget_gib!r}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        if cfg_engine not in CFG_ENGINES:
+            raise ValueError(f"cfg_engine must be one of {CFG_ENGINES}, got {cfg_engine!r}")
+        self.cfg_engine = cfg_engine
         self.model_dir, self.vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
         self.device = resolve_device(device)
         self.memory_budget_gib = float(memory_budget_gib)
@@ -140,10 +188,12 @@ class YuE2Pipeline:
         self.vae_core_frames = vae_core_frames or default_vae_core_frames(self.memory_budget_gib)
         start = time.perf_counter()
         self.hashes = hash_cache if hash_cache is not None else default_hash_cache()
+        self.verify_hashes = verify_hashes
         self.weights = {"mot": model_identity(self.model_dir, hashes=self.hashes, verify=verify_hashes),
                         "vae": model_identity(self.vae_dir, hashes=self.hashes, verify=verify_hashes)
                         if self.vae_dir is not None else None}
-        self.vae_config = VAEConfig.load(self.vae_dir) if self.vae_dir is not None else None
+        # Checked now (config, names, shapes, float32), not after the AR and NAR stages have run.
+        self.vae_config = check_vae(self.vae_dir) if self.vae_dir is not None else None
         identity_seconds = time.perf_counter() - start
         self.tokenizer = YuE2Tokenizer.from_model_dir(self.model_dir)
         self.quantization = quantization
@@ -159,11 +209,16 @@ class YuE2Pipeline:
             # The worker imports vLLM and starts its engine while this process loads the MoT.
             self._prestart = threading.Thread(target=self._start_engine_early, name="yue2-engine-start", daemon=True)
             self._prestart.start()
-        self.model = load_model(self.model_dir, device=self.device, quantization=quantization, dtype=DTYPES[dtype])
+        try:
+            self.model = load_model(self.model_dir, device=self.device, quantization=quantization,
+                                    dtype=DTYPES[dtype])
+            apply_memory_cap(self.device, self.memory_budget_gib, module_bytes(self.model))
+        except BaseException:
+            self.close()  # no engine outlives a pipeline that failed to start
+            raise
         self.quantization_status = dict(self.model.quantization_status)
         # Load-time proxies serve the torch AR phases only; the NAR always runs on the exact originals.
         self.proxy_mode = quantization if self.quantization_status.get("source") == "load_time" else None
-        apply_memory_cap(self.device, self.memory_budget_gib, module_bytes(self.model))
         self._vae = None
         self.load_timing = {"identity_seconds": identity_seconds, "load_seconds": time.perf_counter() - start}
         self.torch_backend = TorchARBackend(self.model)
@@ -219,7 +274,8 @@ class YuE2Pipeline:
                 reason = unsupported_reason(vllm_version())
                 if reason is None:
                     checkpoint = resolve_ar_checkpoint(self.model_dir, override=self.ar_checkpoint,
-                                                       device_type=self.device.type, hashes=self.hashes)
+                                                       device_type=self.device.type, hashes=self.hashes,
+                                                       verify=self.verify_hashes)
                     reason = checkpoint.unservable
                 if reason is not None:
                     self._vllm_unavailable = reason
@@ -255,10 +311,9 @@ class YuE2Pipeline:
         """
         if self.backend_requested == "torch":
             return self.torch_backend, None
-        if cfg_scale != 1.0:
-            return self.torch_backend, f"cfg_scale != 1 ({cfg_scale}): paired CFG runs on the torch backend"
-        if legacy_off:
-            return self.torch_backend, "cot=off legacy sampling runs on the torch backend"
+        if (cfg_scale != 1.0 or legacy_off) and self.cfg_engine == "torch":
+            what = f"cfg_scale {cfg_scale} ≠ 1" if cfg_scale != 1.0 else "cot=off legacy sampling"
+            return self.torch_backend, f"{what}: the paired path is switched off (cfg_engine='torch')"
         from .vllm_backend import EngineError
 
         early = self._join_prestart()
@@ -279,6 +334,8 @@ class YuE2Pipeline:
 
     def _generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, **kwargs):
         backend, reason = self.select_ar_backend(kwargs.get("cfg_scale", 1.0), kwargs.get("legacy_off", False))
+        if reason is not None:
+            LOG.info("%s phase: torch backend (%s)", phase, reason)
         if backend is self.torch_backend:
             with self.torch_lock:
                 if self.proxy_mode:
@@ -315,7 +372,7 @@ class YuE2Pipeline:
             "generation": generation.to_dict(), "overrides": overrides, "cot": request.cot,
             "cfg_scale": request.guidance,
             "cfg_negative": "instruction_only" if request.cot == "off" else "same_instruction_and_exact_abc",
-            "backend": self.backend_requested, "quantization": self.quantization,
+            "backend": self.backend_requested, "cfg_engine": self.cfg_engine, "quantization": self.quantization,
             "quantization_status": self.quantization_status,
             "ar_checkpoint": None if self.backend_requested == "torch" else (self.ar_checkpoint and
                                                                           str(self.ar_checkpoint)) or "derived", "model_dtype": "bfloat16",
@@ -325,8 +382,37 @@ class YuE2Pipeline:
             "decoder_release": self.vae_config.release_variant if self.vae_config else None,
         }
 
+    def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
+        """Refuse, before any stage runs, overrides that do not resolve and prompts that cannot fit the
+        context with their token budgets (a generated score can only make the semantic prompt longer)."""
+        sampling = {}
+        for phase, value in (("abc", abc_sampling), ("semantic", semantic_sampling)):
+            try:
+                sampling[phase] = self.sampling_for(value, phase)
+            except ValueError as exc:
+                raise ValueError(f"{phase}_sampling: {exc}") from None
+        try:
+            if request.cot == "off" or request.abc is not None:
+                check_budget(semantic_prompt(request, self.tokenizer), sampling["semantic"].max_tokens,
+                             "semantic prompt")
+            else:
+                prompt = abc_prompt(request, self.tokenizer)
+                check_budget(prompt, sampling["abc"].max_tokens, "abc prompt")
+                check_budget(prompt + [ABC_END, MUSIC_START], sampling["semantic"].max_tokens,
+                             "semantic prompt (before any score token)")
+        except ValueError as exc:
+            raise ValueError(f"the request is too long: {exc}; shorten the lyrics, style or score, or lower "
+                             "max_tokens") from None
+
     def run_identity(self, request: SongRequest, config: dict) -> str:
+        """The song's identity: request, effective config and all weights (upstream's request identity)."""
         return identity({"request": request.to_dict(), "config": config, "weights": self.weights})
+
+    def latent_identity(self, request: SongRequest, config: dict) -> str:
+        """What the plan, semantic and latent stages depend on: the song's identity without the VAE."""
+        return identity({"request": request.to_dict(),
+                         "config": {k: v for k, v in config.items() if k not in AUDIO_CONFIG_KEYS},
+                         "weights": {"mot": self.weights["mot"]}})
 
     # -- stages
 
@@ -348,6 +434,7 @@ class YuE2Pipeline:
     def generate_semantic(self, plan: SymbolicPlan, *, sampling=None, cancelled: Cancelled | None = None,
                           on_token: OnToken | None = None) -> SemanticResult:
         request = plan.request
+        check_token_ids(plan.prefix, "plan.prefix")  # 1.0 == 1 would pass the comparison below
         expected = semantic_prompt(request, self.tokenizer, check_abc_ids(plan.abc_ids) if request.cot != "off"
                                    else None)
         if plan.prefix != expected:
@@ -368,8 +455,7 @@ class YuE2Pipeline:
     def synthesize(self, semantic: SemanticResult, *, cancelled: Cancelled | None = None,
                    on_progress: OnProgress | None = None) -> np.ndarray:
         """One song's latents `[T, 64]`: upstream's one-song path, bit for bit."""
-        if not semantic.tokens:
-            raise ValueError("the semantic phase produced no tokens; there is nothing to synthesize")
+        check_semantic(semantic)
         progress = (lambda done, total: on_progress("nar", done, total)) if on_progress else None
         with self.torch_lock if self.proxy_mode else contextlib.nullcontext():
             self._prepare_nar()
@@ -382,17 +468,26 @@ class YuE2Pipeline:
                         on_progress: Sequence[OnProgress | None] = ()) -> list[np.ndarray | BaseException]:
         """Several songs' latents in one batched flow matching (within bf16 rounding of `synthesize`);
         per song its latents or the exception that ended it."""
-        songs = []
+        results: list[np.ndarray | BaseException | None] = [None] * len(semantics)
+        songs, batched = [], []
         for index, semantic in enumerate(semantics):
+            try:
+                check_semantic(semantic)
+            except ValueError as exc:  # that song fails alone
+                results[index] = exc
+                continue
             report = on_progress[index] if index < len(on_progress) else None
             songs.append(SongInput(semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
                                    cancelled[index] if index < len(cancelled) else None,
                                    (lambda done, total, r=report: r("nar", done, total)) if report else None))
+            batched.append(index)
         with self.torch_lock if self.proxy_mode else contextlib.nullcontext():
             self._prepare_nar()
-            results = synthesize_many(self.model, songs, steps=self.generation_config.ode_steps,
+            latents = synthesize_many(self.model, songs, steps=self.generation_config.ode_steps,
                                       context=self.generation_config.context, offload_ar=self.offload_ar)
-        return [r.numpy() if isinstance(r, torch.Tensor) else r for r in results]
+        for index, result in zip(batched, latents):
+            results[index] = result.numpy() if isinstance(result, torch.Tensor) else result
+        return results
 
     def decode(self, latents: np.ndarray, *, cancelled: Cancelled | None = None,
                on_progress: OnProgress | None = None) -> np.ndarray:
@@ -410,6 +505,7 @@ class YuE2Pipeline:
     def __call__(self, request: SongRequest, *, abc_sampling=None, semantic_sampling=None,
                  cancelled: Cancelled | None = None, on_token: OnToken | None = None,
                  on_progress: OnProgress | None = None) -> SongResult:
+        self.check_request(request, abc_sampling, semantic_sampling)
         config = self.effective_config(request, abc_sampling, semantic_sampling)
         start = time.perf_counter()
         plan = self.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token)
@@ -440,30 +536,40 @@ class YuE2Pipeline:
         (defaults: `self.synthesize` / `self.decode`)."""
         if stage not in ("plan", "audio"):
             raise ValueError(f"stage must be 'plan' or 'audio', got {stage!r}")
+        self.check_request(request, abc_sampling, semantic_sampling)  # before anything is written
         config = self.effective_config(request, abc_sampling, semantic_sampling)
         run_id = self.run_identity(request, config)
+        # The directory belongs to the latents' identity, so a changed VAE redoes only the audio stage.
+        latent_id = self.latent_identity(request, config)
         run = art.RunDirectory(directory)
-        run.start(run_id, request.to_dict(), resume=resume)
+        resumed = run.start(latent_id, request.to_dict(), resume=resume)
         finished = run.verified_result(run_id)
         if finished is not None and stage == "audio":
-            return finished
-        current = {"stage": "created"}
+            LOG.info("resuming: the finished song verifies, nothing to redo")
+            return run.reuse_result(finished)
+        current = {"stage": "plan", "verified": []}  # verified: the stages a resume kept, until one is redone
 
         def stage_meta(name: str, compute: Callable[[], tuple[dict[str, bytes], dict]]) -> dict:
             """The stage's recorded meta if it verifies; otherwise redo it (and forget later stages)."""
-            meta = run.verified_stage(name, run_id)
-            if meta is not None:
+            current["stage"] = name
+            stage_id = run_id if name == "audio" else latent_id
+            meta = run.verified_stage(name, stage_id, *STAGE_RECORDS[name])
+            if meta is None and resumed and current["verified"] is not None:  # say what a resume keeps, once
+                LOG.info("resuming: %s verified, redoing %s", ", ".join(current["verified"]) or "no stage", name)
+                current["verified"] = None
+            if meta is None:
+                run.discard_from(name)
+                if on_stage is not None:
+                    on_stage(name, "start", None)
+                files, meta = compute()
+                run.write_stage(name, stage_id, files, meta)
+                if on_stage is not None:
+                    on_stage(name, "done", meta)
+            else:
+                if current["verified"] is not None:
+                    current["verified"].append(name)
                 if on_stage is not None:
                     on_stage(name, "reused", meta)
-                return meta
-            run.discard_from(name)
-            current["stage"] = name
-            if on_stage is not None:
-                on_stage(name, "start", None)
-            files, meta = compute()
-            run.write_stage(name, run_id, files, meta)
-            if on_stage is not None:
-                on_stage(name, "done", meta)
             return meta
 
         def compute_plan():
@@ -499,34 +605,39 @@ class YuE2Pipeline:
                                 art.load_npy(run.path / "abc_tokens.npy").astype(int).tolist(),
                                 art.load_npy(run.path / "prefix.npy").astype(int).tolist(),
                                 plan_meta["timing"], plan_meta["truncated"])
-            run.set_state(run_id, request.to_dict(), "planned")
+            run.set_state(latent_id, request.to_dict(), "planned")
             if stage == "plan":
-                return {"status": "planned", "identity": run_id, **plan_meta}
+                return {"status": "planned", "identity": run_id, "resumed": resumed, **plan_meta}
             semantic_meta = stage_meta("semantic", compute_semantic)
             tokens = art.load_npy(run.path / "semantic.npy").astype(int).tolist()
             if any(not 0 <= t < CODEC_SIZE for t in tokens):
                 raise ValueError(f"{run.path / 'semantic.npy'}: holds ids outside the codec range")
             semantic = SemanticResult(plan, tokens, semantic_meta["timing"], semantic_meta["truncated"])
-            run.set_state(run_id, request.to_dict(), "semantic_generated")
+            run.set_state(latent_id, request.to_dict(), "semantic_generated")
             synthesis_meta = stage_meta("synthesis", compute_latents)
             latents = art.load_npy(run.path / "latent.npy")
-            run.set_state(run_id, request.to_dict(), "synthesized")
+            run.set_state(latent_id, request.to_dict(), "synthesized")
             audio_meta = stage_meta("audio", compute_audio)
+            write_json_atomic(run.path / "request.json", request.to_dict())
+            write_json_atomic(run.path / "config.json", config)
+            timing = {"abc": plan.timing, "semantic": semantic.timing, "nar_seconds": synthesis_meta["nar_seconds"],
+                      "vae_seconds": audio_meta["vae_seconds"], "load": self.load_timing}
+            document = run.write_result({
+                "status": "complete", "identity": run_id, "resumed": resumed,
+                "truncated": {"abc": plan.truncated, "semantic": semantic.truncated},
+                "sample_rate": SAMPLE_RATE, "audio_seconds": audio_meta["samples"] / SAMPLE_RATE,
+                "weights": self.weights, "timing": timing,
+            })
         except BaseException as exc:
             cancelled_run = isinstance(exc, (InterruptedError, KeyboardInterrupt))
-            run.set_state(run_id, request.to_dict(), "cancelled" if cancelled_run else f"{current['stage']}_failed",
-                          error=f"{type(exc).__name__}: {exc}")
+            state = "cancelled" if cancelled_run else FAILED_STATES[current["stage"]]
+            try:
+                run.set_state(latent_id, request.to_dict(), state, error=f"{type(exc).__name__}: {exc}")
+            except OSError:  # e.g. the disk is still full: the original error is the one to report
+                pass
             raise
-
-        write_json_atomic(run.path / "request.json", request.to_dict())
-        write_json_atomic(run.path / "config.json", config)
-        timing = {"abc": plan.timing, "semantic": semantic.timing, "nar_seconds": synthesis_meta["nar_seconds"],
-                  "vae_seconds": audio_meta["vae_seconds"], "load": self.load_timing}
-        document = run.write_result({
-            "status": "complete", "identity": run_id, "truncated": {"abc": plan.truncated,
-                                                                    "semantic": semantic.truncated},
-            "sample_rate": SAMPLE_RATE, "audio_seconds": audio_meta["samples"] / SAMPLE_RATE,
-            "weights": self.weights, "timing": timing,
-        })
-        run.set_state(run_id, request.to_dict(), "complete")
+        try:
+            run.set_state(latent_id, request.to_dict(), "complete")
+        except OSError as exc:  # result.json, the authority, is complete and verifies
+            LOG.warning("%s: the song is complete but its run state could not be updated (%s)", run.path, exc)
         return document

@@ -53,6 +53,36 @@ def _is_real(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def check_seed(seed, what: str = "seed") -> int:
+    """An integer seed in [0, 2**63) as a plain int; floats and bools are refused, never rounded."""
+    if not _is_int(seed) or not 0 <= seed < MAX_SEED:
+        raise ValueError(f"{what} must be an integer in [0, 2**63), got {seed!r}")
+    return int(seed)
+
+
+def check_token_ids(ids: Sequence[int], what: str, low: int = 0, high: int = VOCAB_SIZE,
+                    kind: str = "an integer id") -> list[int]:
+    """Integer ids in [low, high) as plain ints; floats and bools are refused, never coerced."""
+    ids = list(ids)
+    for position, value in enumerate(ids):
+        if not _is_int(value) or not low <= value < high:
+            raise ValueError(f"{what}[{position}] = {value!r} is not {kind} in [{low}, {high})")
+    return [int(v) for v in ids]
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Text must encode as UTF-8: JSON's \\ud800 escapes can smuggle in lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode text (a lone surrogate at position {exc.start})") from None
+
+
+def valid_song_id(value) -> bool:
+    """Whether `value` can name a song (and its output directory)."""
+    return isinstance(value, str) and bool(_ID_PATTERN.fullmatch(value)) and value not in (".", "..")
+
+
 def default_cfg_scale(cot: str) -> float:
     """cot=off runs paired CFG at 1.01 by default; the score modes run without CFG."""
     return 1.01 if cot == "off" else 1.0
@@ -92,19 +122,20 @@ class SongRequest:
     id: str = "song"
 
     def __post_init__(self):
-        for name in ("style", "lyrics"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"SongRequest.{name} must be a string")
+        for name in ("style", "lyrics"):  # the model is conditioned on both; blank text has no upstream meaning
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ValueError(f"SongRequest.{name} must be non-blank text, got {getattr(self, name)!r}")
+            check_unicode(getattr(self, name), f"SongRequest.{name}")
         if self.cot not in COT_MODES:
             raise ValueError(f"SongRequest.cot must be one of {COT_MODES}, got {self.cot!r}")
-        if not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED:
-            raise ValueError(f"SongRequest.seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if not isinstance(self.id, str) or not _ID_PATTERN.fullmatch(self.id) or self.id in (".", ".."):
+        object.__setattr__(self, "seed", check_seed(self.seed, "SongRequest.seed"))
+        if not valid_song_id(self.id):
             raise ValueError("SongRequest.id must match [A-Za-z0-9][A-Za-z0-9_.-]{0,179}, "
                              f"got {self.id!r}")
         if self.abc is not None:
             if not isinstance(self.abc, str) or not self.abc.strip():
                 raise ValueError("SongRequest.abc must be non-blank text when given")
+            check_unicode(self.abc, "SongRequest.abc")
             if self.cot == "off":
                 raise ValueError("SongRequest.abc needs cot 'melody' or 'full' (cot 'off' has no score)")
         if self.cfg_scale is not None and (not _is_real(self.cfg_scale)
@@ -147,12 +178,10 @@ class Sampling:
     max_tokens: int = 9000
 
     def __post_init__(self):
-        for name in ("top_k", "penalty_window", "min_tokens", "max_tokens"):
-            if not _is_int(getattr(self, name)):
-                raise ValueError(f"Sampling.{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("temperature", "top_p", "repetition_penalty"):
-            if not _is_real(getattr(self, name)):
-                raise ValueError(f"Sampling.{name} must be a finite number, got {getattr(self, name)!r}")
+        for f in fields(self):
+            problem = _sampling_type_problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"Sampling.{problem}")
         checks = [
             (0 <= self.temperature <= 5, "temperature must be in [0, 5]"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
@@ -170,6 +199,31 @@ class Sampling:
         return asdict(self)
 
 
+_SAMPLING_INTS = ("top_k", "penalty_window", "min_tokens", "max_tokens")
+
+
+def _sampling_type_problem(name: str, value) -> str | None:
+    if name in _SAMPLING_INTS:
+        return None if _is_int(value) else f"{name} must be an integer, got {value!r}"
+    return None if _is_real(value) else f"{name} must be a finite number, got {value!r}"
+
+
+def check_sampling_overrides(value) -> dict:
+    """A dict of Sampling fields with values of the right types (ranges are checked once merged
+    over a phase's defaults)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"Sampling overrides must be an object of Sampling fields, got {type(value).__name__} "
+                         f"{value!r}")
+    unknown = sorted(set(value) - {f.name for f in fields(Sampling)})
+    if unknown:
+        raise ValueError(f"Sampling: unknown field(s) {unknown}")
+    for name, item in value.items():
+        problem = _sampling_type_problem(name, item)
+        if problem:
+            raise ValueError(f"Sampling.{problem}")
+    return value
+
+
 ABC_DEFAULTS = Sampling(temperature=0.7, top_p=0.9, top_k=30, repetition_penalty=1.005,
                         penalty_window=100, min_tokens=32, max_tokens=4096)
 SEMANTIC_DEFAULTS = Sampling()
@@ -182,10 +236,7 @@ def resolve_sampling(value: Sampling | dict | None, default: Sampling) -> Sampli
     if isinstance(value, Sampling):
         return value
     if isinstance(value, dict):
-        unknown = sorted(set(value) - {f.name for f in fields(Sampling)})
-        if unknown:
-            raise ValueError(f"Sampling: unknown field(s) {unknown}")
-        return replace(default, **value)
+        return replace(default, **check_sampling_overrides(value))
     raise ValueError(f"sampling must be None, a Sampling or a dict, got {type(value).__name__}")
 
 
@@ -215,12 +266,27 @@ class GenerationConfig:
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "GenerationConfig":
+        """Fields over the defaults; a phase's sampling may be partial and may also be spelled as in
+        request files (`abc_sampling`, `semantic_sampling`)."""
+        if data is not None and not isinstance(data, dict):
+            raise ValueError(f"GenerationConfig must be an object, got {type(data).__name__}")
         data = dict(data or {})
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        for phase in PHASES:
+            alias = f"{phase}_sampling"
+            if alias in data:
+                if phase in data:
+                    raise ValueError(f"GenerationConfig: give {phase!r} or {alias!r}, not both")
+                data[phase] = data.pop(alias)
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
         if unknown:
-            raise ValueError(f"GenerationConfig: unknown field(s) {unknown}")
+            raise ValueError(f"GenerationConfig: unknown field(s) {unknown}; the fields are abc (or abc_sampling), "
+                             f"semantic (or semantic_sampling), {', '.join(known[2:])}")
         for phase, default in (("abc", ABC_DEFAULTS), ("semantic", SEMANTIC_DEFAULTS)):
-            data[phase] = resolve_sampling(data.get(phase), default)
+            try:
+                data[phase] = resolve_sampling(data.get(phase), default)
+            except ValueError as exc:
+                raise ValueError(f"GenerationConfig.{phase}: {exc}") from None
         return cls(**data)
 
 
@@ -232,11 +298,7 @@ def base_prompt(request: SongRequest, tokenizer: TextEncoder) -> list[int]:
 
 
 def check_abc_ids(abc_ids: Sequence[int]) -> list[int]:
-    ids = list(abc_ids)
-    for position, value in enumerate(ids):
-        if not _is_int(value) or not 0 <= value < EOD:
-            raise ValueError(f"abc_ids[{position}] = {value!r} is not an ordinary text id in [0, {EOD})")
-    return [int(v) for v in ids]
+    return check_token_ids(abc_ids, "abc_ids", 0, EOD, "an ordinary text id")
 
 
 def abc_prompt(request: SongRequest, tokenizer: TextEncoder) -> list[int]:
@@ -277,7 +339,11 @@ def negative_prompt(request: SongRequest, tokenizer: TextEncoder, abc_ids: Seque
 
 
 def check_budget(prompt: Sequence[int], max_tokens: int, what: str = "prompt") -> None:
-    """Hard error, never silent truncation, when a prompt plus its budget exceed the context."""
+    """Hard error, never silent truncation, when a prompt plus its budget exceed the context; the
+    prompt must be integer ids inside the vocabulary (every backend checks its prompts here)."""
+    check_token_ids(prompt, what)
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise ValueError(f"{what}: max_tokens must be a positive integer, got {max_tokens!r}")
     if len(prompt) + max_tokens > CONTEXT:
         raise ValueError(f"{what} of {len(prompt)} tokens + max_tokens {max_tokens} = "
                          f"{len(prompt) + max_tokens} exceeds the {CONTEXT}-token context")
@@ -289,6 +355,8 @@ def chunk_ranges(frames: int, prefix_tokens: int, context: int = CONTEXT) -> lis
         raise ValueError(f"frames must be a non-negative integer, got {frames!r}")
     if not _is_int(prefix_tokens) or prefix_tokens < 1:
         raise ValueError(f"prefix_tokens must be a positive integer, got {prefix_tokens!r}")
+    if not _is_int(context) or not 1 <= context <= CONTEXT:
+        raise ValueError(f"context must be an integer in [1, {CONTEXT}] (the model's positions), got {context!r}")
     size = min((context - prefix_tokens - 3) // 2, CONTEXT)
     if size < 1:
         raise ValueError(f"prefix of {prefix_tokens} tokens leaves no room for audio in a {context}-token context")

@@ -537,14 +537,8 @@ def _check_layout(found: Mapping[str, TensorInfo], expected: Mapping[str, Expect
         raise CheckpointError("; ".join(problems))
 
 
-def load_vae(path: str | os.PathLike, *, decoder_only: bool = True,
-             device: str | torch.device = "cpu") -> YuE2VAE:
-    """Load a VAE directory (config.json + single or sharded safetensors), checked before reading.
-
-    With `decoder_only`, only `decoder.*` tensors are considered; anything else in the files is
-    ignored and never read.
-    """
-    root = Path(path)
+def _checked_layout(root: Path, decoder_only: bool) -> tuple[YuE2VAE, dict[str, TensorInfo]]:
+    """A meta-device model for the directory's config and its validated tensor headers."""
     config = VAEConfig.load(root)
     with torch.device("meta"):
         model = YuE2VAE(config, decoder_only=decoder_only)
@@ -552,6 +546,22 @@ def load_vae(path: str | os.PathLike, *, decoder_only: bool = True,
     if decoder_only:
         found = {name: info for name, info in found.items() if name.startswith("decoder.")}
     _check_layout(found, expected_tensors(model), f"{root}: VAE weights")
+    return model, found
+
+
+def check_vae(path: str | os.PathLike, *, decoder_only: bool = True) -> VAEConfig:
+    """Validate a VAE directory (config, tensor names, shapes, float32) from headers alone; its config."""
+    return _checked_layout(Path(path), decoder_only)[0].config
+
+
+def load_vae(path: str | os.PathLike, *, decoder_only: bool = True,
+             device: str | torch.device = "cpu") -> YuE2VAE:
+    """Load a VAE directory (config.json + single or sharded safetensors), checked before reading.
+
+    With `decoder_only`, only `decoder.*` tensors are considered; anything else in the files is
+    ignored and never read.
+    """
+    model, found = _checked_layout(Path(path), decoder_only)
     state = dict(load_tensors(found.values(), device=device))
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)

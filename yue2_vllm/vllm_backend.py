@@ -33,7 +33,7 @@ from typing import Sequence
 from .derive import ARCheckpoint
 from .memory import MemoryPlan, kv_cache_bytes, plan_memory, row_kv_bytes
 from .modeling import YuE2Config
-from .protocol import CONTEXT, Sampling, check_budget, end_token
+from .protocol import CONTEXT, VOCAB_SIZE, Sampling, check_budget, end_token
 from .sampling import ARResult, Cancelled, OnToken
 
 EVENT_PREFIX = "YUE2\t"
@@ -117,6 +117,8 @@ class EngineSettings:
     synthesis_batch: int = 1
     offload_ar: bool = False
     threads: int | None = None  # the engine's CPU threads (None: half the cores on the CPU, see `cpu_split`)
+    kv_admission: bool = True  # admit a request only when its worst-case KV is free (False: vLLM may preempt)
+    sliced_head: bool = True  # YuE2ARForCausalLM: each row's logits only over its phase's ids (vllm_model)
 
     def plan(self, config: YuE2Config) -> MemoryPlan:
         return plan_memory(config, device=self.device_type, budget_gib=self.memory_budget_gib,
@@ -170,7 +172,8 @@ def _kill_group(process: subprocess.Popen, grace: float = 2.0) -> None:
 
 @dataclass
 class _Stream:
-    """One request's events, fed by the reader thread."""
+    """Events of one request (or of both rows of a CFG pair), fed by the reader thread: `(row id, kind,
+    payload)` with kind `tokens`, `done`, `aborted`, `error`, or `died` (for every stream at once)."""
 
     events: queue.Queue = field(default_factory=queue.Queue)
 
@@ -227,15 +230,15 @@ class _Worker:
                 with self.lock:
                     for rid, tokens in event["tokens"].items():
                         if rid in self.streams:
-                            self.streams[rid].events.put(("tokens", tokens))
+                            self.streams[rid].events.put((rid, "tokens", tokens))
                     for rid, info in event["done"].items():
                         if rid in self.streams:
-                            self.streams[rid].events.put(("done", info))
+                            self.streams[rid].events.put((rid, "done", info))
             elif kind in ("aborted", "error"):
                 with self.lock:
                     stream = self.streams.get(event.get("id"))
                 if stream is not None:
-                    stream.events.put((kind, event.get("error")))
+                    stream.events.put((event.get("id"), kind, event.get("error")))
             elif kind == "ready":
                 self.ready.put(event)
             elif kind == "fatal":
@@ -253,7 +256,7 @@ class _Worker:
         with self.lock:
             streams = list(self.streams.values())
         for stream in streams:
-            stream.events.put(("died", message))
+            stream.events.put((None, "died", message))
 
     def close(self, keep_log: bool = False) -> None:
         crashed = self.failure is not None and not self.closing
@@ -339,12 +342,17 @@ class VLLMBackend:
             s = self.settings
             eager = s.enforce_eager if s.enforce_eager is not None else s.device_type == "cpu"
             setup = {"model": str(s.checkpoint.path), "max_model_len": s.max_model_len, "max_num_seqs": s.max_num_seqs,
+                     "scheduler_cls": "yue2_vllm.vllm_scheduler.PairScheduler", "block_size": self.plan.kv_block_tokens,
                      "max_num_batched_tokens": s.max_num_batched_tokens, "enforce_eager": eager,
                      "kv_cache_bytes": s.kv_cache_bytes, "dtype": s.dtype,
                      # vLLM loads entry-point processors by itself and would apply a second copy given by name.
                      "logits_processors": [] if entry_point_installed() else [FQCN]}
             if self.plan.gpu_memory_utilization is not None:
                 setup["gpu_memory_utilization"] = self.plan.gpu_memory_utilization
+            if s.sliced_head and self.config.vocab_size == VOCAB_SIZE:  # YuE2's token layout
+                from .vllm_plugin import MODEL_ARCHITECTURE
+
+                setup["architecture"] = MODEL_ARCHITECTURE
             worker = _Worker(setup, self._streams, self._streams_lock, s.threads)
             try:
                 event = worker.ready.get(timeout=s.start_timeout_s)
@@ -372,12 +380,15 @@ class VLLMBackend:
         """The engine's settings and memory split (for `doctor` and per-song records)."""
         return {"max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
                 "max_num_batched_tokens": self.settings.max_num_batched_tokens, "dtype": self.settings.dtype,
+                "sliced_head": self.settings.sliced_head and self.config.vocab_size == VOCAB_SIZE,
                 "memory": self.plan.describe()}
 
     # -- admission
 
-    def _reserve(self, rows: int, kv: int, cancelled: Cancelled | None) -> float:
-        """Wait until `rows` engine rows and `kv` bytes are free; returns the seconds waited."""
+    def _reserve(self, rows: int, kv: int, cancelled: Cancelled | None) -> tuple[float, int]:
+        """Wait until `rows` engine rows and `kv` bytes are free; `(seconds waited, KV bytes reserved)`."""
+        if not self.settings.kv_admission:
+            kv = 0
         if rows > self.settings.max_num_seqs or kv > self.kv_budget:
             raise ValueError(f"the request needs {rows} engine row(s) and {kv / 2**20:.1f} MiB of KV cache, but the "
                              f"engine has {self.settings.max_num_seqs} rows and {self.kv_budget / 2**20:.1f} MiB")
@@ -391,7 +402,7 @@ class VLLMBackend:
                 self._busy_since = time.perf_counter()
             self._rows_used += rows
             self._kv_used += kv
-        return time.perf_counter() - start
+        return time.perf_counter() - start, kv
 
     def _release(self, rows: int, kv: int) -> None:
         with self._admission:
@@ -412,81 +423,242 @@ class VLLMBackend:
     def generate(self, prefix: Sequence[int], sampling: Sampling, seed: int, phase: str, *,
                  negative: Sequence[int] | None = None, cfg_scale: float = 1.0, legacy_off: bool = False,
                  on_token: OnToken | None = None, cancelled: Cancelled | None = None) -> ARResult:
-        if cfg_scale != 1.0 or legacy_off:
-            raise ValueError("the vLLM backend serves cfg_scale == 1 without legacy sampling; use the torch backend")
-        check_budget(prefix, sampling.max_tokens, f"{phase} prompt")
-        if len(prefix) + sampling.max_tokens > self.settings.max_model_len:
-            raise ValueError(f"{phase} prompt + max_tokens exceeds the engine's max_model_len "
-                             f"{self.settings.max_model_len}")
+        """One phase on the engine: a single row, or a CFG pair (cond `prefix`, uncond `negative`) when
+        `cfg_scale != 1`, sampled with cot=off's legacy numerics when `legacy_off`."""
+        paired = cfg_scale != 1.0
+        if paired and negative is None:
+            raise ValueError("cfg_scale != 1 needs a negative (unconditional) prompt")
+        prompts = [list(prefix)] + ([list(negative)] if paired else [])
+        for prompt, what in zip(prompts, (f"{phase} prompt", f"{phase} negative prompt")):
+            check_budget(prompt, sampling.max_tokens, what)
+            if len(prompt) + sampling.max_tokens > self.settings.max_model_len:
+                raise ValueError(f"{what} + max_tokens exceeds the engine's max_model_len {self.settings.max_model_len}")
         if cancelled is not None and cancelled():
             raise InterruptedError(f"cancelled before the {phase} prefill")
-        from .vllm_plugin import row_args
-
-        kv = row_kv_bytes(self.config, len(prefix) + sampling.max_tokens, self.plan.kv_block_tokens,
-                          self.plan.kv_dtype_bytes)
-        waited = self._reserve(1, kv, cancelled)
+        kv = sum(row_kv_bytes(self.config, len(p) + sampling.max_tokens, self.plan.kv_block_tokens,
+                              self.plan.kv_dtype_bytes) for p in prompts)
+        waited, reserved = self._reserve(len(prompts), kv, cancelled)
+        start = time.perf_counter()
         try:
             self.start()
             restarts_before = self.restarts
-            ids, info = self._run(prefix, sampling.max_tokens, end_token(phase), row_args(phase, sampling, seed),
-                                  phase, on_token, cancelled)
+            run = _PairRun if paired else _SingleRun
+            ids, info = run(self, prompts, sampling, seed, phase, legacy_off, cfg_scale, on_token, cancelled).result()
         finally:
-            self._release(1, kv)
-        content = ids[:-1] if info["ended"] else ids
-        timing = {"seconds": info["seconds"], "ttft_seconds": info["ttft_seconds"],
-                  "output_tokens": info["output_tokens"], "content_tokens": len(content),
-                  "output_tps": info["output_tps"], "prefix_tokens": len(prefix), "cfg_branches": 1,
-                  "backend_actual": self.name, "vllm_version": self.engine_info.get("vllm_version"),
-                  "engine_dtype": self.settings.dtype, "max_num_seqs": self.settings.max_num_seqs,
-                  "kv_cache_memory_bytes": self.settings.kv_cache_bytes, "kv_reserved_bytes": kv,
-                  "mean_batch_rows": info["mean_batch_rows"], "admission_wait_seconds": waited,
-                  "engine_restarts": restarts_before, "ar_checkpoint": self.settings.checkpoint.describe()}
+            self._release(len(prompts), reserved)
+        seconds = time.perf_counter() - start
+        ended = info["ended"]
+        content = ids[:-1] if ended else ids
+        count = len(content) + int(ended)
+        timing = {"seconds": seconds, "ttft_seconds": info["ttft_seconds"], "output_tokens": count,
+                  "content_tokens": len(content), "output_tps": count / seconds if seconds > 0 else 0.0,
+                  "prefix_tokens": len(prefix), "cfg_branches": len(prompts), "backend_actual": self.name,
+                  "vllm_version": self.engine_info.get("vllm_version"), "engine_dtype": self.settings.dtype,
+                  "max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
+                  "kv_reserved_bytes": kv, "mean_batch_rows": info["mean_batch_rows"],
+                  "sliced_head": self.settings.sliced_head and self.config.vocab_size == VOCAB_SIZE,
+                  "admission_wait_seconds": waited, "engine_restarts": restarts_before,
+                  "ar_checkpoint": self.settings.checkpoint.describe()}
+        if paired:
+            timing.update(cfg_scale=cfg_scale, pair_restarts=info["pair_restarts"])
         with self._start_lock:
             if self._fresh:
                 self._fresh = False
                 timing["engine_load_seconds"] = self.engine_info["engine_load_seconds"]
-        return ARResult(content, timing, not info["ended"])
+        return ARResult(content, timing, not ended)
 
-    def _run(self, prompt: Sequence[int], max_tokens: int, end: int, extra_args: dict, phase: str,
-             on_token: OnToken | None, cancelled: Cancelled | None) -> tuple[list[int], dict]:
-        """Send one request and follow its events to the end; `(ids incl. the end token, done info)`."""
-        worker, rid, stream = self._worker, uuid.uuid4().hex, _Stream()
+    # -- talking to the worker for one phase
+
+    def _open(self, rids: Sequence[str]) -> _Stream:
+        stream = _Stream()
         with self._streams_lock:
-            self._streams[rid] = stream
-        ids: list[int] = []
-        settled = False  # finished, aborted or failed in the engine: nothing left to abort there
+            for rid in rids:
+                self._streams[rid] = stream
+        return stream
+
+    def _forget(self, rids: Sequence[str]) -> None:
+        with self._streams_lock:
+            for rid in rids:
+                self._streams.pop(rid, None)
+
+    def _send(self, message: dict) -> None:
+        worker = self._worker
+        if worker is None or not worker.send(message):
+            raise EngineError(worker.failure if worker is not None and worker.failure else
+                              "the vLLM engine worker is not running")
+
+    def _abort(self, rid: str) -> None:
+        worker = self._worker
+        if worker is not None and worker.alive:
+            worker.send({"command": "abort", "id": rid})
+
+    def _next(self, stream: _Stream) -> tuple | None:
+        """The stream's next event, None after a short wait (a dead worker raises)."""
         try:
-            if worker is None or not worker.send({"command": "generate", "id": rid, "prefix": [int(t) for t in prompt],
-                                                  "max_tokens": max_tokens, "end": end, "extra_args": extra_args}):
-                raise EngineError(worker.failure if worker is not None and worker.failure else
-                                  "the vLLM engine worker is not running")
-            abort_sent = False
+            return stream.events.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            worker = self._worker
+            if worker is not None and not worker.alive and stream.events.empty() and worker.failure:
+                raise EngineError(worker.failure) from None
+            return None
+
+
+def _request(rid: str, prompt: Sequence[int], max_tokens: int, stop: list[int], extra_args: dict) -> dict:
+    return {"id": rid, "prefix": [int(t) for t in prompt], "max_tokens": max_tokens, "stop": stop,
+            "extra_args": extra_args}
+
+
+class _SingleRun:
+    """One row: stream its tokens until it ends, is cancelled (abort) or the engine dies."""
+
+    def __init__(self, backend: VLLMBackend, prompts, sampling: Sampling, seed: int, phase: str, legacy: bool,
+                 cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None):
+        from .vllm_plugin import row_args
+
+        self.backend, self.phase, self.on_token, self.cancelled = backend, phase, on_token, cancelled
+        self.rid = uuid.uuid4().hex
+        self.request = _request(self.rid, prompts[0], sampling.max_tokens, [end_token(phase)],
+                                row_args(phase, sampling, seed, legacy=legacy))
+
+    def result(self) -> tuple[list[int], dict]:
+        backend, rid, ids = self.backend, self.rid, []
+        stream = backend._open([rid])
+        settled, abort_sent = False, False
+        try:
+            backend._send({"command": "generate", **self.request})
             while True:
-                if not abort_sent and cancelled is not None and cancelled():
-                    worker.send({"command": "abort", "id": rid})
+                if not abort_sent and self.cancelled is not None and self.cancelled():
+                    backend._abort(rid)
                     abort_sent = True
-                try:
-                    kind, payload = stream.events.get(timeout=POLL_SECONDS)
-                except queue.Empty:
-                    if not worker.alive and stream.events.empty() and worker.failure:
-                        raise EngineError(worker.failure) from None
+                event = backend._next(stream)
+                if event is None:
                     continue
+                _, kind, payload = event
                 if kind == "tokens":
                     ids.extend(payload)
-                    if on_token is not None:
+                    if self.on_token is not None:
                         for token in payload:
-                            on_token(phase, token)
+                            self.on_token(self.phase, token)
                     continue
                 settled = True
                 if kind == "done":
                     return ids, payload
                 if kind == "aborted":
-                    raise InterruptedError(f"cancelled during the {phase} phase after {len(ids)} tokens")
+                    raise InterruptedError(f"cancelled during the {self.phase} phase after {len(ids)} tokens")
                 if kind == "error":
-                    raise EngineError(f"vLLM rejected the {phase} request: {payload}")
+                    raise EngineError(f"vLLM rejected the {self.phase} request: {payload}")
                 raise EngineError(payload)  # "died"
         finally:
-            with self._streams_lock:
-                self._streams.pop(rid, None)
-            if not settled and worker is not None and worker.alive:
-                worker.send({"command": "abort", "id": rid})  # e.g. on_token raised: free the engine row
+            backend._forget([rid])
+            if not settled:
+                backend._abort(rid)  # e.g. on_token raised: free the engine row
+
+
+class _PairRun:
+    """A CFG pair: cond and uncond rows share every token; only what both rows agree on is accepted.
+
+    Each attempt submits both rows together (prompts + the tokens accepted so far). While both rows
+    stay in step the processor forces the same guided token into each; a row that falls out of step
+    (a partner preempted, prefilled a step later, or gone) gets the sentinel and stops. The attempt
+    then keeps the rows' common prefix, aborts what still runs, and resubmits, up to `MAX_PAIR_RESTARTS`
+    times (then `EngineError`: never unguided tokens). Accepted tokens are streamed as they agree.
+    """
+
+    MAX_PAIR_RESTARTS = 50
+
+    def __init__(self, backend: VLLMBackend, prompts, sampling: Sampling, seed: int, phase: str, legacy: bool,
+                 cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None):
+        self.backend, self.prompts, self.sampling, self.seed = backend, prompts, sampling, seed
+        self.phase, self.legacy, self.cfg_scale = phase, legacy, cfg_scale
+        self.on_token, self.cancelled = on_token, cancelled
+        self.end = end_token(phase)
+        self.accepted: list[int] = []
+        self.first_token: float | None = None
+        self.rows_seen: list[float] = []
+
+    def result(self) -> tuple[list[int], dict]:
+        start = time.perf_counter()
+        restarts = 0
+        while True:
+            ended = self._attempt(start)
+            if ended or len(self.accepted) >= self.sampling.max_tokens:
+                rows = self.rows_seen
+                return self.accepted + [self.end] * ended, {"ended": ended, "ttft_seconds": self.first_token, "pair_restarts": restarts,
+                                       "mean_batch_rows": sum(rows) / len(rows) if rows else 0.0}
+            restarts += 1
+            if restarts > self.MAX_PAIR_RESTARTS:
+                raise EngineError(f"the CFG pair of the {self.phase} phase fell out of step {restarts} times "
+                                  f"(after {len(self.accepted)} accepted tokens); not serving it unguided")
+
+    def _attempt(self, start: float) -> bool:
+        """One submission of both rows; True once the end token is accepted."""
+        from .engine_sampling import PAIR_SENTINEL
+        from .vllm_plugin import Pairing, row_args
+
+        backend, pair = self.backend, uuid.uuid4().hex
+        rids = [f"{pair}-c", f"{pair}-u"]
+        remaining = self.sampling.max_tokens - len(self.accepted)
+        rows = [_request(rid, prompt + self.accepted, remaining, [self.end, PAIR_SENTINEL],
+                         row_args(self.phase, self.sampling, self.seed, legacy=self.legacy, history=self.accepted,
+                                  pairing=Pairing(pair, role, self.cfg_scale)))
+                for rid, prompt, role in zip(rids, self.prompts, ("cond", "uncond"))]
+        outputs = {rid: [] for rid in rids}
+        open_rows, aborting, accepted_here, ended = set(rids), set(), 0, False
+        stream = backend._open(rids)
+        try:
+            backend._send({"command": "generate_pair", "id": pair, "rows": rows, "warm": True})
+            while open_rows:
+                if self.cancelled is not None and self.cancelled():
+                    for rid in open_rows - aborting:
+                        backend._abort(rid)
+                    aborting |= open_rows
+                event = backend._next(stream)
+                if event is None:
+                    continue
+                rid, kind, payload = event
+                if kind == "tokens":
+                    outputs[rid].extend(payload)
+                elif kind == "done":
+                    open_rows.discard(rid)
+                    self.rows_seen.append(payload["mean_batch_rows"])
+                elif kind == "aborted":
+                    open_rows.discard(rid)
+                elif kind == "error":
+                    raise EngineError(f"vLLM rejected the {self.phase} CFG request: {payload}")
+                else:
+                    raise EngineError(payload)  # "died"
+                agreed = _common_prefix(outputs[rids[0]], outputs[rids[1]])
+                agreed = agreed[:agreed.index(PAIR_SENTINEL)] if PAIR_SENTINEL in agreed else agreed
+                for token in agreed[accepted_here:]:
+                    if self.first_token is None:
+                        self.first_token = time.perf_counter() - start
+                    if token == self.end:
+                        ended = True
+                    else:
+                        self.accepted.append(token)
+                    if self.on_token is not None:
+                        self.on_token(self.phase, token)
+                accepted_here = len(agreed)
+                # Out of step (a sentinel, or the rows disagree): stop what still runs and resubmit.
+                shortest = min(len(out) for out in outputs.values())
+                broken = accepted_here < shortest or any(PAIR_SENTINEL in out for out in outputs.values())
+                if broken or len(open_rows) == 1:
+                    for other in open_rows - aborting:
+                        backend._abort(other)
+                    aborting |= open_rows
+            if self.cancelled is not None and self.cancelled() and not ended:
+                raise InterruptedError(f"cancelled during the {self.phase} phase after {len(self.accepted)} tokens")
+            return ended
+        finally:
+            backend._forget(rids)
+            for rid in open_rows - aborting:
+                backend._abort(rid)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return list(a[:n])

@@ -47,7 +47,9 @@ def build_engine(setup: dict):
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    options = {"scheduler_cls": setup["scheduler_cls"]} if setup.get("scheduler_cls") else {}
+    options = {key: setup[key] for key in ("scheduler_cls", "block_size") if setup.get(key)}
+    if setup.get("architecture"):  # e.g. YuE2ARForCausalLM, registered by our vllm.general_plugins entry point
+        options["hf_overrides"] = {"architectures": [setup["architecture"]]}
     args = EngineArgs(
         model=setup["model"], skip_tokenizer_init=True, dtype=setup.get("dtype", "bfloat16"),
         max_model_len=setup["max_model_len"], max_num_seqs=setup["max_num_seqs"],
@@ -59,18 +61,27 @@ def build_engine(setup: dict):
 
 
 def sampling_params(request: dict):
-    """Greedy in vLLM's eyes: the yue2 processor has already left one finite logit per row."""
+    """Greedy in vLLM's eyes: the yue2 processor has already made one token the largest logit per row."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], stop_token_ids=[request["end"]],
+    return SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], stop_token_ids=request["stop"],
                           ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA,
                           extra_args=request["extra_args"])
 
 
+def warm_params():
+    """A one-token plain request that only prefills a prompt into the prefix cache."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
 @dataclass
 class InFlight:
-    end: int
+    stop: list[int]  # the phase's end token, and the CFG sentinel for paired rows
     prefix_tokens: int
     start: float = field(default_factory=time.perf_counter)
     first: float | None = None
@@ -81,27 +92,71 @@ class InFlight:
 
 
 class Worker:
+    """The engine's requests: YuE2 rows in flight, and CFG pairs still warming their prompts."""
+
     def __init__(self, engine, channel: Channel):
         self.engine, self.channel = engine, channel
         self.requests: dict[str, InFlight] = {}
+        self.warming: dict[str, dict] = {}  # warm-up request id -> the pair it prepares
+        self.pair_of_row: dict[str, dict] = {}  # row id -> its pair while warming
+
+    def add(self, request: dict) -> bool:
+        try:
+            self.engine.add_request(request["id"], {"prompt_token_ids": request["prefix"]}, sampling_params(request))
+        except Exception as exc:  # a rejected request; the engine itself is fine
+            self.channel.emit({"event": "error", "id": request["id"], "error": f"{type(exc).__name__}: {exc}"})
+            return False
+        self.requests[request["id"]] = InFlight(request["stop"], len(request["prefix"]))
+        return True
+
+    def add_pair(self, command: dict) -> None:
+        """Both rows enter the engine together. With `warm`, each prompt is first prefilled alone into the
+        prefix cache, so that the two rows then finish their (cached) prefill in the same step."""
+        rows = command["rows"]
+        if not command.get("warm"):
+            for row in rows:
+                self.add(row)
+            return
+        pair = {"rows": rows, "warm": {f"{row['id']}:warm" for row in rows}}
+        for row in rows:
+            self.engine.add_request(f"{row['id']}:warm", {"prompt_token_ids": row["prefix"]}, warm_params())
+            self.pair_of_row[row["id"]] = pair
+        for warm_id in pair["warm"]:
+            self.warming[warm_id] = pair
+
+    def warmed(self, warm_id: str) -> None:
+        pair = self.warming.pop(warm_id)
+        pair["warm"].discard(warm_id)
+        if not pair["warm"]:
+            for row in pair["rows"]:
+                self.pair_of_row.pop(row["id"], None)
+                self.add(row)
+
+    def abort(self, rid: str) -> None:
+        pair = self.pair_of_row.get(rid)
+        if pair is not None:  # still warming: drop the pair, both rows count as aborted
+            self.engine.abort_request(sorted(pair["warm"]))
+            for warm_id in pair["warm"]:
+                self.warming.pop(warm_id, None)
+            for row in pair["rows"]:
+                self.pair_of_row.pop(row["id"], None)
+                self.channel.emit({"event": "aborted", "id": row["id"]})
+        elif rid in self.requests:
+            self.engine.abort_request([rid])
+            del self.requests[rid]
+            self.channel.emit({"event": "aborted", "id": rid})
 
     def handle(self, command: dict) -> bool:
         """Apply one command; False on shutdown."""
         kind = command.get("command")
         if kind == "shutdown":
             return False
-        rid = command.get("id")
         if kind == "generate":
-            try:
-                self.engine.add_request(rid, {"prompt_token_ids": command["prefix"]}, sampling_params(command))
-            except Exception as exc:  # a rejected request; the engine itself is fine
-                self.channel.emit({"event": "error", "id": rid, "error": f"{type(exc).__name__}: {exc}"})
-                return True
-            self.requests[rid] = InFlight(command["end"], len(command["prefix"]))
-        elif kind == "abort" and rid in self.requests:
-            self.engine.abort_request([rid])
-            del self.requests[rid]
-            self.channel.emit({"event": "aborted", "id": rid})
+            self.add(command)
+        elif kind == "generate_pair":
+            self.add_pair(command)
+        elif kind == "abort":
+            self.abort(command.get("id"))
         return True
 
     def step(self) -> None:
@@ -110,6 +165,10 @@ class Worker:
         now, rows = time.perf_counter(), len(self.requests)
         tokens, done = {}, {}
         for output in outputs:
+            if output.request_id in self.warming:
+                if output.finished:
+                    self.warmed(output.request_id)
+                continue
             state = self.requests.get(output.request_id)
             if state is None:
                 continue
@@ -123,13 +182,14 @@ class Worker:
                 state.count += len(new)
                 state.last = new[-1]
             if output.finished:
-                ended = state.last == state.end or completion.stop_reason == state.end
-                if ended and state.last != state.end:
-                    new.append(state.end)
+                stop = state.last if state.last in state.stop else completion.stop_reason
+                ended = stop in state.stop
+                if ended and state.last != stop:
+                    new.append(stop)
                     state.count += 1
                 seconds = now - state.start
                 done[output.request_id] = {
-                    "ended": ended, "seconds": seconds, "ttft_seconds": state.first, "output_tokens": state.count,
+                    "ended": ended, "stop": stop if ended else None, "seconds": seconds, "ttft_seconds": state.first, "output_tokens": state.count,
                     "output_tps": state.count / seconds if seconds > 0 else 0.0, "prefix_tokens": state.prefix_tokens,
                     "mean_batch_rows": state.rows / max(1, state.steps)}
                 del self.requests[output.request_id]
