@@ -1,12 +1,14 @@
 """vLLM backend benchmarks, side by side in one run (CPU here; the same script runs on a GPU).
 
 1. AR decode tokens/s for the same derived checkpoint: our backend (worker process, JSON
-   streaming, windowed penalty) vs bare vLLM (an engine stepping the same request in its own
-   process, no protocol), and vs our torch backend. Target: ours / bare >= 0.95.
-2. Derivation of a full-size (28-layer, 7.3 GB) checkpoint: seconds and peak RSS, against
+   streaming, YuE2's sampler in the engine, sliced head) vs bare vLLM (an engine stepping the same
+   request in its own process with vLLM's own sampler, no protocol), and vs our torch backend.
+2. CFG songs: useful (cond) tokens/s of paired CFG rows on vLLM vs plain songs on vLLM vs the torch CFG
+   backend, at 1 and 8 songs at once.
+3. Derivation of a full-size (28-layer, 7.3 GB) checkpoint: seconds and peak RSS, against
    copying the same number of bytes.
 
-    python bench/bench_vllm.py [--tokens 256] [--repeats 3] [--skip-derive] [--workdir DIR]
+    python bench/bench_vllm.py [--tokens 256] [--repeats 3] [--skip-derive] [--skip-cfg] [--workdir DIR]
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from yue2_vllm.derive import ARCheckpoint, derive_ar_checkpoint
@@ -47,9 +50,7 @@ rates = []
 for repeat in range(repeats):
     params = SamplingParams(temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
                             min_tokens=sampling["min_tokens"], max_tokens=sampling["max_tokens"], seed=repeat,
-                            detokenize=False, allowed_token_ids=allowed,
-                            extra_args={"yue2_window_penalty": sampling["repetition_penalty"],
-                                        "yue2_penalty_window": sampling["penalty_window"]})
+                            detokenize=False, allowed_token_ids=allowed)
     start, first, count = time.perf_counter(), None, 0
     engine.add_request(f"r{repeat}", {"prompt_token_ids": prefix}, params)
     while engine.has_unfinished_requests():
@@ -98,6 +99,47 @@ def bench_decode(name: str, model_dir: Path, config: YuE2Config, workdir: Path, 
     return {"model": name, "tokens": tokens, "ours_vllm_tok_s": ours_all, "bare_vllm_tok_s": bare_all,
             "ours_over_bare": statistics.median(ratios), "torch_tok_s": torch_tps,
             "vllm_over_torch": ours_tps / torch_tps}
+
+
+def bench_cfg(model_dir: Path, config: YuE2Config, workdir: Path, tokens: int, repeats: int) -> dict:
+    """Useful tok/s (cond tokens) of CFG songs vs plain songs on vLLM, and of the torch CFG backend."""
+    import threading
+
+    checkpoint = derive_ar_checkpoint(model_dir, workdir / "arcache")
+    sampling = Sampling(min_tokens=tokens, max_tokens=tokens)
+    negative = [EOD, 100, 101, MUSIC_START]
+    backend = VLLMBackend(config, EngineSettings(ARCheckpoint(checkpoint, "derived", None), max_num_seqs=16))
+
+    def useful_rate(songs: int, cfg: bool) -> float:
+        def one(i):
+            backend.generate(PREFIX, sampling, i, "semantic", negative=negative if cfg else None,
+                             cfg_scale=1.5 if cfg else 1.0)
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(songs)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return songs * tokens / (time.perf_counter() - start)
+
+    report = {}
+    try:
+        backend.start()
+        for songs in (1, 8):
+            plain = statistics.median(useful_rate(songs, False) for _ in range(repeats))
+            guided = statistics.median(useful_rate(songs, True) for _ in range(repeats))
+            report[f"{songs}_songs"] = {"plain_tok_s": plain, "cfg_tok_s": guided, "cfg_over_plain": guided / plain}
+    finally:
+        backend.close()
+    torch_backend = TorchARBackend(load_model(model_dir))
+    torch_cfg = statistics.median(tokens / torch_backend.generate(PREFIX, sampling, seed, "semantic", negative=negative,
+                                                                  cfg_scale=1.5).timing["seconds"]
+                                  for seed in range(repeats))
+    report["torch_cfg_tok_s"] = torch_cfg  # one song at a time: 8 songs run one after another
+    for songs in (1, 8):
+        report[f"{songs}_songs"]["vllm_cfg_over_torch_cfg"] = report[f"{songs}_songs"]["cfg_tok_s"] / torch_cfg
+    return report
 
 
 def write_full_size_checkpoint(directory: Path) -> Path:
@@ -165,6 +207,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-derive", action="store_true")
     parser.add_argument("--skip-wide", action="store_true", help="skip the one-layer real-width model")
+    parser.add_argument("--skip-cfg", action="store_true", help="skip the CFG comparison")
     parser.add_argument("--workdir", help="scratch directory (default: a temp dir, removed afterwards)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.workdir) as scratch:
@@ -175,6 +218,8 @@ def main() -> None:
             wide = YuE2Config(num_hidden_layers=1)
             report["decode"].append(bench_decode("real_width_1_layer", write_tiny_model(workdir / "wide", config=wide),
                                                  wide, workdir, args.tokens // 4, args.repeats))
+        if not args.skip_cfg:
+            report["cfg_tiny"] = bench_cfg(workdir / "tiny", TINY_CONFIG, workdir, args.tokens // 2, args.repeats)
         if not args.skip_derive:
             report["derivation_full_size"] = bench_derive(workdir)
     print(json.dumps(report, indent=2))

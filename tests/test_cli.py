@@ -476,9 +476,11 @@ def test_budget_must_be_positive(capsys):
 
 def test_a_backend_fallback_is_shown_on_screen(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
     assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), "--backend", "vllm", "--cot",
-                 "off", "--style", "a", "--lyrics", "b", "--stage", "audio", "--output", str(tmp_path)]) == 0
+                 "off", "--cfg-engine", "torch", "--style", "a", "--lyrics", "b", "--stage", "audio", "--output",
+                 str(tmp_path)]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if "phase:" in line]
-    assert notes == ["semantic phase: torch backend (cfg_scale != 1 (1.01): paired CFG runs on the torch backend)"]
+    assert notes == ["semantic phase: torch backend (cfg_scale 1.01 ≠ 1: paired CFG on vLLM is switched off "
+                     "(--cfg-engine torch))"]
 
 
 def test_config_file_with_request_sampling_keys(tiny_model_dir, tiny_vae_dir, tmp_path, capsys):

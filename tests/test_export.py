@@ -21,7 +21,7 @@ from safetensors import safe_open
 from yue2_vllm import export
 from yue2_vllm.checkpoint import DTYPES, read_header
 from yue2_vllm.derive import derive_ar_checkpoint, qwen_config, validate_ar_checkpoint
-from yue2_vllm.export import ExportError, expected_layout, load_calibration, quantize_ar
+from yue2_vllm.export import ExportError, expected_layout, load_calibration, quant_python, quantize_ar
 from yue2_vllm.modeling import YuE2Config, ar_tensor_shapes
 from yue2_vllm.protocol import SongRequest
 from yue2_vllm.testing import TINY_CONFIG
@@ -37,14 +37,6 @@ SCHEMES = {"fp8": ("W8A8-FP8", "F8_E4M3"), "int8": ("W8A8-INT8", "I8"),
            "int8-smoothquant-gptq": ("W8A8-INT8", "I8")}
 GENERATION = {"abc": {"max_tokens": 8, "min_tokens": 3}, "semantic": {"max_tokens": 20, "min_tokens": 8},
               "ode_steps": 2}
-
-
-def quant_python() -> Path | None:
-    configured = os.environ.get("YUE2_QUANT_PYTHON")
-    for candidate in ([Path(configured)] if configured else []) + [REPO / ".venv-quant" / "bin" / "python"]:
-        if candidate.exists():
-            return candidate
-    return None
 
 
 QUANT_PYTHON = quant_python()
@@ -331,18 +323,29 @@ def test_quantization_record(exports, derived, tiny_model_dir):
 @needs_vllm
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])
 def test_song_from_the_export_on_vllm(exports, scheme, tiny_model_dir, tiny_vae_dir, monkeypatch):
+    """Forced, the export is served; under the default policy it is served only where it is fast here
+    (FP8 never on a CPU; INT8 W8A8 with VNNI/AMX), else the bf16 derived checkpoint is, on the record."""
     from yue2_vllm.pipeline import YuE2Pipeline
+    from yue2_vllm.quantization import device_info
 
     path, _ = exports[scheme]
     monkeypatch.setenv("YUE2_AR_CHECKPOINT", str(path))  # served through the documented override
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION) as pipe:
-        song = pipe(SongRequest("pop", "la la", id=f"q-{scheme}"))
-    for phase in ("abc", "semantic"):
-        assert (song.timing[phase]["backend_actual"], song.timing[phase]["fallback_reason"]) == ("vllm", None)
-    checkpoint = song.timing["semantic"]["ar_checkpoint"]
-    assert checkpoint["source"] == "override" and checkpoint["path"] == str(path.resolve())
-    assert checkpoint["quantization"]["name"] == SCHEMES[scheme][0]
-    assert len(song.semantic.tokens) >= 8 and np.isfinite(song.audio).all()
+    fast_here = scheme == "int8" and device_info("cpu").int8_dot
+    for policy in ("force", "auto"):
+        with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
+                          quantized_policy=policy) as pipe:
+            song = pipe(SongRequest("pop", "la la", id=f"q-{scheme}"))
+        for phase in ("abc", "semantic"):
+            assert (song.timing[phase]["backend_actual"], song.timing[phase]["fallback_reason"]) == ("vllm", None)
+        checkpoint = song.timing["semantic"]["ar_checkpoint"]
+        if policy == "force" or fast_here:
+            assert checkpoint["source"] == "override" and checkpoint["path"] == str(path.resolve())
+            assert checkpoint["quantization"]["name"] == SCHEMES[scheme][0]
+            assert ("slow" in checkpoint) == (not fast_here)
+        else:
+            assert checkpoint["source"] == "derived" and checkpoint["quantization"] is None
+            assert str(path.resolve()) in checkpoint["declined"] and "bf16" in checkpoint["declined"]
+        assert len(song.semantic.tokens) >= 8 and np.isfinite(song.audio).all()
 
 
 LOGPROB_SCRIPT = textwrap.dedent("""

@@ -143,7 +143,7 @@ def test_torch_lane_songs_run_beside_engine_songs(pipe, tmp_path, monkeypatch):
         handles = [scheduler.submit(r, tmp_path / r.id) for r in [guided] + songs(2, prefix="p")]
         assert {h.state for h in scheduler.as_completed(handles)} == {"complete"}
     timing = json.loads((tmp_path / "guided" / "result.json").read_text())["timing"]["semantic"]
-    assert timing["backend_actual"] == "torch" and "cfg_engine='torch'" in timing["fallback_reason"]
+    assert timing["backend_actual"] == "torch" and "--cfg-engine torch" in timing["fallback_reason"]
 
 
 def test_scheduler_on_the_torch_backend(tiny_model_dir, tiny_vae_dir, tmp_path):

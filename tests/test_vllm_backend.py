@@ -223,7 +223,7 @@ def test_song_on_vllm_and_recorded_fallbacks(vllm_pipe, monkeypatch):
     guided = vllm_pipe(SongRequest("pop", "la", cfg_scale=1.5, id="v3"))
     assert guided.timing["abc"]["backend_actual"] == "vllm"
     assert guided.timing["semantic"]["backend_actual"] == "torch"
-    assert "cfg_scale 1.5 ≠ 1" in guided.timing["semantic"]["fallback_reason"]
+    assert "cfg_scale 1.5 ≠ 1: paired CFG on vLLM is switched off" in guided.timing["semantic"]["fallback_reason"]
     assert vllm_pipe._vllm.running  # resident across songs on CPU
 
 

@@ -236,12 +236,15 @@ def _pipeline(args, need_vae: bool = True):
         raise UsageError(f"--config {args.config}: {exc}") from None
     engine_options = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
                       if getattr(args, name, None) is not None}
+    if getattr(args, "no_sliced_head", False):
+        engine_options["sliced_head"] = False
     if getattr(args, "concurrency", None) and "max_num_seqs" not in engine_options:
         engine_options["max_num_seqs"] = args.concurrency  # one engine row per song in flight
     return YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=args.backend,
                         generation_config=generation, verify_hashes=args.verify_hashes,
                         ar_checkpoint=args.ar_checkpoint, quantization=args.quantization, offload_ar=args.offload_ar,
-                        dtype=args.dtype, engine_options=engine_options, start_engine=True, cfg_engine=args.cfg_engine)
+                        dtype=args.dtype, engine_options=engine_options, start_engine=True, cfg_engine=args.cfg_engine,
+                        quantized_policy=args.quantized_policy)
 
 
 def _summary(document: dict) -> dict:
@@ -514,9 +517,33 @@ def cmd_doctor(args) -> int:
                          **({"reason": reason} if reason else {})}}
     required = ("torch", "numpy", "safetensors", "tiktoken", "soundfile", "tqdm")
     report = {"python": platform.python_version(), "versions": versions, "devices": devices, "backends": backends,
-              "default_cot": "full", "default_cfg": {"full": 1.0, "melody": 1.0, "off": 1.01}}
+              "default_cot": "full", "default_cfg": {"full": 1.0, "melody": 1.0, "off": 1.01},
+              "memory": memory_split(args)}
     print(json.dumps(report, indent=2))
     return 0 if all(versions[name] for name in required) else 1
+
+
+def memory_split(args) -> dict:
+    """The engine / torch split `serve`, `batch` and `generate` would start with (memory.plan_memory)."""
+    import math
+
+    from .memory import plan_memory
+    from .modeling import YuE2Config, ar_tensor_shapes
+    from .pipeline import resolve_device
+    from .testing import tiny_default
+
+    model_dir, vae_dir = (Path(args.model), Path(args.vae) if args.vae else None) if args.model else tiny_default()
+    config = YuE2Config.load(model_dir)
+    device = resolve_device(args.device).type
+
+    def weight_bytes(directory):
+        return sum(p.stat().st_size for p in directory.glob("*.safetensors")) if directory else 0
+
+    engine_weights = 2 * sum(math.prod(shape) for shape in ar_tensor_shapes(config).values())  # bf16 AR subset
+    plan = plan_memory(config, device=device, budget_gib=args.budget, engine_weights=engine_weights,
+                       torch_model=weight_bytes(model_dir), vae=weight_bytes(vae_dir), max_num_seqs=args.concurrency,
+                       offload_ar=args.offload_ar)
+    return {"model": str(model_dir), **plan.describe(), "problems": plan.problems()}
 
 
 def cmd_derive(args) -> int:
@@ -599,6 +626,11 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-ar", action="store_true",
                         help="move the AR expert off the accelerator during the NAR's ODE steps, for 16-24 GB "
                              "cards (default: off)")
+    parser.add_argument("--quantized-policy", choices=("auto", "force"), default="auto",
+                        help="a quantized --ar-checkpoint without a kernel faster than bf16 on this device is served "
+                             "as the bf16 derived checkpoint, on the record (auto), or anyway (force); default: auto")
+    parser.add_argument("--no-sliced-head", action="store_true",
+                        help="compute the full 184,704-row lm_head on vLLM (default: only the rows the phase allows)")
     parser.add_argument("--cfg-engine", choices=("vllm", "torch"), default="vllm",
                         help="where songs with cfg_scale != 1 (cot=off included) run when --backend is vllm/auto: as "
                              "paired rows on the engine, or on the torch backend (default: vllm)")
@@ -643,8 +675,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "off (no score, paired CFG 1.01); default: the request's, else full")
     generate.add_argument("--seed", type=int, help="sampling and noise seed in [0, 2**63); default: the request's, "
                                                   "else 831001")
-    generate.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale in [0, 20] (≠ 1 runs on "
-                                                          "the torch backend); default: 1, or 1.01 for cot off")
+    generate.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale in [0, 20] (≠ 1 runs two "
+                                                          "rows: a paired CFG request on vLLM, see --cfg-engine); "
+                                                          "default: 1, or 1.01 for cot off")
     generate.add_argument("--id", help="song id and output directory name; default: the request's, else "
                                        "'first_song' for the embedded example, else 'song'")
     generate.add_argument("--stage", choices=("plan", "audio"), default="audio",
@@ -660,7 +693,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "sized from --budget; 1 on the torch backend)")
     batch.set_defaults(func=cmd_batch)
 
-    doctor = command("doctor", "versions, devices and which backends are usable")
+    doctor = command("doctor", "versions, devices, which backends are usable, and the engine / torch memory split")
+    doctor.add_argument("--model", help="YuE2 MoT directory for the memory split (default: the embedded tiny model)")
+    doctor.add_argument("--vae", help="YuE2 VAE directory (with --model)")
+    doctor.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    doctor.add_argument("--budget", type=float, default=24.0, help="memory budget in GiB (default %(default)s)")
+    doctor.add_argument("--concurrency", type=int, help="engine rows (default: sized from the budget)")
+    doctor.add_argument("--offload-ar", action="store_true", help="plan for --offload-ar")
     doctor.set_defaults(func=cmd_doctor)
 
     derive = command("derive", "write the Qwen3 AR checkpoint vLLM serves (cached by content)")
@@ -692,6 +731,13 @@ def build_parser() -> argparse.ArgumentParser:
     quantize = command("quantize", "write a quantized (FP8/int8) drop-in AR checkpoint: MODEL --scheme S --out DIR "
                                    "(run from .venv-quant: bash calibration/setup-quant-env.sh)", add_help=False)
     quantize.set_defaults(func=cmd_quantize)
+
+    from . import bench  # light: it imports torch/vLLM only when it runs
+
+    bench_parser = command("bench", "AR prefill/decode per phase and precision at 1 and N songs, NAR and VAE speed, "
+                                    "peak memory, engine start: one table (JSON + Markdown)")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=bench.main_from_args)
 
     tiny = command("make-tiny", "write the tiny deterministic MoT + VAE checkpoints into DIR")
     tiny.add_argument("directory", help="where YuE2-3B-tiny/ and YuE2-Vae-tiny/ go")

@@ -18,7 +18,7 @@ from .checkpoint import (FLOAT_DTYPES, CheckpointError, HashCache, atomic_direct
                          read_json,
                          sha256_file, weight_index, write_json_atomic, write_safetensors_subset)
 from .modeling import YuE2Config, ar_tensor_shapes
-from .quantization import QUANT_SUFFIXES, QuantScheme, parse_quantization, runnable_reason
+from .quantization import QUANT_SUFFIXES, QuantScheme, device_info, parse_quantization, runnable_reason, slow_reason
 
 SCHEMA = 1
 DERIVATION_FILE = "derivation.json"
@@ -181,10 +181,17 @@ class ARCheckpoint:
     source: str  # "derived" | "override"
     quantization: QuantScheme | None
     unservable: str | None = None  # why vLLM cannot run it on this device, if it cannot
+    declined: str | None = None  # a requested override that is served as the derived bf16 checkpoint, and why
+    slow: str | None = None  # a quantized override served although it is slower than bf16 here (policy "force")
 
     def describe(self) -> dict:
-        return {"path": str(self.path), "source": self.source,
-                "quantization": self.quantization.to_dict() if self.quantization else None}
+        described = {"path": str(self.path), "source": self.source,
+                     "quantization": self.quantization.to_dict() if self.quantization else None}
+        if self.declined:
+            described["declined"] = self.declined
+        if self.slow:
+            described["slow"] = self.slow
+        return described
 
 
 def validate_ar_checkpoint(path: str | os.PathLike, mot: YuE2Config) -> QuantScheme | None:
@@ -204,16 +211,39 @@ def validate_ar_checkpoint(path: str | os.PathLike, mot: YuE2Config) -> QuantSch
     return scheme
 
 
+QUANTIZED_POLICIES = ("auto", "force")
+
+
 def resolve_ar_checkpoint(model_dir: str | os.PathLike, *, override: str | os.PathLike | None = None,
                           device_type: str = "cpu", cache_dir: str | os.PathLike | None = None,
-                          hashes: HashCache | None = None, verify: bool = False) -> ARCheckpoint:
-    """The override (argument, else `$YUE2_AR_CHECKPOINT`) validated, or the derived checkpoint."""
+                          hashes: HashCache | None = None, verify: bool = False,
+                          quantized_policy: str = "auto") -> ARCheckpoint:
+    """The override (argument, else `$YUE2_AR_CHECKPOINT`) validated, or the derived checkpoint.
+
+    A quantized override that vLLM cannot run here, or runs slower than bf16 here
+    (`quantization.slow_reason`), is declined for the derived bf16 checkpoint, on the record —
+    unless `quantized_policy="force"`, which serves a slow one anyway (recorded as slow).
+    """
+    if quantized_policy not in QUANTIZED_POLICIES:
+        raise ValueError(f"quantized_policy must be one of {QUANTIZED_POLICIES}, got {quantized_policy!r}")
     chosen = override or os.environ.get(OVERRIDE_ENV) or None
     mot = YuE2Config.load(model_dir)
-    if chosen:
-        path = Path(chosen).expanduser().resolve()
-        if not path.is_dir():
-            raise DerivationError(f"{OVERRIDE_ENV}/ar_checkpoint {chosen}: not a directory")
-        scheme = validate_ar_checkpoint(path, mot)
-        return ARCheckpoint(path, "override", scheme, runnable_reason(scheme, device_type))
-    return ARCheckpoint(derive_ar_checkpoint(model_dir, cache_dir, hashes=hashes, verify=verify), "derived", None)
+
+    def derived(**why) -> ARCheckpoint:
+        return ARCheckpoint(derive_ar_checkpoint(model_dir, cache_dir, hashes=hashes, verify=verify), "derived",
+                            None, **why)
+
+    if not chosen:
+        return derived()
+    path = Path(chosen).expanduser().resolve()
+    if not path.is_dir():
+        raise DerivationError(f"{OVERRIDE_ENV}/ar_checkpoint {chosen}: not a directory")
+    scheme = validate_ar_checkpoint(path, mot)
+    unservable = runnable_reason(scheme, device_type)
+    slow = slow_reason(scheme, device_info(device_type)) if unservable is None else None
+    if unservable and quantized_policy == "force":
+        return ARCheckpoint(path, "override", scheme, unservable)
+    if unservable or (slow and quantized_policy == "auto"):
+        return derived(declined=f"{path}: {unservable or slow}; serving the bf16 derived checkpoint "
+                                f"(quantized_policy 'force' serves it anyway)")
+    return ARCheckpoint(path, "override", scheme, slow=slow)

@@ -181,6 +181,16 @@ def load_calibration(directory: str | os.PathLike, vocab_size: int | None = None
 # --------------------------------------------------------------------------- export
 
 
+def quant_python() -> Path | None:
+    """The quantization venv's python: `$YUE2_QUANT_PYTHON`, else `<repo>/.venv-quant/bin/python`."""
+    configured = os.environ.get("YUE2_QUANT_PYTHON")
+    repo_venv = Path(__file__).resolve().parent.parent / ".venv-quant" / "bin" / "python"
+    for candidate in ([Path(configured)] if configured else []) + [repo_venv]:
+        if candidate.exists():
+            return candidate
+    return None
+
+
 def _require_llmcompressor():
     # llm-compressor binds its console log (loguru) to whatever sys.stdout is at import time; send it
     # to stderr so stdout stays free for the CLI's JSON status line.

@@ -167,7 +167,8 @@ class YuE2Pipeline:
                  vae_core_frames: int | None = None, hash_cache: HashCache | None = None,
                  ar_checkpoint: str | os.PathLike | None = None, keep_engine: bool | None = None,
                  engine_options: dict | None = None, quantization: str = "none", offload_ar: bool = False,
-                 dtype: str = "bfloat16", start_engine: bool = False, cfg_engine: str = "vllm"):
+                 dtype: str = "bfloat16", start_engine: bool = False, cfg_engine: str = "vllm",
+                 quantized_policy: str = "auto"):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not memory_budget_gib > 0:
@@ -176,7 +177,7 @@ class YuE2Pipeline:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         if cfg_engine not in CFG_ENGINES:
             raise ValueError(f"cfg_engine must be one of {CFG_ENGINES}, got {cfg_engine!r}")
-        self.cfg_engine = cfg_engine
+        self.cfg_engine, self.quantized_policy = cfg_engine, quantized_policy
         self.model_dir, self.vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
         self.device = resolve_device(device)
         self.memory_budget_gib = float(memory_budget_gib)
@@ -275,7 +276,10 @@ class YuE2Pipeline:
                 if reason is None:
                     checkpoint = resolve_ar_checkpoint(self.model_dir, override=self.ar_checkpoint,
                                                        device_type=self.device.type, hashes=self.hashes,
-                                                       verify=self.verify_hashes)
+                                                       verify=self.verify_hashes,
+                                                       quantized_policy=self.quantized_policy)
+                    if checkpoint.declined:
+                        LOG.info("AR checkpoint: %s", checkpoint.declined)
                     reason = checkpoint.unservable
                 if reason is not None:
                     self._vllm_unavailable = reason
@@ -313,7 +317,7 @@ class YuE2Pipeline:
             return self.torch_backend, None
         if (cfg_scale != 1.0 or legacy_off) and self.cfg_engine == "torch":
             what = f"cfg_scale {cfg_scale} ≠ 1" if cfg_scale != 1.0 else "cot=off legacy sampling"
-            return self.torch_backend, f"{what}: the paired path is switched off (cfg_engine='torch')"
+            return self.torch_backend, f"{what}: paired CFG on vLLM is switched off (--cfg-engine torch)"
         from .vllm_backend import EngineError
 
         early = self._join_prestart()

@@ -76,3 +76,77 @@ def runnable_reason(scheme: QuantScheme | None, device_type: str) -> str | None:
             return f"{scheme.name} with static FP8 activations needs a quant op vLLM-CPU lacks; use FP8_DYNAMIC"
         return None
     return None
+
+
+# --------------------------------------------------------------------------- speed policy
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What decides which quantized kernels are fast: the CPU's ISA, or the CUDA capability."""
+
+    type: str  # "cpu" | "cuda"
+    cpu_capability: str = ""  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
+    cpu_flags: frozenset[str] = frozenset()
+    cuda_capability: tuple[int, int] | None = None
+
+    @property
+    def int8_dot(self) -> bool:
+        """VNNI or AMX int8 dot products (oneDNN's fast int8 GEMM path)."""
+        return bool(self.cpu_flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+    def describe(self) -> str:
+        if self.type == "cuda":
+            return f"CUDA sm{self.cuda_capability[0]}{self.cuda_capability[1]}" if self.cuda_capability else "CUDA"
+        return f"CPU {self.cpu_capability}" + (" with VNNI/AMX int8" if self.int8_dot else "")
+
+
+def device_info(device_type: str) -> DeviceInfo:
+    import torch
+
+    if device_type == "cuda":
+        return DeviceInfo("cuda", cuda_capability=tuple(torch.cuda.get_device_capability()))
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return DeviceInfo("cpu", torch.backends.cpu.get_cpu_capability(), frozenset(flags))
+
+
+def slow_reason(scheme: QuantScheme | None, device: DeviceInfo) -> str | None:
+    """None when vLLM has a kernel for `scheme` on `device` that is faster than bf16, else why not.
+
+    Measured (bench: `yue2-vllm bench`, `bench/gpu_quant.py`; docs/quantized-*.md):
+    * CPU, FP8 W8A8: vLLM-CPU 0.32 multiplies through `torch._scaled_mm`, 42x slower than a bf16
+      F.linear at M=1 for a 6144x2048 weight on an AVX-512 host (34.6x on AVX2): never faster.
+    * CPU, INT8 W8A8: oneDNN int8 GEMMs; faster than bf16 only with VNNI/AMX int8 dot products (on
+      AVX2 alone the tiny default decoded at 41.4 vs 42.7 tok/s in bf16).
+    * CUDA: FP8 W8A8 on sm89+ (Ada, Hopper) and INT8 W8A8 on sm75+ run vLLM's CUTLASS scaled-mm
+      kernels, which read half the weight bytes of bf16 at decode; below sm89 FP8 weights take a
+      weight-only fallback. (Stated from vLLM's kernel selection, not measured here: no GPU with vLLM.)
+    Weight-only and 4-bit schemes have no measured gain here, so they count as slow.
+    """
+    if scheme is None:
+        return None
+    fp8 = scheme.weight_type == "float" and scheme.weight_bits == 8
+    int8_w8a8 = scheme.weight_type == "int" and scheme.weight_bits == 8 and scheme.activation_bits == 8
+    if device.type == "cuda":
+        capability = device.cuda_capability or (0, 0)
+        if fp8 and scheme.activation_bits and capability >= (8, 9):
+            return None
+        if int8_w8a8 and capability >= (7, 5):
+            return None
+        return f"{scheme.name} has no fast vLLM kernel on {device.describe()}"
+    if fp8:
+        return (f"{scheme.name} runs through torch._scaled_mm on {device.describe()}, 42x slower than bf16 at "
+                "decode (measured)")
+    if int8_w8a8 and device.int8_dot:
+        return None
+    if int8_w8a8:
+        return f"{scheme.name} is no faster than bf16 without VNNI/AMX int8 ({device.describe()})"
+    return f"{scheme.name} has no measured speed-up over bf16 on {device.describe()}"

@@ -1,0 +1,343 @@
+"""`yue2-vllm bench`: every stage and precision of a model measured the same way, in one run.
+
+For a model (the tiny default, a one-layer slice of YuE2-3B at real width, or a real download) and a
+list of AR paths — `torch-bf16`, `torch-int8` (load-time proxies), `vllm-bf16`, `vllm-bf16-full-head`
+(the phase-sliced lm_head switched off), `vllm-fp8`, `vllm-int8` (compressed-tensors checkpoints,
+exported on the fly through the quantization venv when not given) — it reports AR prefill tok/s and
+decode tok/s per phase at batch 1 and at `--concurrency` songs, NAR seconds per ODE step and per audio
+second, the VAE real-time factor, peak memory and engine start time: medians of `--repeats`, as JSON
+and a Markdown table headed by the machine. Each quantized checkpoint carries the speed policy's
+verdict for this device (`quantization.slow_reason`); the bench serves it regardless, to measure it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PATHS = ("torch-bf16", "torch-int8", "vllm-bf16", "vllm-bf16-full-head", "vllm-fp8", "vllm-int8")
+DEFAULT_PATHS = ("torch-bf16", "vllm-bf16", "vllm-bf16-full-head", "vllm-fp8", "vllm-int8")
+PROMPT_TOKENS = 512
+NAR_FRAMES = 250  # 10 s of audio
+
+
+@dataclass
+class BenchConfig:
+    model_dir: Path
+    vae_dir: Path | None
+    label: str
+    paths: tuple[str, ...] = DEFAULT_PATHS
+    concurrency: int = 8
+    tokens: int = 64
+    repeats: int = 3
+    nar_steps: int = 4
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="yue2-bench-")))
+    checkpoints: dict[str, Path] = field(default_factory=dict)  # "fp8"/"int8" -> compressed-tensors AR dir
+
+
+def machine() -> dict:
+    import torch
+
+    from .quantization import device_info
+    from .vllm_backend import vllm_version
+
+    cpu = device_info("cpu")
+    info = {"python": platform.python_version(), "torch": torch.__version__, "vllm": vllm_version(),
+            "cpu": platform.processor() or platform.machine(), "cpu_isa": cpu.describe(),
+            "cores": len(os.sched_getaffinity(0)), "gpu": None}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_isa"] = device_info("cuda").describe()
+    return info
+
+
+def median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def peak_rss_bytes(pid: int | None = None) -> int:
+    """Peak resident set of this process, or of `pid` (a worker) from /proc."""
+    if pid is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+_SALT = [0]
+
+
+def prompts(phase: str, count: int) -> list[list[int]]:
+    """`count` prompts of PROMPT_TOKENS tokens, new ones every call (no prefix-cache hits across runs)."""
+    from .protocol import ABC_START, EOD, MUSIC_START
+
+    tail = [ABC_START] if phase == "abc" else [ABC_START, 300, 301, 151848, MUSIC_START]
+    _SALT[0] += 1
+    return [[EOD, 1000 + _SALT[0] % 100000, 200 + i] + [100 + (7 * i + j) % 5000
+                                                        for j in range(PROMPT_TOKENS - len(tail) - 3)] + tail
+            for i in range(count)]
+
+
+def decode_rate(timing: dict) -> float:
+    """Decode tok/s after the first token (the prefill excluded)."""
+    return (timing["output_tokens"] - 1) / max(1e-9, timing["seconds"] - timing["ttft_seconds"])
+
+
+# --------------------------------------------------------------------------- AR
+
+
+def run_ar(backend, phase: str, tokens: int, concurrency: int) -> dict:
+    """Prefill tok/s and decode tok/s of `concurrency` requests at once (aggregate and per sequence)."""
+    from .protocol import Sampling
+
+    sampling = Sampling(min_tokens=tokens, max_tokens=tokens)
+    jobs = prompts(phase, concurrency)
+    results = [None] * concurrency
+
+    def one(index: int) -> None:
+        results[index] = backend.generate(jobs[index], sampling, 1000 + index, phase).timing
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    first = results[0]
+    prefill = first.get("prefill_seconds") or first["ttft_seconds"]
+    return {"prefill_tok_s": PROMPT_TOKENS / prefill if concurrency == 1 else None,
+            "decode_tok_s": median(decode_rate(t) for t in results),
+            "aggregate_tok_s": sum(t["output_tokens"] for t in results) / wall}
+
+
+def bench_ar_path(config: BenchConfig, path: str) -> dict:
+    """One AR path: batch-1 and N-concurrent rates per phase, medians of the repeats."""
+    from .modeling import load_model
+
+    row: dict = {"path": path}
+    if path.startswith("torch"):
+        from .sampling import TorchARBackend
+
+        model = load_model(config.model_dir, quantization="int8" if path == "torch-int8" else "none")
+        backend = TorchARBackend(model)
+        for phase in ("abc", "semantic"):
+            runs = [run_ar(backend, phase, config.tokens, 1) for _ in range(config.repeats)]
+            row[f"{phase}_prefill_tok_s"] = median(r["prefill_tok_s"] for r in runs)
+            row[f"{phase}_decode_tok_s"] = median(r["decode_tok_s"] for r in runs)
+        row["peak_rss_bytes"] = peak_rss_bytes()
+        return row
+    backend, verdict = open_engine(config, path)
+    row["policy"] = verdict
+    try:
+        start = time.perf_counter()
+        backend.start()
+        row["engine_start_s"] = time.perf_counter() - start
+        for phase in ("abc", "semantic"):
+            single = [run_ar(backend, phase, config.tokens, 1) for _ in range(config.repeats)]
+            many = [run_ar(backend, phase, config.tokens, config.concurrency) for _ in range(config.repeats)]
+            row[f"{phase}_prefill_tok_s"] = median(r["prefill_tok_s"] for r in single)
+            row[f"{phase}_decode_tok_s"] = median(r["decode_tok_s"] for r in single)
+            row[f"{phase}_decode_tok_s_x{config.concurrency}"] = median(r["aggregate_tok_s"] for r in many)
+        row["peak_rss_bytes"] = peak_rss_bytes(backend.process.pid)
+    finally:
+        backend.close()
+    return row
+
+
+def open_engine(config: BenchConfig, path: str):
+    """The vLLM backend of a path and the speed policy's verdict on its checkpoint for this device."""
+    from .derive import ARCheckpoint, derive_ar_checkpoint, validate_ar_checkpoint
+    from .modeling import YuE2Config
+    from .quantization import device_info, slow_reason
+    from .vllm_backend import EngineSettings, VLLMBackend
+
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mot = YuE2Config.load(config.model_dir)
+    scheme_name = path.removeprefix("vllm-").removesuffix("-full-head")
+    if scheme_name == "bf16":
+        checkpoint = ARCheckpoint(derive_ar_checkpoint(config.model_dir, config.workdir / "arcache"), "derived", None)
+        verdict = "bf16"
+    else:
+        directory = config.checkpoints.get(scheme_name) or export(config, scheme_name)
+        scheme = validate_ar_checkpoint(directory, mot)
+        checkpoint = ARCheckpoint(directory, "override", scheme)
+        reason = slow_reason(scheme, device_info(device))
+        verdict = f"declined by policy: {reason}" if reason else "fast kernel: served"
+    settings = EngineSettings(checkpoint, device_type=device, max_num_seqs=max(8, config.concurrency),
+                              max_model_len=4096, sliced_head=not path.endswith("full-head"))
+    return VLLMBackend(mot, settings), verdict
+
+
+def export(config: BenchConfig, scheme: str) -> Path:
+    """A compressed-tensors export made by the quantization venv (`calibration/setup-quant-env.sh`)."""
+    from .export import quant_python
+
+    python = quant_python()
+    if python is None:
+        raise RuntimeError(f"no {scheme} checkpoint given and no quantization venv to export one: run "
+                           "`bash calibration/setup-quant-env.sh` or pass --checkpoint "
+                           f"{scheme}=DIR")
+    out = config.workdir / f"export-{scheme}"
+    if not (out / "config.json").exists():
+        subprocess.run([str(python), "-m", "yue2_vllm.cli", "quantize", str(config.model_dir), "--scheme", scheme,
+                        "--out", str(out), "--cache-dir", str(config.workdir / "arcache")], check=True,
+                       capture_output=True)
+    return out
+
+
+# --------------------------------------------------------------------------- NAR and VAE
+
+
+def bench_synthesis(config: BenchConfig) -> dict:
+    import torch
+
+    from .modeling import load_model
+    from .nar import synthesize
+    from .protocol import ABC_END, ABC_START, EOD, MUSIC_START
+    from .vae import load_vae
+
+    model = load_model(config.model_dir)
+    prefix = [EOD] + list(range(100, 400)) + [ABC_START, 300, 301, ABC_END, MUSIC_START]
+    codec = [(37 * i) % 32768 for i in range(NAR_FRAMES)]
+    times = []
+    for _ in range(config.repeats):
+        start = time.perf_counter()
+        latents = synthesize(model, prefix, codec, 1, steps=config.nar_steps)
+        times.append(time.perf_counter() - start)
+    nar = median(times)
+    audio_seconds = NAR_FRAMES / 25
+    row = {"nar_s_per_step": nar / config.nar_steps, "nar_s_per_audio_s": nar / config.nar_steps * 32 / audio_seconds}
+    if config.vae_dir is not None:
+        vae = load_vae(config.vae_dir)
+        latent = latents.T[None].contiguous()
+        times = []
+        for _ in range(config.repeats):
+            start = time.perf_counter()
+            vae.decode_tiled(latent, core_frames=1024, halo_frames=16)
+            times.append(time.perf_counter() - start)
+        row["vae_rtf"] = median(times) / audio_seconds
+    if torch.cuda.is_available():
+        row["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return row
+
+
+# --------------------------------------------------------------------------- report
+
+
+COLUMNS = (("path", "path"), ("abc_prefill_tok_s", "abc prefill tok/s"), ("abc_decode_tok_s", "abc decode tok/s"),
+           ("semantic_prefill_tok_s", "semantic prefill tok/s"), ("semantic_decode_tok_s", "semantic decode tok/s"),
+           ("semantic_decode_tok_s_xN", "semantic decode tok/s ×N"), ("engine_start_s", "engine start s"),
+           ("peak_rss_bytes", "peak RSS MiB"), ("policy", "speed policy"))
+
+
+def markdown(report: dict) -> str:
+    m, n = report["machine"], report["config"]["concurrency"]
+    lines = [f"# yue2-vllm bench: {report['config']['model']}", "",
+             f"{m['cpu']} ({m['cpu_isa']}, {m['cores']} cores), GPU {m['gpu'] or 'none'}, Python {m['python']}, "
+             f"torch {m['torch']}, vLLM {m['vllm'] or 'not installed'}; {report['config']['tokens']} tokens per "
+             f"request after a {PROMPT_TOKENS}-token prompt, ×N = {n} concurrent, medians of "
+             f"{report['config']['repeats']}", "",
+             "| " + " | ".join(label for _, label in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in report["ar"]:
+        cells = []
+        for key, _ in COLUMNS:
+            value = row.get(key.replace("xN", f"x{n}"))
+            if key == "peak_rss_bytes" and value:
+                value = value / 2**20
+            cells.append("—" if value is None else (f"{value:.1f}" if isinstance(value, float) else str(value)))
+        lines.append("| " + " | ".join(cells) + " |")
+    s = report["synthesis"]
+    lines += ["", f"NAR: {s['nar_s_per_step']:.3f} s per midpoint step at {NAR_FRAMES} frames, "
+                  f"{s['nar_s_per_audio_s']:.3f} s per audio second (32 steps)"
+              + (f"; VAE real-time factor {s['vae_rtf']:.3f}" if "vae_rtf" in s else "")]
+    return "\n".join(lines) + "\n"
+
+
+def run(config: BenchConfig, on_row=None) -> dict:
+    report = {"machine": machine(), "config": {"model": config.label, "tokens": config.tokens,
+                                               "concurrency": config.concurrency, "repeats": config.repeats,
+                                               "paths": list(config.paths)}, "ar": []}
+    for path in config.paths:
+        try:
+            row = bench_ar_path(config, path)
+        except Exception as exc:  # a path that cannot run here is a row that says why
+            row = {"path": path, "policy": f"not run: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+        report["ar"].append(row)
+        if on_row is not None:
+            on_row(row)
+    report["synthesis"] = bench_synthesis(config)
+    return report
+
+
+def one_layer_slice(directory: Path) -> Path:
+    """A one-layer MoT at YuE2-3B's real width (hidden 2048, the full 184,704-row lm_head), written once."""
+    from .modeling import YuE2Config
+    from .testing import write_tiny_model
+
+    if not (directory / "model.safetensors").exists():
+        write_tiny_model(directory, config=YuE2Config(num_hidden_layers=1))
+    return directory
+
+
+def save(report: dict, out: Path) -> None:
+    from .checkpoint import write_bytes_atomic, write_json_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "bench.json", report)
+    write_bytes_atomic(out / "bench.md", markdown(report).encode("utf-8"))
+
+
+def main_from_args(args) -> int:
+    from .testing import tiny_default
+
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="yue2-bench-"))
+    if args.model == "one-layer":
+        model_dir, vae_dir, label = one_layer_slice(workdir / "one-layer"), None, "one layer of YuE2-3B at real width"
+    elif args.model:
+        model_dir, vae_dir, label = Path(args.model), Path(args.vae) if args.vae else None, str(args.model)
+    else:
+        (model_dir, vae_dir), label = tiny_default(), "tiny default"
+    checkpoints = dict(spec.split("=", 1) for spec in args.checkpoint or [])
+    config = BenchConfig(model_dir, vae_dir, label, tuple(args.paths.split(",")), args.concurrency, args.tokens,
+                         args.repeats, args.nar_steps, workdir, {k: Path(v) for k, v in checkpoints.items()})
+    unknown = set(config.paths) - set(PATHS)
+    if unknown:
+        raise ValueError(f"--paths: unknown {sorted(unknown)}; choose from {', '.join(PATHS)}")
+    report = run(config, on_row=lambda row: print(json.dumps(row), file=sys.stderr, flush=True))
+    save(report, Path(args.out))
+    print(markdown(report), end="")
+    return 0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", help="YuE2 MoT directory, 'one-layer' (a real-width slice), or nothing for the "
+                                        "tiny default")
+    parser.add_argument("--vae", help="VAE directory (with --model)")
+    parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"comma list of {', '.join(PATHS)} "
+                                                                         f"(default: {','.join(DEFAULT_PATHS)})")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests at once for the ×N column (default 8)")
+    parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request (default 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians (default 3)")
+    parser.add_argument("--nar-steps", type=int, default=4, help="ODE steps timed for the NAR (default 4)")
+    parser.add_argument("--checkpoint", action="append", help="fp8=DIR or int8=DIR: a compressed-tensors AR export "
+                                                              "(default: exported through .venv-quant)")
+    parser.add_argument("--workdir", help="scratch directory (exports, derived checkpoints); default: a temp dir")
+    parser.add_argument("--out", default="bench-results", help="where bench.json and bench.md go (default "
+                                                               "bench-results)")
