@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from yue2_vllm.derive import ARCheckpoint, derive_ar_checkpoint
-from yue2_vllm.modeling import YuE2Config, load_model, tensor_shapes
+from yue2_vllm.loader import load_model
+from yue2_vllm.modeling import YuE2Config, tensor_shapes
 from yue2_vllm.protocol import EOD, MUSIC_START, Sampling, allowed_token_ids
 from yue2_vllm.sampling import TorchARBackend
 from yue2_vllm.testing import TINY_CONFIG, write_tiny_model

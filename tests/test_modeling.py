@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from yue2_vllm.checkpoint import CheckpointError
-from yue2_vllm.modeling import CachedNAR, RMSNorm, YuE2Config, apply_rope, load_model, tensor_shapes
+from yue2_vllm.loader import load_model
+from yue2_vllm.modeling import CachedNAR, RMSNorm, YuE2Config, apply_rope, tensor_shapes
 from yue2_vllm.protocol import ABC_START, EOD, MUSIC_END, CODEC_OFFSET
 
 from reference import dense_nar_velocity

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from yue2_vllm.checkpoint import CheckpointError, read_header, sha256_file, weight_index, write_safetensors_tensors
-from yue2_vllm.modeling import CachedNAR, load_model
+from yue2_vllm.loader import load_model
+from yue2_vllm.modeling import CachedNAR
 from yue2_vllm.protocol import ABC_START, CODEC_OFFSET, EOD, MUSIC_END
 from yue2_vllm.torch_quant import (AR_LINEARS, GIB, INT8_AR_METHOD, FP8Linear, Int8Linear, apply_memory_cap,
                                    ar_linear_names, export_int8_ar, int8_linear, int8pack_available, memory_cap,

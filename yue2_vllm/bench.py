@@ -127,7 +127,7 @@ def run_ar(backend, phase: str, tokens: int, concurrency: int) -> dict:
 
 def bench_ar_path(config: BenchConfig, path: str) -> dict:
     """One AR path: batch-1 and N-concurrent rates per phase, medians of the repeats."""
-    from .modeling import load_model
+    from .loader import load_model
 
     row: dict = {"path": path}
     if path.startswith("torch"):
@@ -208,7 +208,7 @@ def export(config: BenchConfig, scheme: str) -> Path:
 def bench_synthesis(config: BenchConfig) -> dict:
     import torch
 
-    from .modeling import load_model
+    from .loader import load_model
     from .nar import synthesize
     from .protocol import ABC_END, ABC_START, EOD, MUSIC_START
     from .vae import load_vae

@@ -42,7 +42,7 @@ class TorchSource:
     support = "full vocab, phase mask"
 
     def __init__(self, spec: str, model=None):
-        from .modeling import load_model
+        from .loader import load_model
 
         path, _, quant = spec.partition("#")
         self.label = f"torch:{Path(path).name}" + (f"#{quant}" if quant else "")

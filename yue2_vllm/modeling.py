@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import FLOAT_DTYPES, Expected, check_tensors, load_tensors, model_file, read_json, weight_index
+from .checkpoint import Expected, model_file, read_json
 
 CONFIG_FILE = "config.json"
 LOG = logging.getLogger(__name__)
@@ -486,84 +486,19 @@ def batched_velocities(nars: Sequence[CachedNAR], states: Sequence[torch.Tensor]
     return [out[start + 1:end - 1] for start, end in zip(bounds[:-1], bounds[1:])]
 
 
-# --------------------------------------------------------------------------- loading
+# --------------------------------------------------------------------------- checkpoint layout
 
 
-def expected_layout(config: YuE2Config, quantization: str | None = None) -> dict[str, Expected]:
-    """Names, shapes and dtypes a checkpoint must hold: bf16/fp weights, or the `yue2-int8-ar` layout
-    (the 7·layers AR linears as int8 `weight` + bf16 `weight_scale`)."""
-    if quantization is None:
-        return {name: Expected(shape) for name, shape in tensor_shapes(config).items()}
-    from .torch_quant import INT8_AR_METHOD, int8_ar_layout
-
-    if quantization != INT8_AR_METHOD:
-        raise ValueError(f"no checkpoint layout for quantization {quantization!r} (only {INT8_AR_METHOD!r})")
-    return int8_ar_layout(tensor_shapes(config), config.num_hidden_layers)
+def checkpoint_layout(config: YuE2Config) -> dict[str, Expected]:
+    """Names and shapes of a bf16/fp MoT checkpoint (the loader in `loader.py` reads it)."""
+    return {name: Expected(shape) for name, shape in tensor_shapes(config).items()}
 
 
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put a loaded tensor in place of the (meta) parameter or buffer `name`."""
     owner_name, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     if attr in owner._parameters:
         owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
     else:
         owner._buffers[attr] = tensor
-
-
-def load_model(model_dir: str | os.PathLike, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.bfloat16, quantization: str = "auto") -> YuE2Model:
-    """Load a YuE2 MoT directory (config.json + safetensors). Headers are validated first.
-
-    `quantization`:
-    * bf16 checkpoint: "auto"/"none" load it as is; "int8"/"fp8" then swap the AR linears for
-      load-time proxies (`torch_quant.prepare_ar_proxies`, originals kept on the CPU; call
-      `torch_quant.restore_ar` before the NAR stage). "fp8" is refused up front on a device
-      without FP8 `_scaled_mm` (CUDA compute capability >= 8.9).
-    * `yue2-int8-ar` checkpoint: "auto"/"int8" build `Int8Linear` for the AR linears (the int8
-      weights and bf16 scales are kept as stored, whatever `dtype`); "none"/"fp8" raise ValueError.
-    `model.quantization_status` records what is active.
-    """
-    from .torch_quant import (INT8_AR_METHOD, LOAD_MODES, checkpoint_method, checkpoint_status,
-                              check_proxy_device, install_int8_modules, none_status, prepare_ar_proxies)
-
-    if quantization not in LOAD_MODES:
-        raise ValueError(f"quantization must be one of {LOAD_MODES}, got {quantization!r}")
-    model_dir = Path(model_dir)
-    path = model_file(model_dir, CONFIG_FILE)
-    raw = read_json(path)
-    try:
-        method = checkpoint_method(raw, str(path)) if isinstance(raw, dict) else None
-        config = YuE2Config.from_dict({k: v for k, v in raw.items() if k != "quantization_config"}
-                                      if isinstance(raw, dict) else raw)
-    except (TypeError, ValueError) as exc:
-        message = str(exc)
-        raise ValueError(message if message.startswith(str(path)) else f"{path}: {message}") from None
-    if method == INT8_AR_METHOD and quantization in ("none", "fp8"):
-        raise ValueError(
-            f"{model_dir}: the checkpoint is quantized (quantization_config.method {method!r}: int8 AR weights, no "
-            f"bf16 originals), so quantization={quantization!r} is impossible; use 'auto' or 'int8', or load the "
-            "bf16 source checkpoint for 'none'/'fp8'")
-    if method is None and quantization in ("int8", "fp8"):
-        check_proxy_device(quantization, device)
-    infos = weight_index(model_dir)
-    layout = expected_layout(config, method)
-    check_tensors(infos, layout, f"{model_dir}: YuE2 checkpoint does not match config.json")
-    with torch.device("meta"):
-        model = YuE2Model(config)
-    if method is not None:
-        install_int8_modules(model)
-    stored = {name for name, want in layout.items() if want.dtypes != FLOAT_DTYPES}  # int8 weights, bf16 scales
-    cast = [info for name, info in infos.items() if name not in stored]
-    kept = [infos[name] for name in stored]
-    for name, tensor in load_tensors(cast, device=device, dtype=dtype):
-        _assign(model, name, tensor)
-    for name, tensor in load_tensors(kept, device=device):
-        _assign(model, name, tensor)
-    model = model.eval().requires_grad_(False)
-    if method is not None:
-        model.quantization_status = checkpoint_status(model, raw["quantization_config"])
-    elif quantization in ("int8", "fp8"):
-        prepare_ar_proxies(model, quantization)
-    else:
-        model.quantization_status = none_status()
-    return model

@@ -21,7 +21,8 @@ import torch
 
 from . import artifacts as art
 from .checkpoint import HashCache, cache_root, identity, model_identity, write_json_atomic
-from .modeling import YuE2Config, load_model
+from .loader import load_model
+from .modeling import YuE2Config
 from .nar import SongInput, synthesize_many
 from .nar import synthesize as nar_synthesize
 from .protocol import (ABC_END, CODEC_OFFSET, CODEC_SIZE, MUSIC_START, GenerationConfig, Sampling, SongRequest,

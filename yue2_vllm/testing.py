@@ -85,12 +85,12 @@ def tiny_state_dict(config: YuE2Config = TINY_CONFIG, seed: int = 0) -> dict[str
 
 def random_model(config: YuE2Config = TINY_CONFIG, seed: int = 0):
     """An in-memory MoT with the tiny checkpoints' initialisation (any size; used by benchmarks)."""
-    from .modeling import YuE2Model, _assign
+    from .modeling import YuE2Model, assign_tensor
 
     with torch.device("meta"):
         model = YuE2Model(config)
     for name, tensor in tiny_state_dict(config, seed).items():
-        _assign(model, name, tensor)
+        assign_tensor(model, name, tensor)
     return model.eval().requires_grad_(False)
 
 

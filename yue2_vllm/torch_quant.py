@@ -11,7 +11,7 @@ Only the 7 AR linears of each layer are touched (`self_attn.{q,k,v,o}_proj`,
 * `Int8Linear` runs `torch._weight_int8pack_mm` where a probe shows it works for the input's
   device and dtype (x86/ARM CPU and Apple MPS in recent torch), else dequantises.
 * `export_int8_ar` writes a full MoT directory in the `yue2-int8-ar` format, streamed tensor by
-  tensor; `modeling.load_model` reads it back.
+  tensor; `loader.load_model` reads it back.
 * `prepare_ar_proxies(model, "int8" | "fp8")` swaps the AR linears for proxies and keeps the
   exact originals on the CPU; `restore_ar` puts them back layer by layer before the NAR stage.
 * `memory_cap` / `apply_memory_cap`: the process memory budget with a 2 GiB reserve.
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .modeling import CONFIG_FILE, YuE2Config, checkpoint_layout, tensor_shapes
 from .checkpoint import (SINGLE_FILE, CheckpointError, Expected, HashCache, TensorInfo, atomic_directory,
                          check_tensors, model_file, read_json, weight_index, write_json_atomic,
                          tensor_blocks, write_safetensors_tensors)
@@ -488,7 +489,6 @@ def export_int8_ar(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     tensor is copied byte for byte. config.json gains `quantization_config`; `qwen.tiktoken` is
     copied. The output directory appears atomically (written under a temporary name).
     """
-    from .modeling import CONFIG_FILE, YuE2Config, expected_layout
     from .tokenizer import TOKENIZER_FILE
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -498,7 +498,7 @@ def export_int8_ar(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                          "export needs the bf16 checkpoint")
     config = YuE2Config.load(model_dir)
     infos = weight_index(model_dir)
-    check_tensors(infos, expected_layout(config), f"{model_dir}: YuE2 checkpoint does not match config.json")
+    check_tensors(infos, checkpoint_layout(config), f"{model_dir}: YuE2 checkpoint does not match config.json")
     if {info.file.name for info in infos.values()} != {SINGLE_FILE}:
         raise CheckpointError(f"{model_dir}: export_int8_ar needs a single {SINGLE_FILE} (the published layout); "
                               "the source_weights_sha256 identity is defined on that file")
@@ -521,7 +521,7 @@ def export_int8_ar(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         weights_sha = write_safetensors_tensors(tmp / SINGLE_FILE, entries, metadata)
         write_json_atomic(tmp / CONFIG_FILE, int8_config(source_config, source_sha))
         shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
-    check_tensors(weight_index(out_dir), expected_layout(config, INT8_AR_METHOD),
+    check_tensors(weight_index(out_dir), int8_ar_layout(tensor_shapes(config), config.num_hidden_layers),
                   f"{out_dir}: written int8 checkpoint")
     payload = sum(i.nbytes for i in weight_index(out_dir).values())
     return ExportReport(str(out_dir), len(entries), len(quantized), payload, source_sha, weights_sha)
