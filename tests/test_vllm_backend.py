@@ -278,3 +278,34 @@ def test_cli_real_length_lyrics_on_vllm(tiny_model_dir, tiny_vae_dir, tmp_path):
     assert status["timing"]["abc"]["backend_actual"] == status["timing"]["semantic"]["backend_actual"] == "vllm"
     timing = json.loads((tmp_path / "runs" / "long" / "result.json").read_text())["timing"]
     assert timing["abc"]["prefix_tokens"] > prompt_tokens > 2048
+
+
+def test_sigterm_stops_the_engine_worker_group_at_once(tiny_model_dir, tiny_vae_dir, tmp_path):
+    """SIGTERM mid-song on --backend vllm: exit 143, state cancelled, and no worker process left behind."""
+    import subprocess
+    import sys
+
+    (tmp_path / "gen.json").write_text(json.dumps({"abc": {"max_tokens": 4, "min_tokens": 4},
+                                                   "semantic": {"max_tokens": 5000, "min_tokens": 5000}}))
+    process = subprocess.Popen([sys.executable, "-m", "yue2_vllm.cli", "generate", "--backend", "vllm", "--quiet",
+                                "--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--config",
+                                str(tmp_path / "gen.json"), "--id", "x", "--output", str(tmp_path / "out")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    state = tmp_path / "out" / "x" / "run_state.json"
+    try:
+        deadline = time.monotonic() + 240
+        while not (state.exists() and json.loads(state.read_text())["state"] == "planned"):
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.05)
+        workers = subprocess.run(["pgrep", "-P", str(process.pid), "-f", "yue2_vllm.vllm_worker"],
+                                 capture_output=True, text=True).stdout.split()
+        assert len(workers) == 1
+        process.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        process.communicate(timeout=60)
+        assert process.returncode == 143 and time.monotonic() - start < 15
+        with pytest.raises(ProcessLookupError):
+            os.killpg(int(workers[0]), 0)  # the worker's whole process group is gone with the command
+    finally:
+        process.kill()
+    assert json.loads(state.read_text())["state"] == "cancelled"
