@@ -323,14 +323,13 @@ def test_quantization_record(exports, derived, tiny_model_dir):
 @needs_vllm
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])
 def test_song_from_the_export_on_vllm(exports, scheme, tiny_model_dir, tiny_vae_dir, monkeypatch):
-    """Forced, the export is served; under the default policy it is served only where it is fast here
-    (FP8 never on a CPU; INT8 W8A8 with VNNI/AMX), else the bf16 derived checkpoint is, on the record."""
+    """Forced, the export is served; under the default policy it is served only where it is faster than
+    bf16 — on a CPU neither is (measured) — else the bf16 derived checkpoint is, on the record."""
     from yue2_vllm.pipeline import YuE2Pipeline
-    from yue2_vllm.quantization import device_info
 
     path, _ = exports[scheme]
     monkeypatch.setenv("YUE2_AR_CHECKPOINT", str(path))  # served through the documented override
-    fast_here = scheme == "int8" and device_info("cpu").int8_dot
+    fast_here = False
     for policy in ("force", "auto"):
         with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
                           quantized_policy=policy) as pipe:

@@ -13,15 +13,16 @@ FP8 = scheme("W8A8-FP8", "float", 8, 8)
 INT8 = scheme("W8A8-INT8", "int", 8, 8)
 W8A16 = scheme("W8A16-INT8", "int", 8, None)
 W4A16 = scheme("W4A16", "int", 4, None)
-AVX2 = DeviceInfo("cpu", "AVX2", frozenset({"avx2", "fma"}))
-VNNI = DeviceInfo("cpu", "AVX512", frozenset({"avx512f", "avx512_vnni"}))
+AVX2 = DeviceInfo("cpu", "AVX2")
+AVX512 = DeviceInfo("cpu", "AVX512")
 
 
 def test_cpu_policy():
-    assert "42x slower than bf16" in slow_reason(FP8, VNNI) and "42x" in slow_reason(FP8, AVX2)
-    assert slow_reason(INT8, VNNI) is None
-    assert "without VNNI/AMX int8" in slow_reason(INT8, AVX2)
-    assert "no measured speed-up" in slow_reason(W4A16, VNNI)
+    """Measured on vLLM-CPU: neither FP8 nor INT8 W8A8 decodes faster than bf16 (see slow_reason)."""
+    assert "42x slower than bf16" in slow_reason(FP8, AVX512) and "42x" in slow_reason(FP8, AVX2)
+    assert "no faster than bf16 on CPU AVX512" in slow_reason(INT8, AVX512)
+    assert "no faster than bf16 on CPU AVX2" in slow_reason(INT8, AVX2)
+    assert "no measured speed-up" in slow_reason(W4A16, AVX512)
     assert slow_reason(None, AVX2) is None
     assert "no vLLM-CPU kernel" in runnable_reason(W8A16, "cpu") and runnable_reason(FP8, "cpu") is None
 

