@@ -66,11 +66,11 @@ print("RATES" + json.dumps(rates))
 
 def bare_vllm_rates(checkpoint: Path, config: YuE2Config, sampling: Sampling, repeats: int) -> list[float]:
     """The same request on a vLLM engine stepped directly in its own process (no JSON protocol, no parent)."""
-    from yue2_vllm.vllm_backend import worker_env, kv_cache_bytes
+    from yue2_vllm.vllm_backend import cpu_split, kv_cache_bytes, worker_env
 
     args = json.dumps([str(checkpoint), kv_cache_bytes(config, 1, 24576 + 256), repeats, sampling.to_dict(), PREFIX,
                        allowed_token_ids("semantic")])
-    out = subprocess.run([sys.executable, "-c", BARE], input=args, env=worker_env(), check=True,
+    out = subprocess.run([sys.executable, "-c", BARE], input=args, env=worker_env(cpu_split()[0]), check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out[out.index("RATES") + 5:].splitlines()[0])
 
