@@ -489,7 +489,8 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _model_flags(parser: argparse.ArgumentParser) -> None:
+def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
+    """The flags that build a pipeline; `runs`: also --output / --resume (the commands that write runs)."""
     parser.add_argument("--model", help="YuE2 MoT directory (config.json, model.safetensors, qwen.tiktoken); "
                                         "default: the embedded tiny model")
     parser.add_argument("--vae", help="YuE2 VAE directory (needed with --model; default: the embedded tiny VAE)")
@@ -524,8 +525,9 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
                                           "ode_steps; default: upstream's (the tiny model's budgets without --model)")
     parser.add_argument("--verify-hashes", action="store_true", help="re-hash the weights instead of trusting "
                                                                       "the size+mtime cache")
-    parser.add_argument("--output", default="runs", help="songs go to OUTPUT/<id>")
-    parser.add_argument("--resume", action="store_true", help="continue a run from its last verified stage")
+    if runs:
+        parser.add_argument("--output", default="runs", help="songs go to OUTPUT/<id>")
+        parser.add_argument("--resume", action="store_true", help="continue a run from its last verified stage")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
 
 
@@ -570,6 +572,21 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "sized from --budget; 1 on the torch backend)")
     batch.set_defaults(func=cmd_batch)
 
+    serve = command("serve", "serve songs over HTTP: a job API with live progress, durable jobs and a web page")
+    _model_flags(serve, runs=False)
+    serve.set_defaults(backend="auto", func=cmd_serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port; the status "
+                                                               "line on stdout names it)")
+    serve.add_argument("--max-concurrency", dest="concurrency", type=int,
+                       help="songs in flight at once (default: the engine's rows, sized from --budget; 1 on the "
+                            "torch backend)")
+    serve.add_argument("--queue-size", type=int, default=64, help="jobs waiting to start before POST answers 429")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /metrics (at least 16 "
+                                         "characters); default: $YUE2_API_KEY, else no key")
+    serve.add_argument("--data-dir", default="serve-data", help="the job database (jobs.sqlite3) and each job's "
+                                                                "files (jobs/<id>/)")
+
     doctor = command("doctor", "versions, devices and which backends are usable")
     doctor.set_defaults(func=cmd_doctor)
 
@@ -608,6 +625,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="weight seed")
     tiny.set_defaults(func=cmd_make_tiny)
     return parser
+
+
+def cmd_serve(args) -> int:
+    from .serve.runner import serve
+
+    return serve(args, lambda: _pipeline(args), print_status)
 
 
 def cmd_quantize(args) -> int:
