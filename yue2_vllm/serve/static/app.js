@@ -225,6 +225,7 @@ function onEvent(id, kind, data) {
   else if (FINAL.has(kind)) {
     api(doc.urls.self).then((fresh) => { if (current && current.id === id) { current.doc = fresh; render(); } });
     refreshJobs();
+    refreshHealth();
     return true;
   }
   render();
