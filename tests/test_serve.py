@@ -18,7 +18,8 @@ from yue2_vllm.artifacts import verify_result
 from yue2_vllm.cli import main
 from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.serve.runner import data_dir_lock
-from yue2_vllm.serve.service import JOB_ID, ServeConfig, SongService
+from yue2_vllm.serve.service import JOB_ID, RequestInvalid, ServeConfig, SongService, parse_submission
+from yue2_vllm.serve.store import JobStore, NewJob
 from yue2_vllm.vllm_backend import vllm_version
 
 from serving import ProcessServer, ThreadServer, read_events, wait_for
@@ -204,6 +205,32 @@ def test_invalid_bodies_are_422_naming_the_field(serve, tmp_path, body, field, w
     assert list((tmp_path / "data" / "jobs").iterdir()) == []
 
 
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+TEXT = st.one_of(st.text(max_size=10), st.sampled_from(["", " ", "\ud800", "../x", "/etc/passwd", "pop", "X:1\r\nK:C"]))
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), TEXT)
+JSON = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                     st.dictionaries(TEXT, inner, max_size=3)), max_leaves=10)
+BODIES = st.one_of(JSON, st.fixed_dictionaries({}, optional={
+    name: JSON for name in ("style", "tags", "lyrics", "cot", "seed", "abc", "cfg_scale", "id", "abc_sampling",
+                            "semantic_sampling", "stage", "prompt", "abc_path", "lang")}),
+    st.fixed_dictionaries({"style": TEXT, "lyrics": TEXT}, optional={"cot": st.sampled_from(["full", "off", 1]),
+                                                                      "seed": SCALARS, "stage": TEXT, "prompt": TEXT,
+                                                                      "cfg_scale": SCALARS, "id": TEXT}))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=BODIES)
+def test_any_json_body_is_a_song_or_a_422_naming_what_is_wrong(pipe, body):
+    raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
+    try:
+        song = parse_submission(pipe, raw, "j" + "0" * 20)
+    except RequestInvalid as exc:
+        assert exc.message and exc.status == 422
+    else:
+        assert song.request.id == "j" + "0" * 20 and song.stage in ("plan", "audio")
+
+
 @pytest.mark.parametrize("raw, words", [(b"[1, 2]", "must be a JSON object"), (b"{not json", "invalid JSON"),
                                         (b"\xff\xfe", "not UTF-8"), (b"", "invalid JSON")])
 def test_bodies_that_are_not_json_objects_are_422(serve, raw, words):
@@ -382,6 +409,26 @@ def test_a_cancelled_song_resumes_from_its_last_verified_stage(serve, tmp_path):
     assert resume_running.status_code == 409 and "only a failed or cancelled job" in error_of(resume_running)["message"]
     client.delete(busy["urls"]["self"])
     final(client, busy["id"])
+
+
+def test_a_restart_resumes_unfinished_jobs_and_keeps_a_cancel_asked_before_it(pipe, tmp_path):
+    (tmp_path / "data").mkdir()
+    store = JobStore(tmp_path / "data" / "jobs.sqlite3")  # what a crashed server left behind
+    request = {"style": "pop", "lyrics": "la", "cot": "full", "seed": 3, "abc": None, "cfg_scale": None}
+    stages = {s: {"state": "pending"} for s in ("plan", "semantic", "synthesis", "audio")}
+    for number, status, cancel in ((1, "generating", 0), (2, "planning", 1), (3, "queued", 0)):
+        job_id = f"j{number:020x}"
+        store.admit(NewJob(job_id, None, "audio", {**request, "id": job_id}, {}, str(number), None, stages), None)
+        store.update(job_id, status=status, cancel_requested=cancel)
+    store.close()
+    server = ThreadServer(SongService(pipe, ServeConfig(tmp_path / "data")))
+    try:
+        docs = {n: final(server.client, f"j{n:020x}") for n in (1, 2, 3)}
+    finally:
+        server.stop()
+    assert [docs[n]["status"] for n in (1, 2, 3)] == ["complete", "cancelled", "complete"]
+    assert docs[1]["retries"][0]["reason"] == "server restarted while generating" and docs[3]["retries"] == []
+    assert not (tmp_path / "data" / "jobs" / f"j{2:020x}").exists()
 
 
 # --------------------------------------------------------------------------- the command

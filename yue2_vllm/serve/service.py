@@ -35,6 +35,7 @@ LOG = logging.getLogger("yue2_vllm.serve")
 JOB_ID = re.compile(r"j[0-9a-f]{20}")
 STAGE_OF_STATE = {state: stage for stage, state in STAGE_STATES.items()}
 STAGES = tuple(STAGE_STATES)  # plan, semantic, synthesis, audio
+UNFINISHED = tuple(state for state in STATES if state not in FINAL_STATES)
 ENGINE_DOWN = ("starting", "restarting", "failed")  # /health answers 503
 ERROR_CHARS = 2000
 
@@ -147,8 +148,9 @@ def field_of(message: str) -> str | None:
 
 
 def canonical_sha256(data) -> str:
-    text = json.dumps(data, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    """The same for every spelling of one JSON document (ASCII escapes: lone surrogates hash too)."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def parse_submission(pipe: YuE2Pipeline, body: bytes, job_id: str) -> Submission:
@@ -170,7 +172,7 @@ def parse_submission(pipe: YuE2Pipeline, body: bytes, job_id: str) -> Submission
         raise RequestInvalid(f"stage: must be 'plan' or 'audio', got {stage!r}", field="stage")
     try:
         fields, overrides = request_from_json(data, where="body", allow_files=False)
-    except (UsageError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:
         raise RequestInvalid(str(exc), field=field_of(str(exc))) from None
     label = fields.pop("id", None)
     if label is not None and not valid_song_id(label):
@@ -270,10 +272,16 @@ class SongService:
         if self.started:
             return
         self.started = True
-        for record in self.store.unfinished():
+        unfinished = self.store.unfinished()
+        if unfinished:
+            LOG.info("resuming %d unfinished job(s) from their last verified stage", len(unfinished))
+        for record in unfinished:
+            if record.cancel_requested:  # asked to stop before the server did: it stays stopped
+                self._record_final(record.id, None, "cancelled", error={"type": "Cancelled", "message": "cancelled"})
+                continue
             if record.status != "queued":  # it was running when the server stopped
                 record = self.store.requeue(record.id, None, reason=f"server restarted while {record.status}",
-                                            kind="restart", from_statuses=tuple(set(STATES) - set(FINAL_STATES)))
+                                            kind="restart", from_statuses=UNFINISHED)
             self._launch(record)
         self._watchdog.start()
 
@@ -481,8 +489,21 @@ class SongService:
             return
         if live.handle is None:
             live.handle = event.song
-        elif live.handle is not event.song or live.finalized:
+        elif live.handle is not event.song:
             return  # an event of an earlier handle of this job
+        if kind in FINAL_STATES:
+            try:
+                if not live.finalized:
+                    self._on_final(job_id, live, kind)
+            finally:  # the handle is done: what it said is in the store now (an engine retry has a new one)
+                with self._lock:
+                    if self._live.get(job_id) is live:
+                        del self._live[job_id]
+                self.throttle.forget((job_id, "ar"))
+                self.throttle.forget((job_id, "synthesis"))
+            return
+        if live.finalized:
+            return
         if kind == "tokens":
             self.tokens_total.inc(phase=data["phase"])
             self.token_rate.add(data["phase"])
@@ -500,8 +521,6 @@ class SongService:
             self._on_stage_done(job_id, live, data["stage"], data["reused"], data["meta"] or {})
         elif kind == "score":
             self.hub.publish(job_id, "score", {"abc": data["abc"]})
-        elif kind in FINAL_STATES:
-            self._on_final(job_id, live, kind)
 
     def _on_state(self, job_id: str, live: LiveJob, state: str) -> None:
         if state == "queued" or live.cancel_requested:
@@ -567,7 +586,7 @@ class SongService:
         with self._lock:
             live.finalized = True
             record = self.store.requeue(job_id, None, reason=reason, kind="engine",
-                                        from_statuses=tuple(set(STATES) - set(FINAL_STATES)))
+                                        from_statuses=UNFINISHED)
             self.engine_retried.inc()
             self.hub.publish(job_id, "retry", {"reason": reason, "attempt": record.attempts + 1})
             self._launch(record)
@@ -621,15 +640,21 @@ class SongService:
             engine = self._engine or self.pipe.engine
             self._engine = engine
             if engine is None or not engine.running:
-                if engine is not None and engine.ever_started:
+                restarting = engine is not None and engine.ever_started
+                if restarting and self.engine_state.get("state") != "failed":
+                    LOG.warning("the AR engine is down; restarting it (restarts so far: %d)", engine.restarts)
                     self.engine_state = {"state": "restarting", "restarts": engine.restarts}
                 try:
                     _, reason = self.pipe.select_ar_backend(1.0, False)  # starts (or restarts) the engine
                 except EngineError as exc:
+                    if self.engine_state.get("state") != "failed":
+                        LOG.error("the AR engine will not be restarted: %s", error_words(exc)["message"])
                     self.engine_state = {"state": "failed", "reason": error_words(exc)["message"]}
                 else:
                     self._engine = self.pipe.engine
                     self.engine_state = {"state": "unavailable", "reason": reason} if reason else {"state": "running"}
+                    if restarting and not reason:
+                        LOG.warning("the AR engine is back")
             elif self.engine_state.get("state") != "running":
                 self.engine_state = {"state": "running"}
             self._stop.wait(self.config.watchdog_interval)
