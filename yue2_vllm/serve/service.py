@@ -332,9 +332,12 @@ class SongService:
     def _launch(self, record: JobRecord) -> None:
         request = SongRequest.from_dict(record.request)
         budgets = {phase: self.pipe.sampling_for(record.overrides.get(phase), phase).max_tokens for phase in PHASES}
+        # A stage an earlier attempt was running is pending again (a finished one may still be reused).
+        stages = {name: entry if entry.get("state") != "running" else {"state": "pending"}
+                  for name, entry in record.stages.items()}
         with self._lock:
-            self.store.update(record.id, attempts=record.attempts + 1)
-            live = self._live[record.id] = LiveJob(None, budgets, dict(record.stages))
+            self.store.update(record.id, attempts=record.attempts + 1, stages=stages)
+            live = self._live[record.id] = LiveJob(None, budgets, stages)
             # The song may start (and report) before submit returns: its first event names the handle.
             live.handle = self.scheduler.submit(request, self.directory(record.id), overrides=record.overrides,
                                                 resume=True, stage=record.stage)
