@@ -57,6 +57,7 @@ class ProcessServer:
         line = self.process.stdout.readline()
         assert line, f"serve exited with {self.process.wait()} before listening"
         self.status = json.loads(line)
+        assert self.status["status"] == "serving", self.status
         self.url = self.status["url"]
         self.client = httpx.Client(base_url=self.url, timeout=30)
 

@@ -317,10 +317,13 @@ class SongService:
         except IdempotencyConflict as exc:
             raise Conflict(str(exc), field="Idempotency-Key") from None
         except QueueFull as exc:
-            raise TooManyJobs(f"{exc}; retry later", headers={"Retry-After": str(self.retry_after())}) from None
+            raise self._too_many(exc) from None
         if created:
             self._launch(record)
         return record, created
+
+    def _too_many(self, full: QueueFull) -> TooManyJobs:
+        return TooManyJobs(f"{full}; retry later", headers={"Retry-After": str(self.retry_after())})
 
     def retry_after(self) -> int:
         """Seconds until a queue slot is likely free: the median recent song over the concurrency."""
@@ -359,7 +362,7 @@ class SongService:
                                             reason="render requested" if render else "resume requested",
                                             stage="audio" if render else None)
             except QueueFull as exc:
-                raise TooManyJobs(f"{exc}; retry later", headers={"Retry-After": str(self.retry_after())}) from None
+                raise self._too_many(exc) from None
             except LookupError:
                 raise Conflict("the job changed meanwhile; read it again") from None
             if render:
