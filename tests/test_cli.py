@@ -356,7 +356,8 @@ def test_bad_batch_rows_fail_alone(tiny_model_dir, tiny_vae_dir, config_file, tm
 
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from yue2_vllm.cli import IGNORED_FIELDS, REQUEST_FIELDS, _batch_rows, request_from_json  # noqa: E402
+from yue2_vllm.cli import _batch_rows  # noqa: E402
+from yue2_vllm.request_json import IGNORED_FIELDS, REQUEST_FIELDS, request_from_json  # noqa: E402
 from yue2_vllm.checkpoint import json_text  # noqa: E402
 
 TEXT = st.one_of(st.text(max_size=12), st.sampled_from(["", " ", "\ud800", "a\udfff", "X:1\r\nK:C", "../x", "song"]))

@@ -185,7 +185,7 @@ def test_stop_token_engine_death_and_bounded_restarts(ending_checkpoint):
         assert len(later.ids) == 3 and later.timing["engine_restarts"] == 1
         os.killpg(engine.process.pid, signal.SIGKILL)
         engine.process.wait()
-        with pytest.raises(EngineError, match="died 2 times; not restarting"):
+        with pytest.raises(EngineError, match="died 2 times within 600 s; not restarting"):
             engine.generate(prompt(1), Sampling(min_tokens=3, max_tokens=3), 1, "semantic")
     finally:
         engine.close()

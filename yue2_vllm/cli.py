@@ -14,6 +14,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from .request_json import (IGNORED_FIELDS, REQUEST_FIELDS, UsageError, parse_json, read_abc,  # noqa: F401
+                           read_json_file, read_text_file, request_from_json)
 
 
 def write_json_atomic(path, value) -> None:
@@ -22,110 +24,18 @@ def write_json_atomic(path, value) -> None:
 
     write(path, value)
 
+
 DEFAULT_REQUEST = {
     "id": "first_song",
     "style": "华语流行, 钢琴, 温暖的女声, 抒情, 慢节奏",
     "lyrics": "[verse]\n窗外的雨轻轻落下\n我把思念写成一首歌\n[chorus]\n你是我心里最温柔的光\n",
 }
-REQUEST_FIELDS = {"style", "tags", "lyrics", "cot", "seed", "abc", "cfg_scale", "id", "abc_sampling",
-                  "semantic_sampling"}
-IGNORED_FIELDS = {"lang", "eval_index", "clip_id", "prompt", "abc_path"}
-
-
-class UsageError(ValueError):
-    """A problem with what the user asked for (shown without a traceback)."""
-
 
 # Failures a user can act on from the message alone (a traceback would only hide it).
 EXPECTED_ERRORS = (ValueError, OSError, InterruptedError)
 
 
 # --------------------------------------------------------------------------- requests
-
-
-def _json_type(value) -> str:
-    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
-             list: "an array", dict: "an object"}
-    return names.get(type(value), type(value).__name__)
-
-
-def parse_json(text: str):
-    """A JSON document; malformed or absurdly nested input is a UsageError (the caller names where)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    except RecursionError:
-        raise UsageError("invalid JSON (nested too deeply)") from None
-
-
-def read_text_file(path: Path, what: str, *, exact: bool = False) -> str:
-    """A UTF-8 file named by the flag or field `what`; `exact` keeps every byte (CRLF too), else
-    line ends are read as Python's text mode reads them."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise UsageError(f"{what} {path}: {exc.strerror or exc}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{what} {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") \
-            from None
-    return text if exact else text.replace("\r\n", "\n").replace("\r", "\n")
-
-
-def read_json_file(path: Path, what: str):
-    try:
-        return parse_json(read_text_file(path, what))
-    except UsageError as exc:
-        message = str(exc)
-        raise UsageError(message if message.startswith(what) else f"{what} {path}: {message}") from None
-
-
-def read_abc(path: Path, what: str) -> str:
-    """An external score exactly as stored: CRLF and every other byte kept (the ABC ids depend on them)."""
-    return read_text_file(path, what, exact=True)
-
-
-def request_from_json(data, base_dir: Path | None = None, where: str = "request") -> tuple[dict, dict]:
-    """Upstream's request JSON → (SongRequest fields, per-phase sampling overrides); `where` names
-    the document in errors."""
-    from .protocol import PHASES, SongRequest, check_sampling_overrides
-
-    if not isinstance(data, dict):
-        raise UsageError(f"{where}: must be a JSON object, got {_json_type(data)}")
-    unknown = sorted(set(data) - REQUEST_FIELDS - IGNORED_FIELDS)
-    if unknown:
-        raise UsageError(f"{where}: unknown field(s) {unknown}")
-    fields = {k: v for k, v in data.items() if k in REQUEST_FIELDS and k not in ("abc_sampling", "semantic_sampling")}
-    tags = fields.pop("tags", None)
-    if tags is not None:
-        if "style" in fields and fields["style"] != tags:
-            raise UsageError(f"{where}: 'tags' and 'style' differ (tags is an alias of style)")
-        fields["style"] = tags
-    if "abc_path" in data:
-        value = data["abc_path"]
-        if "abc" in fields:
-            raise UsageError(f"{where}: give 'abc' or 'abc_path', not both")
-        if not isinstance(value, str) or not value.strip():
-            raise UsageError(f"{where}: abc_path must be a file name, got {_json_type(value)} {value!r}")
-        fields["abc"] = read_abc((base_dir or Path.cwd()) / value, f"{where}: abc_path")
-    overrides = {}
-    for phase in PHASES:
-        key = f"{phase}_sampling"
-        if data.get(key) is not None:
-            try:
-                value = check_sampling_overrides(data[key])
-            except ValueError as exc:
-                raise UsageError(f"{where}: {key}: {exc}") from None
-            if value:
-                overrides[phase] = value
-    if "prompt" in data:
-        if "style" not in fields or "lyrics" not in fields:
-            raise UsageError(f"{where}: 'prompt' needs 'style' (or 'tags') and 'lyrics' beside it")
-        if data["prompt"] != SongRequest(**fields).text():
-            raise UsageError(f"{where}: 'prompt' does not equal the text built from style and lyrics")
-    return fields, overrides
 
 
 def build_request(args) -> tuple[object, dict]:
@@ -606,7 +516,8 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _model_flags(parser: argparse.ArgumentParser) -> None:
+def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
+    """The flags that build a pipeline; `runs`: also --output / --resume (the commands that write runs)."""
     parser.add_argument("--model", help="YuE2 MoT directory (config.json, model.safetensors, qwen.tiktoken); "
                                         "default: the embedded tiny model")
     parser.add_argument("--vae", help="YuE2 VAE directory (needed with --model; default: the embedded tiny VAE)")
@@ -646,8 +557,9 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
                                           "ode_steps; default: upstream's (the tiny model's budgets without --model)")
     parser.add_argument("--verify-hashes", action="store_true", help="re-hash the weights instead of trusting "
                                                                       "the size+mtime cache")
-    parser.add_argument("--output", default="runs", help="songs go to OUTPUT/<id>")
-    parser.add_argument("--resume", action="store_true", help="continue a run from its last verified stage")
+    if runs:
+        parser.add_argument("--output", default="runs", help="songs go to OUTPUT/<id>")
+        parser.add_argument("--resume", action="store_true", help="continue a run from its last verified stage")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
 
 
@@ -692,6 +604,21 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--concurrency", type=int, help="songs in flight at once (default: the engine's rows, "
                                                        "sized from --budget; 1 on the torch backend)")
     batch.set_defaults(func=cmd_batch)
+
+    serve = command("serve", "serve songs over HTTP: a job API with live progress, durable jobs and a web page")
+    _model_flags(serve, runs=False)
+    serve.set_defaults(backend="auto", func=cmd_serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port; the status "
+                                                               "line on stdout names it)")
+    serve.add_argument("--max-concurrency", dest="concurrency", type=int,
+                       help="songs in flight at once (default: the engine's rows, sized from --budget; 1 on the "
+                            "torch backend)")
+    serve.add_argument("--queue-size", type=int, default=64, help="jobs waiting to start before POST answers 429")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /metrics (at least 16 "
+                                         "characters); default: $YUE2_API_KEY, else no key")
+    serve.add_argument("--data-dir", default="serve-data", help="the job database (jobs.sqlite3) and each job's "
+                                                                "files (jobs/<id>/)")
 
     doctor = command("doctor", "versions, devices, which backends are usable, and the engine / torch memory split")
     doctor.add_argument("--model", help="YuE2 MoT directory for the memory split (default: the embedded tiny model)")
@@ -744,6 +671,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="weight seed")
     tiny.set_defaults(func=cmd_make_tiny)
     return parser
+
+
+def cmd_serve(args) -> int:
+    from .serve.runner import serve
+
+    return serve(args, lambda: _pipeline(args), print_status)
 
 
 def cmd_quantize(args) -> int:

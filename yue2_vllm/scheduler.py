@@ -65,6 +65,8 @@ class SongHandle:
         self.finished: float | None = None
         self._cancel = threading.Event()
         self._done = threading.Event()
+        self._transition = threading.Lock()  # a queued song is either started or cancelled, once
+        self._started = False
         self._listener = listener
 
     @property
@@ -72,8 +74,9 @@ class SongHandle:
         return self.request.id
 
     def cancel(self) -> None:
-        """Stop the song at its next token, ODE step or VAE tile (a queued song never starts)."""
+        """Stop the song at its next token, ODE step or VAE tile; a queued song is cancelled at once."""
         self._cancel.set()
+        self._cancel_if_queued()
 
     def cancelled(self) -> bool:
         return self._cancel.is_set()
@@ -114,7 +117,28 @@ class SongHandle:
         if stage == "plan":
             self._emit("score", abc=(meta or {}).get("abc"), reused=event == "reused")
 
+    def _start(self) -> bool:
+        """Claim the song for a song thread; False when it was cancelled (and finished) while queued."""
+        with self._transition:
+            if self._done.is_set() or self._cancel.is_set():
+                return False
+            self._started = True
+            return True
+
+    def _cancel_if_queued(self) -> bool:
+        with self._transition:
+            if self._started or self._done.is_set():
+                return False
+            self._finish_locked("cancelled", error=InterruptedError("cancelled before it started"))
+            return True
+
     def _finish(self, state: str, document: dict | None = None, error: BaseException | None = None) -> None:
+        with self._transition:
+            self._finish_locked(state, document, error)
+
+    def _finish_locked(self, state, document=None, error=None) -> None:
+        if self._done.is_set():
+            return
         self.document, self.error, self.finished = document, error, time.time()
         self.state = state
         self._done.set()
@@ -313,6 +337,8 @@ class SongScheduler:
 
     def submit(self, request: SongRequest, directory: str | os.PathLike, *, overrides: dict | None = None,
                resume: bool = False, stage: str = "audio") -> SongHandle:
+        """Queue a song. Its events may reach the listener before `submit` returns (a song thread can
+        take it at once); `event.song` is the handle this returns."""
         handle = SongHandle(request, Path(directory), overrides or {}, resume, stage, self.listener)
         with self._lock:
             if request.id in self._handles and not self._handles[request.id].done:
@@ -322,15 +348,16 @@ class SongScheduler:
         self._queue.put(handle)
         return handle
 
-    def get(self, song_id: str) -> SongHandle | None:
-        return self._handles.get(song_id)
-
     def cancel(self, song_id: str) -> bool:
         handle = self._handles.get(song_id)
         if handle is None or handle.done:
             return False
         handle.cancel()
         return True
+
+    def get(self, song_id: str) -> SongHandle | None:
+        """A song that is queued or in flight (finished songs are forgotten; keep their handles)."""
+        return self._handles.get(song_id)
 
     @property
     def in_flight(self) -> int:
@@ -378,9 +405,15 @@ class SongScheduler:
             self._run(handle)
 
     def _run(self, handle: SongHandle) -> None:
-        if handle.cancelled():
-            handle._finish("cancelled", error=InterruptedError("cancelled before it started"))
-            return
+        try:
+            if handle._start():
+                self._generate(handle)
+        finally:
+            with self._lock:  # finished songs are the caller's to keep: the scheduler forgets them
+                if self._handles.get(handle.id) is handle:
+                    del self._handles[handle.id]
+
+    def _generate(self, handle: SongHandle) -> None:
         try:
             document = self.pipe.generate_to(
                 handle.directory, handle.request, resume=handle.resume, stage=handle.stage,

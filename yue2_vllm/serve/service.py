@@ -1,0 +1,734 @@
+"""The song service: one pipeline and song scheduler behind a durable job store.
+
+It validates and admits jobs (atomically with the queue bound and idempotency keys), hands them to
+the scheduler, writes each job's status from the scheduler's events (`complete` only once the
+artifacts verify), fans the events out to SSE subscribers (token and synthesis events at most 4/s
+per job), keeps the metrics, resumes every unfinished job when it starts, and restarts a dead
+engine in the background.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+import secrets
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..artifacts import RunDirectory, verify_result
+from ..pipeline import STAGE_RECORDS, YuE2Pipeline
+from ..protocol import PHASES, SongRequest, valid_song_id
+from ..request_json import UsageError, parse_json, request_from_json
+from ..scheduler import FINAL_STATES, STAGE_STATES, STATES, SongEvent, SongHandle, SongScheduler
+from .events import EventHub, Throttle
+from .metrics import Registry, RateWindow
+from .store import IdempotencyConflict, JobRecord, JobStore, NewJob, QueueFull  # noqa: F401 (re-exported)
+
+LOG = logging.getLogger("yue2_vllm.serve")
+JOB_ID = re.compile(r"j[0-9a-f]{20}")
+STAGE_OF_STATE = {state: stage for stage, state in STAGE_STATES.items()}
+STAGES = tuple(STAGE_STATES)  # plan, semantic, synthesis, audio
+UNFINISHED = tuple(state for state in STATES if state not in FINAL_STATES)
+ENGINE_DOWN = ("starting", "restarting", "failed")  # /health answers 503
+ERROR_CHARS = 2000
+
+
+def new_job_id() -> str:
+    return "j" + secrets.token_hex(10)
+
+
+def valid_job_id(value) -> bool:
+    return isinstance(value, str) and JOB_ID.fullmatch(value) is not None
+
+
+def iso(timestamp: float | None) -> str | None:
+    if timestamp is None:
+        return None
+    return datetime.fromtimestamp(timestamp, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def error_words(error: BaseException) -> dict:
+    """`{"type", "message"}` of an exception, without an engine log tail, at most ERROR_CHARS long."""
+    message = str(error).split("; log tail")[0]
+    if len(message) > ERROR_CHARS:
+        message = message[:ERROR_CHARS] + "…"
+    return {"type": type(error).__name__, "message": message}
+
+
+def fallback_label(reason: str) -> str:
+    """A bounded Prometheus label for a fallback reason: its first clause, numbers as N."""
+    text = re.split(r"[(:;]", reason, maxsplit=1)[0]
+    return re.sub(r"\d+(?:\.\d+)?", "N", text).strip()[:80] or "other"
+
+
+def urls(job_id: str) -> dict:
+    base = f"/v1/songs/{job_id}"
+    return {"self": base, "events": f"{base}/events", "audio": f"{base}/audio", "score": f"{base}/score",
+            "result": f"{base}/result"}
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ServiceError(Exception):
+    """An error with an HTTP status, a message in words and, for 422, the field it is about."""
+
+    status = 500
+
+    def __init__(self, message: str, *, field: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.field, self.headers = message, field, dict(headers or {})
+
+
+class RequestInvalid(ServiceError):
+    status = 422
+
+
+class Unauthorized(ServiceError):
+    status = 401
+
+
+class NotFound(ServiceError):
+    status = 404
+
+
+class Conflict(ServiceError):
+    status = 409
+
+
+class TooLarge(ServiceError):
+    status = 413
+
+
+class TooManyJobs(ServiceError):
+    status = 429
+
+
+class Unavailable(ServiceError):
+    status = 503
+
+
+# --------------------------------------------------------------------------- request validation
+
+
+@dataclass
+class Submission:
+    request: SongRequest
+    overrides: dict
+    stage: str
+    label: str | None
+    body_sha256: str
+
+
+_FIELD_PATTERNS = (
+    re.compile(r"SongRequest\.(\w+)"),
+    re.compile(r"^body: ((?:abc|semantic)_sampling):"),
+    re.compile(r"^((?:abc|semantic)_sampling):"),
+    re.compile(r"unknown field\(s\) \['([^']*)'"),
+    re.compile(r"'(tags)' and 'style' differ"),
+    re.compile(r"^body: (abc_path) "),
+    re.compile(r"'(prompt)'"),
+)
+
+
+def field_of(message: str) -> str | None:
+    """The request field a validation message is about (None: the body as a whole)."""
+    for pattern in _FIELD_PATTERNS:
+        match = pattern.search(message)
+        if match:
+            return match.group(1)
+    return None
+
+
+def canonical_sha256(data) -> str:
+    """The same for every spelling of one JSON document (ASCII escapes: lone surrogates hash too)."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def parse_submission(pipe: YuE2Pipeline, body: bytes, job_id: str) -> Submission:
+    """A POST body → the song it asks for, with the CLI's validation and the pipeline's context check."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestInvalid(f"body: not UTF-8 text (byte 0x{body[exc.start]:02x} at offset {exc.start})") from None
+    try:
+        data = parse_json(text)
+    except UsageError as exc:
+        raise RequestInvalid(f"body: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestInvalid(f"body: must be a JSON object, got {type(data).__name__}")
+    body_sha256 = canonical_sha256(data)
+    data = dict(data)
+    stage = data.pop("stage", "audio")
+    if stage not in ("plan", "audio"):
+        raise RequestInvalid(f"stage: must be 'plan' or 'audio', got {stage!r}", field="stage")
+    try:
+        fields, overrides = request_from_json(data, where="body", allow_files=False)
+    except (ValueError, TypeError) as exc:
+        raise RequestInvalid(str(exc), field=field_of(str(exc))) from None
+    label = fields.pop("id", None)
+    if label is not None and not valid_song_id(label):
+        raise RequestInvalid(f"id: must match [A-Za-z0-9][A-Za-z0-9_.-]{{0,179}} (it is kept as the job's label), "
+                             f"got {label!r}", field="id")
+    for name in ("style", "lyrics"):
+        if name not in fields:
+            raise RequestInvalid(f"{name}: missing" + (" (or 'tags')" if name == "style" else ""), field=name)
+    try:
+        request = SongRequest(**fields, id=job_id)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        name = field_of(message)
+        raise RequestInvalid(message.replace(f"SongRequest.{name}", name) if name else message, field=name) \
+            from None
+    try:
+        pipe.check_request(request, overrides.get("abc"), overrides.get("semantic"))
+    except ValueError as exc:
+        message = str(exc)
+        name = field_of(message)
+        if name is None:  # the prompt does not fit: the longest text is the one to shorten
+            name = "abc" if request.abc is not None and len(request.abc) > len(request.lyrics) else "lyrics"
+        raise RequestInvalid(message, field=name) from None
+    return Submission(request, overrides, stage, label, body_sha256)
+
+
+def check_idempotency_key(key: str | None) -> str | None:
+    if key is None:
+        return None
+    if not 1 <= len(key) <= 255 or not all(33 <= ord(c) <= 126 for c in key):
+        raise RequestInvalid("Idempotency-Key: must be 1-255 visible ASCII characters", field="Idempotency-Key")
+    return key
+
+
+# --------------------------------------------------------------------------- the service
+
+
+@dataclass
+class ServeConfig:
+    data_dir: Path
+    concurrency: int | None = None  # songs in flight (None: the scheduler's default)
+    queue_size: int = 64  # queued (not yet started) jobs before 429
+    event_interval: float = 0.25  # token / NAR / VAE events per job at most every this many seconds
+    engine_retries: int = 1  # times a song failed by an engine death goes back to the queue
+    watchdog_interval: float = 1.0
+
+    def __post_init__(self):
+        self.data_dir = Path(self.data_dir)
+        if self.queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
+
+    @property
+    def database(self) -> Path:
+        return self.data_dir / "jobs.sqlite3"
+
+    @property
+    def jobs(self) -> Path:
+        return self.data_dir / "jobs"
+
+
+@dataclass(eq=False)
+class LiveJob:
+    """A job the scheduler holds now: its handle and what the events said so far."""
+
+    handle: SongHandle | None  # None only while the scheduler is taking it
+    budgets: dict
+    record_stages: dict
+    tokens: dict = field(default_factory=lambda: {phase: 0 for phase in PHASES})
+    progress: dict = field(default_factory=dict)
+    cancel_requested: bool = False
+    finalized: bool = False
+
+
+class SongService:
+    def __init__(self, pipe: YuE2Pipeline, config: ServeConfig):
+        self.pipe, self.config = pipe, config
+        config.jobs.mkdir(parents=True, exist_ok=True)
+        self.store = JobStore(config.database)
+        self.hub = EventHub()
+        self.throttle = Throttle(config.event_interval)
+        self._live: dict[str, LiveJob] = {}
+        self._lock = threading.RLock()
+        self._durations: deque[float] = deque(maxlen=50)  # recent songs, started → finished (for Retry-After)
+        self.closing = False
+        self._stop = threading.Event()
+        self._engine = None
+        self.engine_state: dict = {"state": "none" if pipe.backend_requested == "torch" else "starting"}
+        self._init_metrics()
+        self.scheduler = SongScheduler(pipe, concurrency=config.concurrency, listener=self._on_event)
+        self._watchdog = threading.Thread(target=self._watch_engine, name="yue2-serve-watchdog", daemon=True)
+        self.started = False
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        """Resume every unfinished job (creation order), then watch the engine."""
+        if self.started:
+            return
+        self.started = True
+        unfinished = self.store.unfinished()
+        if unfinished:
+            LOG.info("resuming %d unfinished job(s) from their last verified stage", len(unfinished))
+        for record in unfinished:
+            if record.cancel_requested:  # asked to stop before the server did: it stays stopped
+                self._record_final(record.id, None, "cancelled", error={"type": "Cancelled", "message": "cancelled"})
+                continue
+            if record.status != "queued":  # it was running when the server stopped
+                record = self.store.requeue(record.id, None, reason=f"server restarted while {record.status}",
+                                            kind="restart", from_statuses=UNFINISHED)
+            self._launch(record)
+        self._watchdog.start()
+
+    def close(self) -> None:
+        """Stop at the next boundaries; unfinished jobs stay unfinished in the store (resumed next start)."""
+        self.closing = True
+        self._stop.set()
+        self.scheduler.close(cancel=True)
+        if self._watchdog.is_alive():
+            self._watchdog.join(timeout=10)
+        self.store.close()
+
+    def directory(self, job_id: str) -> Path:
+        if not valid_job_id(job_id):  # never a path from outside
+            raise NotFound(f"no song {job_id!r}")
+        return self.config.jobs / job_id
+
+    # -- submission
+
+    def submit(self, body: bytes, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
+        """Validate and queue a song; `(record, created)` (created False: an idempotent repeat)."""
+        key = check_idempotency_key(idempotency_key)
+        if self.engine_state.get("state") == "failed":
+            raise Unavailable(f"the AR engine is down and will not be restarted: {self.engine_state.get('reason')}",
+                              headers={"Retry-After": "60"})
+        job_id = new_job_id()
+        song = parse_submission(self.pipe, body, job_id)
+        stages = {stage: {"state": "pending"} for stage in (STAGES if song.stage == "audio" else ("plan",))}
+        job = NewJob(job_id, song.label, song.stage, song.request.to_dict(), song.overrides, song.body_sha256, key,
+                     stages)
+        try:
+            record, created = self.store.admit(job, self.config.queue_size)
+        except IdempotencyConflict as exc:
+            raise Conflict(str(exc), field="Idempotency-Key") from None
+        except QueueFull as exc:
+            raise self._too_many(exc) from None
+        if created:
+            self._launch(record)
+        return record, created
+
+    def _too_many(self, full: QueueFull) -> TooManyJobs:
+        return TooManyJobs(f"{full}; retry later", headers={"Retry-After": str(self.retry_after())})
+
+    def retry_after(self) -> int:
+        """Seconds until a queue slot is likely free: the median recent song over the concurrency."""
+        if not self._durations:
+            return 5
+        seconds = statistics.median(self._durations) / self.scheduler.concurrency
+        return max(1, min(60, math.ceil(seconds)))
+
+    def _launch(self, record: JobRecord) -> None:
+        request = SongRequest.from_dict(record.request)
+        budgets = {phase: self.pipe.sampling_for(record.overrides.get(phase), phase).max_tokens for phase in PHASES}
+        # A stage an earlier attempt was running is pending again (a finished one may still be reused).
+        stages = {name: entry if entry.get("state") != "running" else {"state": "pending"}
+                  for name, entry in record.stages.items()}
+        with self._lock:
+            self.store.update(record.id, attempts=record.attempts + 1, stages=stages)
+            live = self._live[record.id] = LiveJob(None, budgets, stages)
+            # The song may start (and report) before submit returns: its first event names the handle.
+            live.handle = self.scheduler.submit(request, self.directory(record.id), overrides=record.overrides,
+                                                resume=True, stage=record.stage)
+
+    def requeue(self, job_id: str, *, render: bool) -> JobRecord:
+        """Resume a failed or cancelled job from its last verified stage, or render a planned one to audio."""
+        record = self.get_record(job_id)
+        if render and not (record.stage == "plan" and record.status == "complete"):
+            raise Conflict(f"only a complete stage=plan job can be rendered; this one is {record.status} with "
+                           f"stage={record.stage}")
+        if not render and record.status not in ("failed", "cancelled"):
+            raise Conflict(f"only a failed or cancelled job can be resumed; this one is {record.status}")
+        with self._lock:
+            live = self._live.get(job_id)
+            if live is not None and not live.handle.done:
+                raise Conflict("the job is still stopping; try again in a moment", headers={"Retry-After": "1"})
+            try:
+                record = self.store.requeue(job_id, self.config.queue_size, kind="render" if render else "resume",
+                                            reason="render requested" if render else "resume requested",
+                                            stage="audio" if render else None)
+            except QueueFull as exc:
+                raise self._too_many(exc) from None
+            except LookupError:
+                raise Conflict("the job changed meanwhile; read it again") from None
+            if render:
+                stages = {**record.stages, **{s: {"state": "pending"} for s in STAGES[1:]}}
+                self.store.update(job_id, stages=stages)
+                record.stages = stages
+            self._launch(record)
+        self.hub.publish(job_id, "state", {"status": "queued", "reason": record.retries[-1]["reason"]})
+        return record
+
+    def cancel(self, job_id: str) -> tuple[JobRecord, bool]:
+        """Ask a job to stop at its next token, ODE step or VAE tile; `(record, asked)` — asked False when it
+        had finished already (its files stay)."""
+        record = self.get_record(job_id)
+        if record.final:
+            return record, False
+        with self._lock:
+            live = self._live.get(job_id)
+            self.store.update(job_id, cancel_requested=1)
+            if live is not None:
+                live.cancel_requested = True
+                live.handle.cancel()
+                started = live.handle.state != "queued"
+            else:
+                started = False
+            if not started:  # a queued song never starts: it is cancelled now, not when a song thread frees up
+                self._record_final(job_id, live, "cancelled", error={"type": "Cancelled",
+                                                                      "message": "cancelled before it started"})
+        return self.get_record(job_id), True
+
+    # -- reads
+
+    def get_record(self, job_id: str) -> JobRecord:
+        record = self.store.get(job_id) if valid_job_id(job_id) else None
+        if record is None:
+            raise NotFound(f"no song {job_id!r}")
+        return record
+
+    def document(self, job_id: str) -> dict:
+        return self.describe(self.get_record(job_id))
+
+    def describe(self, record: JobRecord) -> dict:
+        """A job as GET /v1/songs/{id} shows it."""
+        live = self._live.get(record.id)
+        stages = dict(record.stages)
+        running = live is not None and not live.finalized
+        progress = {}
+        for phase, stage in (("abc", "plan"), ("semantic", "semantic")):
+            if stage not in stages:
+                continue
+            if stages[stage].get("state") in ("done", "reused"):
+                tokens = stages[stage].get("tokens") or 0
+            else:
+                tokens = live.tokens[phase] if running else 0
+            progress[phase] = {"tokens": tokens,
+                               "max_tokens": self.pipe.sampling_for(record.overrides.get(phase), phase).max_tokens}
+        if running:
+            for stage, (done, total) in list(live.progress.items()):
+                progress[stage] = {"done": done, "total": total}
+        for stage, entry in stages.items():
+            stages[stage] = {k: (iso(v) if k in ("started", "finished") else v) for k, v in entry.items()}
+        document = {
+            "id": record.id, "label": record.label, "status": record.status, "stage": record.stage,
+            "created": iso(record.created), "started": iso(record.started), "finished": iso(record.finished),
+            "updated": iso(record.updated),
+            "request": {k: v for k, v in record.request.items() if k != "id"},
+            "sampling": record.overrides, "progress": progress, "stages": stages,
+            "attempts": record.attempts,
+            "retries": [{**entry, "at": iso(entry["at"])} for entry in record.retries],
+            "cancel_requested": record.cancel_requested, "error": record.error, "result": record.result,
+            "urls": urls(record.id),
+        }
+        if record.status == "queued":
+            document["queue_position"] = self.store.queue_position(record)
+        return document
+
+    def summary(self, record: JobRecord) -> dict:
+        """A job as the list shows it."""
+        return {"id": record.id, "label": record.label, "status": record.status, "stage": record.stage,
+                "created": iso(record.created), "finished": iso(record.finished),
+                "style": record.request.get("style", "")[:120], "cot": record.request.get("cot"),
+                "seed": record.request.get("seed"),
+                "audio_seconds": (record.result or {}).get("audio_seconds"),
+                "error": (record.error or {}).get("message"), "urls": urls(record.id)}
+
+    def list(self, statuses: tuple[str, ...], limit: int, cursor: str | None) -> dict:
+        unknown = sorted(set(statuses) - set(STATES))
+        if unknown:
+            raise RequestInvalid(f"status: {unknown} not among {list(STATES)}", field="status")
+        before = None
+        if cursor:
+            if not cursor.isdigit() or len(cursor) > 18:
+                raise RequestInvalid(f"cursor: not a cursor this server gave out: {cursor[:40]!r}", field="cursor")
+            before = int(cursor)
+        records = self.store.list(statuses, limit + 1, before)
+        page = records[:limit]
+        return {"songs": [self.summary(r) for r in page],
+                "next_cursor": str(page[-1].seq) if len(records) > limit else None}
+
+    def file(self, job_id: str, name: str) -> Path:
+        """An artifact of a job that is ready to be read (Conflict while it is not)."""
+        record = self.get_record(job_id)
+        directory = self.directory(job_id)
+        if name == "score.abc":
+            plan = record.stages.get("plan", {})
+            if plan.get("state") not in ("done", "reused"):
+                raise Conflict(f"the score is not ready (status {record.status})")
+            if record.request.get("cot") == "off":
+                raise NotFound("this song has no score (cot 'off' writes none)")
+        elif record.stage == "plan":
+            raise Conflict(f"this job was made with stage=plan: it has a score, not {name}; "
+                           f"POST {urls(job_id)['self']}/render to make its audio")
+        elif record.status != "complete":
+            raise Conflict(f"{name} is not ready (status {record.status})")
+        path = directory / name
+        if path.is_symlink() or not path.is_file():
+            raise Conflict(f"{name} is missing from the job's directory")
+        return path
+
+    def subscribe(self, job_id: str, loop):
+        record = self.get_record(job_id)
+        return self.hub.subscribe(record.id, loop, lambda: self.document(record.id))
+
+    # -- scheduler events (song threads)
+
+    def _on_event(self, event: SongEvent) -> None:
+        job_id, kind, data = event.song.id, event.kind, event.data
+        live = self._live.get(job_id)
+        if live is None:
+            return
+        if live.handle is None:
+            live.handle = event.song
+        elif live.handle is not event.song:
+            return  # an event of an earlier handle of this job
+        if kind in FINAL_STATES:
+            try:
+                if not live.finalized:
+                    self._on_final(job_id, live, kind)
+            finally:  # the handle is done: what it said is in the store now (an engine retry has a new one)
+                with self._lock:
+                    if self._live.get(job_id) is live:
+                        del self._live[job_id]
+                self.throttle.forget((job_id, "ar"))
+                self.throttle.forget((job_id, "synthesis"))
+            return
+        if live.finalized:
+            return
+        if kind == "tokens":
+            self.tokens_total.inc(phase=data["phase"])
+            self.token_rate.add(data["phase"])
+            live.tokens[data["phase"]] = data["count"]
+            if self.throttle.ready((job_id, "ar")):
+                self.hub.publish(job_id, "tokens", {"phase": data["phase"], "count": data["count"],
+                                                    "max_tokens": live.budgets[data["phase"]]})
+        elif kind in ("nar", "vae"):
+            live.progress[kind] = (data["done"], data["total"])
+            if self.throttle.ready((job_id, "synthesis"), force=data["done"] in (1, data["total"])):
+                self.hub.publish(job_id, kind, {"done": data["done"], "total": data["total"]})
+        elif kind == "state":
+            self._on_state(job_id, live, data["state"])
+        elif kind == "stage_done":
+            self._on_stage_done(job_id, live, data["stage"], data["reused"], data["meta"] or {})
+        elif kind == "score":
+            self.hub.publish(job_id, "score", {"abc": data["abc"]})
+
+    def _on_state(self, job_id: str, live: LiveJob, state: str) -> None:
+        if state == "queued" or live.cancel_requested:
+            return
+        stage = STAGE_OF_STATE[state]
+        now = time.time()
+        live.record_stages[stage] = {"state": "running", "started": now}
+        record = self.store.get(job_id)
+        values = {"status": state, "stages": live.record_stages}
+        if record is not None and record.started is None:
+            values["started"] = now
+        self.store.update(job_id, unless_final=True, **values)
+        self.hub.publish(job_id, "state", {"status": state, "stage": stage})
+
+    def _on_stage_done(self, job_id: str, live: LiveJob, stage: str, reused: bool, meta: dict) -> None:
+        summary = stage_summary(stage, meta, reused)
+        previous = live.record_stages.get(stage, {})
+        live.record_stages[stage] = {**summary, "started": previous.get("started"),
+                                     "finished": None if reused else time.time()}
+        self.store.update(job_id, stages=live.record_stages)
+        if not reused:
+            if stage in ("synthesis", "audio") and summary.get("seconds") is not None:
+                (self.nar_seconds if stage == "synthesis" else self.vae_seconds).observe(summary["seconds"])
+            reason = summary.get("fallback_reason")
+            if reason:
+                self.fallbacks.inc(phase="abc" if stage == "plan" else "semantic", reason=fallback_label(reason))
+        self.hub.publish(job_id, "stage", {"stage": stage, **{k: v for k, v in summary.items()}})
+
+    def _on_final(self, job_id: str, live: LiveJob, kind: str) -> None:
+        handle = live.handle
+        if kind == "complete":
+            try:
+                result = self._verify(handle)
+            except Exception as exc:  # noqa: BLE001 (a record never claims what the files do not hold)
+                kind, error = "failed", {"type": "VerificationError",
+                                         "message": f"the song's artifacts do not verify: {exc}"}
+            else:
+                self._record_final(job_id, live, "complete", result=result)
+                return
+        else:
+            error = error_words(handle.error) if handle.error is not None else None
+        if self.closing and not live.cancel_requested:
+            return  # the server is stopping: the job stays unfinished and resumes at the next start
+        if kind == "failed" and self._engine_died(handle) and self._retry_for_engine(job_id, live, error):
+            return
+        if kind == "cancelled" and error is None:
+            error = {"type": "Cancelled", "message": "cancelled"}
+        self._record_final(job_id, live, kind, error=error)
+
+    @staticmethod
+    def _engine_died(handle: SongHandle) -> bool:
+        from ..vllm_backend import EngineError
+
+        return isinstance(handle.error, EngineError)
+
+    def _retry_for_engine(self, job_id: str, live: LiveJob, error: dict) -> bool:
+        """Put a song an engine death failed back in the queue (resumed from its last verified stage), once."""
+        record = self.store.get(job_id)
+        used = sum(1 for entry in record.retries if entry.get("kind") == "engine")
+        if used >= self.config.engine_retries or live.cancel_requested:
+            return False
+        reason = f"the AR engine failed ({error['message'][:300]}); retrying from the last verified stage"
+        with self._lock:
+            live.finalized = True
+            record = self.store.requeue(job_id, None, reason=reason, kind="engine",
+                                        from_statuses=UNFINISHED)
+            self.engine_retried.inc()
+            self.hub.publish(job_id, "retry", {"reason": reason, "attempt": record.attempts + 1})
+            self._launch(record)
+        return True
+
+    def _record_final(self, job_id: str, live: LiveJob | None, status: str, *, result: dict | None = None,
+                      error: dict | None = None) -> None:
+        with self._lock:
+            if live is not None:
+                if live.finalized:
+                    return
+                live.finalized = True
+            now = time.time()
+            written = self.store.update(job_id, unless_final=True, status=status, finished=now, error=error,
+                                        result=result, **({"stages": live.record_stages} if live else {}))
+        if not written:
+            return
+        self.songs_finished.inc(status=status)
+        record = self.store.get(job_id)
+        if status == "complete":
+            self.song_seconds.observe(now - record.created)
+            if record.started is not None:
+                self._durations.append(now - record.started)
+        self.hub.publish(job_id, status, {"status": status, "error": error, "result": result, "urls": urls(job_id)})
+
+    def _verify(self, handle: SongHandle) -> dict:
+        """What result.json (or, for stage=plan, the plan record) holds, after checking every file."""
+        request, overrides = handle.request, handle.overrides
+        config = self.pipe.effective_config(request, overrides.get("abc"), overrides.get("semantic"))
+        document = handle.document or {}
+        if handle.stage == "plan":
+            latent_id = self.pipe.latent_identity(request, config)
+            if RunDirectory(handle.directory).verified_stage("plan", latent_id, *STAGE_RECORDS["plan"]) is None:
+                raise ValueError(f"{handle.directory}: plan.stage.json does not verify")
+            return {"identity": document.get("identity"), "truncated": {"abc": document.get("truncated")},
+                    "resumed": document.get("resumed")}
+        document = verify_result(handle.directory, self.pipe.run_identity(request, config))
+        return {"identity": document["identity"], "audio_seconds": document["audio_seconds"],
+                "sample_rate": document["sample_rate"], "truncated": document["truncated"],
+                "resumed": document["resumed"], "audio_bytes": document["artifacts"]["audio.flac"]["bytes"]}
+
+    # -- engine
+
+    def _watch_engine(self) -> None:
+        """Keep `engine_state` current and restart a dead engine (bounded by the engine's max_restarts)."""
+        from ..vllm_backend import EngineError
+
+        if self.pipe.backend_requested == "torch":
+            return
+        while not self._stop.is_set():
+            engine = self._engine or self.pipe.engine
+            self._engine = engine
+            if engine is None or not engine.running:
+                restarting = engine is not None and engine.ever_started
+                if restarting and self.engine_state.get("state") != "failed":
+                    LOG.warning("the AR engine is down; restarting it (restarts so far: %d)", engine.restarts)
+                    self.engine_state = {"state": "restarting", "restarts": engine.restarts}
+                try:
+                    _, reason = self.pipe.select_ar_backend(1.0, False)  # starts (or restarts) the engine
+                except EngineError as exc:
+                    if self.engine_state.get("state") != "failed":
+                        LOG.error("the AR engine will not be restarted: %s", error_words(exc)["message"])
+                    self.engine_state = {"state": "failed", "reason": error_words(exc)["message"]}
+                else:
+                    self._engine = self.pipe.engine
+                    self.engine_state = {"state": "unavailable", "reason": reason} if reason else {"state": "running"}
+                    if restarting and not reason:
+                        LOG.warning("the AR engine is back")
+            elif self.engine_state.get("state") != "running":
+                self.engine_state = {"state": "running"}
+            self._stop.wait(self.config.watchdog_interval)
+
+    def engine_status(self) -> dict:
+        """The engine as /health shows it: backend, state, restarts (checked now, not at the last watch)."""
+        backend = self.pipe.backend_requested
+        state = dict(self.engine_state)
+        engine = self._engine
+        if engine is not None:
+            if state["state"] == "running" and not engine.running:
+                state = {"state": "restarting"}
+            state["restarts"] = engine.restarts
+        actual = "torch" if backend == "torch" or state["state"] == "unavailable" else "vllm"
+        return {"backend_requested": backend, "backend": actual, **state}
+
+    def health(self) -> tuple[dict, bool]:
+        engine = self.engine_status()
+        ok = engine["state"] not in ENGINE_DOWN
+        return {"status": "ok" if ok else "unavailable", "engine": engine,
+                "queue": {"depth": self.store.queued(), "limit": self.config.queue_size},
+                "in_flight": self.in_flight(), "concurrency": self.scheduler.concurrency}, ok
+
+    def in_flight(self) -> int:
+        return sum(1 for live in list(self._live.values()) if not live.finalized and live.handle is not None
+                   and live.handle.state not in ("queued",) + FINAL_STATES)
+
+    # -- metrics
+
+    def _init_metrics(self) -> None:
+        registry = self.metrics = Registry()
+        registry.gauge("yue2_queue_depth", "Jobs queued and not yet started.", function=lambda: self.store.queued())
+        registry.gauge("yue2_songs_in_flight", "Songs the scheduler is running now.", function=self.in_flight)
+        registry.gauge("yue2_jobs", "Jobs in the store by status.", ("status",),
+                       function=lambda: {(k,): v for k, v in self.store.counts().items()})
+        self.songs_finished = registry.counter("yue2_songs_finished_total",
+                                               "Songs that reached a final status since start.", ("status",))
+        self.tokens_total = registry.counter("yue2_ar_tokens_total", "AR tokens generated, by phase.", ("phase",))
+        self.token_rate = RateWindow(10)
+        registry.gauge("yue2_ar_tokens_per_second", "AR tokens per second over the last 10 s, by phase.",
+                       ("phase",), function=lambda: self.token_rate.rates(PHASES))
+        self.nar_seconds = registry.histogram("yue2_nar_seconds", "NAR (flow matching) seconds per song.")
+        self.vae_seconds = registry.histogram("yue2_vae_seconds", "VAE decode seconds per song.")
+        self.song_seconds = registry.histogram("yue2_song_seconds", "Seconds from acceptance to complete.")
+        self.fallbacks = registry.counter("yue2_fallbacks_total", "AR phases served by the torch backend instead "
+                                          "of the requested one, by phase and reason.", ("phase", "reason"))
+        self.engine_retried = registry.counter("yue2_engine_retries_total",
+                                               "Songs put back in the queue after an engine failure.")
+        registry.gauge("yue2_engine_up", "1 while the AR engine can serve (or none is needed).",
+                       function=lambda: 0 if self.engine_status()["state"] in ENGINE_DOWN else 1)
+        registry.counter("yue2_engine_restarts_total", "Times the AR engine worker was restarted.",
+                         function=lambda: self._engine.restarts if self._engine is not None else 0)
+        self.http_responses = registry.counter("yue2_http_responses_total", "HTTP responses by status code.",
+                                               ("code",))
+
+
+def stage_summary(stage: str, meta: dict, reused: bool) -> dict:
+    """What a stage's record says, for the job document: timings, tokens, backend and fallback."""
+    summary: dict = {"state": "reused" if reused else "done"}
+    if stage in ("plan", "semantic"):
+        timing = meta.get("timing") or {}
+        summary.update(seconds=timing.get("seconds"), tokens=timing.get("output_tokens"),
+                       tokens_per_second=timing.get("output_tps"),
+                       backend_requested=timing.get("backend_requested"),
+                       backend_actual=timing.get("backend_actual"), fallback_reason=timing.get("fallback_reason"),
+                       truncated=meta.get("truncated"))
+    elif stage == "synthesis":
+        summary["seconds"] = meta.get("nar_seconds")
+    else:
+        summary.update(seconds=meta.get("vae_seconds"), samples=meta.get("samples"))
+    return summary

@@ -1,0 +1,377 @@
+// yue2-vllm's page: submit a song, follow it live (SSE over fetch, so an API key can be sent), play it.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const FINAL = new Set(["complete", "failed", "cancelled"]);
+const STAGES = [  // stage, label, progress key, unit
+  ["plan", "Score", "abc", "tokens"],
+  ["semantic", "Song tokens", "semantic", "tokens"],
+  ["synthesis", "Synthesis", "nar", "steps"],
+  ["audio", "Decode", "vae", "tiles"],
+];
+const FIELDS = {  // an error's field -> the control to mark
+  style: "style", tags: "style", lyrics: "lyrics", cot: "cot", seed: "seed", cfg_scale: "cfg_scale", abc: "abc",
+  abc_sampling: "abc-temperature", semantic_sampling: "semantic-temperature", stage: "plan-only",
+};
+
+let apiKey = sessionStorage.getItem("yue2-api-key") || "";
+let current = null;  // {id, doc, score, stream: AbortController, audioUrl}
+let pendingKey = null;  // {body, key}: reused only when the last attempt got no answer at all
+let listed = "";  // the list as last drawn (redrawn only when it changed, so keyboard focus stays put)
+
+// ------------------------------------------------------------------ HTTP
+
+function headers(extra) {
+  const result = Object.assign({}, extra || {});
+  if (apiKey) result.Authorization = "Bearer " + apiKey;
+  return result;
+}
+
+async function api(path, options = {}) {
+  const response = await fetch(path, Object.assign({}, options, { headers: headers(options.headers) }));
+  const type = response.headers.get("content-type") || "";
+  const body = type.includes("application/json") ? await response.json() : await response.text();
+  if (!response.ok) {
+    const detail = body && body.error ? body.error : {};
+    const error = new Error(detail.message || `${response.status} ${response.statusText}`);
+    error.status = response.status;
+    error.field = detail.field || null;
+    error.retryAfter = response.headers.get("retry-after");
+    if (response.status === 401) $("advanced").open = true;
+    throw error;
+  }
+  return body;
+}
+
+function describeError(error) {
+  if (error.status === undefined) return `The server did not answer (${error.message}).`;
+  let text = `${error.status}: ${error.message}`;
+  if (error.status === 429 && error.retryAfter) text += ` Try again in ${error.retryAfter} s.`;
+  if (error.status === 401) text += " Enter the API key under Advanced.";
+  return text;
+}
+
+function show(element, text) {
+  element.textContent = text || "";
+  element.hidden = !text;
+}
+
+// ------------------------------------------------------------------ the form
+
+function randomSeed() {
+  const words = crypto.getRandomValues(new Uint32Array(2));
+  return ((BigInt(words[0] & 0x7fffffff) << 32n) | BigInt(words[1])).toString();
+}
+
+function collect() {
+  const body = { style: $("style").value, lyrics: $("lyrics").value, cot: $("cot").value };
+  const cfg = $("cfg_scale").value.trim();
+  if (cfg !== "") body.cfg_scale = Number(cfg);
+  if ($("abc").value.trim()) body.abc = $("abc").value;
+  for (const input of document.querySelectorAll("[data-phase]")) {
+    if (input.value.trim() === "") continue;
+    const key = `${input.dataset.phase}_sampling`;
+    body[key] = body[key] || {};
+    body[key][input.dataset.key] = Number(input.value);
+  }
+  if ($("plan-only").checked) body.stage = "plan";
+  let text = JSON.stringify(body);
+  const seed = $("seed").value.trim();
+  if (seed !== "") {  // seeds go up to 2**63: sent as typed, not through a float
+    const literal = /^\d{1,19}$/.test(seed) ? seed : JSON.stringify(seed);
+    text = text.slice(0, -1) + `,"seed":${literal}}`;
+  }
+  return text;
+}
+
+function clearInvalid() {
+  for (const element of document.querySelectorAll("[aria-invalid]")) element.removeAttribute("aria-invalid");
+}
+
+async function submit(event) {
+  event.preventDefault();
+  clearInvalid();
+  show($("form-error"), "");
+  apiKey = $("api-key").value.trim();
+  sessionStorage.setItem("yue2-api-key", apiKey);
+  const body = collect();
+  const key = pendingKey && pendingKey.body === body ? pendingKey.key : crypto.randomUUID();
+  pendingKey = { body, key };
+  const button = $("submit");
+  button.disabled = true;
+  button.textContent = "Sending…";
+  try {
+    const job = await api("/v1/songs", { method: "POST", body,
+      headers: { "Content-Type": "application/json", "Idempotency-Key": key } });
+    pendingKey = null;
+    await select(job.id);
+    refreshJobs();
+  } catch (error) {
+    if (error.status !== undefined) pendingKey = null;  // answered: a new attempt is a new job
+    show($("form-error"), describeError(error));
+    const control = error.field && $(FIELDS[error.field] || "");
+    if (control) {
+      control.setAttribute("aria-invalid", "true");
+      if (control.closest("details")) control.closest("details").open = true;
+      control.focus();
+    }
+  } finally {
+    button.disabled = false;
+    button.textContent = "Make song";
+  }
+}
+
+// ------------------------------------------------------------------ one song
+
+function stageText(stage, entry, progress) {
+  const state = entry ? entry.state : "pending";
+  const parts = [];
+  if (progress && progress.max_tokens !== undefined) parts.push(`${progress.tokens}/${progress.max_tokens} tokens`);
+  else if (progress && progress.total) parts.push(`${progress.done}/${progress.total}`);
+  if (entry && entry.backend_actual) parts.push(entry.backend_actual);
+  if (entry && entry.fallback_reason) parts.push(`fallback: ${entry.fallback_reason}`);
+  if (entry && typeof entry.seconds === "number") parts.push(`${entry.seconds.toFixed(1)} s`);
+  if (state === "reused") parts.push("reused");
+  if (state === "pending") parts.push("waiting");
+  return parts.join(" · ");
+}
+
+function renderBars(doc) {
+  const bars = $("bars");
+  bars.textContent = "";
+  for (const [stage, label, key] of STAGES) {
+    if (!(stage in doc.stages)) continue;
+    const entry = doc.stages[stage];
+    const progress = doc.progress[key];
+    const finished = entry.state === "done" || entry.state === "reused";
+    let value = 0, max = 1;
+    if (finished) value = 1;
+    else if (progress && progress.max_tokens) { value = progress.tokens; max = progress.max_tokens; }
+    else if (progress && progress.total) { value = progress.done; max = progress.total; }
+    const wrapper = document.createElement("div");
+    const id = `bar-${stage}`;
+    wrapper.innerHTML = `<div class="bar-label"><label for="${id}"></label><span></span></div><progress id="${id}"></progress>`;
+    wrapper.querySelector("label").textContent = label;
+    wrapper.querySelector("span").textContent = stageText(stage, entry, progress);
+    const bar = wrapper.querySelector("progress");
+    bar.max = max;
+    bar.value = Math.min(value, max);
+    if (finished) bar.classList.add("done");
+    bars.appendChild(wrapper);
+  }
+}
+
+async function showAudio(doc) {
+  const url = doc.urls.audio;
+  let source = url;
+  if (apiKey) {  // an <audio> element cannot send the key: fetch the file, play it from a blob
+    const response = await fetch(url, { headers: headers() });
+    if (!response.ok) throw new Error(`audio: ${response.status}`);
+    source = URL.createObjectURL(await response.blob());
+    current.audioUrl = source;
+  }
+  $("audio").src = source;
+  $("download").href = source;
+  $("download").download = `${doc.label || doc.id}.flac`;
+  $("result-link").href = doc.urls.result;
+  $("player").hidden = false;
+}
+
+function render() {
+  const doc = current.doc;
+  $("current").hidden = false;
+  $("current-title").textContent = doc.label || doc.request.style.slice(0, 60) || doc.id;
+  const status = $("current-status");
+  status.textContent = doc.status;
+  status.className = "badge " + (FINAL.has(doc.status) ? doc.status : doc.status === "queued" ? "" : "running");
+  const parts = [doc.id, `cot ${doc.request.cot}`, `seed ${doc.request.seed}`];
+  if (doc.queue_position !== undefined && doc.status === "queued") parts.push(`${doc.queue_position} ahead in the queue`);
+  if (doc.result && doc.result.audio_seconds) parts.push(`${doc.result.audio_seconds.toFixed(1)} s of audio`);
+  if (doc.retries && doc.retries.length) parts.push(`retried: ${doc.retries[doc.retries.length - 1].reason}`);
+  $("current-meta").textContent = parts.join(" · ");
+  renderBars(doc);
+  show($("current-error"), doc.error ? `${doc.error.type}: ${doc.error.message}` : "");
+  $("cancel").hidden = FINAL.has(doc.status);
+  $("render").hidden = !(doc.stage === "plan" && doc.status === "complete");
+  $("resume").hidden = !(doc.status === "failed" || doc.status === "cancelled");
+  const plan = doc.stages.plan || {};
+  const planned = plan.state === "done" || plan.state === "reused";
+  if (planned && current.score === null && doc.request.cot !== "off") {
+    current.score = "";
+    api(doc.urls.score).then((text) => { current.score = text; $("score").textContent = text; }).catch(() => {});
+  }
+  $("score-box").hidden = !current.score;
+  $("score").textContent = current.score || "";
+  if (doc.status === "complete" && doc.stage === "audio" && $("player").hidden) {
+    showAudio(doc).catch((error) => show($("current-error"), describeError(error)));
+  }
+}
+
+function onEvent(id, kind, data) {
+  if (!current || current.id !== id) return true;
+  const doc = current.doc;
+  if (kind === "status") current.doc = data;
+  else if (kind === "state") {
+    doc.status = data.status;
+    if (data.stage) doc.stages[data.stage] = Object.assign(doc.stages[data.stage] || {}, { state: "running" });
+  } else if (kind === "tokens") doc.progress[data.phase] = { tokens: data.count, max_tokens: data.max_tokens };
+  else if (kind === "nar" || kind === "vae") doc.progress[kind] = { done: data.done, total: data.total };
+  else if (kind === "stage") {
+    doc.stages[data.stage] = Object.assign(doc.stages[data.stage] || {}, data);
+    const key = { plan: "abc", semantic: "semantic" }[data.stage];
+    if (key && doc.progress[key] && typeof data.tokens === "number") doc.progress[key].tokens = data.tokens;
+  } else if (kind === "score") { if (data.abc) current.score = data.abc; }
+  else if (kind === "retry") doc.retries = (doc.retries || []).concat([{ reason: data.reason }]);
+  else if (FINAL.has(kind)) {
+    api(doc.urls.self).then((fresh) => { if (current && current.id === id) { current.doc = fresh; render(); } });
+    refreshJobs();
+    refreshHealth();
+    return true;
+  }
+  render();
+  return false;
+}
+
+async function follow(id, signal) {
+  let delay = 500;
+  while (!signal.aborted) {
+    try {
+      const response = await fetch(`/v1/songs/${id}/events`, { headers: headers({ Accept: "text/event-stream" }), signal });
+      if (response.status === 404 || response.status === 401) return;
+      const reader = response.body.getReader();
+      const decoder = new TextDecoder();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += decoder.decode(value, { stream: true });
+        let end;
+        while ((end = buffer.indexOf("\n\n")) >= 0) {
+          const block = buffer.slice(0, end);
+          buffer = buffer.slice(end + 2);
+          let kind = "message", data = "";
+          for (const line of block.split("\n")) {
+            if (line.startsWith("event: ")) kind = line.slice(7);
+            else if (line.startsWith("data: ")) data += (data ? "\n" : "") + line.slice(6);
+          }
+          if (data && onEvent(id, kind, JSON.parse(data))) return;
+        }
+        delay = 500;
+      }
+    } catch (error) {
+      if (signal.aborted) return;
+    }
+    await new Promise((resolve) => setTimeout(resolve, delay));  // the server restarted? it resumes the job
+    delay = Math.min(delay * 2, 8000);
+  }
+}
+
+async function select(id) {
+  if (current && current.stream) current.stream.abort();
+  if (current && current.audioUrl) URL.revokeObjectURL(current.audioUrl);
+  $("player").hidden = true;
+  $("audio").removeAttribute("src");
+  const doc = await api(`/v1/songs/${id}`);
+  current = { id, doc, score: null, stream: new AbortController(), audioUrl: null };
+  history.replaceState(null, "", `#${id}`);
+  render();
+  for (const row of document.querySelectorAll("#jobs tr")) row.classList.toggle("selected", row.dataset.id === id);
+  if (!FINAL.has(doc.status)) follow(id, current.stream.signal);
+}
+
+async function act(id, action) {
+  try {
+    const path = `/v1/songs/${id}` + (action === "cancel" ? "" : `/${action}`);
+    await api(path, { method: action === "cancel" ? "DELETE" : "POST" });
+    if (current && current.id === id) await select(id);
+    refreshJobs();
+  } catch (error) {
+    show(current && current.id === id ? $("current-error") : $("jobs-error"), describeError(error));
+  }
+}
+
+// ------------------------------------------------------------------ the list and health
+
+async function refreshJobs() {
+  try {
+    const page = await api("/v1/songs?limit=20");
+    show($("jobs-error"), "");
+    const drawn = JSON.stringify(page.songs);
+    if (drawn === listed) return;
+    listed = drawn;
+    const rows = $("jobs");
+    const focused = document.activeElement && rows.contains(document.activeElement)
+      ? document.activeElement.getAttribute("aria-label") : null;
+    rows.textContent = "";
+    for (const song of page.songs) {
+      const row = document.createElement("tr");
+      row.dataset.id = song.id;
+      if (current && current.id === song.id) row.classList.add("selected");
+      const created = new Date(song.created);
+      row.innerHTML = `<td></td><td class="style"></td><td><span class="badge"></span></td><td></td>
+        <td class="actions-cell"><button type="button" class="secondary small" data-open>Open</button></td>`;
+      const cells = row.querySelectorAll("td");
+      cells[0].textContent = created.toLocaleTimeString();
+      cells[0].title = created.toLocaleString();
+      cells[1].textContent = song.label ? `${song.label}: ${song.style}` : song.style;
+      cells[1].title = song.error || song.style;
+      const badge = cells[2].querySelector(".badge");
+      badge.textContent = song.status;
+      badge.classList.add(FINAL.has(song.status) ? song.status : song.status === "queued" ? "queued" : "running");
+      cells[3].textContent = song.audio_seconds ? `${song.audio_seconds.toFixed(1)} s` : "";
+      row.querySelector("[data-open]").setAttribute("aria-label", `Open song ${song.id}`);
+      row.querySelector("[data-open]").addEventListener("click", () => select(song.id));
+      if (!FINAL.has(song.status)) {
+        const cancel = document.createElement("button");
+        cancel.type = "button";
+        cancel.className = "secondary small";
+        cancel.textContent = "Cancel";
+        cancel.setAttribute("aria-label", `Cancel song ${song.id}`);
+        cancel.addEventListener("click", () => act(song.id, "cancel"));
+        cells[4].appendChild(cancel);
+      }
+      rows.appendChild(row);
+    }
+    $("jobs-empty").hidden = page.songs.length > 0;
+    const again = focused && [...rows.querySelectorAll("button")].find((b) => b.getAttribute("aria-label") === focused);
+    if (again) again.focus();
+  } catch (error) {
+    show($("jobs-error"), describeError(error));
+  }
+}
+
+async function refreshHealth() {
+  const element = $("health");
+  try {
+    const response = await fetch("/health");
+    const health = await response.json();
+    const engine = health.engine;
+    const what = engine.backend === "vllm" ? `vLLM engine ${engine.state}` : "torch backend";
+    element.textContent = `${what} · ${health.in_flight} in flight · queue ${health.queue.depth}/${health.queue.limit}`;
+    element.className = "health " + (response.ok ? "ok" : "down");
+  } catch (error) {
+    element.textContent = "the server does not answer";
+    element.className = "health down";
+  }
+}
+
+// ------------------------------------------------------------------ start
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("api-key").value = apiKey;
+  $("song-form").addEventListener("submit", submit);
+  $("song-form").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("song-form").requestSubmit();
+  });
+  $("song-form").addEventListener("input", (event) => event.target.removeAttribute("aria-invalid"));
+  $("random-seed").addEventListener("click", () => { $("seed").value = randomSeed(); });
+  $("cancel").addEventListener("click", () => current && act(current.id, "cancel"));
+  $("render").addEventListener("click", () => current && act(current.id, "render"));
+  $("resume").addEventListener("click", () => current && act(current.id, "resume"));
+  $("refresh").addEventListener("click", refreshJobs);
+  refreshHealth();
+  refreshJobs();
+  setInterval(() => { if (!document.hidden) { refreshHealth(); refreshJobs(); } }, 4000);
+  const id = location.hash.slice(1);
+  if (/^j[0-9a-f]{20}$/.test(id)) select(id).catch(() => history.replaceState(null, "", location.pathname));
+});
