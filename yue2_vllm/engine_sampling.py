@@ -13,7 +13,7 @@ a count back to size the candidate block (no host sync per step on CUDA).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -23,7 +23,6 @@ from .protocol import ABC_END, CODEC_OFFSET, CODEC_SIZE, EOD, MUSIC_END, VOCAB_S
 PHASE_INDEX = {"abc": 0, "semantic": 1}
 PAIR_SENTINEL = VOCAB_SIZE - 1  # a padded-vocabulary id no phase may emit: ends an out-of-step CFG row
 END_TOKENS = (ABC_END, MUSIC_END)
-MAX_WINDOW = 100
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _MIX2 = -7723592293110705685  # 0x94D049BB133111EB
@@ -134,10 +133,6 @@ class RowBatch:
                                        for s in settings], dtype=dtype, device=device)
                    for name, dtype in _COLUMNS.items()}
         return cls(**columns, keep_first=keep.pop() if keep else 1)
-
-    def select(self, rows: torch.Tensor) -> "RowBatch":
-        return RowBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self) if f.name != "keep_first"},
-                        keep_first=self.keep_first)
 
 
 # --------------------------------------------------------------------------- the pipeline
