@@ -112,7 +112,7 @@ class MemoryPlan:
             raise MemoryError(problems[0])
 
     def describe(self) -> dict:
-        return {**{k: v for k, v in asdict(self).items()}, "engine_bytes": self.engine, "torch_bytes": self.torch_side,
+        return {**asdict(self), "engine_bytes": self.engine, "torch_bytes": self.torch_side,
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "summary": f"engine {_gib(self.engine)} (weights {_gib(self.engine_weights)}, KV {_gib(self.kv_cache)} "
                            f"for {self.max_num_seqs} rows) + torch {_gib(self.torch_side)} of {_gib(min(self.budget, self.total))}"}

@@ -253,16 +253,14 @@ class YuE2Pipeline:
 
     def engine_settings(self, checkpoint) -> "EngineSettings":
         """The engine this pipeline starts: its options, sized against what the torch side keeps."""
-        from .vllm_backend import EngineSettings
+        from .vllm_backend import EngineSettings, checkpoint_bytes
 
         generation = self.generation_config
         typical = PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)
-        def weight_bytes(directory):
-            return sum(p.stat().st_size for p in directory.glob("*.safetensors")) if directory else 0
-
-        mot_bytes = weight_bytes(self.model_dir) * DTYPES[self.dtype].itemsize // 2  # stored bf16
+        mot_bytes = checkpoint_bytes(self.model_dir) * DTYPES[self.dtype].itemsize // 2  # stored bf16
+        vae_bytes = checkpoint_bytes(self.vae_dir) if self.vae_dir is not None else 0
         options = {"typical_tokens": typical, "offload_ar": self.offload_ar, "dtype": self.dtype,
-                   "torch_side_bytes": mot_bytes + weight_bytes(self.vae_dir), **self.engine_options}
+                   "torch_side_bytes": mot_bytes + vae_bytes, **self.engine_options}
         return EngineSettings(checkpoint, device_type=self.device.type, memory_budget_gib=self.memory_budget_gib,
                               **options)
 

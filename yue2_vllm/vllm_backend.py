@@ -35,8 +35,8 @@ from .memory import MemoryPlan, kv_cache_bytes, plan_memory, row_kv_bytes
 from .modeling import YuE2Config
 from .protocol import CONTEXT, VOCAB_SIZE, Sampling, check_budget, end_token
 from .sampling import ARResult, Cancelled, OnToken
+from .vllm_worker import EVENT_PREFIX
 
-EVENT_PREFIX = "YUE2\t"
 TESTED_VLLM = ("0.32",)
 SUPPORTED_VLLM = ((0, 28), (0, 33))  # [low, high): the releases whose engine/logits-processor API we use
 ALLOW_UNTESTED_ENV = "YUE2_VLLM_ALLOW_UNTESTED"
@@ -288,6 +288,7 @@ class VLLMBackend:
         self.config = config
         self.settings = settings.resolved(config)
         self.plan = self.settings.plan(config)
+        self.sliced_head = self.settings.sliced_head and config.vocab_size == VOCAB_SIZE  # YuE2's token layout
         self.engine_info: dict = {}
         self.restarts = 0  # over the backend's life (recorded per song)
         self._restart_times: list[float] = []
@@ -354,7 +355,7 @@ class VLLMBackend:
                      "logits_processors": [] if entry_point_installed() else [FQCN]}
             if self.plan.gpu_memory_utilization is not None:
                 setup["gpu_memory_utilization"] = self.plan.gpu_memory_utilization
-            if s.sliced_head and self.config.vocab_size == VOCAB_SIZE:  # YuE2's token layout
+            if self.sliced_head:
                 from .vllm_plugin import MODEL_ARCHITECTURE
 
                 setup["architecture"] = MODEL_ARCHITECTURE
@@ -385,8 +386,7 @@ class VLLMBackend:
         """The engine's settings and memory split (for `doctor` and per-song records)."""
         return {"max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
                 "max_num_batched_tokens": self.settings.max_num_batched_tokens, "dtype": self.settings.dtype,
-                "sliced_head": self.settings.sliced_head and self.config.vocab_size == VOCAB_SIZE,
-                "memory": self.plan.describe()}
+                "sliced_head": self.sliced_head, "memory": self.plan.describe()}
 
     # -- admission
 
@@ -461,7 +461,7 @@ class VLLMBackend:
                   "vllm_version": self.engine_info.get("vllm_version"), "engine_dtype": self.settings.dtype,
                   "max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
                   "kv_reserved_bytes": kv, "mean_batch_rows": info["mean_batch_rows"],
-                  "sliced_head": self.settings.sliced_head and self.config.vocab_size == VOCAB_SIZE,
+                  "sliced_head": self.sliced_head,
                   "admission_wait_seconds": waited, "engine_restarts": restarts_before,
                   "ar_checkpoint": self.settings.checkpoint.describe()}
         if paired:

@@ -553,7 +553,7 @@ class SongService:
             reason = summary.get("fallback_reason")
             if reason:
                 self.fallbacks.inc(phase="abc" if stage == "plan" else "semantic", reason=fallback_label(reason))
-        self.hub.publish(job_id, "stage", {"stage": stage, **{k: v for k, v in summary.items()}})
+        self.hub.publish(job_id, "stage", {"stage": stage, **summary})
 
     def _on_final(self, job_id: str, live: LiveJob, kind: str) -> None:
         handle = live.handle
