@@ -407,6 +407,11 @@ class HashCache:
         return digest
 
 
+def weights_bytes(model_dir: str | os.PathLike | None) -> int:
+    """Bytes of a model directory's safetensors files (0 for no directory)."""
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) if model_dir is not None else 0
+
+
 def model_identity(model_dir: str | os.PathLike, *, hashes: HashCache | None = None, verify: bool = False) -> dict:
     """`{"files": {name: {sha256, bytes}}, "config_sha256"}` over the directory's safetensors files.
 

@@ -435,23 +435,17 @@ def cmd_doctor(args) -> int:
 
 def memory_split(args) -> dict:
     """The engine / torch split `serve`, `batch` and `generate` would start with (memory.plan_memory)."""
-    import math
-
-    from .memory import plan_memory
-    from .modeling import YuE2Config, ar_tensor_shapes
+    from .checkpoint import weights_bytes
+    from .memory import ar_expert_bytes, plan_memory
+    from .modeling import YuE2Config
     from .pipeline import resolve_device
     from .testing import tiny_default
 
     model_dir, vae_dir = (Path(args.model), Path(args.vae) if args.vae else None) if args.model else tiny_default()
     config = YuE2Config.load(model_dir)
     device = resolve_device(args.device).type
-
-    def weight_bytes(directory):
-        return sum(p.stat().st_size for p in directory.glob("*.safetensors")) if directory else 0
-
-    engine_weights = 2 * sum(math.prod(shape) for shape in ar_tensor_shapes(config).values())  # bf16 AR subset
-    plan = plan_memory(config, device=device, budget_gib=args.budget, engine_weights=engine_weights,
-                       torch_model=weight_bytes(model_dir), vae=weight_bytes(vae_dir), max_num_seqs=args.concurrency,
+    plan = plan_memory(config, device=device, budget_gib=args.budget, engine_weights=ar_expert_bytes(config),
+                       torch_model=weights_bytes(model_dir), vae=weights_bytes(vae_dir), max_num_seqs=args.concurrency,
                        offload_ar=args.offload_ar)
     return {"model": str(model_dir), **plan.describe(), "problems": plan.problems()}
 

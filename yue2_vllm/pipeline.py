@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import artifacts as art
-from .checkpoint import HashCache, cache_root, identity, model_identity, write_json_atomic
+from .checkpoint import HashCache, cache_root, identity, model_identity, weights_bytes, write_json_atomic
 from .loader import load_model
 from .modeling import YuE2Config
 from .nar import SongInput, synthesize_many
@@ -253,14 +253,13 @@ class YuE2Pipeline:
 
     def engine_settings(self, checkpoint) -> "EngineSettings":
         """The engine this pipeline starts: its options, sized against what the torch side keeps."""
-        from .vllm_backend import EngineSettings, checkpoint_bytes
+        from .vllm_backend import EngineSettings
 
         generation = self.generation_config
         typical = PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)
-        mot_bytes = checkpoint_bytes(self.model_dir) * DTYPES[self.dtype].itemsize // 2  # stored bf16
-        vae_bytes = checkpoint_bytes(self.vae_dir) if self.vae_dir is not None else 0
+        mot_bytes = weights_bytes(self.model_dir) * DTYPES[self.dtype].itemsize // 2  # stored bf16
         options = {"typical_tokens": typical, "offload_ar": self.offload_ar, "dtype": self.dtype,
-                   "torch_side_bytes": mot_bytes + vae_bytes, **self.engine_options}
+                   "torch_side_bytes": mot_bytes + weights_bytes(self.vae_dir), **self.engine_options}
         return EngineSettings(checkpoint, device_type=self.device.type, memory_budget_gib=self.memory_budget_gib,
                               **options)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
+from .checkpoint import weights_bytes
 from .derive import ARCheckpoint
 from .memory import MemoryPlan, kv_cache_bytes, plan_memory, row_kv_bytes
 from .modeling import YuE2Config
@@ -81,10 +82,6 @@ def unsupported_reason(version: str | None) -> str | None:
     return None
 
 
-def checkpoint_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
-
-
 def exit_in_words(code: int | None) -> str:
     """`killed by SIGKILL`, `exited with code 3`, or `still running`."""
     if code is None:
@@ -123,7 +120,7 @@ class EngineSettings:
 
     def plan(self, config: YuE2Config) -> MemoryPlan:
         return plan_memory(config, device=self.device_type, budget_gib=self.memory_budget_gib,
-                           engine_weights=checkpoint_bytes(self.checkpoint.path), torch_model=self.torch_side_bytes,
+                           engine_weights=weights_bytes(self.checkpoint.path), torch_model=self.torch_side_bytes,
                            max_num_seqs=self.max_num_seqs, kv_cache=self.kv_cache_bytes,
                            typical_tokens=self.typical_tokens, max_model_len=self.max_model_len,
                            synthesis_batch=self.synthesis_batch, offload_ar=self.offload_ar,
