@@ -475,6 +475,22 @@ def test_budget_must_be_positive(capsys):
         capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["batch", "--input", "in.jsonl", "--concurrency", "0"], "argument --concurrency: must be an integer >= 1, got 0"),
+    (["batch", "--input", "in.jsonl", "--concurrency", "two"], "argument --concurrency: must be an integer >= 1, got two"),
+    (["generate", "--max-num-seqs", "-1"], "argument --max-num-seqs: must be an integer >= 1, got -1"),
+    (["generate", "--max-num-batched-tokens", "0"], "argument --max-num-batched-tokens: must be an integer >= 1, got 0"),
+    (["serve", "--max-concurrency", "0"], "argument --max-concurrency: must be an integer >= 1, got 0"),
+    (["serve", "--queue-size", "0"], "argument --queue-size: must be an integer >= 1, got 0"),
+    (["serve", "--port", "99999"], "argument --port: must be a port in 0-65535 (0: any free port), got 99999"),
+    (["doctor", "--concurrency", "0"], "argument --concurrency: must be an integer >= 1, got 0"),
+])
+def test_counts_and_ports_are_checked_before_anything_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_a_backend_fallback_is_shown_on_screen(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
     assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), "--backend", "vllm", "--cot",
                  "off", "--cfg-engine", "torch", "--style", "a", "--lyrics", "b", "--stage", "audio", "--output",

@@ -146,6 +146,11 @@ def test_torch_lane_songs_run_beside_engine_songs(pipe, tmp_path, monkeypatch):
     assert timing["backend_actual"] == "torch" and "--cfg-engine torch" in timing["fallback_reason"]
 
 
+def test_a_concurrency_of_zero_is_refused_not_taken_as_the_default(pipe):
+    with pytest.raises(ValueError, match="concurrency must be >= 1, got 0"):
+        SongScheduler(pipe, concurrency=0)
+
+
 def test_scheduler_on_the_torch_backend(tiny_model_dir, tiny_vae_dir, tmp_path):
     pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION)
     handles = list(generate_many(pipe, songs(3, prefix="t"), tmp_path))

