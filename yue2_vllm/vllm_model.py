@@ -6,7 +6,7 @@ below EOD and </abc>; the other 151,935 (resp. 32,855) rows of the 184,704-row h
 (the slices are contiguous: no copy) and leaves the rest −inf, so the sampler and the logits
 processors still see a full-vocabulary tensor.
 
-How a row's phase is known: the yue2 logits processor (`vllm_plugin.YuE2Sampler`) keeps a table
+How a row's phase is known (V1 model runner only): the yue2 logits processor (`vllm_plugin.YuE2Sampler`) keeps a table
 `batch index -> RowState` that vLLM updates through `BatchUpdate` at the start of every step,
 before the forward pass; `compute_logits` reads it through `vllm_plugin.phase_rows`. Chunked
 prefill (rows still prefilling are in the table; their samples are discarded anyway), preemption
@@ -14,7 +14,8 @@ prefill (rows still prefilling are in the table; their samples are discarded any
 the gathered per-request rows only) keep it exact. Rows it does not know (plain requests, prompt
 logprobs, a batch of another size) get the full head. The engine uses this class when our plugin
 overrides the architecture (`hf_overrides`, see `vllm_worker`), which the backend does for
-checkpoints with YuE2's 184,704-token layout unless `sliced_head` is off.
+checkpoints with YuE2's 184,704-token layout unless `sliced_head` is off. Under Model Runner V2
+`compute_logits` gets no row-to-request table, so the backend serves plain Qwen3 there (recorded).
 
 Importing this module imports vLLM: only the engine worker (through the registry) does.
 """
@@ -42,7 +43,8 @@ class YuE2ARForCausalLM(Qwen3ForCausalLM):
         return isinstance(getattr(self.lm_head, "quant_method", None),
                           (UnquantizedEmbeddingMethod, UnquantizedLinearMethod)) \
             and self.lm_head.tp_size == 1 and self.logits_processor.scale == 1.0 \
-            and self.logits_processor.soft_cap is None
+            and self.logits_processor.soft_cap is None \
+            and getattr(self.logits_processor, "head_dtype", None) in (None, self.lm_head.weight.dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         phases = phase_rows(self._vllm_config, len(hidden_states))
@@ -52,8 +54,7 @@ class YuE2ARForCausalLM(Qwen3ForCausalLM):
         weight = self.lm_head.weight
         logits = torch.full((len(hidden_states), self.config.vocab_size), float("-inf"), dtype=hidden_states.dtype,
                             device=hidden_states.device)
-        for phase, rows in phases.items():
-            index = torch.tensor(rows, device=hidden_states.device)
+        for phase, index in phases.items():  # index tensors cached per batch layout: no per-step copy
             columns = slice(0, self.config.vocab_size) if phase is None else es.phase_slice(phase)
             logits[index, columns] = F.linear(hidden_states[index], weight[columns])
             type(self).widest_row = max(type(self).widest_row, columns.stop - columns.start)

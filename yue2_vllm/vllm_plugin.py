@@ -1,4 +1,4 @@
-"""vLLM plugin: YuE2's sampler as a vLLM v1 logits processor.
+"""vLLM plugin: YuE2's sampler as a vLLM logits processor, for both of vLLM's model runners.
 
 A request opts in with `SamplingParams(temperature=0, extra_args={"yue2": row_args(...)})`. For
 every such row, every step, the processor scores the row's logits exactly as the torch backend
@@ -6,7 +6,7 @@ does (phase mask, `min_tokens`, YuE2's count-based windowed penalty, temperature
 see `engine_sampling`), draws the token from a counter-based RNG keyed by (seed, output
 position), and leaves that token the only finite logit, so vLLM's greedy sampler takes it.
 vLLM's own seeded generators are never used (they crash vLLM-CPU under chunked prefill).
-Requests without the extra arg are untouched, so the processor is safe in every engine.
+Requests without the extra arg are untouched.
 
 CFG runs as a pair of rows (cond and uncond prompts, one `pair` id): while both rows are present at
 the same position the processor mixes their logits (`uncond + s·(cond − uncond)` in the model dtype),
@@ -14,8 +14,11 @@ samples once with the cond row's settings and forces that token into both. A row
 missing or out of step gets `PAIR_SENTINEL`, a stop id; the driver (`vllm_backend`) keeps what the two
 rows agree on and resubmits the pair, so unguided tokens are never accepted.
 
-`YuE2Sampler` is built lazily (module `__getattr__`), so importing this module does not import
-vLLM; vLLM loads it through the `vllm.logits_processors` entry point or by FQCN.
+One arithmetic (`sample_group`), two adapters: `YuE2Sampler` for the V1 model runner (rows move, live
+output lists; this module) and `YuE2SamplerV2` for Model Runner V2 (persistent slots, history read on
+the device; `vllm_mrv2`). Our engine passes the one for its runner explicitly by FQCN (`FQCNS`); there
+is no `vllm.logits_processors` entry point, so no other engine in the environment loads either. Both
+classes are built lazily (module `__getattr__`), so importing this module does not import vLLM.
 """
 from __future__ import annotations
 
@@ -28,8 +31,7 @@ from . import engine_sampling as es
 from .protocol import PHASES, Sampling
 
 ROW_KEY = "yue2"
-FQCN = "yue2_vllm.vllm_plugin:YuE2Sampler"
-ENTRY_POINT = "yue2"
+FQCNS = {"v1": "yue2_vllm.vllm_plugin:YuE2Sampler", "v2": "yue2_vllm.vllm_mrv2:YuE2SamplerV2"}
 MODEL_ARCHITECTURE = "YuE2ARForCausalLM"  # vLLM's Qwen3 with the phase-sliced lm_head (`vllm_model`)
 
 
@@ -78,7 +80,7 @@ class RowState:
         window, out = self.settings.penalty_window, self.output_ids
         if len(out) >= window:
             return out[len(out) - window:]
-        return self.history[len(self.history) - (window - len(out)):] + list(out) if self.history else list(out)
+        return self.history[max(0, len(self.history) - (window - len(out))):] + list(out)
 
 
 def parse_row(extra_args: dict | None) -> RowState | None:
@@ -112,17 +114,69 @@ def parse_row(extra_args: dict | None) -> RowState | None:
     return RowState(settings, [], list(history), pairing)
 
 
+def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-step host array on `device` without a blocking copy: through pinned memory and
+    `non_blocking` on an accelerator (the caching host allocator keeps the block until the copy ran)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
-class StepLayout:
-    """Who samples how this step: single rows and aligned CFG pairs per (phase, numerics), and lone rows."""
+class Group:
+    """Rows of one step scored together: one phase and numerics, single rows or the cond/uncond halves
+    of CFG pairs. Index tensors are built once per batch layout, not per step."""
 
-    groups: list[tuple[int, int, list[int], list[int], es.RowBatch, torch.Tensor | None]]
-    lone: list[int]
+    phase: int
+    legacy: bool
+    batch: es.RowBatch
+    sampling_rows: tuple[int, ...]  # on the host: the logits rows that sample (the cond rows of pairs)
+    cond: torch.Tensor  # the same rows on the device
+    uncond: torch.Tensor | None = None  # their partners' logits rows (pairs only)
+    scales: torch.Tensor | None = None  # guidance scale per pair
+    forced: torch.Tensor | None = None  # cond then uncond rows: every row the group's tokens go into
+    partner_rows: tuple[int, ...] = ()  # on the host: the uncond rows
+
+    @classmethod
+    def build(cls, phase: int, legacy: bool, settings: Sequence[es.RowSampling], cond: Sequence[int],
+              uncond: Sequence[int] = (), scales: Sequence[float] = (), device: torch.device = torch.device("cpu")):
+        cond_index = torch.tensor(list(cond), dtype=torch.long).to(device)
+        batch = es.RowBatch.build(settings, device)
+        if not uncond:
+            return cls(phase, legacy, batch, tuple(cond), cond_index, forced=cond_index)
+        uncond_index = torch.tensor(list(uncond), dtype=torch.long).to(device)
+        return cls(phase, legacy, batch, tuple(cond), cond_index, uncond_index,
+                   torch.tensor(list(scales), dtype=torch.float32).to(device), torch.cat([cond_index, uncond_index]),
+                   tuple(uncond))
 
 
-def step_layout(rows: dict[int, RowState], device: torch.device, cache: dict) -> StepLayout:
-    """Group this step's rows. A paired row whose partner is absent, or at another position, or behind
-    another last token, is lone: it gets the sentinel (a stop id) so the driver can restart the pair."""
+def sample_group(logits: torch.Tensor, group: Group, steps: torch.Tensor, windows: torch.Tensor,
+                 model_dtype: torch.dtype, aligned: torch.Tensor | None = None) -> None:
+    """Choose and force one token per sampling row of `group` (in place): the one arithmetic both runners'
+    adapters call. A pair's token, drawn from its rows' logits mixed with upstream's bf16 arithmetic, goes
+    into both rows; `aligned` (pairs only, on the device) marks pairs in step, the others get the sentinel.
+
+    `steps [rows]`: each sampling row's output position (its RNG position and `min_tokens` count);
+    `windows [rows, w]`: its recent phase ids in slice coordinates, valid ids first, −1 after.
+    """
+    phase = group.phase
+    work = logits[group.cond, es.phase_slice(phase)]
+    if group.uncond is not None:
+        uncond = logits[group.uncond, es.phase_slice(phase)]
+        work = es.mix_guidance(work.to(model_dtype), uncond.to(model_dtype), group.scales)
+    work = work.to(model_dtype) if group.legacy else work.float()  # legacy rows are scored in the model dtype
+    tokens = es.choose(es.masked_scores(work, phase, group.batch, steps, windows), phase, group.batch, steps)
+    if aligned is not None:
+        tokens = torch.where(aligned, tokens, torch.full_like(tokens, es.PAIR_SENTINEL))
+    es.force(logits, group.forced, tokens if group.uncond is None else tokens.repeat(2))
+
+
+def group_rows(rows: dict[int, RowState], device: torch.device, key_rows: Sequence[int] | None = None,
+               aligned: dict[str, bool] | None = None) -> tuple[list[Group], list[int]]:
+    """This step's groups from `logits row -> RowState`, and the lone rows (a paired row whose partner is
+    absent, or out of step when `aligned` says so per pair id: they get the sentinel, a stop id, so that
+    the driver restarts the pair). `aligned=None`: alignment is checked on the device by the caller."""
     singles, pairs = [], {}
     for index, row in rows.items():
         if row.pairing is None:
@@ -130,10 +184,9 @@ def step_layout(rows: dict[int, RowState], device: torch.device, cache: dict) ->
         else:
             pairs.setdefault(row.pairing.pair, {})[row.pairing.role] = index
     guided, lone = [], []
-    for members in pairs.values():
+    for pair, members in pairs.items():
         cond, uncond = members.get("cond"), members.get("uncond")
-        if cond is not None and uncond is not None and rows[cond].step == rows[uncond].step \
-                and rows[cond].last == rows[uncond].last:
+        if cond is not None and uncond is not None and (aligned is None or aligned[pair]):
             guided.append((cond, uncond))
         else:
             lone += [i for i in (cond, uncond) if i is not None]
@@ -144,58 +197,86 @@ def step_layout(rows: dict[int, RowState], device: torch.device, cache: dict) ->
                 return rows[index].settings.phase == phase and rows[index].settings.legacy == legacy
 
             single = sorted(i for i in singles if fits(i))
+            if single:
+                groups.append(Group.build(phase, legacy, [rows[i].settings for i in single], single, device=device))
             paired = sorted(pair for pair in guided if fits(pair[0]))
-            for conds, unconds in ((single, []), ([c for c, _ in paired], [u for _, u in paired])):
-                if not conds:
-                    continue
-                key = (phase, legacy, tuple(conds), tuple(unconds))
-                if key not in cache:
-                    scales = torch.tensor([rows[c].pairing.scale for c in conds], device=device) if unconds else None
-                    cache[key] = es.RowBatch.build([rows[c].settings for c in conds], device), scales
-                batch, scales = cache[key]
-                groups.append((phase, legacy, conds, unconds, batch, scales))
-    return StepLayout(groups, lone)
+            if paired:
+                conds, unconds = [c for c, _ in paired], [u for _, u in paired]
+                groups.append(Group.build(phase, legacy, [rows[c].settings for c in conds], conds, unconds,
+                                          [rows[c].pairing.scale for c in conds], device))
+    return groups, sorted(lone)
+
+
+def force_sentinel(logits: torch.Tensor, lone: torch.Tensor) -> None:
+    es.force(logits, lone, torch.full((len(lone),), es.PAIR_SENTINEL, dtype=torch.long, device=logits.device))
+
+
+# --------------------------------------------------------------------------- the V1 runner's adapter
+
+
+@dataclass
+class StepLayout:
+    """V1: who samples how this step (rows in step are known on the host from the live output lists)."""
+
+    groups: list[Group]
+    lone: torch.Tensor | None
+
+
+def _in_step(rows: dict[int, RowState]) -> dict[str, bool]:
+    members: dict[str, list[RowState]] = {}
+    for row in rows.values():
+        if row.pairing is not None:
+            members.setdefault(row.pairing.pair, []).append(row)
+    return {pair: len(pair_rows) == 2 and pair_rows[0].step == pair_rows[1].step
+            and pair_rows[0].last == pair_rows[1].last for pair, pair_rows in members.items()}
+
+
+def step_layout(rows: dict[int, RowState], device: torch.device, cache: dict) -> StepLayout:
+    """Group this step's rows (V1 runner). A paired row whose partner is absent, or at another position,
+    or behind another last token, is lone. Layouts are cached per (rows, pairs in step) until the batch
+    changes."""
+    aligned = _in_step(rows)
+    key = (tuple(sorted(rows)), tuple(sorted(aligned.items())))
+    if key not in cache:
+        groups, lone = group_rows(rows, device, aligned=aligned)
+        cache[key] = StepLayout(groups, torch.tensor(lone, dtype=torch.long).to(device) if lone else None)
+    return cache[key]
 
 
 def sample_rows(logits: torch.Tensor, rows: dict[int, RowState], layout: StepLayout,
                 model_dtype: torch.dtype) -> None:
-    """Choose and force one token for every YuE2 row of `logits` (in place); a guided pair's token goes
-    into both of its rows, computed from their logits mixed with upstream's bf16 arithmetic."""
+    """Choose and force one token for every YuE2 row of `logits` (in place), V1 runner: positions and
+    penalty windows come from the rows' live output lists, copied to the device without a host sync."""
     device = logits.device
-    if layout.lone:
-        es.force(logits, torch.tensor(layout.lone, device=device),
-                 torch.full((len(layout.lone),), es.PAIR_SENTINEL, device=device))
-    for phase, legacy, conds, unconds, batch, scales in layout.groups:
-        states = [rows[i] for i in conds]
-        steps = torch.tensor([s.step for s in states], dtype=torch.long, device=device)
-        windows = torch.tensor(es.local_windows([s.recent() for s in states], phase), dtype=torch.long,
-                               device=device).reshape(len(states), -1)
-        cond_index = torch.tensor(conds, device=device)
-        work = logits[cond_index, es.phase_slice(phase)]
-        if unconds:
-            uncond_index = torch.tensor(unconds, device=device)
-            uncond = logits[uncond_index, es.phase_slice(phase)]
-            work = es.mix_guidance(work.to(model_dtype), uncond.to(model_dtype), scales)
-            cond_index = torch.cat([cond_index, uncond_index])
-        work = work.to(model_dtype) if legacy else work.float()  # legacy rows are scored in the model dtype
-        tokens = es.choose(es.masked_scores(work, phase, batch, steps, windows), phase, batch, steps)
-        es.force(logits, cond_index, tokens.repeat(2) if unconds else tokens)
+    if layout.lone is not None:
+        force_sentinel(logits, layout.lone)
+    for group in layout.groups:
+        states = [rows[i] for i in group.sampling_rows]
+        steps = host_to_device([s.step for s in states], torch.long, device)
+        windows = host_to_device(es.local_windows([s.recent() for s in states], group.phase), torch.long,
+                                 device).reshape(len(states), -1)
+        sample_group(logits, group, steps, windows, model_dtype)
 
 
-_TABLES: dict[int, object] = {}  # id(vllm_config) -> the processor serving that engine (one per worker)
+_TABLES: dict[int, object] = {}  # id(vllm_config) -> the V1 processor serving that engine (one per worker)
 
 
-def phase_rows(vllm_config, rows: int) -> dict[int | None, list[int]] | None:
-    """Logits rows grouped by phase (None: not a YuE2 row) for a step of `rows` requests; None when the
-    processor's batch is not that step's (another engine, prompt logprobs, speculative rows)."""
+def phase_rows(vllm_config, rows: int) -> dict[int | None, torch.Tensor] | None:
+    """V1 runner: logits rows (device index tensors, cached per batch layout) grouped by phase (None: not a
+    YuE2 row) for a step of `rows` requests; None when the processor's batch is not that step's (another
+    engine, prompt logprobs, speculative rows, or Model Runner V2, which keeps no such table)."""
     processor = _TABLES.get(id(vllm_config))
     if processor is None or processor.batch_size != rows or not processor.rows:
         return None
-    groups: dict[int | None, list[int]] = {}
-    for index in range(rows):
-        state = processor.rows.get(index)
-        groups.setdefault(None if state is None else state.settings.phase, []).append(index)
-    return groups
+    key = ("phases", rows)
+    if key not in processor.layouts:
+        groups: dict[int | None, list[int]] = {}
+        for index in range(rows):
+            state = processor.rows.get(index)
+            groups.setdefault(None if state is None else state.settings.phase, []).append(index)
+        processor.layouts[key] = {phase: torch.tensor(members, dtype=torch.long).to(processor.device)
+                                  for phase, members in groups.items()}
+    return processor.layouts[key]
 
 
 def register() -> None:
@@ -206,11 +287,14 @@ def register() -> None:
         ModelRegistry.register_model(MODEL_ARCHITECTURE, f"yue2_vllm.vllm_model:{MODEL_ARCHITECTURE}")
 
 
-def _build_class():
+def _build_v1_class():
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
     class YuE2Sampler(LogitsProcessor):
-        """Keeps `batch index -> RowState` in step with vLLM's persistent batch; samples YuE2 rows."""
+        """V1 runner: keeps `batch index -> RowState` in step with vLLM's persistent batch; samples YuE2 rows.
+
+        Passed to our engine by FQCN, so vLLM knows it reads output ids: under async scheduling the V1
+        runner then repairs its placeholder ids before `apply` (our engine runs V1 without async anyway)."""
 
         @classmethod
         def validate_params(cls, sampling_params) -> None:
@@ -258,20 +342,31 @@ def _build_class():
     return YuE2Sampler
 
 
-_CLASS = None
+def lazy_class(name: str, build):
+    """A module `__getattr__` that builds class `name` on first use (so the module imports without vLLM)."""
+    built: dict[str, type] = {}
+
+    def __getattr__(attribute: str):
+        if attribute != name:
+            raise AttributeError(attribute)
+        if name not in built:
+            built[name] = build()
+        return built[name]
+
+    return __getattr__
 
 
-def __getattr__(name: str):
-    global _CLASS
-    if name == "YuE2Sampler":
-        if _CLASS is None:
-            _CLASS = _build_class()
-        return _CLASS
-    raise AttributeError(name)
+__getattr__ = lazy_class("YuE2Sampler", _build_v1_class)
+
+
+def processor_fqcn(runner: str) -> str:
+    """The sampler class our engine passes explicitly for a model runner ("v1" or "v2")."""
+    return FQCNS[runner]
 
 
 def entry_point_installed() -> bool:
-    """Whether vLLM will load the processor by itself (this package's entry point is registered)."""
+    """Whether any `vllm.logits_processors` entry point names our sampler (it must not: vLLM would load it
+    into every engine of the environment, and Model Runner V2 refuses V1-interface plugins)."""
     from importlib.metadata import entry_points
 
-    return any(ep.value == FQCN for ep in entry_points(group="vllm.logits_processors"))
+    return any(ep.value.startswith("yue2_vllm") for ep in entry_points(group="vllm.logits_processors"))

