@@ -20,11 +20,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from yue2_vllm.modeling import YuE2Config
+from yue2_vllm.model.modeling import YuE2Config
 from yue2_vllm.protocol import EOD, MUSIC_START, Sampling
-from yue2_vllm.sampling import TorchARBackend
+from yue2_vllm.model.sampling import TorchARBackend
 from yue2_vllm.testing import random_model
-from yue2_vllm.torch_quant import (int8_linear, int8pack_available, prepare_ar_proxies, quantize_int8,
+from yue2_vllm.model.torch_quant import (int8_linear, int8pack_available, prepare_ar_proxies, quantize_int8,
                                   restore_ar)
 
 SHAPES = {  # name: (out_features, in_features) of the weight

@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 
 from yue2_vllm.derive import ARCheckpoint, derive_ar_checkpoint
-from yue2_vllm.loader import load_model
-from yue2_vllm.modeling import YuE2Config, tensor_shapes
+from yue2_vllm.model.loader import load_model
+from yue2_vllm.model.modeling import YuE2Config, tensor_shapes
 from yue2_vllm.protocol import EOD, MUSIC_START, Sampling, allowed_token_ids
-from yue2_vllm.sampling import TorchARBackend
+from yue2_vllm.model.sampling import TorchARBackend
 from yue2_vllm.testing import TINY_CONFIG, write_tiny_model
-from yue2_vllm.vllm_backend import EngineSettings, VLLMBackend
+from yue2_vllm.engine.backend import EngineSettings, VLLMBackend
 
 PREFIX = [EOD] + [100 + i for i in range(200)] + [MUSIC_START]
 
@@ -66,7 +66,7 @@ print("RATES" + json.dumps(rates))
 
 def bare_vllm_rates(checkpoint: Path, config: YuE2Config, sampling: Sampling, repeats: int) -> list[float]:
     """The same request on a vLLM engine stepped directly in its own process (no JSON protocol, no parent)."""
-    from yue2_vllm.vllm_backend import cpu_split, kv_cache_bytes, worker_env
+    from yue2_vllm.engine.backend import cpu_split, kv_cache_bytes, worker_env
 
     args = json.dumps([str(checkpoint), kv_cache_bytes(config, 1, 24576 + 256), repeats, sampling.to_dict(), PREFIX,
                        allowed_token_ids("semantic")])

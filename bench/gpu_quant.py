@@ -51,7 +51,7 @@ def guarded(fn):
 
 @torch.inference_mode()
 def kernels(device, fp8_ok: bool) -> dict:
-    from yue2_vllm.torch_quant import FP8Linear, Int8Linear, quantize_fp8, quantize_int8
+    from yue2_vllm.model.torch_quant import FP8Linear, Int8Linear, quantize_fp8, quantize_int8
 
     weight = torch.randn(6144, 2048).to(torch.bfloat16)
     q_cpu, s_cpu = quantize_int8(weight)
@@ -82,11 +82,11 @@ def kernels(device, fp8_ok: bool) -> dict:
 
 
 def decode(device, layers: int, tokens: int, prefix_tokens: int, fp8_ok: bool) -> dict:
-    from yue2_vllm.modeling import YuE2Config
+    from yue2_vllm.model.modeling import YuE2Config
     from yue2_vllm.protocol import EOD, MUSIC_START, Sampling
-    from yue2_vllm.sampling import TorchARBackend
+    from yue2_vllm.model.sampling import TorchARBackend
     from yue2_vllm.testing import random_model
-    from yue2_vllm.torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, restore_ar
+    from yue2_vllm.model.torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, restore_ar
 
     start = time.perf_counter()
     model = random_model(YuE2Config(num_hidden_layers=layers))
@@ -131,7 +131,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_quant: CUDA is not available here; nothing to measure (run on a CUDA machine)")
         return 0
-    from yue2_vllm.torch_quant import fp8_supported, int8pack_available
+    from yue2_vllm.model.torch_quant import fp8_supported, int8pack_available
 
     device = torch.device("cuda", torch.cuda.current_device())
     fp8_reason = fp8_supported(device)

@@ -22,6 +22,6 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
-    from yue2_vllm.loader import load_model
+    from yue2_vllm.model.loader import load_model
 
     return load_model(tiny_model_dir)

@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from yue2_vllm.modeling import rope_angles
+from yue2_vllm.model.modeling import rope_angles
 
 
 @torch.inference_mode()

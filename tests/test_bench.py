@@ -3,7 +3,7 @@ import json
 import subprocess
 import sys
 
-from yue2_vllm.vllm_backend import vllm_version
+from yue2_vllm.engine.backend import vllm_version
 
 
 def test_bench_table_on_the_tiny_default(tmp_path):

@@ -107,7 +107,7 @@ def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config
     assert not (out / "b" / "failure.json").exists() and (out / "b" / "audio.flac").exists()
 
 
-@pytest.mark.skipif(__import__("yue2_vllm.vllm_backend", fromlist=["x"]).vllm_version() is None,
+@pytest.mark.skipif(__import__("yue2_vllm.engine.backend", fromlist=["x"]).vllm_version() is None,
                     reason="vllm is not installed")
 def test_batch_concurrency_on_vllm(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
     from yue2_vllm.artifacts import verify_result

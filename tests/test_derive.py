@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 from yue2_vllm.checkpoint import CheckpointError, HashCache
 from yue2_vllm.derive import (DerivationError, derive_ar_checkpoint, qwen_config, resolve_ar_checkpoint,
                               validate_ar_checkpoint)
-from yue2_vllm.modeling import YuE2Config, ar_tensor_shapes
-from yue2_vllm.quantization import parse_quantization, runnable_reason
+from yue2_vllm.model.modeling import YuE2Config, ar_tensor_shapes
+from yue2_vllm.quant.schemes import parse_quantization, runnable_reason
 from yue2_vllm.testing import TINY_CONFIG
-from yue2_vllm.vllm_backend import kv_cache_bytes, unsupported_reason
+from yue2_vllm.engine.backend import kv_cache_bytes, unsupported_reason
 
 PUBLISHED_FP8 = Path(__file__).parent / "data" / "published-fp8-config.json"  # DKmode22/YuE2-3B-FP8
 

@@ -2,7 +2,7 @@
 import pytest
 
 from yue2_vllm.protocol import ABC_END, ABC_START, EOD, MUSIC_END, MUSIC_START, Sampling
-from yue2_vllm.vllm_backend import vllm_version
+from yue2_vllm.engine.backend import vllm_version
 
 pytestmark = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 SEMANTIC = [EOD, 40, 1771, 285, 9, 10, ABC_START, 300, 301, 151848, MUSIC_START]
@@ -12,7 +12,7 @@ ABC = [EOD, 40, 1771, 285, 9, 10, ABC_START]
 def engine(derived, sliced: bool):
     from vllm import LLM
 
-    from yue2_vllm.vllm_plugin import FQCNS, MODEL_ARCHITECTURE
+    from yue2_vllm.engine.plugin import FQCNS, MODEL_ARCHITECTURE
 
     overrides = {"hf_overrides": {"architectures": [MODEL_ARCHITECTURE]}} if sliced else {}
     return LLM(model=str(derived), skip_tokenizer_init=True, dtype="float32", max_model_len=1024, enforce_eager=True,
@@ -24,7 +24,7 @@ def requests(phases):
     """Greedy and seeded sampled rows of the given phases (abc and semantic mixed when both are given)."""
     from vllm import SamplingParams
 
-    from yue2_vllm.vllm_plugin import row_args
+    from yue2_vllm.engine.plugin import row_args
 
     prompts, params = [], []
     for i, phase in enumerate(phases):
@@ -59,7 +59,7 @@ def test_sliced_head_gives_the_full_heads_tokens_and_computes_only_the_phase_row
         full.llm_engine.engine_core.shutdown()
     sliced = engine(derived, sliced=True)
     try:
-        from yue2_vllm.vllm_model import YuE2ARForCausalLM
+        from yue2_vllm.engine.ar_model import YuE2ARForCausalLM
 
         assert outputs(sliced, *requests(mixed)) == reference  # a mixed-phase concurrent batch
         prompts, params = requests(mixed)

@@ -14,7 +14,7 @@ from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import ABC_END, ABC_START, CODEC_OFFSET, CODEC_SIZE, EOD, MUSIC_END, MUSIC_START, Sampling, \
     SongRequest
 from yue2_vllm.testing import TINY_CONFIG
-from yue2_vllm.vllm_backend import EngineError, EngineSettings, VLLMBackend, vllm_version
+from yue2_vllm.engine.backend import EngineError, EngineSettings, VLLMBackend, vllm_version
 
 pytestmark = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 
@@ -250,7 +250,7 @@ def test_override_from_environment_serves_a_song(tiny_model_dir, tiny_vae_dir, d
 
 
 def test_missing_vllm_falls_back_with_reason(tiny_model_dir, tiny_vae_dir, monkeypatch):
-    import yue2_vllm.vllm_backend as vb
+    import yue2_vllm.engine.backend as vb
 
     monkeypatch.setattr(vb, "vllm_version", lambda: None)
     pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="auto", generation_config=GENERATION)
@@ -302,7 +302,7 @@ def test_sigterm_stops_the_engine_worker_group_at_once(tiny_model_dir, tiny_vae_
         while not (state.exists() and json.loads(state.read_text())["state"] == "planned"):
             assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
             time.sleep(0.05)
-        workers = subprocess.run(["pgrep", "-P", str(process.pid), "-f", "yue2_vllm.vllm_worker"],
+        workers = subprocess.run(["pgrep", "-P", str(process.pid), "-f", "yue2_vllm.engine.worker"],
                                  capture_output=True, text=True).stdout.split()
         assert len(workers) == 1
         process.send_signal(signal.SIGTERM)

@@ -7,12 +7,12 @@ import sys
 import pytest
 import torch
 
-from yue2_vllm import engine_sampling as es
+from yue2_vllm.engine import sampling as es
 from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import CODEC_OFFSET, Sampling, SongRequest, negative_prompt, semantic_prompt
-from yue2_vllm.sampling import mix_cfg, phase_scores
+from yue2_vllm.model.sampling import mix_cfg, phase_scores
 from yue2_vllm.scheduler import SongScheduler
-from yue2_vllm.vllm_backend import vllm_version
+from yue2_vllm.engine.backend import vllm_version
 
 pytestmark = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 GREEDY = {"abc": {"max_tokens": 16, "min_tokens": 16, "temperature": 0},

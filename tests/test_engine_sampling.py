@@ -4,9 +4,9 @@ import random
 import pytest
 import torch
 
-from yue2_vllm import engine_sampling as es
+from yue2_vllm.engine import sampling as es
 from yue2_vllm.protocol import ABC_END, CODEC_OFFSET, EOD, MUSIC_END, VOCAB_SIZE, Sampling
-from yue2_vllm.sampling import mix_cfg, phase_scores
+from yue2_vllm.model.sampling import mix_cfg, phase_scores
 
 
 def random_rows(phase: str, legacy: bool, count: int, seed: int):

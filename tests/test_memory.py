@@ -2,7 +2,7 @@
 import pytest
 
 from yue2_vllm.memory import GIB, ar_expert_bytes, kv_cache_bytes, nar_chunk_bytes, plan_memory, row_kv_bytes
-from yue2_vllm.modeling import YuE2Config
+from yue2_vllm.model.modeling import YuE2Config
 from yue2_vllm.testing import TINY_CONFIG
 
 FULL = YuE2Config()

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from yue2_vllm.checkpoint import CheckpointError
-from yue2_vllm.loader import load_model
-from yue2_vllm.modeling import CachedNAR, RMSNorm, YuE2Config, apply_rope, tensor_shapes
+from yue2_vllm.model.loader import load_model
+from yue2_vllm.model.modeling import CachedNAR, RMSNorm, YuE2Config, apply_rope, tensor_shapes
 from yue2_vllm.protocol import ABC_START, EOD, MUSIC_END, CODEC_OFFSET
 
 from reference import dense_nar_velocity
@@ -185,7 +185,7 @@ def test_unknown_config_keys_are_ignored(tiny_model_dir, tmp_path, caplog):
     config = json.loads((other / "config.json").read_text())
     config.update({"_name_or_path": "m-a-p/YuE2-3B", "layer_types": ["full_attention"] * 2, "some_future_key": 1})
     (other / "config.json").write_text(json.dumps(config))
-    with caplog.at_level(logging.DEBUG, logger="yue2_vllm.modeling"):
+    with caplog.at_level(logging.DEBUG, logger="yue2_vllm.model.modeling"):
         assert YuE2Config.load(other) == YuE2Config.load(tiny_model_dir)
         model = load_model(other)
     assert model.config.num_hidden_layers == 2

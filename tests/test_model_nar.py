@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from yue2_vllm.nar import (SongInput, offloaded_ar, raw_timestep, solve, song_chunks, song_noise, synthesize,
+from yue2_vllm.model.nar import (SongInput, offloaded_ar, raw_timestep, solve, song_chunks, song_noise, synthesize,
                            synthesize_many)
 from yue2_vllm.protocol import CODEC_OFFSET, CODEC_SIZE, EOD, MUSIC_END, MUSIC_START
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from yue2_vllm.protocol import ABC_END, CODEC_OFFSET, EOD, MUSIC_END, MUSIC_START, Sampling
-from yue2_vllm.sampling import TorchARBackend, mix_cfg, phase_scores, window_penalty
+from yue2_vllm.model.sampling import TorchARBackend, mix_cfg, phase_scores, window_penalty
 
 PREFIX = [EOD, 40, 1771, 285, 9, 10, 11, 12, 151847, 300, 301, 151848, MUSIC_START]
 

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from yue2_vllm.checkpoint import CheckpointError, read_header, sha256_file, weight_index, write_safetensors_tensors
-from yue2_vllm.loader import load_model
-from yue2_vllm.modeling import CachedNAR
+from yue2_vllm.model.loader import load_model
+from yue2_vllm.model.modeling import CachedNAR
 from yue2_vllm.protocol import ABC_START, CODEC_OFFSET, EOD, MUSIC_END
-from yue2_vllm.torch_quant import (AR_LINEARS, GIB, INT8_AR_METHOD, FP8Linear, Int8Linear, apply_memory_cap,
+from yue2_vllm.model.torch_quant import (AR_LINEARS, GIB, INT8_AR_METHOD, FP8Linear, Int8Linear, apply_memory_cap,
                                    ar_linear_names, export_int8_ar, int8_linear, int8pack_available, memory_cap,
                                    prepare_ar_proxies, quantize_fp8, quantize_int8, restore_ar)
 
@@ -367,7 +367,7 @@ def test_memory_cap_numbers_and_refusals():
 
 
 def test_import_pulls_in_no_vllm_triton_or_llmcompressor():
-    code = ("import sys, yue2_vllm.torch_quant; "
+    code = ("import sys, yue2_vllm.model.torch_quant; "
             "print(sorted(m for m in ('vllm', 'triton', 'llmcompressor') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from yue2_vllm.checkpoint import CheckpointError
-from yue2_vllm.vae import (RELEASE_DECODER, RELEASE_ENCODER, SnakeBeta, VAEConfig, WNConv1d, WNConvTranspose1d,
+from yue2_vllm.model.vae import (RELEASE_DECODER, RELEASE_ENCODER, SnakeBeta, VAEConfig, WNConv1d, WNConvTranspose1d,
                            YuE2VAE, load_vae, random_vae, save_vae)
 
 STRIDES = [2, 2, 4, 4, 5, 6]

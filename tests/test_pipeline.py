@@ -182,7 +182,7 @@ def test_int8_proxies_serve_ar_and_are_restored_before_nar(tiny_model_dir, tiny_
 
 
 def test_song_from_an_int8_ar_checkpoint(tiny_model_dir, tiny_vae_dir, tmp_path):
-    from yue2_vllm.torch_quant import export_int8_ar
+    from yue2_vllm.model.torch_quant import export_int8_ar
 
     export_int8_ar(tiny_model_dir, tmp_path / "int8ar")
     pipe = YuE2Pipeline(tmp_path / "int8ar", tiny_vae_dir, generation_config=GENERATION, quantization="auto",

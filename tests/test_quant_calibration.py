@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from yue2_vllm.calibration import (RequestSet, build_corpus, heldout_sequences, load_request_set, train_windows,
+from yue2_vllm.quant.calibration import (RequestSet, build_corpus, heldout_sequences, load_request_set, train_windows,
                                    window_ranges)
 from yue2_vllm.checkpoint import HashCache
 from yue2_vllm.pipeline import YuE2Pipeline

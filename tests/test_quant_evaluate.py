@@ -3,12 +3,12 @@ import json
 import pytest
 import torch
 
-from yue2_vllm.calibration import RequestSet, build_corpus
+from yue2_vllm.quant.calibration import RequestSet, build_corpus
 from yue2_vllm.checkpoint import HashCache
-from yue2_vllm.evaluate import PhaseStats, compare_dense, compare_sparse, repeated_ngrams, run_gate
+from yue2_vllm.quant.evaluate import PhaseStats, compare_dense, compare_sparse, repeated_ngrams, run_gate
 from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import CODEC_OFFSET, SongRequest
-from yue2_vllm.vllm_backend import vllm_version
+from yue2_vllm.engine.backend import vllm_version
 
 
 def test_dense_identical_and_shifted():

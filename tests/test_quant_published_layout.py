@@ -2,7 +2,7 @@
 model built on the meta device: no 7 GB allocation, same names and shapes as the real checkpoint."""
 import torch
 
-from yue2_vllm.modeling import YuE2Config, YuE2Model, ar_tensor_shapes, tensor_shapes
+from yue2_vllm.model.modeling import YuE2Config, YuE2Model, ar_tensor_shapes, tensor_shapes
 
 H, KV, FF, V, HD = 2048, 1024, 6144, 184704, 128
 

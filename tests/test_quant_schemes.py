@@ -1,7 +1,7 @@
 """Which quantized AR checkpoints vLLM serves, and where they are faster than bf16."""
 import pytest
 
-from yue2_vllm.quantization import DeviceInfo, QuantScheme, device_info, runnable_reason, slow_reason
+from yue2_vllm.quant.schemes import DeviceInfo, QuantScheme, device_info, runnable_reason, slow_reason
 
 
 def scheme(name, weight_type, bits, act_bits, dynamic=True):

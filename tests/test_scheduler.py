@@ -10,7 +10,7 @@ from yue2_vllm.artifacts import verify_result
 from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import SongRequest
 from yue2_vllm.scheduler import SongScheduler, generate_many
-from yue2_vllm.vllm_backend import vllm_version
+from yue2_vllm.engine.backend import vllm_version
 
 GENERATION = {"abc": {"max_tokens": 8, "min_tokens": 8}, "semantic": {"max_tokens": 24, "min_tokens": 24},
               "ode_steps": 2}

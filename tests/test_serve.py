@@ -20,7 +20,7 @@ from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.serve.runner import data_dir_lock
 from yue2_vllm.serve.service import JOB_ID, RequestInvalid, ServeConfig, SongService, parse_submission
 from yue2_vllm.serve.store import JobStore, NewJob
-from yue2_vllm.vllm_backend import vllm_version
+from yue2_vllm.engine.backend import vllm_version
 
 from serving import ProcessServer, ThreadServer, read_events, wait_for
 

@@ -3,7 +3,7 @@ import subprocess
 import sys
 
 from yue2_vllm.checkpoint import weight_index
-from yue2_vllm.modeling import tensor_shapes
+from yue2_vllm.model.modeling import tensor_shapes
 from yue2_vllm.testing import TINY_CONFIG, tiny_default, write_tiny_model
 
 
@@ -36,7 +36,7 @@ def test_tiny_default_is_generated_once(tmp_path):
 
 
 def test_import_pulls_no_heavy_optional_packages():
-    code = ("import sys, yue2_vllm, yue2_vllm.cli, yue2_vllm.modeling, yue2_vllm.vae, yue2_vllm.testing, "
+    code = ("import sys, yue2_vllm, yue2_vllm.cli, yue2_vllm.model.modeling, yue2_vllm.model.vae, yue2_vllm.testing, "
             "yue2_vllm.tokenizer, yue2_vllm.checkpoint, yue2_vllm.protocol\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'triton', 'llmcompressor'}))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout

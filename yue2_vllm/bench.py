@@ -7,7 +7,7 @@ exported on the fly through the quantization venv when not given) — it reports
 decode tok/s per phase at batch 1 and at `--concurrency` songs, NAR seconds per ODE step and per audio
 second, the VAE real-time factor, peak memory and engine start time: medians of `--repeats`, as JSON
 and a Markdown table headed by the machine. Each quantized checkpoint carries the speed policy's
-verdict for this device (`quantization.slow_reason`); the bench serves it regardless, to measure it.
+verdict for this device (`quant.schemes.slow_reason`); the bench serves it regardless, to measure it.
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ class BenchConfig:
 def machine() -> dict:
     import torch
 
-    from .quantization import device_info
-    from .vllm_backend import vllm_version
+    from .quant.schemes import device_info
+    from .engine.backend import vllm_version
 
     cpu = device_info("cpu")
     info = {"python": platform.python_version(), "torch": torch.__version__, "vllm": vllm_version(),
@@ -127,11 +127,11 @@ def run_ar(backend, phase: str, tokens: int, concurrency: int) -> dict:
 
 def bench_ar_path(config: BenchConfig, path: str) -> dict:
     """One AR path: batch-1 and N-concurrent rates per phase, medians of the repeats."""
-    from .loader import load_model
+    from .model.loader import load_model
 
     row: dict = {"path": path}
     if path.startswith("torch"):
-        from .sampling import TorchARBackend
+        from .model.sampling import TorchARBackend
 
         model = load_model(config.model_dir, quantization="int8" if path == "torch-int8" else "none")
         backend = TorchARBackend(model)
@@ -162,9 +162,9 @@ def bench_ar_path(config: BenchConfig, path: str) -> dict:
 def open_engine(config: BenchConfig, path: str):
     """The vLLM backend of a path and the speed policy's verdict on its checkpoint for this device."""
     from .derive import ARCheckpoint, derive_ar_checkpoint, validate_ar_checkpoint
-    from .modeling import YuE2Config
-    from .quantization import device_info, slow_reason
-    from .vllm_backend import EngineSettings, VLLMBackend
+    from .model.modeling import YuE2Config
+    from .quant.schemes import device_info, slow_reason
+    from .engine.backend import EngineSettings, VLLMBackend
 
     import torch
 
@@ -187,7 +187,7 @@ def open_engine(config: BenchConfig, path: str):
 
 def export(config: BenchConfig, scheme: str) -> Path:
     """A compressed-tensors export made by the quantization venv (`calibration/setup-quant-env.sh`)."""
-    from .export import quant_python
+    from .quant.export import quant_python
 
     python = quant_python()
     if python is None:
@@ -208,10 +208,10 @@ def export(config: BenchConfig, scheme: str) -> Path:
 def bench_synthesis(config: BenchConfig) -> dict:
     import torch
 
-    from .loader import load_model
-    from .nar import synthesize
+    from .model.loader import load_model
+    from .model.nar import synthesize
     from .protocol import ABC_END, ABC_START, EOD, MUSIC_START
-    from .vae import load_vae
+    from .model.vae import load_vae
 
     model = load_model(config.model_dir)
     prefix = [EOD] + list(range(100, 400)) + [ABC_START, 300, 301, ABC_END, MUSIC_START]
@@ -288,7 +288,7 @@ def run(config: BenchConfig, on_row=None) -> dict:
 
 def one_layer_slice(directory: Path) -> Path:
     """A one-layer MoT at YuE2-3B's real width (hidden 2048, the full 184,704-row lm_head), written once."""
-    from .modeling import YuE2Config
+    from .model.modeling import YuE2Config
     from .testing import write_tiny_model
 
     if not (directory / "model.safetensors").exists():

@@ -419,7 +419,7 @@ def cmd_doctor(args) -> int:
     devices = {"cpu": platform.processor() or platform.machine(), "cuda": []}
     if torch.cuda.is_available():
         devices["cuda"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    from .vllm_backend import unsupported_reason, vllm_version
+    from .engine.backend import unsupported_reason, vllm_version
 
     reason = unsupported_reason(vllm_version())
     backends = {"torch": {"usable": True},
@@ -437,7 +437,7 @@ def memory_split(args) -> dict:
     """The engine / torch split `serve`, `batch` and `generate` would start with (memory.plan_memory)."""
     from .checkpoint import weights_bytes
     from .memory import ar_expert_bytes, plan_memory
-    from .modeling import YuE2Config
+    from .model.modeling import YuE2Config
     from .pipeline import resolve_device
     from .testing import tiny_default
 
@@ -463,7 +463,7 @@ def cmd_derive(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibration import DEFAULT_REQUESTS, build_corpus, load_request_set, summary
+    from .quant.calibration import DEFAULT_REQUESTS, build_corpus, load_request_set, summary
 
     request_set = load_request_set(args.requests or DEFAULT_REQUESTS)
     with _pipeline(args, need_vae=False) as pipe:
@@ -474,7 +474,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from .evaluate import markdown_table, run_gate
+    from .quant.evaluate import markdown_table, run_gate
 
     report = run_gate(args.reference, args.candidate, args.corpus, args.output, floor=not args.no_floor)
     print(markdown_table(report["rows"]), end="", file=sys.stderr)
@@ -667,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--no-floor", action="store_true", help="skip the bf16-vs-bf16 floor row")
     evaluate.set_defaults(func=cmd_evaluate)
 
-    # Its flags belong to yue2_vllm.export, which needs torch: they are parsed there (`quantize --help`).
+    # Its flags belong to yue2_vllm.quant.export, which needs torch: they are parsed there (`quantize --help`).
     quantize = command("quantize", "write a quantized (FP8/int8) drop-in AR checkpoint: MODEL --scheme S --out DIR "
                                    "(run from .venv-quant: bash calibration/setup-quant-env.sh)", add_help=False)
     quantize.set_defaults(func=cmd_quantize)
@@ -693,7 +693,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from .export import main as export_main
+    from .quant.export import main as export_main
 
     return export_main(args.export_arguments, prog="yue2-vllm quantize")
 

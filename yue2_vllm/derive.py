@@ -17,8 +17,8 @@ from pathlib import Path
 from .checkpoint import (FLOAT_DTYPES, CheckpointError, HashCache, atomic_directory, identity, model_identity,
                          read_json,
                          sha256_file, weight_index, write_json_atomic, write_safetensors_subset)
-from .modeling import YuE2Config, ar_tensor_shapes
-from .quantization import QUANT_SUFFIXES, QuantScheme, device_info, parse_quantization, runnable_reason, slow_reason
+from .model.modeling import YuE2Config, ar_tensor_shapes
+from .quant.schemes import QUANT_SUFFIXES, QuantScheme, device_info, parse_quantization, runnable_reason, slow_reason
 
 SCHEMA = 1
 DERIVATION_FILE = "derivation.json"
@@ -221,7 +221,7 @@ def resolve_ar_checkpoint(model_dir: str | os.PathLike, *, override: str | os.Pa
     """The override (argument, else `$YUE2_AR_CHECKPOINT`) validated, or the derived checkpoint.
 
     A quantized override that vLLM cannot run here, or runs slower than bf16 here
-    (`quantization.slow_reason`), is declined for the derived bf16 checkpoint, on the record —
+    (`quant.schemes.slow_reason`), is declined for the derived bf16 checkpoint, on the record —
     unless `quantized_policy="force"`, which serves a slow one anyway (recorded as slow).
     """
     if quantized_policy not in QUANTIZED_POLICIES:

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-from .modeling import YuE2Config, ar_tensor_shapes
+from .model.modeling import YuE2Config, ar_tensor_shapes
 from .protocol import CONTEXT
 
 GIB = 2**30

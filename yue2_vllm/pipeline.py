@@ -21,19 +21,19 @@ import torch
 
 from . import artifacts as art
 from .checkpoint import HashCache, cache_root, identity, model_identity, weights_bytes, write_json_atomic
-from .loader import load_model
-from .modeling import YuE2Config
-from .nar import SongInput, synthesize_many
-from .nar import synthesize as nar_synthesize
+from .model.loader import load_model
+from .model.modeling import YuE2Config
+from .model.nar import SongInput, synthesize_many
+from .model.nar import synthesize as nar_synthesize
 from .protocol import (ABC_END, CODEC_OFFSET, CODEC_SIZE, MUSIC_START, GenerationConfig, Sampling, SongRequest,
                        abc_prompt, check_abc_ids, check_budget, check_token_ids, default_cfg_scale, negative_prompt,
                        resolve_sampling, semantic_prompt)
 from .derive import OVERRIDE_ENV
 from .memory import PROMPT_ESTIMATE_TOKENS
-from .sampling import ARBackend, TorchARBackend
-from .torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, restore_ar
+from .model.sampling import ARBackend, TorchARBackend
+from .model.torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, restore_ar
 from .tokenizer import YuE2Tokenizer
-from .vae import check_vae, load_vae
+from .model.vae import check_vae, load_vae
 
 LOG = logging.getLogger(__name__)
 SAMPLE_RATE = 48000
@@ -253,7 +253,7 @@ class YuE2Pipeline:
 
     def engine_settings(self, checkpoint) -> "EngineSettings":
         """The engine this pipeline starts: its options, sized against what the torch side keeps."""
-        from .vllm_backend import EngineSettings
+        from .engine.backend import EngineSettings
 
         generation = self.generation_config
         typical = PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)
@@ -268,7 +268,7 @@ class YuE2Pipeline:
         with self._vllm_lock:
             if self._vllm is None and self._vllm_unavailable is None:
                 from .derive import resolve_ar_checkpoint
-                from .vllm_backend import VLLMBackend, unsupported_reason, vllm_version
+                from .engine.backend import VLLMBackend, unsupported_reason, vllm_version
 
                 reason = unsupported_reason(vllm_version())
                 if reason is None:
@@ -316,7 +316,7 @@ class YuE2Pipeline:
         if (cfg_scale != 1.0 or legacy_off) and self.cfg_engine == "torch":
             what = f"cfg_scale {cfg_scale} ≠ 1" if cfg_scale != 1.0 else "cot=off legacy sampling"
             return self.torch_backend, f"{what}: paired CFG on vLLM is switched off (--cfg-engine torch)"
-        from .vllm_backend import EngineError
+        from .engine.backend import EngineError
 
         early = self._join_prestart()
         vllm, reason = self._vllm_backend()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import atomic_directory, cache_root, write_bytes_atomic, write_json_atomic
-from .modeling import YuE2Config, sinusoid_table, tensor_shapes
+from .model.modeling import YuE2Config, sinusoid_table, tensor_shapes
 from .tokenizer import ORDINARY_TOKENS, TOKENIZER_FILE
 
 TINY_VERSION = "tiny-v1"
@@ -85,7 +85,7 @@ def tiny_state_dict(config: YuE2Config = TINY_CONFIG, seed: int = 0) -> dict[str
 
 def random_model(config: YuE2Config = TINY_CONFIG, seed: int = 0):
     """An in-memory MoT with the tiny checkpoints' initialisation (any size; used by benchmarks)."""
-    from .modeling import YuE2Model, assign_tensor
+    from .model.modeling import YuE2Model, assign_tensor
 
     with torch.device("meta"):
         model = YuE2Model(config)
@@ -107,7 +107,7 @@ def write_tiny_model(directory: str | os.PathLike, *, config: YuE2Config = TINY_
 
 
 def tiny_vae_config():
-    from .vae import VAEConfig
+    from .model.vae import VAEConfig
 
     strides = [2, 2, 4, 4, 5, 6]
     return VAEConfig(
@@ -119,7 +119,7 @@ def tiny_vae_config():
 
 
 def write_tiny_vae(directory: str | os.PathLike, *, seed: int = 0) -> Path:
-    from .vae import random_vae, save_vae
+    from .model.vae import random_vae, save_vae
 
     save_vae(random_vae(tiny_vae_config(), seed), directory)
     return Path(directory)

@@ -6,14 +6,14 @@ below EOD and </abc>; the other 151,935 (resp. 32,855) rows of the 184,704-row h
 (the slices are contiguous: no copy) and leaves the rest −inf, so the sampler and the logits
 processors still see a full-vocabulary tensor.
 
-How a row's phase is known (V1 model runner only): the yue2 logits processor (`vllm_plugin.YuE2Sampler`) keeps a table
+How a row's phase is known (V1 model runner only): the yue2 logits processor (`plugin.YuE2Sampler`) keeps a table
 `batch index -> RowState` that vLLM updates through `BatchUpdate` at the start of every step,
-before the forward pass; `compute_logits` reads it through `vllm_plugin.phase_rows`. Chunked
+before the forward pass; `compute_logits` reads it through `plugin.phase_rows`. Chunked
 prefill (rows still prefilling are in the table; their samples are discarded anyway), preemption
 (rows leave and re-enter through the same updates) and CUDA-graph padding (logits are computed for
 the gathered per-request rows only) keep it exact. Rows it does not know (plain requests, prompt
 logprobs, a batch of another size) get the full head. The engine uses this class when our plugin
-overrides the architecture (`hf_overrides`, see `vllm_worker`), which the backend does for
+overrides the architecture (`hf_overrides`, see `worker`), which the backend does for
 checkpoints with YuE2's 184,704-token layout unless `sliced_head` is off. Under Model Runner V2
 `compute_logits` gets no row-to-request table, so the backend serves plain Qwen3 there (recorded).
 
@@ -27,8 +27,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
-from . import engine_sampling as es
-from .vllm_plugin import phase_rows
+from . import sampling as es
+from .plugin import phase_rows
 
 
 class YuE2ARForCausalLM(Qwen3ForCausalLM):

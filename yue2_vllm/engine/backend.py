@@ -30,14 +30,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-from .checkpoint import weights_bytes
-from .derive import ARCheckpoint
-from .memory import MemoryPlan, kv_cache_bytes, plan_memory, row_kv_bytes
-from .modeling import YuE2Config
-from .protocol import CONTEXT, VOCAB_SIZE, Sampling, check_budget, end_token
-from .sampling import ARResult, Cancelled, OnToken
-from .vllm_runner import RunnerChoice, resolve_runner
-from .vllm_worker import EVENT_PREFIX
+from ..checkpoint import weights_bytes
+from ..derive import ARCheckpoint
+from ..memory import MemoryPlan, kv_cache_bytes, plan_memory, row_kv_bytes
+from ..model.modeling import YuE2Config
+from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, check_budget, end_token
+from ..model.sampling import ARResult, Cancelled, OnToken
+from .runner import RunnerChoice, resolve_runner
+from .worker import EVENT_PREFIX
 
 TESTED_VLLM = ("0.32",)
 SUPPORTED_VLLM = ((0, 28), (0, 34))  # [low, high): releases whose internals we use were read (docs/vllm-versions.md)
@@ -191,7 +191,7 @@ class _Worker:
         self.fatal: str | None = None
         self.closing = False
         with open(self.log_dir / "worker.log", "wb") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "yue2_vllm.vllm_worker"], stdin=subprocess.PIPE,
+            self.process = subprocess.Popen([sys.executable, "-m", "yue2_vllm.engine.worker"], stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, stderr=log, env=worker_env(threads, env),
                                             start_new_session=True, bufsize=0)
         self._finalizer = weakref.finalize(self, _kill_group, self.process)
@@ -353,7 +353,7 @@ class VLLMBackend:
             if reason:
                 raise EngineError(reason)
             self.plan.check()
-            from .vllm_plugin import processor_fqcn
+            from .plugin import processor_fqcn
 
             s, runner = self.settings, self.runner
             eager = s.enforce_eager if s.enforce_eager is not None else s.device_type == "cpu"
@@ -367,7 +367,7 @@ class VLLMBackend:
             if self.plan.gpu_memory_utilization is not None:
                 setup["gpu_memory_utilization"] = self.plan.gpu_memory_utilization
             if self.sliced_head:
-                from .vllm_plugin import MODEL_ARCHITECTURE
+                from .plugin import MODEL_ARCHITECTURE
 
                 setup["architecture"] = MODEL_ARCHITECTURE
             worker = _Worker(setup, self._streams, self._streams_lock, s.threads, runner.env)
@@ -541,7 +541,7 @@ class _SingleRun:
 
     def __init__(self, backend: VLLMBackend, prompts, sampling: Sampling, seed: int, phase: str, legacy: bool,
                  cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None):
-        from .vllm_plugin import row_args
+        from .plugin import row_args
 
         self.backend, self.phase, self.on_token, self.cancelled = backend, phase, on_token, cancelled
         self.rid = uuid.uuid4().hex
@@ -620,8 +620,8 @@ class _PairRun:
 
     def _attempt(self, start: float) -> bool:
         """One submission of both rows; True once the end token is accepted."""
-        from .engine_sampling import PAIR_SENTINEL
-        from .vllm_plugin import Pairing, row_args
+        from .sampling import PAIR_SENTINEL
+        from .plugin import Pairing, row_args
 
         backend, pair = self.backend, uuid.uuid4().hex
         rids = [f"{pair}-c", f"{pair}-u"]

@@ -11,8 +11,8 @@ Per step, on the host: the batch layout (which slots are YuE2 rows, their groups
 `idx_mapping_np`, cached per layout. On the device: each row's output position (`pos + 1 − start`,
 where `start` = where this phase's tokens begin: the prompt length less the accepted history that ends
 a resubmitted prompt), its penalty window gathered from `all_token_ids`, and for CFG pairs whether both
-rows stand at the same position behind the same token. The arithmetic is `vllm_plugin.sample_group`,
-the V1 adapter's own. vLLM loads the class by FQCN (`vllm_plugin.FQCNS`). Per-slot history lengths are a persistent device buffer written with
+rows stand at the same position behind the same token. The arithmetic is `plugin.sample_group`,
+the V1 adapter's own. vLLM loads the class by FQCN (`plugin.FQCNS`). Per-slot history lengths are a persistent device buffer written with
 `non_blocking` copies from pinned memory in `apply_staged_writes`.
 
 Speculative decoding (several logits rows per request) is not served: our engine never enables it.
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import engine_sampling as es
-from .vllm_plugin import Group, RowState, force_sentinel, group_rows, lazy_class, parse_row, sample_group
+from . import sampling as es
+from .plugin import Group, RowState, force_sentinel, group_rows, lazy_class, parse_row, sample_group
 
 
 @dataclass
@@ -56,7 +56,7 @@ def output_positions(pos: torch.Tensor, slots: torch.Tensor, prompt_len: torch.T
 def recent_phase_ids(all_token_ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, start: torch.Tensor,
                      input_ids: torch.Tensor, windows: torch.Tensor, width: int, phase: int) -> torch.Tensor:
     """Each row's last `window` phase tokens in slice coordinates, valid ids first, −1 after (the layout
-    `engine_sampling.apply_window_penalty` needs). The token at `pos` is the row's input token."""
+    `sampling.apply_window_penalty` needs). The token at `pos` is the row's input token."""
     low, high = es.PHASE_SLICES[phase]
     if width == 0:
         return torch.empty((len(slots), 0), dtype=torch.long, device=pos.device)

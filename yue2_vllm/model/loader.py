@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import FLOAT_DTYPES, Expected, check_tensors, load_tensors, model_file, read_json, weight_index
+from ..checkpoint import FLOAT_DTYPES, Expected, check_tensors, load_tensors, model_file, read_json, weight_index
 from .modeling import CONFIG_FILE, YuE2Config, YuE2Model, assign_tensor, checkpoint_layout, tensor_shapes
 from .torch_quant import (INT8_AR_METHOD, LOAD_MODES, check_proxy_device, checkpoint_method, checkpoint_status,
                           install_int8_modules, int8_ar_layout, none_status, prepare_ar_proxies)
@@ -30,7 +30,7 @@ def load_model(model_dir: str | os.PathLike, *, device: str | torch.device = "cp
                dtype: torch.dtype = torch.bfloat16, quantization: str = "auto") -> YuE2Model:
     """Load a YuE2 MoT directory (config.json + safetensors). Headers are validated first.
 
-    `quantization`:
+    `quant.schemes`:
     * bf16 checkpoint: "auto"/"none" load it as is; "int8"/"fp8" then swap the AR linears for
       load-time proxies (`torch_quant.prepare_ar_proxies`, originals kept on the CPU; call
       `torch_quant.restore_ar` before the NAR stage). "fp8" is refused up front on a device

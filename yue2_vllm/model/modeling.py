@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import Expected, model_file, read_json
+from ..checkpoint import Expected, model_file, read_json
 
 CONFIG_FILE = "config.json"
 LOG = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import torch
 
 from .modeling import YuE2Model
-from .protocol import CODEC_OFFSET, CODEC_SIZE, EOD, Sampling, check_budget, end_token
+from ..protocol import CODEC_OFFSET, CODEC_SIZE, EOD, Sampling, check_budget, end_token
 
 OnToken = Callable[[str, int], None]
 Cancelled = Callable[[], bool]

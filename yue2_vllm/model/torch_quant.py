@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .modeling import CONFIG_FILE, YuE2Config, checkpoint_layout, tensor_shapes
-from .checkpoint import (SINGLE_FILE, CheckpointError, Expected, HashCache, TensorInfo, atomic_directory,
+from ..checkpoint import (SINGLE_FILE, CheckpointError, Expected, HashCache, TensorInfo, atomic_directory,
                          check_tensors, model_file, read_json, weight_index, write_json_atomic,
                          tensor_blocks, write_safetensors_tensors)
 
@@ -489,7 +489,7 @@ def export_int8_ar(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     tensor is copied byte for byte. config.json gains `quantization_config`; `qwen.tiktoken` is
     copied. The output directory appears atomically (written under a temporary name).
     """
-    from .tokenizer import TOKENIZER_FILE
+    from ..tokenizer import TOKENIZER_FILE
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     source_config = read_json(model_file(model_dir, CONFIG_FILE))

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import (DTYPES, SINGLE_FILE, CheckpointError, Expected, TensorInfo, atomic_directory,
+from ..checkpoint import (DTYPES, SINGLE_FILE, CheckpointError, Expected, TensorInfo, atomic_directory,
                          check_tensors, load_tensors, model_file, read_json, weight_index, write_json_atomic)
 
 CONFIG_FILE = "config.json"

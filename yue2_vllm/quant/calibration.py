@@ -18,8 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from .checkpoint import atomic_directory, read_json, write_json_atomic
-from .protocol import CODEC_OFFSET, CODEC_SIZE, MUSIC_END, SongRequest
+from ..checkpoint import atomic_directory, read_json, write_json_atomic
+from ..protocol import CODEC_OFFSET, CODEC_SIZE, MUSIC_END, SongRequest
 
 DEFAULT_REQUESTS = Path(__file__).resolve().parent.parent / "calibration" / "requests.json"
 MAX_WINDOW = 8192
@@ -86,7 +86,7 @@ def build_corpus(pipe, request_set: RequestSet, out_dir: str | os.PathLike, *, w
 
     `limit` keeps only the first N training requests (the held-out ones are always generated).
     """
-    from .protocol import base_prompt
+    from ..protocol import base_prompt
 
     requests = request_set.requests
     if limit is not None:

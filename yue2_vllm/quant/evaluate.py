@@ -24,8 +24,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .checkpoint import atomic_directory, write_json_atomic
-from .protocol import Sampling, allowed_token_ids
+from ..checkpoint import atomic_directory, write_json_atomic
+from ..protocol import Sampling, allowed_token_ids
 
 TOP_K = 20
 CHUNK = 512
@@ -42,13 +42,13 @@ class TorchSource:
     support = "full vocab, phase mask"
 
     def __init__(self, spec: str, model=None):
-        from .loader import load_model
+        from ..model.loader import load_model
 
         path, _, quant = spec.partition("#")
         self.label = f"torch:{Path(path).name}" + (f"#{quant}" if quant else "")
         self.model = model if model is not None else load_model(path)
         if quant:
-            from .torch_quant import prepare_ar_proxies
+            from ..model.torch_quant import prepare_ar_proxies
 
             prepare_ar_proxies(self.model, quant, reference=True)  # FP8 off-GPU: the dequantising reference
 
@@ -61,7 +61,7 @@ class TorchSource:
             yield start, self.model.forward_ar(ids[:, start:end], cache, logits_to_keep=0)[0].float()
 
     def stream(self, prefix: list[int], sampling: Sampling, seed: int) -> list[int]:
-        from .sampling import TorchARBackend
+        from ..model.sampling import TorchARBackend
 
         return TorchARBackend(self.model).generate(prefix, sampling, seed, "semantic").ids
 

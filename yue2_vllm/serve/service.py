@@ -578,7 +578,7 @@ class SongService:
 
     @staticmethod
     def _engine_died(handle: SongHandle) -> bool:
-        from ..vllm_backend import EngineError
+        from ..engine.backend import EngineError
 
         return isinstance(handle.error, EngineError)
 
@@ -638,7 +638,7 @@ class SongService:
 
     def _watch_engine(self) -> None:
         """Keep `engine_state` current and restart a dead engine (bounded by the engine's max_restarts)."""
-        from ..vllm_backend import EngineError
+        from ..engine.backend import EngineError
 
         if self.pipe.backend_requested == "torch":
             return
