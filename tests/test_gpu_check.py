@@ -1,0 +1,24 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+TORCH_SECTIONS = ("torch.devices", "torch.numerics", "torch.vae", "torch.ar", "torch.fp8", "torch.int8",
+                  "torch.memory")
+
+
+def test_gpu_check_quick_runs_its_cpu_parts_and_names_every_section(tmp_path):
+    report_path = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(report_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name in TORCH_SECTIONS:
+        assert f"== {name} (" in result.stdout
+    report = json.loads(report_path.read_text())
+    sections = report["sections"]
+    assert set(TORCH_SECTIONS) <= set(sections) and not any("error" in s for s in sections.values())
+    assert all(row["ok"] for row in sections["torch.numerics"]["rows"])
+    if report["device"] == "cpu only":
+        assert sections["torch.memory"]["skipped"].startswith("CUDA not available")
+        assert "SKIPPED: CUDA not available" in result.stdout
