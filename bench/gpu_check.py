@@ -4,9 +4,7 @@
 
 Each section is a function in `SECTIONS` (name, what it needs, the function). A section that needs
 CUDA is skipped, with the reason, on a machine without it; CPU-runnable rows (small shapes with
-`--quick`) run everywhere, so CI runs this file as a smoke test. Sections for the vLLM side (sampler
-CUDA-vs-CPU agreement, sliced vs full head, the engine on each runner) are added to the same
-registry with `@section(...)`. Torch-side sections:
+`--quick`) run everywhere, so CI runs this file as a smoke test. Torch-side sections:
 
 * `torch.devices`: pipeline construction with auto / cuda / cuda:0 (device, memory cap, flags).
 * `torch.numerics`: the six numerics flags as the pipeline sets them.
@@ -17,6 +15,17 @@ registry with `@section(...)`. Torch-side sections:
 * `torch.fp8`: row-wise vs upstream's per-tensor FP8 proxies (our default): error vs bf16, ms per call, M 1/16.
 * `torch.int8`: `_weight_int8pack_mm` availability per device and the proxy policy's verdict.
 * `torch.memory`: `mem_get_info` vs the per-process cap vs what admission counts.
+
+vLLM-side sections (the engine's sampler arithmetic is plain torch; only `engine.runners` needs vLLM, which
+the GPU machines of this project do not have, so it is skipped there with the reason):
+
+* `engine.sampler`: the in-engine sampler on CUDA vs the CPU over random rows — temperatures 0/0.7/1,
+  top-k 1/30/100, top-p 0.9/1, legacy CFG pairs on/off, bf16/fp32 logits: the share of equal tokens.
+* `engine.sampler_syncs`: host syncs per sampler step (`torch.cuda.set_sync_debug_mode`), V1 and MRV2 adapters.
+* `engine.sliced_head`: the phase-sliced vs the full lm_head in bf16 at 2048 x 184,704, M 1/8/64 (max |Δ|,
+  argmax agreement, ms per call).
+* `engine.runners`: the engine on each model runner with the tiny checkpoint (runner, async scheduling,
+  a float32 song's tokens equal across runners).
 """
 from __future__ import annotations
 
@@ -315,6 +324,208 @@ def torch_memory(args) -> Rows:
     return [{"row": "after a 24 GiB cap and 1 GiB cached", "mem_get_info_free": free, "total": total,
              "cap": cap, "process_cap_bytes": process_cap_bytes("cuda"), "reserved": torch.cuda.memory_reserved(),
              "admission_room": cuda_free_bytes("cuda")}]
+
+
+# --------------------------------------------------------------------------- vLLM-side sections
+
+
+def sampler_case(temperature: float, top_k: int, top_p: float, cfg: bool, rows: int = 4):
+    """`(rows dict, logits)` for the V1 sampler: semantic rows with one setting (pairs when `cfg`,
+    sampled with cot=off's legacy numerics), random histories, bf16-representable logits."""
+    import random
+
+    from yue2_vllm.protocol import CODEC_OFFSET, VOCAB_SIZE, Sampling
+    from yue2_vllm.vllm_plugin import Pairing, parse_row, row_args
+
+    rng = random.Random(hash((temperature, top_k, top_p, cfg)) & 0xFFFF)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=1.2,
+                        penalty_window=50, min_tokens=0, max_tokens=100)
+    states = {}
+    for i in range(rows):
+        output = [CODEC_OFFSET + rng.randrange(64) for _ in range(rng.randrange(0, 40))]
+        pairing = Pairing(f"p{i}", "cond", 1.5) if cfg else None
+        state = parse_row(row_args("semantic", sampling, 1000 + i, legacy=cfg, pairing=pairing))
+        state.output_ids = output
+        states[len(states)] = state
+        if cfg:
+            partner = parse_row(row_args("semantic", sampling, 1000 + i, legacy=True,
+                                         pairing=Pairing(f"p{i}", "uncond", 1.5)))
+            partner.output_ids = list(output)
+            states[len(states)] = partner
+    generator = torch.Generator().manual_seed(rows + top_k)
+    logits = torch.randn(len(states), VOCAB_SIZE, generator=generator) * 3
+    return states, logits
+
+
+def forced_tokens(states, logits, device: str, dtype: torch.dtype) -> list[int]:
+    from yue2_vllm.vllm_plugin import sample_rows, step_layout
+
+    work = logits.to(dtype).float().to(device)
+    sample_rows(work, states, step_layout(states, torch.device(device), {}), dtype)
+    return work.argmax(-1).cpu().tolist()
+
+
+@section("engine.sampler")
+def engine_sampler(args) -> Rows:
+    """The sampler's arithmetic on CUDA vs the CPU over random rows: the share of equal forced tokens."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    temperatures, top_ks = ((1.0,), (30,)) if args.quick else ((0.0, 0.7, 1.0), (1, 30, 100))
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for cfg in (False, True):
+            equal = total = 0
+            for temperature in temperatures:
+                for top_k in top_ks:
+                    for top_p in (0.9, 1.0):
+                        states, logits = sampler_case(temperature, top_k, top_p, cfg)
+                        tokens = {device: forced_tokens(states, logits, device, dtype) for device in devices}
+                        total += len(tokens["cpu"])
+                        equal += sum(a == b for a, b in zip(tokens["cpu"], tokens[devices[-1]]))
+            rows.append({"row": f"{str(dtype).removeprefix('torch.')} cfg={'1.5 legacy' if cfg else 'off'}",
+                         "sampled_rows": total, "cuda_equal_cpu": equal / total if len(devices) > 1 else "no CUDA"})
+    return rows
+
+
+class FakeRunner:
+    """Model Runner V2's side of the V2 sampler (slots, device history), as the tests drive it."""
+
+    def __init__(self, device: str, max_reqs: int, max_len: int):
+        from types import SimpleNamespace
+
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
+
+        self.tokens = torch.zeros(max_reqs, max_len, dtype=torch.int32, device=device)
+        self.prompt_len = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+        self.total_len = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+
+        def buffer(tensor):
+            return SimpleNamespace(gpu=tensor, np=None)
+
+        self.states = LogitsProcRequestState(device=torch.device(device), max_num_reqs=max_reqs, vocab_size=0,
+                                             all_token_ids=buffer(self.tokens), prompt_len=buffer(self.prompt_len),
+                                             prefill_len=buffer(self.prompt_len), total_len=buffer(self.total_len))
+
+    def context(self, slots: list[int]):
+        import numpy as np
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
+
+        index = torch.tensor(slots, device=self.tokens.device)
+        pos = (self.total_len[index] - 1).long()
+        return LogitsContext(expanded_idx_mapping=index, idx_mapping=index, idx_mapping_np=np.array(slots),
+                             expanded_local_pos=torch.zeros_like(index), input_ids=self.tokens[index, pos], pos=pos,
+                             seq_lens_upper_bound_np=np.zeros(len(slots)))
+
+
+def count_syncs(fn) -> int:
+    """Host syncs `fn()` triggers, as torch's CUDA sync debug mode reports them."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@section("engine.sampler_syncs", needs="cuda")
+def engine_sampler_syncs(args) -> Rows:
+    """Host syncs per sampler step once the batch layout is cached: the V1 adapter and the MRV2 adapter."""
+    from yue2_vllm.protocol import MUSIC_START, Sampling
+    from yue2_vllm.vllm_plugin import row_args, sample_rows, step_layout
+
+    rows = []
+    states, logits = sampler_case(1.0, 30, 0.9, cfg=True)
+    logits, cache = logits.cuda(), {}
+    for step in range(3):
+        syncs = count_syncs(lambda: sample_rows(logits.clone(), states, step_layout(states, torch.device("cuda"),
+                                                                                     cache), torch.bfloat16))
+        rows.append({"row": f"V1 adapter step {step}", "host_syncs": syncs, "layout": "new" if step == 0 else "cached"})
+    try:
+        from types import SimpleNamespace
+
+        from yue2_vllm.vllm_mrv2 import YuE2SamplerV2
+    except ImportError as exc:
+        return rows + [skipped("MRV2 adapter", f"vllm not importable ({exc})")]
+    runner = FakeRunner("cuda", 8, 256)
+    sampler = YuE2SamplerV2(SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16)), runner.states)
+    from vllm import SamplingParams
+
+    for slot in range(8):
+        runner.tokens[slot, :3] = torch.tensor([1, 2, MUSIC_START])
+        runner.prompt_len[slot] = runner.total_len[slot] = 3
+        sampler.add_request(slot, SamplingParams(extra_args=row_args("semantic", Sampling(), slot)))
+    sampler.apply_staged_writes()
+    big = torch.randn(8, logits.shape[1], device="cuda")
+    for step in range(3):
+        ctx = runner.context(list(range(8)))
+        syncs = count_syncs(lambda: sampler.apply(big.clone(), ctx))
+        rows.append({"row": f"MRV2 adapter step {step}", "host_syncs": syncs, "layout": "new" if step == 0 else "cached"})
+    return rows
+
+
+@section("engine.sliced_head", needs="cuda")
+def engine_sliced_head(args) -> Rows:
+    """The phase-sliced head vs the full head in bf16 at YuE2's size: max |Δ| on the slice, argmax agreement."""
+    import torch.nn.functional as F
+
+    from yue2_vllm import engine_sampling as es
+    from yue2_vllm.protocol import VOCAB_SIZE
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(VOCAB_SIZE, 2048, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
+    rows = []
+    for phase, name in ((1, "semantic"), (0, "abc")):
+        columns = es.phase_slice(phase)
+        for m in (1, 8, 64):
+            hidden = torch.randn(m, 2048, device="cuda", generator=generator).to(torch.bfloat16)
+            full_s, full = timed(lambda: F.linear(hidden, weight), 5)
+            sliced_s, sliced = timed(lambda: F.linear(hidden, weight[columns]), 5)
+            delta = (full[:, columns].float() - sliced.float()).abs().max().item()
+            agree = (full[:, columns].argmax(-1) == sliced.argmax(-1)).float().mean().item()
+            rows.append({"row": f"{name} M={m}", "max_abs_delta": delta, "argmax_agreement": agree,
+                         "full_ms": full_s * 1e3, "sliced_ms": sliced_s * 1e3})
+    return rows
+
+
+@section("engine.runners")
+def engine_runners(args) -> Rows:
+    """The engine on each model runner with the tiny checkpoint (needs vLLM): runner chosen, async, tokens."""
+    from yue2_vllm.vllm_backend import unsupported_reason, vllm_version
+
+    reason = unsupported_reason(vllm_version())
+    if reason:
+        return [skipped("engine on v1 / v2", reason)]
+    from yue2_vllm.derive import ARCheckpoint, derive_ar_checkpoint
+    from yue2_vllm.protocol import ABC_START, EOD, MUSIC_START, Sampling
+    from yue2_vllm.testing import TINY_CONFIG
+    from yue2_vllm.vllm_backend import EngineSettings, VLLMBackend
+
+    model_dir, _ = tiny_dirs()
+    derived = derive_ar_checkpoint(model_dir, model_dir.parent / "arcache")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompt = [EOD, 40, 1771, 285, 9, 10, ABC_START, 300, 301, MUSIC_START]
+    rows, tokens = [], {}
+    for runner in ("v1", "v2"):
+        try:
+            backend = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(derived, "derived", None), device_type=device,
+                                                              max_num_seqs=4, dtype="float32", runner=runner))
+        except ValueError as exc:
+            rows.append(skipped(f"engine {runner}", str(exc)))
+            continue
+        try:
+            result = backend.generate(prompt, Sampling(min_tokens=48, max_tokens=48), 7, "semantic")
+            tokens[runner] = result.ids
+            rows.append({"row": f"engine {runner}", **{k: result.timing[k] for k in
+                         ("vllm_runner", "async_scheduling", "sliced_head", "output_tps")}})
+        except Exception as exc:
+            rows.append({"row": f"engine {runner}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        finally:
+            backend.close()
+    if len(tokens) == 2:
+        rows.append({"row": "tokens v1 == v2 (float32)", "equal": tokens["v1"] == tokens["v2"]})
+    return rows
 
 
 # --------------------------------------------------------------------------- runner

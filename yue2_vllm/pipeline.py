@@ -242,8 +242,7 @@ class YuE2Pipeline:
         mot_bytes = weights_bytes(self.model_dir) * DTYPES[self.dtype].itemsize // 2  # stored bf16
         options = {"typical_tokens": typical, "offload_ar": self.offload_ar, "dtype": self.dtype,
                    "torch_side_bytes": mot_bytes + weights_bytes(self.vae_dir), **self.engine_options}
-        if "cuda_visible_devices" in EngineSettings.__dataclass_fields__:  # the worker sees only our GPU
-            options.setdefault("cuda_visible_devices", engine_cuda_env(self.device).get("CUDA_VISIBLE_DEVICES"))
+        options.setdefault("cuda_visible_devices", engine_cuda_env(self.device).get("CUDA_VISIBLE_DEVICES"))
         return EngineSettings(checkpoint, device_type=self.device.type, memory_budget_gib=self.memory_budget_gib,
                               **options)
 
