@@ -1,5 +1,6 @@
 import pytest
 
+from yue2_vllm.engine.backend import engine_env, worker_env
 from yue2_vllm.engine.runner import RUNNER_ENV, resolve_runner
 
 
@@ -28,3 +29,12 @@ def test_explicit_runners():
         resolve_runner("v3", "cuda", "0.32.0", environ={})
     with pytest.raises(ValueError, match="expected 0 or 1"):
         resolve_runner("auto", "cuda", "0.32.0", triton=True, environ={RUNNER_ENV: "yes"})
+
+
+def test_the_worker_is_pinned_to_the_pipelines_gpu_and_runner():
+    """cuda:N -> CUDA_VISIBLE_DEVICES for the engine worker (devices.engine_cuda_env computes N's id)."""
+    v2 = resolve_runner("v2", "cuda", "0.32.0", triton=True, environ={})
+    assert engine_env(v2, "3") == {RUNNER_ENV: "1", "CUDA_VISIBLE_DEVICES": "3"}
+    assert engine_env(resolve_runner("v1", "cpu", "0.32.0", environ={}), None) == {RUNNER_ENV: "0"}
+    env = worker_env(2, engine_env(v2, "3"))
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env[RUNNER_ENV] == "1" and env["OMP_NUM_THREADS"] == "2"

@@ -46,3 +46,26 @@ def test_tiny_cpu_plan_is_small():
                        typical_tokens=2300, total=24 * GIB)
     assert plan.max_num_seqs == 16 and plan.kv_cache < 64 * 2**20 and plan.gpu_memory_utilization is None
     assert plan.kv_cache >= row_kv_bytes(TINY_CONFIG, 24576, 128)  # any single request can be admitted
+
+
+def test_vae_tile_working_set_is_the_widest_stage():
+    from yue2_vllm.memory import vae_decode_bytes
+    from yue2_vllm.model.vae import VAEConfig
+
+    # Release decoder: the last stage, 64 channels x 1920 samples per frame, 4 live fp32 tensors.
+    assert vae_decode_bytes(VAEConfig(), 1024, 16) == 4 * 4 * 64 * 1920 * 1056
+    assert vae_decode_bytes(VAEConfig(), 512, 16) == 4 * 4 * 64 * 1920 * 544
+    with pytest.raises(ValueError, match="core_frames must be >= 1"):
+        vae_decode_bytes(VAEConfig(), 0, 16)
+
+
+def test_total_memory_of_an_indexed_gpu(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from yue2_vllm.memory import total_memory_bytes
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=(i + 1) * GIB))
+    assert total_memory_bytes("cuda") == GIB and total_memory_bytes("cuda:1") == 2 * GIB

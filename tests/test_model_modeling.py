@@ -5,7 +5,8 @@ import torch
 
 from yue2_vllm.checkpoint import CheckpointError
 from yue2_vllm.model.loader import load_model
-from yue2_vllm.model.modeling import CachedNAR, RMSNorm, YuE2Config, apply_rope, tensor_shapes
+from yue2_vllm.model.modeling import (CachedNAR, RMSNorm, YuE2Config, apply_rope, mps_sdpa_inputs, sdpa,
+                               tensor_shapes)
 from yue2_vllm.protocol import ABC_START, EOD, MUSIC_END, CODEC_OFFSET
 
 from reference import dense_nar_velocity
@@ -190,3 +191,25 @@ def test_unknown_config_keys_are_ignored(tiny_model_dir, tmp_path, caplog):
         model = load_model(other)
     assert model.config.num_hidden_layers == 2
     assert "ignoring unknown field(s) ['_name_or_path', 'layer_types', 'some_future_key']" in caplog.text
+
+
+def test_sdpa_is_one_native_gqa_call_off_mps():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, heads, 6, 8, generator=g) for heads in (4, 2, 2))
+    native = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(sdpa(q, k, v, is_causal=True), native)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mps_workarounds_repeat_kv_and_mask_half_precision_causal(dtype):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, h, 6, 8, generator=g).to(dtype) for h in (4, 2, 2))
+    key, value, mask, causal = mps_sdpa_inputs(q, k, v, None, True)
+    assert key.shape == value.shape == (1, 4, 6, 8)
+    assert torch.equal(key[:, 1], k[:, 0]) and torch.equal(key[:, 2], k[:, 1])
+    if dtype == torch.bfloat16:
+        assert causal is False and torch.equal(mask, torch.ones(6, 6, dtype=torch.bool).tril())
+    else:
+        assert causal is True and mask is None
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, is_causal=causal)
+    torch.testing.assert_close(out, sdpa(q, k, v, is_causal=True))

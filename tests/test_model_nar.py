@@ -23,10 +23,36 @@ def test_noise_is_one_cpu_draw_with_chunk_views():
 
 
 def test_invalid_inputs():
-    with pytest.raises(ValueError, match="codec indices"):
+    with pytest.raises(ValueError, match=r"^semantic.tokens\[0\] = 32768 is not a codec index in \[0, 32768\)$"):
         song_chunks(PREFIX, [32768], 0)
     with pytest.raises(ValueError, match="at least one semantic token"):
         song_chunks(PREFIX, [], 0)
+
+
+@pytest.mark.parametrize("prefix,codec,seed,message", [
+    # the token protocol's checks and messages: never coerced with int()
+    ([1.0, *PREFIX[1:]], [3], 0, "prefix[0] = 1.0 is not an integer id in [0, 184704)"),
+    (PREFIX, [3, True], 0, "semantic.tokens[1] = True is not a codec index in [0, 32768)"),
+    (PREFIX, [3.0], 0, "semantic.tokens[0] = 3.0 is not a codec index in [0, 32768)"),
+    (PREFIX, [3], 2.5, "seed must be an integer in [0, 2**63), got 2.5"),
+    (PREFIX, [3], True, "seed must be an integer in [0, 2**63), got True"),
+    (PREFIX, [3], -1, "seed must be an integer in [0, 2**63), got -1"),
+])
+def test_the_nar_entry_refuses_what_the_protocol_refuses(prefix, codec, seed, message):
+    with pytest.raises(ValueError) as info:
+        song_chunks(prefix, codec, seed)
+    assert str(info.value) == message
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        with pytest.raises(ValueError, match=r"^seed must be an integer"):
+            song_noise(4, seed)
+
+
+def test_numpy_integers_are_ids():
+    import numpy as np
+
+    chunks = song_chunks(np.asarray(PREFIX, np.int32), np.asarray([1, 2], np.int64), np.int64(5))
+    assert chunks[0].tokens == PREFIX + [CODEC_OFFSET + 1, CODEC_OFFSET + 2, MUSIC_END]
+    assert all(type(t) is int for t in chunks[0].tokens) and torch.equal(chunks[0].noise, song_noise(2, 5))
 
 
 def test_timesteps():

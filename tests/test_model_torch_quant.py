@@ -13,7 +13,8 @@ from yue2_vllm.model.modeling import CachedNAR
 from yue2_vllm.protocol import ABC_START, CODEC_OFFSET, EOD, MUSIC_END
 from yue2_vllm.model.torch_quant import (AR_LINEARS, GIB, INT8_AR_METHOD, FP8Linear, Int8Linear, apply_memory_cap,
                                    ar_linear_names, export_int8_ar, int8_linear, int8pack_available, memory_cap,
-                                   prepare_ar_proxies, quantize_fp8, quantize_int8, restore_ar)
+                                   prepare_ar_proxies, proxy_slow_reason, quantize_fp8, quantize_fp8_per_tensor,
+                                   quantize_int8, restore_ar)
 
 PROMPT = [EOD, 40, 1771, 285, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, ABC_START]
 TINY_AR = 14  # 7 linears x 2 layers
@@ -309,11 +310,58 @@ def test_fp8_proxy_accuracy_and_device_refusal(tiny_model, tiny_model_dir):
         prepare_ar_proxies(copy.deepcopy(tiny_model), "int4")
 
 
-def test_fp8_scaled_mm_call_matches_reference_where_cpu_torch_has_it():
-    # The CUDA path's exact _scaled_mm call (rows padded to 16, row-wise fp32 scales, column-major
-    # weight); CPU torch 2.13 accepts the same call, which checks the arguments without a GPU.
+def test_fp8_per_tensor_quantization_hand_values():
+    q, scale = quantize_fp8_per_tensor(torch.tensor([[448.0, -2.0], [1.0, 0.0]], dtype=torch.bfloat16))
+    assert scale.tolist() == [1.0] and q.float().tolist() == [[448.0, -2.0], [1.0, 0.0]]
+    q, scale = quantize_fp8_per_tensor(torch.tensor([[896.0, 4.0], [-896.0, 0.5]]))
+    assert scale.tolist() == [2.0] and q.float().tolist() == [[448.0, 2.0], [-448.0, 0.25]]
+    q, scale = quantize_fp8_per_tensor(torch.zeros(2, 16))
+    assert scale.item() == pytest.approx(1e-12 / 448) and not q.float().any()
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel"])
+def test_fp8_schemes_reference_accuracy_and_status(tiny_model, scheme):
+    linear = make_linear(96, 128, seed=3)
+    module = FP8Linear.from_linear(linear, reference=True, scheme=scheme)
+    assert module.weight_scale.shape == ((1,) if scheme == "tensor" else (96,))
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    out, exact = module(x).float(), linear(x).float()
+    assert (out - exact).norm() / exact.norm() < 0.15
+    status = prepare_ar_proxies(copy.deepcopy(tiny_model), "fp8", reference=True, fp8_scheme=scheme)
+    assert status["fp8_scheme"] == scheme and status["kernel"] == "dequantize reference (fp32 matmul)"
+    assert status["activations"] == f"float8_e4m3fn, dynamic per {'tensor' if scheme == 'tensor' else 'token'}"
+    with pytest.raises(ValueError, match="fp8_scheme must be one of"):
+        prepare_ar_proxies(copy.deepcopy(tiny_model), "fp8", reference=True, fp8_scheme="block")
+
+
+def test_per_tensor_is_the_default_fp8_scheme_and_differs_from_row_wise():
+    linear = make_linear(96, 128, seed=8)
+    assert FP8Linear.from_linear(linear).scheme == "tensor"
+    tensor, channel = (FP8Linear.from_linear(linear, reference=True, scheme=s) for s in ("tensor", "channel"))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    assert not torch.equal(tensor(x), channel(x))
+
+
+def test_int8_proxies_are_declined_on_accelerators_without_a_kernel(monkeypatch):
+    import yue2_vllm.model.torch_quant as tq
+
+    monkeypatch.setattr(tq, "int8pack_available", lambda device, dtype: False)
+    reason = proxy_slow_reason("int8", "cuda:0", torch.bfloat16)
+    assert reason.startswith("int8 proxies on CUDA have no _weight_int8pack_mm kernel for bfloat16")
+    assert "quantized_policy 'force'" in reason
+    assert proxy_slow_reason("int8", "cpu") is None  # the CPU keeps its dequantising fallback
+    assert proxy_slow_reason("fp8", "cuda:0") is None and proxy_slow_reason("none", "cuda:0") is None
+    monkeypatch.setattr(tq, "int8pack_available", lambda device, dtype: True)
+    assert proxy_slow_reason("int8", "mps") is None
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel"])
+def test_fp8_scaled_mm_call_matches_reference_where_cpu_torch_has_it(scheme):
+    # The CUDA path's exact _scaled_mm call (rows padded to 16, per-tensor or row-wise fp32 scales,
+    # column-major weight); CPU torch 2.13 accepts the same call, which checks the arguments without a GPU.
     linear = make_linear(96, 128, seed=6)
-    module, reference = FP8Linear.from_linear(linear), FP8Linear.from_linear(linear, reference=True)
+    module = FP8Linear.from_linear(linear, scheme=scheme)
+    reference = FP8Linear.from_linear(linear, reference=True, scheme=scheme)
     x = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     try:
         out = module._scaled_mm(x.reshape(-1, 128))
@@ -364,6 +412,18 @@ def test_memory_cap_numbers_and_refusals():
     assert apply_memory_cap("cpu", 3, model_bytes=GIB) == GIB
     with pytest.raises(ValueError, match="cannot hold"):
         apply_memory_cap("cpu", 3, model_bytes=2 * GIB)
+
+
+@pytest.mark.parametrize("device,index", [("cuda", 1), ("cuda:0", 0), ("cuda:1", 1)])
+def test_memory_cap_goes_to_the_indexed_cuda_device(monkeypatch, device, index):
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append((f, d)))
+    assert apply_memory_cap(device, 24, model_bytes=GIB) == 22 * GIB
+    assert calls == [(22 / 80, index)]  # an int index: torch refuses an unindexed torch.device("cuda")
 
 
 def test_import_pulls_in_no_vllm_triton_or_llmcompressor():

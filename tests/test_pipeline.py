@@ -3,6 +3,7 @@ import json
 import numpy as np
 import pytest
 import soundfile
+import torch
 
 from yue2_vllm.artifacts import ResumeError, verify_result
 from yue2_vllm.checkpoint import HashCache
@@ -325,3 +326,89 @@ def test_resume_decisions_are_told(pipe, tmp_path, caplog):
         pipe.generate_to(tmp_path / "s", REQUEST, resume=True)
     assert [r.getMessage() for r in caplog.records] == ["resuming: plan verified, redoing semantic",
                                                         "resuming: the finished song verifies, nothing to redo"]
+
+
+# --------------------------------------------------------------------------- devices, numerics, VAE placement
+
+
+def test_construction_sets_upstreams_numerics_flags(pipe):
+    from yue2_vllm.devices import UPSTREAM_NUMERICS, numerics_differences
+
+    assert pipe.numerics == dict(UPSTREAM_NUMERICS) and numerics_differences() == {}
+    assert pipe.device == torch.device("cpu") and pipe.effective_config(REQUEST)["device"] == "cpu"
+
+
+@pytest.fixture
+def fresh_vae(pipe):
+    yield pipe
+    pipe._vae = None  # the next decode reloads it on the CPU
+
+
+def test_the_vae_decodes_on_the_pipelines_device_and_stays_there(fresh_vae, monkeypatch):
+    pipe = fresh_vae
+    assert pipe.vae.decoder_device.type == "cpu"
+    monkeypatch.setattr(pipe, "device", torch.device("meta"))  # any accelerator: placement only
+    monkeypatch.setattr(pipe, "_device_room", lambda: 10**12)
+    with pipe._vae_on_device() as vae:
+        assert vae is pipe.vae and vae.decoder_device.type == "meta"
+        assert all(p.device.type == "meta" for p in vae.parameters())
+        assert all(p.dtype == torch.float32 for p in vae.parameters())
+    assert pipe.vae.decoder_device.type == "meta"  # resident: the memory plan budgets it beside the MoT
+    assert pipe.vae_placement["ar_moved"] is False and pipe.vae_placement["device"] == "meta"
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_without_room_the_ar_leaves_for_the_decode_and_everything_comes_back(fresh_vae, monkeypatch, fail):
+    import contextlib
+
+    import yue2_vllm.pipeline as pipeline_module
+    from yue2_vllm.memory import vae_decode_bytes
+
+    pipe, events, moves = fresh_vae, [], []
+
+    @contextlib.contextmanager
+    def offloaded(model, enabled):
+        events.append(("ar off", enabled))
+        try:
+            yield
+        finally:
+            events.append(("ar back", moves[-1]))
+
+    monkeypatch.setattr(pipeline_module, "offloaded_ar", offloaded)
+    monkeypatch.setattr(pipe.vae, "to", lambda device: moves.append(str(device)) or pipe.vae)  # records the moves
+    monkeypatch.setattr(pipe, "device", torch.device("meta"))
+    need = vae_decode_bytes(pipe.vae.config, pipe.vae_core_frames, 16)
+    monkeypatch.setattr(pipe, "_device_room", lambda: need)  # not enough for the tile and the VAE's weights
+    with contextlib.suppress(Crash):
+        with pipe._vae_on_device() as vae:
+            assert moves == ["meta"] and events == [("ar off", True)]
+            if fail:
+                raise Crash("cancelled mid-decode")
+    # The VAE went back to the CPU before the AR expert returned, on errors too.
+    assert events == [("ar off", True), ("ar back", "cpu")] and pipe.vae_placement["ar_moved"] is True
+    assert pipe.vae_placement["need_bytes"] > need
+
+
+def test_decode_on_the_cpu_moves_nothing_and_is_unchanged(pipe):
+    latents = np.random.default_rng(0).standard_normal((12, 64)).astype(np.float32)
+    expected = pipe.vae.decode_tiled(torch.from_numpy(latents).T[None], core_frames=pipe.vae_core_frames,
+                                     halo_frames=16)[0].clamp(-1, 1).T.numpy()
+    pipe.vae_placement = None
+    assert np.array_equal(pipe.decode(latents), expected) and pipe.vae_placement is None
+
+
+@pytest.mark.parametrize("policy", ["auto", "force"])
+def test_slow_int8_proxies_are_declined_on_the_record(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch, policy):
+    import yue2_vllm.pipeline as pipeline_module
+
+    monkeypatch.setattr(pipeline_module, "proxy_slow_reason", lambda mode, device, dtype: f"{mode} is slow here")
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, quantization="int8",
+                        quantized_policy=policy, hash_cache=HashCache(tmp_path / "cache.json"))
+    if policy == "auto":
+        assert pipe.proxy_mode is None and pipe.quantization_status["mode"] == "none"
+        assert pipe.quantization_status["declined"] == "int8 is slow here"
+        assert pipe.quantization_status["requested"] == "int8"
+        assert pipe.effective_config(REQUEST)["quantization_status"]["declined"] == "int8 is slow here"
+    else:
+        assert pipe.proxy_mode == "int8" and pipe.quantization_status["mode"] == "int8"
+        assert "declined" not in pipe.quantization_status

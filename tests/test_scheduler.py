@@ -157,3 +157,27 @@ def test_scheduler_on_the_torch_backend(tiny_model_dir, tiny_vae_dir, tmp_path):
     assert {h.state for h in handles} == {"complete"}
     for h in handles:
         verify_result(h.directory)
+
+
+def test_cuda_nar_admission_counts_the_cap_and_the_cache_not_mem_get_info(monkeypatch):
+    import queue
+    from types import SimpleNamespace
+
+    import torch
+
+    import yue2_vllm.devices as devices
+    from yue2_vllm.memory import nar_chunk_bytes
+    from yue2_vllm.model.modeling import YuE2Config
+    from yue2_vllm.scheduler import SynthesisLane, _LaneJob
+
+    config = YuE2Config()
+    plan = SimpleNamespace(prefix=[0] * 997)
+    jobs = [_LaneJob("nar", SimpleNamespace(plan=plan, tokens=[0] * 1000), None, None) for _ in range(3)]
+    one = nar_chunk_bytes(config, 2000)
+    # mem_get_info would say 100 chunks are free; the cap and the cached blocks leave room for two.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (100 * one, 200 * one))
+    monkeypatch.setattr(devices, "cuda_free_bytes", lambda device: 2 * one)
+    lane = SimpleNamespace(pipe=SimpleNamespace(device=torch.device("cuda", 0), model=SimpleNamespace(config=config)),
+                           _queues={"nar": queue.Queue()})
+    admitted = SynthesisLane._admit(lane, jobs)
+    assert admitted == jobs[:2] and lane._queues["nar"].get_nowait() is jobs[2]

@@ -70,7 +70,7 @@ def peak_rss_bytes(pid: int | None = None) -> int:
     if pid is None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text(encoding="utf-8", errors="replace").splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     except OSError:

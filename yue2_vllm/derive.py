@@ -51,7 +51,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 def _exclusive(lock_path: Path):
     import fcntl
 
-    with open(lock_path, "a") as handle:
+    with open(lock_path, "a", encoding="utf-8") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

@@ -38,10 +38,12 @@ def kv_cache_bytes(config: YuE2Config, max_sequences: int = 1, context: int = CO
 
 
 def total_memory_bytes(device_type: str) -> int:
-    if device_type == "cuda":
+    """The device's bytes: `cuda` is the current GPU, `cuda:N` GPU N; anything else is host memory."""
+    if device_type.startswith("cuda"):
         import torch
 
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        index = int(device_type.partition(":")[2] or torch.cuda.current_device())
+        return torch.cuda.get_device_properties(index).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -61,6 +63,27 @@ def nar_chunk_bytes(config: YuE2Config, tokens: int = CONTEXT, offload_ar: bool 
     if offload_ar:
         activations = max(prefill, activations - ar_expert_bytes(config))
     return kv_bytes_per_token(config) * tokens + activations
+
+
+VAE_ACTIVATION_COPIES = 4  # live [channels, samples] fp32 tensors in a residual unit: input, snake, conv, sum
+
+
+def vae_decode_bytes(vae_config, core_frames: int, halo_frames: int) -> int:
+    """Working set of one VAE tile (fp32 activations), the widest decoder stage times the tensors alive in it.
+
+    A tile decodes `core + 2·halo` latent frames; stage k's activations are `widths[k] × frames ×
+    prod(strides up to k)` floats (release: the last stage, 64 channels × 1920 samples per frame).
+    """
+    decoder = vae_config.decoder_config
+    frames = core_frames + 2 * halo_frames
+    if core_frames < 1 or halo_frames < 0:
+        raise ValueError(f"core_frames must be >= 1 and halo_frames >= 0, got {core_frames}, {halo_frames}")
+    widths = [decoder["channels"] * m for m in [1, *decoder["c_mults"]]]
+    length, widest = frames, widths[-1] * frames
+    for index in range(len(widths) - 1, 0, -1):  # block: widths[i] -> widths[i-1], upsampled by strides[i-1]
+        length *= decoder["strides"][index - 1]
+        widest = max(widest, widths[index - 1] * length)
+    return 4 * VAE_ACTIVATION_COPIES * widest
 
 
 @dataclass(frozen=True)

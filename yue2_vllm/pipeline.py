@@ -23,15 +23,17 @@ from . import artifacts as art
 from .checkpoint import HashCache, cache_root, identity, model_identity, weights_bytes, write_json_atomic
 from .model.loader import load_model
 from .model.modeling import YuE2Config
-from .model.nar import SongInput, synthesize_many
+from .model.nar import SongInput, offloaded_ar, synthesize_many
 from .model.nar import synthesize as nar_synthesize
 from .protocol import (ABC_END, CODEC_OFFSET, CODEC_SIZE, MUSIC_START, GenerationConfig, Sampling, SongRequest,
                        abc_prompt, check_abc_ids, check_budget, check_token_ids, default_cfg_scale, negative_prompt,
                        resolve_sampling, semantic_prompt)
 from .derive import OVERRIDE_ENV
-from .memory import PROMPT_ESTIMATE_TOKENS
+from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
+                      resolve_device, set_upstream_numerics)
+from .memory import PROMPT_ESTIMATE_TOKENS, vae_decode_bytes
 from .model.sampling import ARBackend, TorchARBackend
-from .model.torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, restore_ar
+from .model.torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, proxy_slow_reason, restore_ar
 from .tokenizer import YuE2Tokenizer
 from .model.vae import check_vae, load_vae
 
@@ -111,35 +113,6 @@ def default_vae_core_frames(memory_budget_gib: float) -> int:
     return 512 if memory_budget_gib <= 12 else 1024
 
 
-def device_problem(device: str) -> str | None:
-    """Why `device` cannot run the pipeline on this machine, or None."""
-    if device == "auto":
-        return None
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        return "not a device (use auto, cpu, cuda, cuda:N or mps)"
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            return f"CUDA is not available (torch {torch.__version__}, {torch.cuda.device_count()} CUDA devices)"
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            return f"there are only {torch.cuda.device_count()} CUDA devices"
-    elif resolved.type == "mps" and not torch.backends.mps.is_available():
-        return "MPS is not available on this machine"
-    elif resolved.type not in ("cpu", "cuda", "mps"):
-        return f"device type {resolved.type!r} is not supported (use auto, cpu, cuda, cuda:N or mps)"
-    return None
-
-
-def resolve_device(device: str) -> torch.device:
-    problem = device_problem(device)
-    if problem is not None:
-        raise ValueError(f"device {device!r}: {problem}")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def check_semantic(semantic: "SemanticResult") -> None:
     """What the NAR needs: codec indices, and a prefix of vocabulary ids."""
     if not semantic.tokens:
@@ -181,6 +154,8 @@ class YuE2Pipeline:
         self.cfg_engine, self.quantized_policy = cfg_engine, quantized_policy
         self.model_dir, self.vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
         self.device = resolve_device(device)
+        check_dtype_support(self.device, DTYPES[dtype])
+        self.numerics = set_upstream_numerics()  # process-wide, as upstream sets them at construction
         self.memory_budget_gib = float(memory_budget_gib)
         self.backend_requested = backend
         if isinstance(generation_config, GenerationConfig):
@@ -211,17 +186,24 @@ class YuE2Pipeline:
             # The worker imports vLLM and starts its engine while this process loads the MoT.
             self._prestart = threading.Thread(target=self._start_engine_early, name="yue2-engine-start", daemon=True)
             self._prestart.start()
+        # Load-time proxies without a fast kernel on this device are declined on the record (see quantized_policy).
+        declined = proxy_slow_reason(quantization, self.device, DTYPES[dtype]) if quantized_policy != "force" else None
         try:
-            self.model = load_model(self.model_dir, device=self.device, quantization=quantization,
-                                    dtype=DTYPES[dtype])
-            apply_memory_cap(self.device, self.memory_budget_gib, module_bytes(self.model))
+            self.model = load_model(self.model_dir, device=self.device, dtype=DTYPES[dtype],
+                                    quantization="none" if declined else quantization)
+            self.memory_cap_bytes = apply_memory_cap(self.device, self.memory_budget_gib, module_bytes(self.model))
         except BaseException:
             self.close()  # no engine outlives a pipeline that failed to start
             raise
+        if declined:
+            LOG.info("load-time %s proxies declined: %s", quantization, declined)
+            self.model.quantization_status = {**self.model.quantization_status, "requested": quantization,
+                                              "declined": declined}
         self.quantization_status = dict(self.model.quantization_status)
         # Load-time proxies serve the torch AR phases only; the NAR always runs on the exact originals.
         self.proxy_mode = quantization if self.quantization_status.get("source") == "load_time" else None
         self._vae = None
+        self.vae_placement: dict | None = None  # the last accelerator decode's placement decision
         self.load_timing = {"identity_seconds": identity_seconds, "load_seconds": time.perf_counter() - start}
         self.torch_backend = TorchARBackend(self.model)
         # One torch AR song at a time (the "torch lane"); with load-time proxies the NAR must not run
@@ -260,6 +242,7 @@ class YuE2Pipeline:
         mot_bytes = weights_bytes(self.model_dir) * DTYPES[self.dtype].itemsize // 2  # stored bf16
         options = {"typical_tokens": typical, "offload_ar": self.offload_ar, "dtype": self.dtype,
                    "torch_side_bytes": mot_bytes + weights_bytes(self.vae_dir), **self.engine_options}
+        options.setdefault("cuda_visible_devices", engine_cuda_env(self.device).get("CUDA_VISIBLE_DEVICES"))
         return EngineSettings(checkpoint, device_type=self.device.type, memory_budget_gib=self.memory_budget_gib,
                               **options)
 
@@ -498,11 +481,46 @@ class YuE2Pipeline:
         if latents.ndim != 2 or latents.shape[1] != self.vae.config.latent_dim:
             raise ValueError(f"latents must be [frames, {self.vae.config.latent_dim}], got {list(latents.shape)}")
         progress = (lambda done, total: on_progress("vae", done, total)) if on_progress else None
-        audio = self.vae.decode_tiled(latents.T[None], core_frames=self.vae_core_frames,
-                                      halo_frames=VAE_HALO_FRAMES, on_progress=progress, cancelled=cancelled)[0]
+        with self._vae_on_device() as vae:
+            audio = vae.decode_tiled(latents.T[None], core_frames=self.vae_core_frames,
+                                     halo_frames=VAE_HALO_FRAMES, on_progress=progress, cancelled=cancelled)[0]
         if not torch.isfinite(audio).all():
             raise FloatingPointError("the VAE produced non-finite audio")
         return audio.clamp(-1, 1).T.contiguous().numpy()
+
+    def _device_room(self) -> int | None:
+        """Bytes this process can still allocate on its accelerator (None where that is not known)."""
+        return cuda_free_bytes(self.device) if self.device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def _vae_on_device(self):
+        """The fp32 VAE on the pipeline's device for one decode (on the CPU nothing moves).
+
+        It stays there afterwards, as the memory plan budgets it beside the MoT. When the device
+        cannot hold one tile's working set (`memory.vae_decode_bytes`) plus the VAE, the AR expert
+        leaves it for the decode (under the torch AR lock) and the VAE goes back to the CPU before the
+        AR returns, also on errors and cancellation; allocator caches are emptied around it.
+        """
+        vae = self.vae
+        if self.device.type == "cpu":
+            yield vae
+            return
+        resident = vae.decoder_device == self.device
+        need = vae_decode_bytes(vae.config, self.vae_core_frames, VAE_HALO_FRAMES) + (0 if resident else
+                                                                                      module_bytes(vae))
+        room = self._device_room()
+        move_ar = room is not None and need > room
+        self.vae_placement = {"device": str(self.device), "need_bytes": need, "room_bytes": room, "ar_moved": move_ar}
+        with self.torch_lock if move_ar else contextlib.nullcontext(), offloaded_ar(self.model, move_ar):
+            try:
+                if move_ar:
+                    empty_cache(self.device)
+                vae.to(self.device)
+                yield vae
+            finally:
+                if move_ar:
+                    vae.to("cpu")
+                empty_cache(self.device)
 
     def __call__(self, request: SongRequest, *, abc_sampling=None, semantic_sampling=None,
                  cancelled: Cancelled | None = None, on_token: OnToken | None = None,

@@ -278,14 +278,14 @@ class SynthesisLane:
                 job.future.set_result(result)
 
     def _admit(self, jobs: list[_LaneJob]) -> list[_LaneJob]:
-        """On CUDA keep only as many songs as the free device memory holds NAR buffers for; requeue the rest."""
+        """On CUDA keep only as many songs as this process can still allocate NAR buffers for (its cached
+        blocks plus growth up to the per-process cap and the device's free bytes); requeue the rest."""
         if len(jobs) == 1 or self.pipe.device.type != "cuda":
             return jobs
-        import torch
-
+        from .devices import cuda_free_bytes
         from .memory import nar_chunk_bytes
 
-        free, _ = torch.cuda.mem_get_info(self.pipe.device)
+        free = cuda_free_bytes(self.pipe.device)
         admitted, need = [], 0
         for job in jobs:
             semantic = job.payload

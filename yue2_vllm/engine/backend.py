@@ -119,6 +119,7 @@ class EngineSettings:
     kv_admission: bool = True  # admit a request only when its worst-case KV is free (False: vLLM may preempt)
     sliced_head: bool = True  # YuE2ARForCausalLM: each row's logits only over its phase's ids (vllm_model)
     runner: str = "auto"  # vLLM's model runner: "v1", "v2" or "auto" (see vllm_runner)
+    cuda_visible_devices: str | None = None  # the worker sees only the pipeline's GPU (devices.engine_cuda_env)
 
     def plan(self, config: YuE2Config) -> MemoryPlan:
         return plan_memory(config, device=self.device_type, budget_gib=self.memory_budget_gib,
@@ -153,6 +154,14 @@ def worker_env(threads: int | None = None, extra: dict | None = None) -> dict:
     env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+def engine_env(runner: RunnerChoice, cuda_visible_devices: str | None) -> dict[str, str]:
+    """What the worker's environment adds for the engine: the model runner, and the one GPU it may see."""
+    env = dict(runner.env)
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     return env
 
 
@@ -370,7 +379,8 @@ class VLLMBackend:
                 from .plugin import MODEL_ARCHITECTURE
 
                 setup["architecture"] = MODEL_ARCHITECTURE
-            worker = _Worker(setup, self._streams, self._streams_lock, s.threads, runner.env)
+            worker = _Worker(setup, self._streams, self._streams_lock, s.threads,
+                             engine_env(runner, s.cuda_visible_devices))
             try:
                 event = worker.ready.get(timeout=s.start_timeout_s)
             except queue.Empty:

@@ -203,6 +203,33 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
+         is_causal: bool = False) -> torch.Tensor:
+    """SDPA over `[B, heads, T, dim]` with grouped-query K/V; CPU and CUDA make exactly one native call.
+
+    On MPS, upstream's two workarounds: K/V are repeated to the query heads (MPS SDPA lacks
+    `enable_gqa` on some releases), and in half precision `is_causal` becomes an explicit
+    lower-triangular mask (the MPS half kernel of torch <= 2.12 can expose future keys in blocks of
+    four query rows).
+    """
+    if query.device.type == "mps":
+        key, value, attn_mask, is_causal = mps_sdpa_inputs(query, key, value, attn_mask, is_causal)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                          enable_gqa=query.shape[1] != key.shape[1])
+
+
+def mps_sdpa_inputs(query, key, value, attn_mask, is_causal):
+    """`(key, value, attn_mask, is_causal)` for MPS: K/V repeated per query head; a half-precision causal
+    call as an explicit lower-triangular mask."""
+    if query.shape[1] != key.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if is_causal and query.dtype in (torch.float16, torch.bfloat16):
+        attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        is_causal = False
+    return key, value, attn_mask, is_causal
+
+
 class DecoderLayer(nn.Module):
     """One layer, both experts. Only the AR path has a forward here; the NAR path is driven by CachedNAR."""
 
@@ -224,10 +251,9 @@ class DecoderLayer(nn.Module):
         if cache is not None:
             k, v = cache.append(index, k, v)
         if mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+            out = sdpa(q, k, v, attn_mask=mask)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1 and k.shape[2] == t,
-                                                 enable_gqa=k.shape[1] != q.shape[1])
+            out = sdpa(q, k, v, is_causal=t > 1 and k.shape[2] == t)
         x = x + self.self_attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -374,7 +400,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = 
     of its absolute query positions.
     """
     query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    grouped = query.shape[1] != key.shape[1]
     block = query_block or (len(q) if q.device.type == "cuda" else 256)
     outputs = []
     for start in range(0, len(q), block):
@@ -383,8 +408,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = 
         mask = None
         if causal and start:
             mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
-        outputs.append(F.scaled_dot_product_attention(query[..., start:end, :], used_key, used_value, attn_mask=mask,
-                                                      is_causal=causal and start == 0, enable_gqa=grouped))
+        outputs.append(sdpa(query[..., start:end, :], used_key, used_value, attn_mask=mask,
+                            is_causal=causal and start == 0))
     return torch.cat(outputs, dim=-2)[0].transpose(0, 1)
 
 

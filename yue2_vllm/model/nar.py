@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from .modeling import CachedNAR, YuE2Model, batched_velocities
-from .protocol import CODEC_OFFSET, CODEC_SIZE, CONTEXT, MUSIC_END, chunk_ranges
+from ..protocol import CODEC_OFFSET, CODEC_SIZE, CONTEXT, MUSIC_END, check_seed, check_token_ids, chunk_ranges
 
 ProgressFn = Callable[[int, int], None]
 LOGIT_CLAMP = 20.0
@@ -28,17 +28,17 @@ class NARChunk:
 
 def song_noise(frames: int, seed: int, latent_dim: int = 64) -> torch.Tensor:
     """The song's noise: one fp32 draw on a fresh CPU generator; the global RNG is untouched."""
-    generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    generator = torch.Generator(device="cpu").manual_seed(check_seed(seed))
     return torch.randn((frames, latent_dim), dtype=torch.float32, device="cpu", generator=generator)
 
 
 def song_chunks(prefix: Sequence[int], codec: Sequence[int], seed: int, context: int = CONTEXT) -> list[NARChunk]:
-    prefix, codec = [int(t) for t in prefix], [int(c) for c in codec]
+    # The protocol's checks (and messages): integer ids and seed, never a float or bool coerced with int().
+    prefix = check_token_ids(prefix, "prefix")
+    codec = check_token_ids(codec, "semantic.tokens", 0, CODEC_SIZE, "a codec index")
+    seed = check_seed(seed)
     if not prefix or not codec:
         raise ValueError("NAR needs a non-empty prefix and at least one semantic token")
-    bad = [c for c in codec if not 0 <= c < CODEC_SIZE]
-    if bad:
-        raise ValueError(f"semantic tokens must be codec indices in [0, {CODEC_SIZE}), got e.g. {bad[0]}")
     noise = song_noise(len(codec), seed)
     return [NARChunk(prefix + [CODEC_OFFSET + c for c in codec[a:b]] + [MUSIC_END], noise[a:b])
             for a, b in chunk_ranges(len(codec), len(prefix), context)]

@@ -9,7 +9,10 @@ Only the 7 AR linears of each layer are touched (`self_attn.{q,k,v,o}_proj`,
   the load-time proxies both call it, so a saved checkpoint gives bit-identical logits to
   quantizing the bf16 model at load time.
 * `Int8Linear` runs `torch._weight_int8pack_mm` where a probe shows it works for the input's
-  device and dtype (x86/ARM CPU and Apple MPS in recent torch), else dequantises.
+  device and dtype (x86/ARM CPU and Apple MPS in recent torch), else dequantises;
+  `proxy_slow_reason` declines int8 proxies on an accelerator without the kernel (CUDA).
+* `FP8Linear`: upstream's per-tensor scales by default (`scheme="tensor"`), or per-channel/per-token
+  (`scheme="channel"`, row-wise `_scaled_mm`).
 * `export_int8_ar` writes a full MoT directory in the `yue2-int8-ar` format, streamed tensor by
   tensor; `loader.load_model` reads it back.
 * `prepare_ar_proxies(model, "int8" | "fp8")` swaps the AR linears for proxies and keeps the
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..devices import cuda_index
 from .modeling import CONFIG_FILE, YuE2Config, checkpoint_layout, tensor_shapes
 from ..checkpoint import (SINGLE_FILE, CheckpointError, Expected, HashCache, TensorInfo, atomic_directory,
                          check_tensors, model_file, read_json, weight_index, write_json_atomic,
@@ -39,6 +43,7 @@ INT8_AR_METHOD = "yue2-int8-ar"
 INT8_MAX = 127
 FP8_MAX = 448.0  # float8_e4m3fn
 FP8_MIN_CAPABILITY = (8, 9)
+FP8_SCHEMES = ("tensor", "channel")  # per-tensor scales (upstream's, the default) | per channel/token (row-wise)
 GIB = 2**30
 AR_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -224,6 +229,15 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+@torch.no_grad()
+def quantize_fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One float8_e4m3fn scale for the whole tensor (upstream's scheme, weights and activations alike):
+    `(q, scale fp32 [1])` with scale = max(amax, 1e-12)/448, computed from the fp32 values."""
+    x = x.detach().float()
+    scale = x.abs().amax().clamp_min(1e-12) / FP8_MAX
+    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.reshape(1)
+
+
 def quantize_fp8_per_token(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization of `[M, K]` rows: `(fp8 [M, K], fp32 scale [M, 1])`."""
     x = rows.float()
@@ -245,39 +259,57 @@ def fp8_supported(device: str | torch.device) -> str | None:
 
 
 class FP8Linear(nn.Module):
-    """W8A8 FP8 proxy: e4m3 weight with fp32 per-output-channel scales, activations scaled per token at run time.
+    """W8A8 FP8 proxy: e4m3 weights and activations quantized at run time, in one of two schemes.
 
-    On CUDA (sm89+) it calls `torch._scaled_mm` with row-wise scales, rows padded to a multiple of
-    16. Elsewhere forward raises, unless `reference=True`: a slow dequantising reference of the
-    same arithmetic (fp8 values × scales, fp32 matmul) meant for tests.
+    * `scheme="tensor"` (default, upstream's experimental FP8): one fp32 scale for the weight and one
+      for each call's activations, so the tokens can match upstream's FP8 path; per-tensor
+      `_scaled_mm` runs on every FP8 GPU (sm89+).
+    * `scheme="channel"`: fp32 per-output-channel weight scales and per-token activation scales
+      (row-wise `_scaled_mm`, which older torch/cuBLAS builds support only on sm90+); closer to bf16,
+      other tokens than upstream's.
+
+    On CUDA (sm89+) forward calls `torch._scaled_mm`, rows padded to a multiple of 16 (zero rows
+    change neither scheme's scales). Elsewhere it raises, unless `reference=True`: a slow
+    dequantising reference of the same arithmetic (fp8 values x scales, fp32 matmul) meant for tests.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, reference: bool = False,
-                 device=None):
+                 scheme: str = "tensor", device=None):
         super().__init__()
+        if scheme not in FP8_SCHEMES:
+            raise ValueError(f"FP8 scheme must be one of {FP8_SCHEMES}, got {scheme!r}")
         if in_features % 16 or out_features % 16:
             raise ValueError(f"FP8 _scaled_mm needs dimensions that are multiples of 16, "
                              f"got {out_features}x{in_features}")
-        self.in_features, self.out_features, self.reference = in_features, out_features, reference
+        self.in_features, self.out_features, self.reference, self.scheme = in_features, out_features, reference, scheme
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        scales = 1 if scheme == "tensor" else out_features
+        self.register_buffer("weight_scale", torch.ones(scales, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, reference: bool = False) -> "FP8Linear":
-        module = cls(linear.in_features, linear.out_features, reference=reference, device="meta")
-        module.weight, module.weight_scale = quantize_fp8(linear.weight)
+    def from_linear(cls, linear: nn.Linear, *, reference: bool = False, scheme: str = "tensor") -> "FP8Linear":
+        module = cls(linear.in_features, linear.out_features, reference=reference, scheme=scheme, device="meta")
+        if scheme == "tensor":
+            _check_weight(linear.weight)
+            module.weight, module.weight_scale = quantize_fp8_per_tensor(linear.weight)
+        else:
+            module.weight, module.weight_scale = quantize_fp8(linear.weight)
         if linear.bias is not None:
             module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return module
+
+    def _quantize_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_fp8_per_tensor(rows) if self.scheme == "tensor" else quantize_fp8_per_token(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if x.device.type == "cuda" and not self.reference:
             out = self._scaled_mm(rows)
         elif self.reference:
-            q, scale = quantize_fp8_per_token(rows)
-            weight = self.weight.float() * self.weight_scale[:, None]
+            q, scale = self._quantize_rows(rows)
+            scale_w = self.weight_scale if self.scheme == "tensor" else self.weight_scale[:, None]
+            weight = self.weight.float() * scale_w
             out = ((q.float() * scale) @ weight.T).to(x.dtype)
         else:
             raise RuntimeError(fp8_supported(x.device) + " (reference=True gives a slow dequantising reference)")
@@ -290,14 +322,17 @@ class FP8Linear(nn.Module):
         pad = -m % 16
         if pad:
             rows = F.pad(rows, (0, 0, 0, pad))
-        q, scale = quantize_fp8_per_token(rows)
-        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale[None, :],
-                               out_dtype=out_dtype, use_fast_accum=False)
+        q, scale = self._quantize_rows(rows)
+        weight_scale = self.weight_scale if self.scheme == "tensor" else self.weight_scale[None, :]
+        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype,
+                               use_fast_accum=False)
+        if isinstance(out, tuple):  # older torch returned (out, amax)
+            out = out[0]
         return out[:m].to(rows.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, reference={self.reference}")
+                f"bias={self.bias is not None}, scheme={self.scheme}, reference={self.reference}")
 
 
 # --------------------------------------------------------------------------- load-time proxies
@@ -315,19 +350,44 @@ def _swap(layer: nn.Module, name: str, module: nn.Module) -> None:
     setattr(layer.get_submodule(owner), attr, module)
 
 
-def _kernel_name(mode: str, device: torch.device, dtype: torch.dtype, reference: bool = False) -> str:
+def _kernel_name(mode: str, device: torch.device, dtype: torch.dtype, reference: bool = False,
+                 fp8_scheme: str = "tensor") -> str:
     if mode == "int8":
         return "_weight_int8pack_mm" if int8pack_available(device, dtype) else "dequantize+F.linear"
-    return "dequantize reference (fp32 matmul)" if reference else "_scaled_mm rowwise"
+    if reference:
+        return "dequantize reference (fp32 matmul)"
+    return "_scaled_mm per-tensor" if fp8_scheme == "tensor" else "_scaled_mm rowwise"
 
 
-def _proxy_status(model: nn.Module, mode: str, count: int, reference: bool, original_dtype: torch.dtype) -> dict:
+def proxy_slow_reason(mode: str, device: str | torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why load-time proxies of `mode` would make the torch AR half slower than bf16 on `device`, or None.
+
+    int8 proxies on an accelerator without a working `_weight_int8pack_mm` for `dtype` (torch has
+    CPU and MPS kernels, none for CUDA) would dequantize the whole weight on every call: declined, as
+    `quantization.slow_reason` declines slow checkpoints for vLLM. On the CPU the dequantising
+    fallback is kept (both run there; not measured as slower). FP8 proxies are not judged here:
+    `_scaled_mm` is their kernel, and a device without it is refused by `check_proxy_device`.
+    """
+    device = torch.device(device)
+    if mode != "int8" or device.type == "cpu" or int8pack_available(device, dtype):
+        return None
+    return (f"int8 proxies on {device.type.upper()} have no _weight_int8pack_mm kernel for "
+            f"{str(dtype).removeprefix('torch.')} in torch {torch.__version__}: every call would dequantize the "
+            "weight and run slower than bf16, so the AR half runs in bf16 (quantized_policy 'force' keeps them)")
+
+
+def _proxy_status(model: nn.Module, mode: str, count: int, reference: bool, original_dtype: torch.dtype,
+                  fp8_scheme: str = "tensor") -> dict:
+    per_tensor = fp8_scheme == "tensor"
     return {
         "mode": mode, "source": "load_time", "active_ar_linears": count,
         "weight_format": "int8" if mode == "int8" else "float8_e4m3fn",
-        "weight_scales": "bfloat16 per output channel" if mode == "int8" else "float32 per output channel",
-        "activations": "model dtype" if mode == "int8" else "float8_e4m3fn, dynamic per token",
-        "kernel": _kernel_name(mode, model.device, model.dtype, reference),
+        "weight_scales": "bfloat16 per output channel" if mode == "int8" else
+        "float32 per tensor" if per_tensor else "float32 per output channel",
+        "activations": "model dtype" if mode == "int8" else
+        f"float8_e4m3fn, dynamic per {'tensor' if per_tensor else 'token'}",
+        **({"fp8_scheme": fp8_scheme} if mode == "fp8" else {}),
+        "kernel": _kernel_name(mode, model.device, model.dtype, reference, fp8_scheme),
         "original_weights": f"cpu_{str(original_dtype).removeprefix('torch.')}", "restorable": True,
         "nar_prefix_weights": "original (call restore_ar before the NAR stage)",
     }
@@ -345,15 +405,18 @@ def check_proxy_device(mode: str, device: str | torch.device, *, reference: bool
         raise ValueError(reason)
 
 
-def prepare_ar_proxies(model: nn.Module, mode: str, *, reference: bool = False) -> dict:
+def prepare_ar_proxies(model: nn.Module, mode: str, *, reference: bool = False, fp8_scheme: str = "tensor") -> dict:
     """Swap the 7 AR linears per layer for int8 or FP8 proxies; originals go to the CPU, kept exactly.
 
     Idempotent for the same mode; a different mode needs `restore_ar` first. Proxies are made on
     the model's device; each original module is then moved to the CPU and stored in the plain dict
     `model._yue2_ar_originals` (so `model.to()` leaves it there). `reference` selects FP8's
-    dequantising reference (for tests on devices without `_scaled_mm`). Returns (and stores as
-    `model.quantization_status`) the status dict.
+    dequantising reference (for tests on devices without `_scaled_mm`); `fp8_scheme` is `FP8Linear`'s
+    scheme ("tensor": upstream's per-tensor scales, the default; "channel": row-wise). Returns (and
+    stores as `model.quantization_status`) the status dict.
     """
+    if fp8_scheme not in FP8_SCHEMES:
+        raise ValueError(f"fp8_scheme must be one of {FP8_SCHEMES}, got {fp8_scheme!r}")
     layers = _layers(model)
     status = getattr(model, STATUS_ATTR, None) or none_status()
     if status.get("source") == "checkpoint":
@@ -383,10 +446,10 @@ def prepare_ar_proxies(model: nn.Module, mode: str, *, reference: bool = False) 
             if mode == "int8":
                 proxy = Int8Linear.from_linear(linear)
             else:
-                proxy = FP8Linear.from_linear(linear, reference=reference)
+                proxy = FP8Linear.from_linear(linear, reference=reference, scheme=fp8_scheme)
             _swap(layer, name, proxy)
             originals[f"model.layers.{index}.{name}"] = linear.to("cpu")
-    status = _proxy_status(model, mode, len(originals), reference, original_dtype)
+    status = _proxy_status(model, mode, len(originals), reference, original_dtype, fp8_scheme)
     setattr(model, STATUS_ATTR, status)
     return dict(status)
 
@@ -549,19 +612,20 @@ def memory_cap(budget_gib: float, total_bytes: int, reserve_gib: float = 2.0, *,
 def device_total_bytes(device: str | torch.device) -> int:
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        return torch.cuda.get_device_properties(cuda_index(device)).total_memory
     if device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
         return int(torch.mps.recommended_max_memory())
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def apply_memory_cap(device: str | torch.device, budget_gib: float, model_bytes: int = 0) -> int:
-    """Validate the budget for `device`; on CUDA also cap the process via set_per_process_memory_fraction."""
+    """Validate the budget for `device`; on CUDA also cap the process via set_per_process_memory_fraction
+    on that device's index (a bare `cuda` means the current device; the call refuses an unindexed one)."""
     device = torch.device(device)
     total = device_total_bytes(device)
     cap = memory_cap(budget_gib, total, model_bytes=model_bytes)
     if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(cap / total, device)
+        torch.cuda.set_per_process_memory_fraction(cap / total, cuda_index(device))
     return cap
 
 

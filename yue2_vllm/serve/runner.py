@@ -43,7 +43,7 @@ def data_dir_lock(data_dir: Path):
     import fcntl
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(data_dir / LOCK_FILE, "a+")
+    handle = open(data_dir / LOCK_FILE, "a+", encoding="utf-8")
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

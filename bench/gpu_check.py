@@ -1,0 +1,590 @@
+"""One prepared GPU check of what only a GPU can show, as named sections of rows.
+
+    .venv/bin/python bench/gpu_check.py [--quick] [--json PATH] [--only NAME[,NAME]]
+
+Each section is a function in `SECTIONS` (name, what it needs, the function). A section that needs
+CUDA is skipped, with the reason, on a machine without it; CPU-runnable rows (small shapes with
+`--quick`) run everywhere, so CI runs this file as a smoke test. Torch-side sections:
+
+* `torch.devices`: pipeline construction with auto / cuda / cuda:0 (device, memory cap, flags).
+* `torch.numerics`: the six numerics flags as the pipeline sets them.
+* `torch.vae`: the release-layout random VAE decoding 30 s of latents on CUDA (strict fp32 and TF32)
+  vs the CPU: seconds and max relative error; peak memory vs `memory.vae_decode_bytes`.
+* `torch.ar`: full-size random AR decode tok/s at cfg 1 and 1.5 (prefix 512, 128 tokens), CUDA
+  kernels and host syncs per token; the first token index where CUDA and CPU differ for one seed.
+* `torch.fp8`: row-wise vs upstream's per-tensor FP8 proxies (our default): error vs bf16, ms per call, M 1/16.
+* `torch.int8`: `_weight_int8pack_mm` availability per device and the proxy policy's verdict.
+* `torch.memory`: `mem_get_info` vs the per-process cap vs what admission counts.
+
+vLLM-side sections (the engine's sampler arithmetic is plain torch; only `engine.runners` needs vLLM, which
+the GPU machines of this project do not have, so it is skipped there with the reason):
+
+* `engine.sampler`: the in-engine sampler on CUDA vs the CPU over random rows — temperatures 0/0.7/1,
+  top-k 1/30/100, top-p 0.9/1, legacy CFG pairs on/off, bf16/fp32 logits: the share of equal tokens.
+* `engine.sampler_syncs`: host syncs per sampler step (`torch.cuda.set_sync_debug_mode`), V1 and MRV2 adapters.
+* `engine.sliced_head`: the phase-sliced vs the full lm_head in bf16 at 2048 x 184,704, M 1/8/64 (max |Δ|,
+  argmax agreement, ms per call).
+* `engine.runners`: the engine on each model runner with the tiny checkpoint (runner, async scheduling,
+  a float32 song's tokens equal across runners).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+Rows = list[dict]
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    needs: str | None  # "cuda" or None (runs anywhere)
+    run: Callable[[argparse.Namespace], Rows]
+
+
+SECTIONS: list[Section] = []
+
+
+def section(name: str, needs: str | None = None):
+    def register(fn):
+        SECTIONS.append(Section(name, needs, fn))
+        return fn
+    return register
+
+
+def cuda_missing() -> str | None:
+    if torch.cuda.is_available():
+        return None
+    return f"CUDA not available (torch {torch.__version__}, {torch.cuda.device_count()} CUDA devices)"
+
+
+def skipped(what: str, reason: str) -> dict:
+    return {"row": what, "skipped": reason}
+
+
+def timed(fn, repeats: int = 3) -> tuple[float, object]:
+    """Median seconds of `fn()` (synchronized on CUDA) and its last result."""
+    times, result = [], None
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def tiny_dirs() -> tuple[Path, Path]:
+    from yue2_vllm.testing import write_tiny_model, write_tiny_vae
+
+    root = Path(tempfile.mkdtemp(prefix="yue2-gpu-check-"))
+    return write_tiny_model(root / "mot"), write_tiny_vae(root / "vae")
+
+
+# --------------------------------------------------------------------------- torch sections
+
+
+@section("torch.devices")
+def torch_devices(args) -> Rows:
+    from yue2_vllm.checkpoint import HashCache
+    from yue2_vllm.devices import engine_cuda_env, resolve_device
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    model_dir, vae_dir = tiny_dirs()
+    rows = [{"row": "resolve auto", "device": str(resolve_device("auto"))}]
+    names = ["cpu"] + (["auto", "cuda", "cuda:0"] if torch.cuda.is_available() else [])
+    for name in names:
+        try:
+            pipe = YuE2Pipeline(model_dir, vae_dir, device=name, memory_budget_gib=8,
+                                hash_cache=HashCache(model_dir.parent / "hashes.json"))
+            row = {"row": f"pipeline device={name}", "device": str(pipe.device), "cap_bytes": pipe.memory_cap_bytes,
+                   "engine_env": engine_cuda_env(pipe.device)}
+            if pipe.device.type == "cuda":
+                row["cap_fraction"] = torch.cuda.get_per_process_memory_fraction(pipe.device.index)
+            rows.append(row)
+            del pipe
+        except Exception as exc:  # the row records the failure; the other rows still run
+            rows.append({"row": f"pipeline device={name}", "error": f"{type(exc).__name__}: {exc}"})
+    if not torch.cuda.is_available():
+        rows.append(skipped("pipeline device=auto/cuda/cuda:0", cuda_missing()))
+    return rows
+
+
+@section("torch.numerics")
+def torch_numerics(args) -> Rows:
+    from yue2_vllm.devices import UPSTREAM_NUMERICS, numerics_flags, set_upstream_numerics
+
+    before = numerics_flags()
+    after = set_upstream_numerics()
+    return [{"row": flag, "before": before[flag], "set": after[flag], "upstream": value,
+             "ok": after[flag] == value} for flag, value in UPSTREAM_NUMERICS]
+
+
+@section("torch.vae")
+def torch_vae(args) -> Rows:
+    from yue2_vllm.memory import vae_decode_bytes
+    from yue2_vllm.testing import tiny_vae_config
+    from yue2_vllm.model.vae import VAEConfig, random_vae
+
+    full = torch.cuda.is_available() and not args.quick
+    config = VAEConfig() if full else tiny_vae_config()
+    frames, core = (750, 1024) if full else (40, 16)  # 750 frames = 30 s at 25 frames/s
+    vae = random_vae(config, 0, decoder_only=True)
+    latent = torch.randn(1, 64, frames, generator=torch.Generator().manual_seed(1))
+    cpu_seconds, cpu_audio = timed(lambda: vae.decode_tiled(latent, core_frames=core, halo_frames=16), repeats=1)
+    rows = [{"row": "cpu", "layout": "release" if full else "tiny", "frames": frames, "seconds": cpu_seconds,
+             "samples": cpu_audio.shape[-1]}]
+    if not torch.cuda.is_available():
+        return rows + [skipped("cuda strict fp32 / tf32", cuda_missing())]
+    from yue2_vllm.devices import set_upstream_numerics
+
+    vae.to("cuda")
+    for mode in ("strict fp32", "tf32"):
+        set_upstream_numerics()
+        if mode == "tf32":
+            torch.backends.cudnn.allow_tf32 = True
+            torch.backends.cuda.matmul.allow_tf32 = True
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        seconds, audio = timed(lambda: vae.decode_tiled(latent, core_frames=core, halo_frames=16))
+        rows.append({"row": f"cuda {mode}", "seconds": seconds, "speedup_vs_cpu": cpu_seconds / seconds,
+                     "max_rel_error_vs_cpu": max_rel_error(audio, cpu_audio),
+                     "peak_tile_bytes": torch.cuda.max_memory_allocated() - base,
+                     "estimate_bytes": vae_decode_bytes(config, core, 16)})
+    set_upstream_numerics()
+    return rows
+
+
+def random_ar(config, device: str, seed: int = 0):
+    """A random MoT made directly on `device` (bf16), scaled like the tiny checkpoints."""
+    from yue2_vllm.model.modeling import YuE2Model, sinusoid_table
+
+    with torch.device("meta"):
+        model = YuE2Model(config)
+    model = model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name == "latent_pos_embed.pe":
+                tensor.copy_(sinusoid_table(*tensor.shape))
+            elif name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+            elif tensor.ndim == 1:
+                tensor.zero_()
+            else:
+                scale = 1.0 if name == "model.embed_tokens.weight" else tensor.shape[1] ** -0.5
+                tensor.copy_(torch.randn(tensor.shape, generator=generator, device=device) * scale)
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def count_syncs_and_kernels(fn, tokens: int) -> dict:
+    """Host syncs (torch's sync debug mode) and CUDA kernels (profiler) per token of `fn()`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+    return {"host_syncs_per_token": syncs / tokens, "cuda_kernels_per_token": kernels / tokens}
+
+
+@section("torch.ar")
+def torch_ar(args) -> Rows:
+    from yue2_vllm.model.modeling import YuE2Config
+    from yue2_vllm.protocol import Sampling
+    from yue2_vllm.model.sampling import TorchARBackend
+    from yue2_vllm.testing import TINY_CONFIG, random_model
+
+    prefix_len, tokens = (32, 8) if args.quick else (512, 128)
+    prefix = [(i * 7919) % 150000 for i in range(prefix_len)]
+    negative = prefix[: prefix_len // 2]
+    sampling = Sampling(min_tokens=tokens, max_tokens=tokens)
+    rows = []
+    # CPU vs CUDA: one seed, the first token where they part (a 4-layer full-width model bounds the CPU time).
+    small = TINY_CONFIG if args.quick else YuE2Config(num_hidden_layers=4)
+    cpu_model = random_model(small, 0)
+    cpu_ids = TorchARBackend(cpu_model).generate(prefix, sampling, 7, "abc")[0]
+    rows.append({"row": "cpu reference", "layers": small.num_hidden_layers, "tokens": len(cpu_ids)})
+    if not torch.cuda.is_available():
+        return rows + [skipped("cuda tok/s, kernels, syncs, first divergence", cuda_missing())]
+    cuda_ids = TorchARBackend(cpu_model.to("cuda")).generate(prefix, sampling, 7, "abc")[0]
+    first = next((i for i, (a, b) in enumerate(zip(cpu_ids, cuda_ids)) if a != b), None)
+    rows.append({"row": "first token index where CUDA != CPU (seed 7)", "index": first, "tokens": len(cuda_ids)})
+    del cpu_model
+    torch.cuda.empty_cache()
+    model = random_ar(YuE2Config() if not args.quick else small, "cuda")
+    backend = TorchARBackend(model)
+    for cfg in (1.0, 1.5):
+        kwargs = {"negative": negative, "cfg_scale": cfg} if cfg != 1.0 else {}
+        backend.generate(prefix, Sampling(min_tokens=4, max_tokens=4), 7, "abc", **kwargs)  # warm-up
+        timing = backend.generate(prefix, sampling, 7, "abc", **kwargs)[1]
+        decode_seconds = timing["seconds"] - timing["prefill_seconds"]
+        row = {"row": f"full-size decode cfg {cfg}", "tok_s": timing["output_tokens"] / decode_seconds,
+               "prefill_seconds": timing["prefill_seconds"]}
+        row.update(count_syncs_and_kernels(
+            lambda: backend.generate(prefix, Sampling(min_tokens=16, max_tokens=16), 7, "abc", **kwargs), 16))
+        rows.append(row)
+    return rows
+
+
+@section("torch.fp8")
+@torch.no_grad()
+def torch_fp8(args) -> Rows:
+    from torch import nn
+
+    from yue2_vllm.model.torch_quant import FP8Linear, fp8_supported
+
+    out_features, in_features = (64, 128) if args.quick else (6144, 2048)
+    linear = nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(2))
+                            * in_features ** -0.5)
+    linear = linear.to(torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() and fp8_supported("cuda") is None else None
+    rows = []
+    for m in (1, 16):
+        x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        exact = linear(x).float()
+        for scheme, label in (("channel", "row-wise (our former default)"),
+                              ("tensor", "per-tensor (upstream's scheme, our default)")):
+            row = {"row": f"M={m} {label}"}
+            reference = FP8Linear.from_linear(linear, reference=True, scheme=scheme)
+            row["cpu_reference_rel_error"] = float((reference(x).float() - exact).norm() / exact.norm())
+            if device is not None:
+                module = FP8Linear.from_linear(linear.to(device), scheme=scheme)
+                xd = x.to(device)
+                try:
+                    seconds, out = timed(lambda: module(xd), repeats=20)
+                    row.update({"cuda_rel_error": float((out.float().cpu() - exact).norm() / exact.norm()),
+                                "ms_per_call": seconds * 1e3})
+                except RuntimeError as exc:  # e.g. row-wise scaling unsupported on this GPU/torch
+                    row["cuda_error"] = str(exc).splitlines()[0]
+                linear.to("cpu")
+            rows.append(row)
+        if device is not None:
+            lin = linear.to("cuda")
+            seconds, _ = timed(lambda: lin(x.to("cuda")), repeats=20)
+            rows.append({"row": f"M={m} bf16 F.linear", "ms_per_call": seconds * 1e3})
+            linear.to("cpu")
+    if device is None:
+        rows.append(skipped("cuda _scaled_mm", cuda_missing() or fp8_supported("cuda")))
+    return rows
+
+
+@section("torch.int8")
+def torch_int8(args) -> Rows:
+    from yue2_vllm.model.torch_quant import int8pack_available, proxy_slow_reason
+
+    rows = []
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        rows.append({"row": device, "int8pack_bf16": int8pack_available(device, torch.bfloat16),
+                     "proxy_policy": proxy_slow_reason("int8", device) or "int8 proxies kept"})
+    if not torch.cuda.is_available():
+        rows.append(skipped("cuda", cuda_missing()))
+    return rows
+
+
+@section("torch.memory", needs="cuda")
+def torch_memory(args) -> Rows:
+    from yue2_vllm.devices import cuda_free_bytes, process_cap_bytes
+    from yue2_vllm.model.torch_quant import apply_memory_cap
+
+    cap = apply_memory_cap("cuda", 24)
+    block = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    del block  # 1 GiB cached, not allocated
+    free, total = torch.cuda.mem_get_info()
+    return [{"row": "after a 24 GiB cap and 1 GiB cached", "mem_get_info_free": free, "total": total,
+             "cap": cap, "process_cap_bytes": process_cap_bytes("cuda"), "reserved": torch.cuda.memory_reserved(),
+             "admission_room": cuda_free_bytes("cuda")}]
+
+
+# --------------------------------------------------------------------------- vLLM-side sections
+
+
+def sampler_case(temperature: float, top_k: int, top_p: float, cfg: bool, rows: int = 4):
+    """`(rows dict, logits)` for the V1 sampler: semantic rows with one setting (pairs when `cfg`,
+    sampled with cot=off's legacy numerics), random histories, bf16-representable logits."""
+    import random
+
+    from yue2_vllm.protocol import CODEC_OFFSET, VOCAB_SIZE, Sampling
+    from yue2_vllm.engine.plugin import Pairing, parse_row, row_args
+
+    rng = random.Random(hash((temperature, top_k, top_p, cfg)) & 0xFFFF)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=1.2,
+                        penalty_window=50, min_tokens=0, max_tokens=100)
+    states = {}
+    for i in range(rows):
+        output = [CODEC_OFFSET + rng.randrange(64) for _ in range(rng.randrange(0, 40))]
+        pairing = Pairing(f"p{i}", "cond", 1.5) if cfg else None
+        state = parse_row(row_args("semantic", sampling, 1000 + i, legacy=cfg, pairing=pairing))
+        state.output_ids = output
+        states[len(states)] = state
+        if cfg:
+            partner = parse_row(row_args("semantic", sampling, 1000 + i, legacy=True,
+                                         pairing=Pairing(f"p{i}", "uncond", 1.5)))
+            partner.output_ids = list(output)
+            states[len(states)] = partner
+    generator = torch.Generator().manual_seed(rows + top_k)
+    logits = torch.randn(len(states), VOCAB_SIZE, generator=generator) * 3
+    return states, logits
+
+
+def forced_tokens(states, logits, device: str, dtype: torch.dtype) -> list[int]:
+    from yue2_vllm.engine.plugin import sample_rows, step_layout
+
+    work = logits.to(dtype).float().to(device)
+    sample_rows(work, states, step_layout(states, torch.device(device), {}), dtype)
+    return work.argmax(-1).cpu().tolist()
+
+
+@section("engine.sampler")
+def engine_sampler(args) -> Rows:
+    """The sampler's arithmetic on CUDA vs the CPU over random rows: the share of equal forced tokens."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    temperatures, top_ks = ((1.0,), (30,)) if args.quick else ((0.0, 0.7, 1.0), (1, 30, 100))
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for cfg in (False, True):
+            equal = total = 0
+            for temperature in temperatures:
+                for top_k in top_ks:
+                    for top_p in (0.9, 1.0):
+                        states, logits = sampler_case(temperature, top_k, top_p, cfg)
+                        tokens = {device: forced_tokens(states, logits, device, dtype) for device in devices}
+                        total += len(tokens["cpu"])
+                        equal += sum(a == b for a, b in zip(tokens["cpu"], tokens[devices[-1]]))
+            rows.append({"row": f"{str(dtype).removeprefix('torch.')} cfg={'1.5 legacy' if cfg else 'off'}",
+                         "sampled_rows": total, "cuda_equal_cpu": equal / total if len(devices) > 1 else "no CUDA"})
+    return rows
+
+
+class FakeRunner:
+    """Model Runner V2's side of the V2 sampler (slots, device history), as the tests drive it."""
+
+    def __init__(self, device: str, max_reqs: int, max_len: int):
+        from types import SimpleNamespace
+
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
+
+        self.tokens = torch.zeros(max_reqs, max_len, dtype=torch.int32, device=device)
+        self.prompt_len = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+        self.total_len = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+
+        def buffer(tensor):
+            return SimpleNamespace(gpu=tensor, np=None)
+
+        self.states = LogitsProcRequestState(device=torch.device(device), max_num_reqs=max_reqs, vocab_size=0,
+                                             all_token_ids=buffer(self.tokens), prompt_len=buffer(self.prompt_len),
+                                             prefill_len=buffer(self.prompt_len), total_len=buffer(self.total_len))
+
+    def context(self, slots: list[int]):
+        import numpy as np
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
+
+        index = torch.tensor(slots, device=self.tokens.device)
+        pos = (self.total_len[index] - 1).long()
+        return LogitsContext(expanded_idx_mapping=index, idx_mapping=index, idx_mapping_np=np.array(slots),
+                             expanded_local_pos=torch.zeros_like(index), input_ids=self.tokens[index, pos], pos=pos,
+                             seq_lens_upper_bound_np=np.zeros(len(slots)))
+
+
+def count_syncs(fn) -> int:
+    """Host syncs `fn()` triggers, as torch's CUDA sync debug mode reports them."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@section("engine.sampler_syncs", needs="cuda")
+def engine_sampler_syncs(args) -> Rows:
+    """Host syncs per sampler step once the batch layout is cached: the V1 adapter and the MRV2 adapter."""
+    from yue2_vllm.protocol import MUSIC_START, Sampling
+    from yue2_vllm.engine.plugin import row_args, sample_rows, step_layout
+
+    rows = []
+    states, logits = sampler_case(1.0, 30, 0.9, cfg=True)
+    logits, cache = logits.cuda(), {}
+    for step in range(3):
+        syncs = count_syncs(lambda: sample_rows(logits.clone(), states, step_layout(states, torch.device("cuda"),
+                                                                                     cache), torch.bfloat16))
+        rows.append({"row": f"V1 adapter step {step}", "host_syncs": syncs, "layout": "new" if step == 0 else "cached"})
+    try:
+        from types import SimpleNamespace
+
+        from yue2_vllm.engine.mrv2 import YuE2SamplerV2
+    except ImportError as exc:
+        return rows + [skipped("MRV2 adapter", f"vllm not importable ({exc})")]
+    runner = FakeRunner("cuda", 8, 256)
+    sampler = YuE2SamplerV2(SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16)), runner.states)
+    from vllm import SamplingParams
+
+    for slot in range(8):
+        runner.tokens[slot, :3] = torch.tensor([1, 2, MUSIC_START])
+        runner.prompt_len[slot] = runner.total_len[slot] = 3
+        sampler.add_request(slot, SamplingParams(extra_args=row_args("semantic", Sampling(), slot)))
+    sampler.apply_staged_writes()
+    big = torch.randn(8, logits.shape[1], device="cuda")
+    for step in range(3):
+        ctx = runner.context(list(range(8)))
+        syncs = count_syncs(lambda: sampler.apply(big.clone(), ctx))
+        rows.append({"row": f"MRV2 adapter step {step}", "host_syncs": syncs, "layout": "new" if step == 0 else "cached"})
+    return rows
+
+
+@section("engine.sliced_head", needs="cuda")
+def engine_sliced_head(args) -> Rows:
+    """The phase-sliced head vs the full head in bf16 at YuE2's size: max |Δ| on the slice, argmax agreement."""
+    import torch.nn.functional as F
+
+    from yue2_vllm.engine import sampling as es
+    from yue2_vllm.protocol import VOCAB_SIZE
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(VOCAB_SIZE, 2048, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
+    rows = []
+    for phase, name in ((1, "semantic"), (0, "abc")):
+        columns = es.phase_slice(phase)
+        for m in (1, 8, 64):
+            hidden = torch.randn(m, 2048, device="cuda", generator=generator).to(torch.bfloat16)
+            full_s, full = timed(lambda: F.linear(hidden, weight), 5)
+            sliced_s, sliced = timed(lambda: F.linear(hidden, weight[columns]), 5)
+            delta = (full[:, columns].float() - sliced.float()).abs().max().item()
+            agree = (full[:, columns].argmax(-1) == sliced.argmax(-1)).float().mean().item()
+            rows.append({"row": f"{name} M={m}", "max_abs_delta": delta, "argmax_agreement": agree,
+                         "full_ms": full_s * 1e3, "sliced_ms": sliced_s * 1e3})
+    return rows
+
+
+@section("engine.runners")
+def engine_runners(args) -> Rows:
+    """The engine on each model runner with the tiny checkpoint (needs vLLM): runner chosen, async, tokens."""
+    from yue2_vllm.engine.backend import unsupported_reason, vllm_version
+
+    reason = unsupported_reason(vllm_version())
+    if reason:
+        return [skipped("engine on v1 / v2", reason)]
+    from yue2_vllm.derive import ARCheckpoint, derive_ar_checkpoint
+    from yue2_vllm.protocol import ABC_START, EOD, MUSIC_START, Sampling
+    from yue2_vllm.testing import TINY_CONFIG
+    from yue2_vllm.engine.backend import EngineSettings, VLLMBackend
+
+    model_dir, _ = tiny_dirs()
+    derived = derive_ar_checkpoint(model_dir, model_dir.parent / "arcache")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompt = [EOD, 40, 1771, 285, 9, 10, ABC_START, 300, 301, MUSIC_START]
+    rows, tokens = [], {}
+    for runner in ("v1", "v2"):
+        try:
+            backend = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(derived, "derived", None), device_type=device,
+                                                              max_num_seqs=4, dtype="float32", runner=runner))
+        except ValueError as exc:
+            rows.append(skipped(f"engine {runner}", str(exc)))
+            continue
+        try:
+            result = backend.generate(prompt, Sampling(min_tokens=48, max_tokens=48), 7, "semantic")
+            tokens[runner] = result.ids
+            rows.append({"row": f"engine {runner}", **{k: result.timing[k] for k in
+                         ("vllm_runner", "async_scheduling", "sliced_head", "output_tps")}})
+        except Exception as exc:
+            rows.append({"row": f"engine {runner}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        finally:
+            backend.close()
+    if len(tokens) == 2:
+        rows.append({"row": "tokens v1 == v2 (float32)", "equal": tokens["v1"] == tokens["v2"]})
+    return rows
+
+
+# --------------------------------------------------------------------------- runner
+
+
+def run(args) -> dict:
+    wanted = set(args.only.split(",")) if args.only else None
+    report = {"torch": torch.__version__, "cuda": torch.version.cuda, "quick": args.quick,
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu only", "sections": {}}
+    for sec in SECTIONS:
+        if wanted is not None and sec.name not in wanted:
+            continue
+        start = time.perf_counter()
+        if sec.needs == "cuda" and (reason := cuda_missing()):
+            result = {"skipped": reason}
+        else:
+            try:
+                result = {"rows": sec.run(args)}
+            except Exception as exc:
+                result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        result["seconds"] = time.perf_counter() - start
+        report["sections"][sec.name] = result
+        print_section(sec.name, result)
+    return report
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def print_section(name: str, result: dict) -> None:
+    print(f"== {name} ({result['seconds']:.1f} s)")
+    if "skipped" in result:
+        print(f"   SKIPPED: {result['skipped']}")
+    if "error" in result:
+        print(f"   ERROR: {result['error']}")
+    for row in result.get("rows", []):
+        label = row.get("row", "")
+        rest = ", ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k != "row")
+        print(f"   {label}: {rest}")
+    sys.stdout.flush()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes (the CPU smoke test)")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--only", metavar="NAMES", help="comma-separated section names")
+    args = parser.parse_args(argv)
+    report = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+    errors = [name for name, result in report["sections"].items() if "error" in result]
+    if errors:
+        print(f"sections with errors: {', '.join(errors)}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
