@@ -1,12 +1,11 @@
-"""int8 weight-only vs bf16 on CPU: matmuls at YuE2 shapes and torch-backend decode tokens/s.
+"""int8 weight-only vs bf16 on CPU: the matmul kernels at YuE2's shapes.
 
-1. `torch._weight_int8pack_mm` (per-output-channel int8, the `Int8Linear` kernel) against bf16
+`torch._weight_int8pack_mm` (per-output-channel int8, the `Int8Linear` kernel) against bf16
    `F.linear` at the AR shapes — q/o 2048x2048, gate/up [6144, 2048], down [2048, 6144] — and the
    full lm_head [184704, 2048] (which stays bf16 in every int8 format; listed for scale), at
    M=1 (decode) and M=8. Medians of repeats; `int8_speedup` = bf16 seconds / int8 seconds.
-2. Decode tokens/s of `TorchARBackend` at batch 1 on real-width random models (one layer, and a
-   few more to split the per-layer cost from the fixed cost: embedding, norm, 184,704-row lm_head,
-   sampling), bf16 against load-time int8 proxies, with a linear projection to 28 layers.
+Decode tok/s of the torch backend with and without int8 proxies is `yue2-vllm bench --model one-layer
+--paths torch-bf16,torch-int8` (measured once, there).
 
 Run with `python bench/bench_int8.py`; prints one JSON object.
 """
@@ -20,12 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from yue2_vllm.model.modeling import YuE2Config
-from yue2_vllm.protocol import EOD, MUSIC_START, Sampling
-from yue2_vllm.model.sampling import TorchARBackend
-from yue2_vllm.testing import random_model
-from yue2_vllm.model.torch_quant import (int8_linear, int8pack_available, prepare_ar_proxies, quantize_int8,
-                                  restore_ar)
+from yue2_vllm.model.torch_quant import int8_linear, int8pack_available, quantize_int8
 
 SHAPES = {  # name: (out_features, in_features) of the weight
     "q_o_proj 2048x2048": (2048, 2048),
@@ -74,54 +68,9 @@ def bench_matmuls(repeats: int) -> list[dict]:
     return rows
 
 
-def decode_seconds(model, prefix: list[int], tokens: int, seed: int) -> float:
-    timing = TorchARBackend(model).generate(prefix, Sampling(min_tokens=tokens, max_tokens=tokens), seed,
-                                            "semantic").timing
-    return (timing["seconds"] - timing["prefill_seconds"]) / timing["output_tokens"]
-
-
-def bench_decode(layers: list[int], prefix_tokens: int, tokens: int, repeats: int) -> dict:
-    """bf16 and int8-proxy runs alternate (restore_ar / prepare_ar_proxies between them) on one model."""
-    prefix = [EOD] + [100 + i % 5000 for i in range(prefix_tokens - 2)] + [MUSIC_START]
-    report = {"prefix_tokens": len(prefix), "decode_tokens": tokens, "batch": 1, "by_layers": {}}
-    for count in layers:
-        model = random_model(YuE2Config(num_hidden_layers=count))
-        times, kernel = {"bf16": [], "int8": []}, None
-        for seed in range(repeats + 1):  # the first round warms up
-            restore_ar(model)
-            bf16 = decode_seconds(model, prefix, tokens, seed)
-            kernel = prepare_ar_proxies(model, "int8")["kernel"]
-            int8 = decode_seconds(model, prefix, tokens, seed)
-            if seed:
-                times["bf16"].append(bf16)
-                times["int8"].append(int8)
-        bf16, int8 = (1 / statistics.median(times[mode]) for mode in ("bf16", "int8"))
-        report["by_layers"][count] = {"bf16_tok_s": round(bf16, 3), "int8_tok_s": round(int8, 3),
-                                      "int8_speedup": round(int8 / bf16, 4), "int8_kernel": kernel}
-        del model
-    if len(layers) >= 2:
-        lo, hi = min(layers), max(layers)
-        projected = {}
-        for mode in ("bf16", "int8"):
-            t_lo, t_hi = (1 / report["by_layers"][c][f"{mode}_tok_s"] for c in (lo, hi))
-            per_layer = (t_hi - t_lo) / (hi - lo)
-            fixed = t_lo - lo * per_layer
-            projected[mode] = {"ms_per_layer": round(1e3 * per_layer, 3), "fixed_ms": round(1e3 * fixed, 3),
-                               "tok_s_28_layers": round(1 / (fixed + 28 * per_layer), 3)}
-        projected["int8_speedup_28_layers"] = round(projected["int8"]["tok_s_28_layers"]
-                                                     / projected["bf16"]["tok_s_28_layers"], 4)
-        report["projection"] = projected
-    return report
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20, help="matmul repeats (lm_head uses a quarter)")
-    parser.add_argument("--decode-repeats", type=int, default=3)
-    parser.add_argument("--layers", default="1,4", help="comma-separated layer counts of the decode models")
-    parser.add_argument("--prefix", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -129,9 +78,6 @@ def main() -> None:
     torch.manual_seed(0)
     report = {"torch": torch.__version__, "threads": torch.get_num_threads(),
               "int8pack_cpu_bf16": int8pack_available("cpu", torch.bfloat16), "matmuls": bench_matmuls(args.repeats)}
-    if not args.skip_decode:
-        layers = [int(c) for c in args.layers.split(",") if c]
-        report["decode"] = bench_decode(layers, args.prefix, args.tokens, args.decode_repeats)
     print(json.dumps(report, indent=2))
 
 

@@ -309,7 +309,22 @@ def torch_int8(args) -> Rows:
                      "proxy_policy": proxy_slow_reason("int8", device) or "int8 proxies kept"})
     if not torch.cuda.is_available():
         rows.append(skipped("cuda", cuda_missing()))
+    else:
+        rows.append(quantize_bits_row())
     return rows
+
+
+def quantize_bits_row() -> dict:
+    """Quantizing a weight on CUDA gives the CPU's bits (a CPU export equals load-time quantization there)."""
+    from yue2_vllm.model.torch_quant import quantize_fp8, quantize_fp8_per_tensor, quantize_int8
+
+    weight = torch.randn(6144, 2048, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    row = {"row": "quantize on cuda == on cpu"}
+    for name, quantize in (("int8", quantize_int8), ("fp8_channel", quantize_fp8), ("fp8_tensor", quantize_fp8_per_tensor)):
+        cpu, gpu = quantize(weight), quantize(weight.cuda())
+        row[name] = all(torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.cpu().view(torch.uint8)
+                                    if b.dtype.itemsize == 1 else b.cpu()) for a, b in zip(cpu, gpu))
+    return row
 
 
 @section("torch.memory", needs="cuda")
