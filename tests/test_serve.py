@@ -18,7 +18,9 @@ from yue2_vllm.artifacts import verify_result
 from yue2_vllm.cli import main
 from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.serve.runner import data_dir_lock
-from yue2_vllm.serve.service import JOB_ID, RequestInvalid, ServeConfig, SongService, parse_submission
+from yue2_vllm.serve.errors import RequestInvalid
+from yue2_vllm.serve.service import ServeConfig, SongService
+from yue2_vllm.serve.submission import JOB_ID, parse_submission
 from yue2_vllm.serve.store import JobStore, NewJob
 from yue2_vllm.engine.backend import vllm_version
 

@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from .metrics import CONTENT_TYPE
-from .service import FINAL_STATES, ServiceError, SongService, TooLarge, Unauthorized, urls
+from .errors import ServiceError, TooLarge, Unauthorized
+from .service import FINAL_STATES, SongService, urls
 
 MAX_BODY_BYTES = 256 * 1024
 HEARTBEAT_SECONDS = 15.0

@@ -1,0 +1,113 @@
+"""What a POST body asks for: the song request, validated with the CLI's checks and the pipeline's context
+budget (a 422 names the field), the body's canonical hash for idempotency, and job ids."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+from dataclasses import dataclass
+
+from ..pipeline import YuE2Pipeline
+from ..protocol import SongRequest, valid_song_id
+from ..request_json import UsageError, parse_json, request_from_json
+from .errors import RequestInvalid
+
+JOB_ID = re.compile(r"j[0-9a-f]{20}")
+
+
+def new_job_id() -> str:
+    return "j" + secrets.token_hex(10)
+
+
+def valid_job_id(value) -> bool:
+    return isinstance(value, str) and JOB_ID.fullmatch(value) is not None
+
+
+@dataclass
+class Submission:
+    request: SongRequest
+    overrides: dict
+    stage: str
+    label: str | None
+    body_sha256: str
+
+
+_FIELD_PATTERNS = (
+    re.compile(r"SongRequest\.(\w+)"),
+    re.compile(r"^body: ((?:abc|semantic)_sampling):"),
+    re.compile(r"^((?:abc|semantic)_sampling):"),
+    re.compile(r"unknown field\(s\) \['([^']*)'"),
+    re.compile(r"'(tags)' and 'style' differ"),
+    re.compile(r"^body: (abc_path) "),
+    re.compile(r"'(prompt)'"),
+)
+
+
+def field_of(message: str) -> str | None:
+    """The request field a validation message is about (None: the body as a whole)."""
+    for pattern in _FIELD_PATTERNS:
+        match = pattern.search(message)
+        if match:
+            return match.group(1)
+    return None
+
+
+def canonical_sha256(data) -> str:
+    """The same for every spelling of one JSON document (ASCII escapes: lone surrogates hash too)."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def parse_submission(pipe: YuE2Pipeline, body: bytes, job_id: str) -> Submission:
+    """A POST body → the song it asks for, with the CLI's validation and the pipeline's context check."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestInvalid(f"body: not UTF-8 text (byte 0x{body[exc.start]:02x} at offset {exc.start})") from None
+    try:
+        data = parse_json(text)
+    except UsageError as exc:
+        raise RequestInvalid(f"body: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestInvalid(f"body: must be a JSON object, got {type(data).__name__}")
+    body_sha256 = canonical_sha256(data)
+    data = dict(data)
+    stage = data.pop("stage", "audio")
+    if stage not in ("plan", "audio"):
+        raise RequestInvalid(f"stage: must be 'plan' or 'audio', got {stage!r}", field="stage")
+    try:
+        fields, overrides = request_from_json(data, where="body", allow_files=False)
+    except (ValueError, TypeError) as exc:
+        raise RequestInvalid(str(exc), field=field_of(str(exc))) from None
+    label = fields.pop("id", None)
+    if label is not None and not valid_song_id(label):
+        raise RequestInvalid(f"id: must match [A-Za-z0-9][A-Za-z0-9_.-]{{0,179}} (it is kept as the job's label), "
+                             f"got {label!r}", field="id")
+    for name in ("style", "lyrics"):
+        if name not in fields:
+            raise RequestInvalid(f"{name}: missing" + (" (or 'tags')" if name == "style" else ""), field=name)
+    try:
+        request = SongRequest(**fields, id=job_id)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        name = field_of(message)
+        raise RequestInvalid(message.replace(f"SongRequest.{name}", name) if name else message, field=name) \
+            from None
+    try:
+        pipe.check_request(request, overrides.get("abc"), overrides.get("semantic"))
+    except ValueError as exc:
+        message = str(exc)
+        name = field_of(message)
+        if name is None:  # the prompt does not fit: the longest text is the one to shorten
+            name = "abc" if request.abc is not None and len(request.abc) > len(request.lyrics) else "lyrics"
+        raise RequestInvalid(message, field=name) from None
+    return Submission(request, overrides, stage, label, body_sha256)
+
+
+def check_idempotency_key(key: str | None) -> str | None:
+    if key is None:
+        return None
+    if not 1 <= len(key) <= 255 or not all(33 <= ord(c) <= 126 for c in key):
+        raise RequestInvalid("Idempotency-Key: must be 1-255 visible ASCII characters", field="Idempotency-Key")
+    return key
