@@ -84,7 +84,9 @@ def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config
     assert code == 1
     out = tmp_path / "out"
     summary = json.loads((out / "batch.json").read_text())
-    assert (summary["complete"], summary["failed"], summary["expected"]) == (True, 2, 4)
+    # upstream's `complete`: false while a row failed; every row was attempted all the same
+    assert (summary["complete"], summary["all_attempted"], summary["failed"], summary["expected"]) == \
+        (False, True, 2, 4)
     assert [r["status"] for r in summary["results"]] == ["complete", "failed", "failed", "complete"]
     assert "cot" in summary["results"][1]["reason"] and "duplicate id" in summary["results"][2]["reason"]
     assert (out / "c" / "audio.flac").exists()
@@ -92,7 +94,7 @@ def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config
         assert summary["results"][row]["identity"] == json.loads((out / song / "result.json").read_text())["identity"]
     # each invalid row has its own failure.json (a duplicate id gets a directory no song id can take)
     assert [r["id"] for r in summary["results"]] == ["a", "b", "_row3", "c"]
-    for name, kind, line in (("b", "ValueError", 2), ("_row3", "UsageError", 3)):
+    for name, kind, line in (("b", "ValueError", 2), ("_row3", "ValueError", 3)):
         failure = json.loads((out / name / "failure.json").read_text())
         assert (failure["status"], failure["type"], failure["line"]) == ("failed", kind, line)
         assert failure["reason"] == summary["results"][line - 1]["reason"]
@@ -105,6 +107,9 @@ def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config
     assert main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
                  str(tmp_path / "in.jsonl"), "--output", str(out)]) == 0
     assert not (out / "b" / "failure.json").exists() and (out / "b" / "audio.flac").exists()
+    summary = json.loads((out / "batch.json").read_text())
+    assert (summary["complete"], summary["all_attempted"], summary["failed"], summary["expected"]) == \
+        (True, True, 0, 1)
 
 
 @pytest.mark.skipif(__import__("yue2_vllm.vllm_backend", fromlist=["x"]).vllm_version() is None,
@@ -223,9 +228,10 @@ def test_disk_full_at_any_write_fails_cleanly(cli_pipe, tmp_path, monkeypatch, a
     assert not (run / "failure.json").exists() and RunDirectory(run).state()["state"] == "complete"
 
 
-@pytest.mark.parametrize("at,state", [(7, "semantic_failed"), (17, "decode_failed")])
+@pytest.mark.parametrize("at,state,kept", [(7, "semantic_failed", ["plan"]),
+                                           (17, "decode_failed", ["plan", "semantic", "synthesis", "audio"])])
 def test_disk_full_in_the_cli_is_one_line_and_resumable(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
-                                                        monkeypatch, capsys, at, state):
+                                                        monkeypatch, capsys, at, state, kept):
     from yue2_vllm.artifacts import verify_result
 
     monkeypatch.setattr(os, "fsync", FullDisk(tmp_path / "out", at, stays_full=False))
@@ -239,7 +245,9 @@ def test_disk_full_in_the_cli_is_one_line_and_resumable(tiny_model_dir, tiny_vae
     assert json.loads((tmp_path / "out" / "x" / "failure.json").read_text())["state"] == state
     assert main(command + ["--resume"]) == 0
     document = verify_result(tmp_path / "out" / "x", json.loads(capsys.readouterr().out)["identity"])
-    assert document["resumed"] is True and "failure.json" not in document["artifacts"]
+    # stages were kept, but the result was written anew: not `resumed` in upstream's sense
+    assert (document["resumed"], document["stages_reused"]) == (False, kept)
+    assert "failure.json" not in document["artifacts"]
 
 
 def _wait_for_state(path, state, process, timeout=120.0):
@@ -349,7 +357,9 @@ def test_bad_batch_rows_fail_alone(tiny_model_dir, tiny_vae_dir, config_file, tm
     # valid types, but min_tokens 50 > the --config's semantic max_tokens 12: refused before any song starts
     assert reasons[5] == f"{where}:7: semantic_sampling: Sampling.min_tokens must be in [0, max_tokens]"
     assert reasons[6].startswith(f"{where}:8: SongRequest.id must match")
-    assert json.loads((tmp_path / "out" / "_row4" / "failure.json").read_text())["type"] == "UsageError"
+    assert [json.loads((tmp_path / "out" / name / "failure.json").read_text())["type"] for name in
+            ("_row3", "_row4", "_row5", "fast", "big", "_row8")] == [
+        "ValueError", "UnicodeDecodeError", "RecursionError", "ValueError", "ValueError", "ValueError"]
 
 
 # --------------------------------------------------------------------------- fuzzing

@@ -14,8 +14,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from .request_json import (IGNORED_FIELDS, REQUEST_FIELDS, UsageError, parse_json, read_abc,  # noqa: F401
-                           read_json_file, read_text_file, request_from_json)
+from .request_json import (IGNORED_FIELDS, REQUEST_FIELDS, UsageError, error_type, parse_json,  # noqa: F401
+                           read_abc, read_json_file, read_text_file, request_from_json)
 
 
 def write_json_atomic(path, value) -> None:
@@ -66,7 +66,7 @@ def build_request(args) -> tuple[object, dict]:
     except ValueError as exc:  # name the flag or the file the bad value came from
         field = re.match(r"SongRequest\.(\w+)", str(exc))
         source = flags[field.group(1)] if field and field.group(1) in given else where
-        raise UsageError(f"{source}: {exc}") from None
+        raise UsageError(f"{source}: {exc}", exc) from None
 
 
 def print_status(status: dict) -> None:
@@ -220,7 +220,8 @@ def song_outcome(request, directory: Path, *, document: dict | None = None, erro
         return status
     run.clear_failure()
     status = {"status": document["status"], "id": request.id, "directory": str(directory),
-              "identity": document["identity"], "resumed": document["resumed"]}
+              "identity": document["identity"], "resumed": document["resumed"],
+              "stages_reused": document.get("stages_reused", [])}
     if document["status"] == "complete":
         status.update(audio_seconds=round(document["audio_seconds"], 3), truncated=document["truncated"],
                       timing=_summary(document))
@@ -272,7 +273,7 @@ def cmd_generate(args) -> int:
 class RowError:
     """Why a batch row never became a request."""
 
-    type: str  # the exception's class name
+    type: str  # the underlying exception's class name (error_type), as upstream records it
     reason: str  # "FILE:LINE: message"
     line: int
 
@@ -300,8 +301,8 @@ def _batch_rows(path: Path, default_cot: str | None,
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise UsageError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") \
-                    from None
+                raise UsageError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})",
+                                 exc) from None
             data = parse_json(line)
             if isinstance(data, dict) and valid_song_id(data.get("id")) and data["id"] not in seen:
                 row_id = data["id"]
@@ -318,7 +319,7 @@ def _batch_rows(path: Path, default_cot: str | None,
                 check(request, overrides)
             rows.append((request.id, request, overrides, None))
         except (ValueError, TypeError, OSError, RecursionError) as exc:
-            rows.append((row_id, None, {}, RowError(type(exc).__name__, f"{path}:{number}: {exc}", number)))
+            rows.append((row_id, None, {}, RowError(error_type(exc), f"{path}:{number}: {exc}", number)))
     return rows
 
 
@@ -348,7 +349,8 @@ def cmd_batch(args) -> int:
 def _run_batch(pipe, rows, args) -> int:
     """Every valid row through the song scheduler (`--concurrency` at once); batch.json after each song.
 
-    batch.json lists the finished rows in row order; `complete` turns true once every row was attempted.
+    batch.json lists the finished rows in row order; `all_attempted` turns true once every row was
+    attempted, and `complete` (upstream's meaning) once every row was attempted and none failed.
     """
     import time
 
@@ -356,7 +358,7 @@ def _run_batch(pipe, rows, args) -> int:
 
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    summary = {"complete": False, "expected": len(rows), "failed": 0, "results": []}
+    summary = {"complete": False, "all_attempted": False, "expected": len(rows), "failed": 0, "results": []}
     finished: dict[int, dict] = {}
     start = time.perf_counter()
 
@@ -388,7 +390,8 @@ def _run_batch(pipe, rows, args) -> int:
             raise
     progress.close()
     seconds = time.perf_counter() - start
-    summary["complete"] = True  # every row was attempted
+    summary["all_attempted"] = True
+    summary["complete"] = summary["failed"] == 0
     write_json_atomic(output / "batch.json", summary)
     done = len(rows) - summary["failed"]
     print_status({"status": "batch", "songs": len(rows), "completed": done, "failed": summary["failed"],
@@ -744,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         print("yue2-vllm: cancelled; rerun with --resume", file=sys.stderr)
         return 128 + getattr(exc, "signum", signal.SIGINT)
     except (ValueError, OSError) as exc:  # UsageError, CheckpointError, a full disk, ...
-        print_status({"status": "failed", "type": type(exc).__name__, "reason": str(exc)})
+        print_status({"status": "failed", "type": error_type(exc), "reason": str(exc)})
         print(f"yue2-vllm: error: {exc}", file=sys.stderr)
         return 2
     finally:

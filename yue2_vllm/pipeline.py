@@ -562,22 +562,24 @@ class YuE2Pipeline:
         # The directory belongs to the latents' identity, so a changed VAE redoes only the audio stage.
         latent_id = self.latent_identity(request, config)
         run = art.RunDirectory(directory)
-        resumed = run.start(latent_id, request.to_dict(), resume=resume)
+        continued = run.start(latent_id, request.to_dict(), resume=resume)  # an earlier run goes on
         finished = run.verified_result(run_id)
         if finished is not None and stage == "audio":
             LOG.info("resuming: the finished song verifies, nothing to redo")
-            return run.reuse_result(finished)
+            return run.reuse_result(finished, art.STAGES)
         current = {"stage": "plan", "verified": []}  # verified: the stages a resume kept, until one is redone
+        reused: list[str] = []  # the stages taken from verified checkpoints (result.json's stages_reused)
 
         def stage_meta(name: str, compute: Callable[[], tuple[dict[str, bytes], dict]]) -> dict:
             """The stage's recorded meta if it verifies; otherwise redo it (and forget later stages)."""
             current["stage"] = name
             stage_id = run_id if name == "audio" else latent_id
             meta = run.verified_stage(name, stage_id, *STAGE_RECORDS[name])
-            if meta is None and resumed and current["verified"] is not None:  # say what a resume keeps, once
+            if meta is None and continued and current["verified"] is not None:  # say what a resume keeps, once
                 LOG.info("resuming: %s verified, redoing %s", ", ".join(current["verified"]) or "no stage", name)
                 current["verified"] = None
             if meta is None:
+                run.stop_claiming(name, latent_id, request.to_dict())  # before its record goes
                 run.discard_from(name)
                 if on_stage is not None:
                     on_stage(name, "start", None)
@@ -588,6 +590,7 @@ class YuE2Pipeline:
             else:
                 if current["verified"] is not None:
                     current["verified"].append(name)
+                reused.append(name)
                 if on_stage is not None:
                     on_stage(name, "reused", meta)
             return meta
@@ -627,7 +630,8 @@ class YuE2Pipeline:
                                 plan_meta["timing"], plan_meta["truncated"])
             run.set_state(latent_id, request.to_dict(), "planned")
             if stage == "plan":
-                return {"status": "planned", "identity": run_id, "resumed": resumed, **plan_meta}
+                return {"status": "planned", "identity": run_id, "resumed": reused == ["plan"],
+                        "stages_reused": list(reused), **plan_meta}
             semantic_meta = stage_meta("semantic", compute_semantic)
             tokens = art.load_npy(run.path / "semantic.npy").astype(int).tolist()
             if any(not 0 <= t < CODEC_SIZE for t in tokens):
@@ -643,7 +647,8 @@ class YuE2Pipeline:
             timing = {"abc": plan.timing, "semantic": semantic.timing, "nar_seconds": synthesis_meta["nar_seconds"],
                       "vae_seconds": audio_meta["vae_seconds"], "load": self.load_timing}
             document = run.write_result({
-                "status": "complete", "identity": run_id, "resumed": resumed,
+                # resumed: as upstream, only a finished result reused untouched (reuse_result) says True
+                "status": "complete", "identity": run_id, "resumed": False, "stages_reused": list(reused),
                 "truncated": {"abc": plan.truncated, "semantic": semantic.truncated},
                 "sample_rate": SAMPLE_RATE, "audio_seconds": audio_meta["samples"] / SAMPLE_RATE,
                 "weights": self.weights, "timing": timing,
