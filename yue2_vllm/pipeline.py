@@ -29,6 +29,7 @@ from .protocol import (ABC_END, CODEC_OFFSET, CODEC_SIZE, MUSIC_START, Generatio
                        abc_prompt, check_abc_ids, check_budget, check_token_ids, default_cfg_scale, negative_prompt,
                        resolve_sampling, semantic_prompt)
 from .derive import OVERRIDE_ENV
+from .hub import resolve_model
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
                       resolve_device, set_upstream_numerics)
 from .memory import PROMPT_ESTIMATE_TOKENS, vae_decode_bytes
@@ -142,7 +143,7 @@ class YuE2Pipeline:
                  ar_checkpoint: str | os.PathLike | None = None, keep_engine: bool | None = None,
                  engine_options: dict | None = None, quantization: str = "none", offload_ar: bool = False,
                  dtype: str = "bfloat16", start_engine: bool = False, cfg_engine: str = "vllm",
-                 quantized_policy: str = "auto"):
+                 quantized_policy: str = "auto", revision: str | None = None, vae_revision: str | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not memory_budget_gib > 0:
@@ -152,7 +153,12 @@ class YuE2Pipeline:
         if cfg_engine not in CFG_ENGINES:
             raise ValueError(f"cfg_engine must be one of {CFG_ENGINES}, got {cfg_engine!r}")
         self.cfg_engine, self.quantized_policy = cfg_engine, quantized_policy
-        self.model_dir, self.vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
+        # A local directory, or a Hugging Face repo id resolved to its cached snapshot (hub.py).
+        self.sources = {"mot": resolve_model(model_dir, revision=revision, what="model"),
+                        "vae": resolve_model(vae_dir, revision=vae_revision, what="vae") if vae_dir is not None
+                        else None}
+        self.model_dir = self.sources["mot"].path
+        self.vae_dir = self.sources["vae"].path if self.sources["vae"] is not None else None
         self.device = resolve_device(device)
         check_dtype_support(self.device, DTYPES[dtype])
         self.numerics = set_upstream_numerics()  # process-wide, as upstream sets them at construction
@@ -388,6 +394,11 @@ class YuE2Pipeline:
         except ValueError as exc:
             raise ValueError(f"the request is too long: {exc}; shorten the lyrics, style or score, or lower "
                              "max_tokens") from None
+
+    def source_records(self) -> dict:
+        """Where the weights were read from (a Hub repo's revision, commit and snapshot path, or the local
+        directory): recorded beside the identity, not in it (the weights' sha256s are)."""
+        return {name: source.record() if source is not None else None for name, source in self.sources.items()}
 
     def run_identity(self, request: SongRequest, config: dict) -> str:
         """The song's identity: request, effective config and all weights (upstream's request identity)."""
@@ -649,6 +660,7 @@ class YuE2Pipeline:
             document = run.write_result({
                 # resumed: as upstream, only a finished result reused untouched (reuse_result) says True
                 "status": "complete", "identity": run_id, "resumed": False, "stages_reused": list(reused),
+                "sources": self.source_records(),
                 "truncated": {"abc": plan.truncated, "semantic": semantic.truncated},
                 "sample_rate": SAMPLE_RATE, "audio_seconds": audio_meta["samples"] / SAMPLE_RATE,
                 "weights": self.weights, "timing": timing,
