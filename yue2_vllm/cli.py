@@ -145,6 +145,8 @@ def _pipeline(args, need_vae: bool = True):
                       if getattr(args, name, None) is not None}
     if getattr(args, "no_sliced_head", False):
         engine_options["sliced_head"] = False
+    if getattr(args, "vllm_runner", "auto") != "auto":
+        engine_options["runner"] = args.vllm_runner
     if getattr(args, "concurrency", None) and "max_num_seqs" not in engine_options:
         engine_options["max_num_seqs"] = args.concurrency  # one engine row per song in flight
     pipe = YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=backend,
@@ -620,7 +622,12 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                         help="a quantized --ar-checkpoint without a kernel faster than bf16 on this device is served "
                              "as the bf16 derived checkpoint, on the record (auto), or anyway (force); default: auto")
     parser.add_argument("--no-sliced-head", action="store_true",
-                        help="compute the full 184,704-row lm_head on vLLM (default: only the rows the phase allows)")
+                        help="compute the full 184,704-row lm_head on vLLM (default: only the rows the phase allows; "
+                             "the V1 runner only)")
+    parser.add_argument("--vllm-runner", choices=("auto", "v1", "v2"), default="auto",
+                        help="vLLM's model runner for our engine: v2 (Model Runner V2, async scheduling on CUDA), v1, "
+                             "or auto = what vLLM would choose (v2 on CUDA with vLLM >= 0.31, v1 on CPU); recorded "
+                             "per song (default: auto)")
     parser.add_argument("--cfg-engine", choices=("vllm", "torch"), default="vllm",
                         help="where songs with cfg_scale != 1 (cot=off included) run when --backend is vllm/auto: as "
                              "paired rows on the engine, or on the torch backend (default: vllm)")
