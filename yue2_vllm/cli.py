@@ -153,7 +153,7 @@ def _pipeline(args, need_vae: bool = True):
                         generation_config=generation, verify_hashes=args.verify_hashes,
                         ar_checkpoint=args.ar_checkpoint, quantization=args.quantization, offload_ar=args.offload_ar,
                         dtype=args.dtype, engine_options=engine_options, start_engine=True, cfg_engine=args.cfg_engine,
-                        quantized_policy=args.quantized_policy)
+                        quantized_policy=args.quantized_policy, reproducible=getattr(args, "reproducible", False))
     note = torch_ar_note(backend, pipe.device.type, vllm_installed())
     if note is not None:
         import logging
@@ -638,6 +638,10 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
     parser.add_argument("--no-sliced-head", action="store_true",
                         help="compute the full 184,704-row lm_head on vLLM (default: only the rows the phase allows; "
                              "the V1 runner only)")
+    parser.add_argument("--reproducible", action="store_true",
+                        help="a seed fixes the song whatever else the engine serves: vLLM's batch-invariant kernels "
+                             "on CUDA sm80+, else a float32 engine (slower; result.json records batch_invariant). "
+                             "Default: off (bf16 tokens on vLLM may depend on the songs sharing a step)")
     parser.add_argument("--vllm-runner", choices=("auto", "v1", "v2"), default="auto",
                         help="vLLM's model runner for our engine: v2 (Model Runner V2, async scheduling on CUDA), v1, "
                              "or auto = what vLLM would choose (v2 on CUDA with vLLM >= 0.31, v1 on CPU); recorded "

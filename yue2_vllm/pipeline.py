@@ -135,6 +135,16 @@ def default_hash_cache() -> HashCache:
     return HashCache(cache_root() / "sha256-cache.json")
 
 
+BATCH_NOTE = ("the AR tokens may depend on the other songs the engine served at the same time (bf16 on vLLM); "
+              "--reproducible (serve: reproducible) makes a seed fix the song")
+
+
+def batch_record(*timings: dict | None) -> dict:
+    """result.json's word on reproducibility: whether every AR phase ran batch-invariant, else why not."""
+    invariant = all((timing or {}).get("batch_invariant", False) for timing in timings if timing)
+    return {"batch_invariant": invariant} if invariant else {"batch_invariant": False, "batch_note": BATCH_NOTE}
+
+
 class YuE2Pipeline:
     def __init__(self, model_dir: str | os.PathLike, vae_dir: str | os.PathLike | None, *, device: str = "auto",
                  memory_budget_gib: float = 24.0, backend: str = "torch",
@@ -143,7 +153,8 @@ class YuE2Pipeline:
                  ar_checkpoint: str | os.PathLike | None = None, keep_engine: bool | None = None,
                  engine_options: dict | None = None, quantization: str = "none", offload_ar: bool = False,
                  dtype: str = "bfloat16", start_engine: bool = False, cfg_engine: str = "vllm",
-                 quantized_policy: str = "auto", revision: str | None = None, vae_revision: str | None = None):
+                 quantized_policy: str = "auto", revision: str | None = None, vae_revision: str | None = None,
+                 reproducible: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not memory_budget_gib > 0:
@@ -153,6 +164,7 @@ class YuE2Pipeline:
         if cfg_engine not in CFG_ENGINES:
             raise ValueError(f"cfg_engine must be one of {CFG_ENGINES}, got {cfg_engine!r}")
         self.cfg_engine, self.quantized_policy = cfg_engine, quantized_policy
+        self.reproducible = bool(reproducible)  # the engine is batch-invariant: a seed fixes the song under load
         # A local directory, or a Hugging Face repo id resolved to its cached snapshot (hub.py).
         self.sources = {"mot": resolve_model(model_dir, revision=revision, what="model"),
                         "vae": resolve_model(vae_dir, revision=vae_revision, what="vae") if vae_dir is not None
@@ -249,6 +261,13 @@ class YuE2Pipeline:
         options = {"typical_tokens": typical, "offload_ar": self.offload_ar, "dtype": self.dtype,
                    "torch_side_bytes": mot_bytes + weights_bytes(self.vae_dir), **self.engine_options}
         options.setdefault("cuda_visible_devices", engine_cuda_env(self.device).get("CUDA_VISIBLE_DEVICES"))
+        if self.reproducible:
+            from .vllm_runner import batch_invariance
+
+            capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+            options["batch_invariance"] = invariance = batch_invariance(self.device.type, capability)
+            if invariance.dtype is not None:
+                options["dtype"] = invariance.dtype
         return EngineSettings(checkpoint, device_type=self.device.type, memory_budget_gib=self.memory_budget_gib,
                               **options)
 
@@ -335,6 +354,7 @@ class YuE2Pipeline:
         else:
             ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
         timing = {**timing, "backend_requested": self.backend_requested, "fallback_reason": reason}
+        timing.setdefault("batch_invariant", True)  # the torch backend serves one song per forward pass
         return ids, timing, truncated
 
     def _release_engine_for_nar(self) -> None:
@@ -371,6 +391,7 @@ class YuE2Pipeline:
             "vae_halo_frames": VAE_HALO_FRAMES, "device": str(self.device),
             "memory_budget_gib": self.memory_budget_gib, "offload_ar": self.offload_ar, "dtype": self.dtype,
             "decoder_release": self.vae_config.release_variant if self.vae_config else None,
+            **({"reproducible": True} if self.reproducible else {}),  # absent: identities of earlier runs hold
         }
 
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
@@ -660,6 +681,7 @@ class YuE2Pipeline:
             document = run.write_result({
                 # resumed: as upstream, only a finished result reused untouched (reuse_result) says True
                 "status": "complete", "identity": run_id, "resumed": False, "stages_reused": list(reused),
+                **batch_record(plan.timing, semantic.timing),
                 "sources": self.source_records(),
                 "truncated": {"abc": plan.truncated, "semantic": semantic.truncated},
                 "sample_rate": SAMPLE_RATE, "audio_seconds": audio_meta["samples"] / SAMPLE_RATE,
