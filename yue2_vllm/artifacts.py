@@ -8,6 +8,7 @@ every later stage are redone. All files are written to a temp name and renamed i
 from __future__ import annotations
 
 import io
+import logging
 import os
 from pathlib import Path
 from typing import Iterable
@@ -22,6 +23,13 @@ RESULT_FILE = "result.json"
 FAILURE_FILE = "failure.json"  # why the last attempt failed; it goes once a run completes, so never an artifact
 SCHEMA_VERSION = 1
 SAMPLE_RATE = 48000
+LOG = logging.getLogger(__name__)
+# Per run state, the stages it claims are done (each must have its stage record behind it).
+CLAIMED_STAGES = {"created": (), "planned": STAGES[:1], "semantic_generated": STAGES[:2], "synthesized": STAGES[:3],
+                  "complete": STAGES, "plan_failed": (), "semantic_failed": STAGES[:1],
+                  "synthesis_failed": STAGES[:2], "decode_failed": STAGES[:3], "cancelled": ()}
+# The state a run is in just before a stage runs (what it may still claim while that stage is redone).
+STATE_BEFORE = {"plan": "created", "semantic": "planned", "synthesis": "semantic_generated", "audio": "synthesized"}
 
 
 class ResumeError(RuntimeError):
@@ -118,8 +126,15 @@ class RunDirectory:
                 raise RunExistsError(f"{self.path}: holds a run already; pass resume=True to continue it", True)
             state = _read_record(state_path)
             recorded = state.get("identity") if state is not None else None
+            problem = self.manifest_problem(state) if recorded is not None else None
             if recorded is None:  # unreadable state: each stage's own record decides what is reused
                 self.set_state(run_identity, request, "created")
+            elif problem is not None:  # as upstream: the manifest is dropped and every stage redone
+                LOG.warning("%s: %s is inconsistent (%s); discarding it and redoing every stage", self.path,
+                            STATE_FILE, problem)
+                self.discard_from(STAGES[0])
+                self.set_state(run_identity, request, "created")
+                return False
             elif recorded != run_identity:
                 raise ResumeError(f"{self.path}: was started for a different request, configuration or weights "
                                   f"(identity {str(recorded)[:12]}…, now {run_identity[:12]}…); "
@@ -130,6 +145,29 @@ class RunDirectory:
         self.path.mkdir(parents=True, exist_ok=True)
         self.set_state(run_identity, request, "created")
         return False
+
+    def manifest_problem(self, state: dict) -> str | None:
+        """Why a readable run state cannot be trusted (an unknown state or schema, or a stage it claims
+        without a stage record of its run behind it), or None."""
+        name = state.get("state")
+        if state.get("schema_version") != SCHEMA_VERSION:
+            return f"schema_version {state.get('schema_version')!r}, expected {SCHEMA_VERSION}"
+        if not isinstance(name, str) or name not in CLAIMED_STAGES:
+            return f"unknown state {name!r}"
+        for stage in CLAIMED_STAGES[name]:
+            record = _read_record(self._record(stage))
+            # The audio stage belongs to the song's identity (its VAE included), the others to the run state's.
+            if record is None or record.get("stage") != stage or \
+                    (stage != "audio" and record.get("identity") != state.get("identity")):
+                return f"state {name!r} claims the {stage} stage, which has no record of this run"
+        return None
+
+    def stop_claiming(self, stage: str, run_identity: str, request: dict) -> None:
+        """Before `stage` is redone: a run state that claims it goes back to the state before it, so the
+        manifest never names a stage record that is gone (a kill while the stage is redone leaves it consistent)."""
+        name = (self.state() or {}).get("state")
+        if isinstance(name, str) and stage in CLAIMED_STAGES.get(name, ()):
+            self.set_state(run_identity, request, STATE_BEFORE[stage])
 
     def set_state(self, run_identity: str, request: dict, state: str, **extra) -> None:
         write_json_atomic(self.path / STATE_FILE, {"schema_version": SCHEMA_VERSION, "identity": run_identity,
@@ -189,10 +227,12 @@ class RunDirectory:
         write_bytes_atomic(self.path / RESULT_FILE, json_bytes(document))
         return document
 
-    def reuse_result(self, document: dict) -> dict:
-        """A verified finished result, returned again: it now says it was resumed."""
-        if document.get("resumed") is not True:
-            document = {**document, "resumed": True}
+    def reuse_result(self, document: dict, stages: Iterable[str] = STAGES) -> dict:
+        """A verified finished result, returned again untouched: it now says it was resumed (upstream's
+        meaning) and that every stage was reused."""
+        stages = list(stages)
+        if document.get("resumed") is not True or document.get("stages_reused") != stages:
+            document = {**document, "resumed": True, "stages_reused": stages}
             write_bytes_atomic(self.path / RESULT_FILE, json_bytes(document))
         return document
 

@@ -2,7 +2,7 @@
 
 For a model (the tiny default, a one-layer slice of YuE2-3B at real width, or a real download) and a
 list of AR paths — `torch-bf16`, `torch-int8` (load-time proxies), `vllm-bf16`, `vllm-bf16-full-head`
-(the phase-sliced lm_head switched off), `vllm-fp8`, `vllm-int8` (compressed-tensors checkpoints,
+(the phase-sliced lm_head switched off), `vllm-bf16-reproducible` (what `--reproducible` costs), `vllm-fp8`, `vllm-int8` (compressed-tensors checkpoints,
 exported on the fly through the quantization venv when not given) — it reports AR prefill tok/s and
 decode tok/s per phase at batch 1 and at `--concurrency` songs, NAR seconds per ODE step and per audio
 second, the VAE real-time factor, peak memory and engine start time: medians of `--repeats`, as JSON
@@ -24,8 +24,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PATHS = ("torch-bf16", "torch-int8", "vllm-bf16", "vllm-bf16-full-head", "vllm-fp8", "vllm-int8")
-DEFAULT_PATHS = ("torch-bf16", "vllm-bf16", "vllm-bf16-full-head", "vllm-fp8", "vllm-int8")
+PATHS = ("torch-bf16", "torch-int8", "vllm-bf16", "vllm-bf16-full-head", "vllm-bf16-reproducible", "vllm-fp8",
+         "vllm-int8")
+DEFAULT_PATHS = ("torch-bf16", "vllm-bf16", "vllm-bf16-full-head", "vllm-bf16-reproducible", "vllm-fp8", "vllm-int8")
 PROMPT_TOKENS = 512
 NAR_FRAMES = 250  # 10 s of audio
 
@@ -170,7 +171,7 @@ def open_engine(config: BenchConfig, path: str):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mot = YuE2Config.load(config.model_dir)
-    scheme_name = path.removeprefix("vllm-").removesuffix("-full-head")
+    scheme_name = path.removeprefix("vllm-").removesuffix("-full-head").removesuffix("-reproducible")
     if scheme_name == "bf16":
         checkpoint = ARCheckpoint(derive_ar_checkpoint(config.model_dir, config.workdir / "arcache"), "derived", None)
         verdict = "bf16"
@@ -180,8 +181,14 @@ def open_engine(config: BenchConfig, path: str):
         checkpoint = ARCheckpoint(directory, "override", scheme)
         reason = slow_reason(scheme, device_info(device))
         verdict = f"declined by policy: {reason}" if reason else "fast kernel: served"
+    options = {}
+    if path.endswith("-reproducible"):  # what --reproducible costs: batch-invariant kernels, or a float32 engine
+        from .engine.runner import batch_invariance
+
+        invariance = batch_invariance(device, torch.cuda.get_device_capability() if device == "cuda" else None)
+        options = {"batch_invariance": invariance, **({"dtype": invariance.dtype} if invariance.dtype else {})}
     settings = EngineSettings(checkpoint, device_type=device, max_num_seqs=max(8, config.concurrency),
-                              max_model_len=4096, sliced_head=not path.endswith("full-head"))
+                              max_model_len=4096, sliced_head=not path.endswith("full-head"), **options)
     return VLLMBackend(mot, settings), verdict
 
 

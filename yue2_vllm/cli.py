@@ -14,8 +14,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from .request_json import (IGNORED_FIELDS, REQUEST_FIELDS, UsageError, parse_json, read_abc,  # noqa: F401
-                           read_json_file, read_text_file, request_from_json)
+from .request_json import (IGNORED_FIELDS, REQUEST_FIELDS, UsageError, error_type, parse_json,  # noqa: F401
+                           read_abc, read_json_file, read_text_file, request_from_json)
 
 
 def write_json_atomic(path, value) -> None:
@@ -66,7 +66,7 @@ def build_request(args) -> tuple[object, dict]:
     except ValueError as exc:  # name the flag or the file the bad value came from
         field = re.match(r"SongRequest\.(\w+)", str(exc))
         source = flags[field.group(1)] if field and field.group(1) in given else where
-        raise UsageError(f"{source}: {exc}") from None
+        raise UsageError(f"{source}: {exc}", exc) from None
 
 
 def print_status(status: dict) -> None:
@@ -135,11 +135,8 @@ def _pipeline(args, need_vae: bool = True):
     elif args.model is None or (args.vae is None and need_vae):
         raise UsageError("give both --model and --vae, or neither for the embedded tiny default")
     else:
-        model_dir, vae_dir = Path(args.model), (Path(args.vae) if args.vae else None)
-        for flag, path in (("--model", model_dir), ("--vae", vae_dir), ("--ar-checkpoint", args.ar_checkpoint)):
-            if path is not None and not Path(path).is_dir():
-                raise UsageError(f"{flag} {path}: " + ("is not a directory" if Path(path).exists()
-                                                       else "does not exist"))
+        model_dir, vae_dir = model_sources(args)
+    backend = args.backend or default_backend(model_dir)
     try:
         generation = GenerationConfig.from_dict(generation)
     except ValueError as exc:
@@ -148,13 +145,86 @@ def _pipeline(args, need_vae: bool = True):
                       if getattr(args, name, None) is not None}
     if getattr(args, "no_sliced_head", False):
         engine_options["sliced_head"] = False
+    if getattr(args, "vllm_runner", "auto") != "auto":
+        engine_options["runner"] = check_runner(args.vllm_runner, args.device, backend)
     if getattr(args, "concurrency", None) and "max_num_seqs" not in engine_options:
         engine_options["max_num_seqs"] = args.concurrency  # one engine row per song in flight
-    return YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=args.backend,
+    pipe = YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=backend,
                         generation_config=generation, verify_hashes=args.verify_hashes,
                         ar_checkpoint=args.ar_checkpoint, quantization=args.quantization, offload_ar=args.offload_ar,
                         dtype=args.dtype, engine_options=engine_options, start_engine=True, cfg_engine=args.cfg_engine,
-                        quantized_policy=args.quantized_policy)
+                        quantized_policy=args.quantized_policy, reproducible=getattr(args, "reproducible", False))
+    note = torch_ar_note(backend, pipe.device.type, vllm_installed())
+    if note is not None:
+        import logging
+
+        logging.getLogger("yue2_vllm").warning("%s", note)
+    return pipe
+
+
+def check_runner(runner: str, device: str, backend: str) -> str:
+    """`--vllm-runner`, refused before anything is written when this machine's vLLM cannot run it."""
+    if backend != "torch":
+        from .devices import resolve_device
+        from .engine.backend import vllm_version
+        from .engine.runner import resolve_runner
+
+        try:
+            resolve_runner(runner, resolve_device(device).type, vllm_version())
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return runner
+
+
+def model_sources(args) -> tuple:
+    """`--model` / `--vae` (and `--ar-checkpoint`): local directories, or Hugging Face repo ids resolved to
+    their cached snapshots (`--revision` / `--vae-revision`), each error naming its flag."""
+    from .hub import is_local_name, resolve_model
+
+    sources = []
+    for flag, name, revision in (("--model", args.model, getattr(args, "revision", None)),
+                                 ("--vae", getattr(args, "vae", None), getattr(args, "vae_revision", None))):
+        if name is None:
+            sources.append(None)
+            continue
+        if is_local_name(name) and not Path(name).expanduser().is_dir():
+            raise UsageError(f"{flag} {name}: " + ("is not a directory" if Path(name).expanduser().exists()
+                                                   else "does not exist"))
+        sources.append(resolve_model(name, revision=revision, what=flag))
+    checkpoint = getattr(args, "ar_checkpoint", None)
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        raise UsageError(f"--ar-checkpoint {checkpoint}: " + ("is not a directory" if Path(checkpoint).exists()
+                                                             else "does not exist"))
+    return sources[0], sources[1]
+
+
+def default_backend(model_dir) -> str:
+    """`--backend` when not given: auto (vLLM whenever it can serve, else torch on the record) for real
+    weights; torch for the tiny model, whose songs finish before a vLLM engine would have started."""
+    from .model.modeling import YuE2Config
+    from .testing import TINY_CONFIG
+
+    try:
+        return "torch" if YuE2Config.load(Path(model_dir)) == TINY_CONFIG else "auto"
+    except (OSError, ValueError):  # the pipeline reports a broken checkpoint itself
+        return "auto"
+
+
+def vllm_installed() -> bool:
+    from .engine.backend import vllm_version
+
+    return vllm_version() is not None
+
+
+def torch_ar_note(backend: str, device_type: str, vllm_present: bool) -> str | None:
+    """The one line shown when the AR half would run on our eager torch backend on a GPU only because vLLM
+    is missing (several times slower there than vLLM), with how to install it; else None."""
+    if backend == "torch" or device_type != "cuda" or vllm_present:
+        return None
+    from .engine.backend import INSTALL_HINT
+
+    return (f"vLLM is not installed: the AR half runs on the torch backend on CUDA, far slower than on vLLM; "
+            f"install it with {INSTALL_HINT}")
 
 
 def _summary(document: dict) -> dict:
@@ -220,7 +290,8 @@ def song_outcome(request, directory: Path, *, document: dict | None = None, erro
         return status
     run.clear_failure()
     status = {"status": document["status"], "id": request.id, "directory": str(directory),
-              "identity": document["identity"], "resumed": document["resumed"]}
+              "identity": document["identity"], "resumed": document["resumed"],
+              "stages_reused": document.get("stages_reused", [])}
     if document["status"] == "complete":
         status.update(audio_seconds=round(document["audio_seconds"], 3), truncated=document["truncated"],
                       timing=_summary(document))
@@ -272,7 +343,7 @@ def cmd_generate(args) -> int:
 class RowError:
     """Why a batch row never became a request."""
 
-    type: str  # the exception's class name
+    type: str  # the underlying exception's class name (error_type), as upstream records it
     reason: str  # "FILE:LINE: message"
     line: int
 
@@ -300,8 +371,8 @@ def _batch_rows(path: Path, default_cot: str | None,
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise UsageError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") \
-                    from None
+                raise UsageError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})",
+                                 exc) from None
             data = parse_json(line)
             if isinstance(data, dict) and valid_song_id(data.get("id")) and data["id"] not in seen:
                 row_id = data["id"]
@@ -318,7 +389,7 @@ def _batch_rows(path: Path, default_cot: str | None,
                 check(request, overrides)
             rows.append((request.id, request, overrides, None))
         except (ValueError, TypeError, OSError, RecursionError) as exc:
-            rows.append((row_id, None, {}, RowError(type(exc).__name__, f"{path}:{number}: {exc}", number)))
+            rows.append((row_id, None, {}, RowError(error_type(exc), f"{path}:{number}: {exc}", number)))
     return rows
 
 
@@ -348,7 +419,8 @@ def cmd_batch(args) -> int:
 def _run_batch(pipe, rows, args) -> int:
     """Every valid row through the song scheduler (`--concurrency` at once); batch.json after each song.
 
-    batch.json lists the finished rows in row order; `complete` turns true once every row was attempted.
+    batch.json lists the finished rows in row order; `all_attempted` turns true once every row was
+    attempted, and `complete` (upstream's meaning) once every row was attempted and none failed.
     """
     import time
 
@@ -356,7 +428,7 @@ def _run_batch(pipe, rows, args) -> int:
 
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    summary = {"complete": False, "expected": len(rows), "failed": 0, "results": []}
+    summary = {"complete": False, "all_attempted": False, "expected": len(rows), "failed": 0, "results": []}
     finished: dict[int, dict] = {}
     start = time.perf_counter()
 
@@ -388,7 +460,8 @@ def _run_batch(pipe, rows, args) -> int:
             raise
     progress.close()
     seconds = time.perf_counter() - start
-    summary["complete"] = True  # every row was attempted
+    summary["all_attempted"] = True
+    summary["complete"] = summary["failed"] == 0
     write_json_atomic(output / "batch.json", summary)
     done = len(rows) - summary["failed"]
     print_status({"status": "batch", "songs": len(rows), "completed": done, "failed": summary["failed"],
@@ -441,7 +514,8 @@ def memory_split(args) -> dict:
     from .pipeline import resolve_device
     from .testing import tiny_default
 
-    model_dir, vae_dir = (Path(args.model), Path(args.vae) if args.vae else None) if args.model else tiny_default()
+    model_dir, vae_dir = model_sources(args) if args.model else tiny_default()
+    model_dir, vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
     config = YuE2Config.load(model_dir)
     device = resolve_device(args.device).type
     plan = plan_memory(config, device=device, budget_gib=args.budget, engine_weights=ar_expert_bytes(config),
@@ -456,8 +530,11 @@ def cmd_derive(args) -> int:
     from .derive import derive_ar_checkpoint
     from .pipeline import default_hash_cache
 
+    from .hub import resolve_model
+
+    source = resolve_model(args.model, revision=args.revision, what="derive")
     start = time.perf_counter()
-    path = derive_ar_checkpoint(args.model, args.out, hashes=default_hash_cache(), verify=args.verify_hashes)
+    path = derive_ar_checkpoint(source.path, args.out, hashes=default_hash_cache(), verify=args.verify_hashes)
     print(json.dumps({"ar_checkpoint": str(path), "seconds": round(time.perf_counter() - start, 3)}))
     return 0
 
@@ -531,16 +608,21 @@ def _port(text: str) -> int:
 
 def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
     """The flags that build a pipeline; `runs`: also --output / --resume (the commands that write runs)."""
-    parser.add_argument("--model", help="YuE2 MoT directory (config.json, model.safetensors, qwen.tiktoken); "
-                                        "default: the embedded tiny model")
-    parser.add_argument("--vae", help="YuE2 VAE directory (needed with --model; default: the embedded tiny VAE)")
+    parser.add_argument("--model", help="YuE2 MoT: a directory (config.json, model.safetensors, qwen.tiktoken) or a "
+                                        "Hugging Face repo id such as m-a-p/YuE2-3B (downloaded into $HF_HOME; "
+                                        "HF_HUB_OFFLINE=1 uses the cache only); default: the embedded tiny model")
+    parser.add_argument("--vae", help="YuE2 VAE: a directory or a repo id such as m-a-p/YuE2-Vae (needed with "
+                                      "--model; default: the embedded tiny VAE)")
+    parser.add_argument("--revision", help="--model's Hub revision: a branch, tag or commit (default: main)")
+    parser.add_argument("--vae-revision", help="--vae's Hub revision (default: main)")
     parser.add_argument("--device", default="auto", help="torch device: auto (CUDA if available, else CPU), cpu, "
                                                          "cuda, cuda:N or mps")
     parser.add_argument("--budget", type=_positive_float, default=24.0,
                         help="memory budget in GiB (the vLLM engine must fit it; <= 12 decodes smaller VAE tiles)")
-    parser.add_argument("--backend", choices=("torch", "vllm", "auto"), default="torch",
-                        help="AR backend: torch, or vllm/auto (vLLM whenever it can serve the phase, else torch, "
-                             "shown on screen and recorded)")
+    parser.add_argument("--backend", choices=("torch", "vllm", "auto"),
+                        help="AR backend: torch, or vllm/auto (vLLM whenever it is installed and can serve the "
+                             "phase, else torch, shown on screen and recorded); default: auto, but torch for the "
+                             "embedded tiny model, whose short songs finish on torch before a vLLM engine starts")
     parser.add_argument("--ar-checkpoint", help="serve the AR half from this Qwen3 checkpoint (e.g. an FP8/int8 "
                                                  "export) instead of deriving one; default: $YUE2_AR_CHECKPOINT, "
                                                  "else derived")
@@ -554,7 +636,16 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                         help="a quantized --ar-checkpoint without a kernel faster than bf16 on this device is served "
                              "as the bf16 derived checkpoint, on the record (auto), or anyway (force); default: auto")
     parser.add_argument("--no-sliced-head", action="store_true",
-                        help="compute the full 184,704-row lm_head on vLLM (default: only the rows the phase allows)")
+                        help="compute the full 184,704-row lm_head on vLLM (default: only the rows the phase allows; "
+                             "the V1 runner only)")
+    parser.add_argument("--reproducible", action="store_true",
+                        help="a seed fixes the song whatever else the engine serves: vLLM's batch-invariant kernels "
+                             "on CUDA sm80+, else a float32 engine (slower; result.json records batch_invariant). "
+                             "Default: off (bf16 tokens on vLLM may depend on the songs sharing a step)")
+    parser.add_argument("--vllm-runner", choices=("auto", "v1", "v2"), default="auto",
+                        help="vLLM's model runner for our engine: v2 (Model Runner V2, async scheduling on CUDA), v1, "
+                             "or auto = what vLLM would choose (v2 on CUDA with vLLM >= 0.31, v1 on CPU); recorded "
+                             "per song (default: auto)")
     parser.add_argument("--cfg-engine", choices=("vllm", "torch"), default="vllm",
                         help="where songs with cfg_scale != 1 (cot=off included) run when --backend is vllm/auto: as "
                              "paired rows on the engine, or on the torch backend (default: vllm)")
@@ -634,8 +725,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                                 "files (jobs/<id>/)")
 
     doctor = command("doctor", "versions, devices, which backends are usable, and the engine / torch memory split")
-    doctor.add_argument("--model", help="YuE2 MoT directory for the memory split (default: the embedded tiny model)")
-    doctor.add_argument("--vae", help="YuE2 VAE directory (with --model)")
+    doctor.add_argument("--model", help="YuE2 MoT directory or Hugging Face repo id for the memory split (default: "
+                                        "the embedded tiny model)")
+    doctor.add_argument("--vae", help="YuE2 VAE directory or repo id (with --model)")
+    doctor.add_argument("--revision", help="--model's Hub revision (default: main)")
+    doctor.add_argument("--vae-revision", help="--vae's Hub revision (default: main)")
     doctor.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     doctor.add_argument("--budget", type=float, default=24.0, help="memory budget in GiB (default %(default)s)")
     doctor.add_argument("--concurrency", type=_count, help="engine rows (default: sized from the budget)")
@@ -643,7 +737,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=cmd_doctor)
 
     derive = command("derive", "write the Qwen3 AR checkpoint vLLM serves (cached by content)")
-    derive.add_argument("model", help="YuE2 MoT directory")
+    derive.add_argument("model", help="YuE2 MoT directory or Hugging Face repo id (e.g. m-a-p/YuE2-3B)")
+    derive.add_argument("--revision", help="the repo id's Hub revision (default: main)")
     derive.add_argument("--out", help="cache directory; default: $YUE2_CACHE, $HF_HOME or ~/.cache/huggingface, "
                                       "then yue2-ar/")
     derive.add_argument("--verify-hashes", action="store_true",
@@ -652,7 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     calibrate = command("calibrate", "build a calibration corpus from the model's own generations")
     _model_flags(calibrate)
-    calibrate.set_defaults(output="calibration-corpus")
+    calibrate.set_defaults(output="calibration-corpus", backend="torch")
     calibrate.add_argument("--requests", help="request set JSON; default: calibration/requests.json")
     calibrate.add_argument("--window", type=int, default=8192, help="window length in tokens (at most 8192)")
     calibrate.add_argument("--limit", type=int, help="only the first N requests; default: all")
@@ -744,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
         print("yue2-vllm: cancelled; rerun with --resume", file=sys.stderr)
         return 128 + getattr(exc, "signum", signal.SIGINT)
     except (ValueError, OSError) as exc:  # UsageError, CheckpointError, a full disk, ...
-        print_status({"status": "failed", "type": type(exc).__name__, "reason": str(exc)})
+        print_status({"status": "failed", "type": error_type(exc), "reason": str(exc)})
         print(f"yue2-vllm: error: {exc}", file=sys.stderr)
         return 2
     finally:

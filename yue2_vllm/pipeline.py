@@ -29,6 +29,7 @@ from .protocol import (ABC_END, CODEC_OFFSET, CODEC_SIZE, MUSIC_START, Generatio
                        abc_prompt, check_abc_ids, check_budget, check_token_ids, default_cfg_scale, negative_prompt,
                        resolve_sampling, semantic_prompt)
 from .derive import OVERRIDE_ENV
+from .hub import resolve_model
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
                       resolve_device, set_upstream_numerics)
 from .memory import PROMPT_ESTIMATE_TOKENS, vae_decode_bytes
@@ -134,6 +135,16 @@ def default_hash_cache() -> HashCache:
     return HashCache(cache_root() / "sha256-cache.json")
 
 
+BATCH_NOTE = ("the AR tokens may depend on the other songs the engine served at the same time (bf16 on vLLM); "
+              "--reproducible (serve: reproducible) makes a seed fix the song")
+
+
+def batch_record(*timings: dict | None) -> dict:
+    """result.json's word on reproducibility: whether every AR phase ran batch-invariant, else why not."""
+    invariant = all((timing or {}).get("batch_invariant", False) for timing in timings if timing)
+    return {"batch_invariant": invariant} if invariant else {"batch_invariant": False, "batch_note": BATCH_NOTE}
+
+
 class YuE2Pipeline:
     def __init__(self, model_dir: str | os.PathLike, vae_dir: str | os.PathLike | None, *, device: str = "auto",
                  memory_budget_gib: float = 24.0, backend: str = "torch",
@@ -142,7 +153,8 @@ class YuE2Pipeline:
                  ar_checkpoint: str | os.PathLike | None = None, keep_engine: bool | None = None,
                  engine_options: dict | None = None, quantization: str = "none", offload_ar: bool = False,
                  dtype: str = "bfloat16", start_engine: bool = False, cfg_engine: str = "vllm",
-                 quantized_policy: str = "auto"):
+                 quantized_policy: str = "auto", revision: str | None = None, vae_revision: str | None = None,
+                 reproducible: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not memory_budget_gib > 0:
@@ -152,7 +164,13 @@ class YuE2Pipeline:
         if cfg_engine not in CFG_ENGINES:
             raise ValueError(f"cfg_engine must be one of {CFG_ENGINES}, got {cfg_engine!r}")
         self.cfg_engine, self.quantized_policy = cfg_engine, quantized_policy
-        self.model_dir, self.vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
+        self.reproducible = bool(reproducible)  # the engine is batch-invariant: a seed fixes the song under load
+        # A local directory, or a Hugging Face repo id resolved to its cached snapshot (hub.py).
+        self.sources = {"mot": resolve_model(model_dir, revision=revision, what="model"),
+                        "vae": resolve_model(vae_dir, revision=vae_revision, what="vae") if vae_dir is not None
+                        else None}
+        self.model_dir = self.sources["mot"].path
+        self.vae_dir = self.sources["vae"].path if self.sources["vae"] is not None else None
         self.device = resolve_device(device)
         check_dtype_support(self.device, DTYPES[dtype])
         self.numerics = set_upstream_numerics()  # process-wide, as upstream sets them at construction
@@ -243,6 +261,13 @@ class YuE2Pipeline:
         options = {"typical_tokens": typical, "offload_ar": self.offload_ar, "dtype": self.dtype,
                    "torch_side_bytes": mot_bytes + weights_bytes(self.vae_dir), **self.engine_options}
         options.setdefault("cuda_visible_devices", engine_cuda_env(self.device).get("CUDA_VISIBLE_DEVICES"))
+        if self.reproducible:
+            from .engine.runner import batch_invariance
+
+            capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+            options["batch_invariance"] = invariance = batch_invariance(self.device.type, capability)
+            if invariance.dtype is not None:
+                options["dtype"] = invariance.dtype
         return EngineSettings(checkpoint, device_type=self.device.type, memory_budget_gib=self.memory_budget_gib,
                               **options)
 
@@ -329,6 +354,7 @@ class YuE2Pipeline:
         else:
             ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
         timing = {**timing, "backend_requested": self.backend_requested, "fallback_reason": reason}
+        timing.setdefault("batch_invariant", True)  # the torch backend serves one song per forward pass
         return ids, timing, truncated
 
     def _release_engine_for_nar(self) -> None:
@@ -365,6 +391,7 @@ class YuE2Pipeline:
             "vae_halo_frames": VAE_HALO_FRAMES, "device": str(self.device),
             "memory_budget_gib": self.memory_budget_gib, "offload_ar": self.offload_ar, "dtype": self.dtype,
             "decoder_release": self.vae_config.release_variant if self.vae_config else None,
+            **({"reproducible": True} if self.reproducible else {}),  # absent: identities of earlier runs hold
         }
 
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
@@ -388,6 +415,11 @@ class YuE2Pipeline:
         except ValueError as exc:
             raise ValueError(f"the request is too long: {exc}; shorten the lyrics, style or score, or lower "
                              "max_tokens") from None
+
+    def source_records(self) -> dict:
+        """Where the weights were read from (a Hub repo's revision, commit and snapshot path, or the local
+        directory): recorded beside the identity, not in it (the weights' sha256s are)."""
+        return {name: source.record() if source is not None else None for name, source in self.sources.items()}
 
     def run_identity(self, request: SongRequest, config: dict) -> str:
         """The song's identity: request, effective config and all weights (upstream's request identity)."""
@@ -562,22 +594,24 @@ class YuE2Pipeline:
         # The directory belongs to the latents' identity, so a changed VAE redoes only the audio stage.
         latent_id = self.latent_identity(request, config)
         run = art.RunDirectory(directory)
-        resumed = run.start(latent_id, request.to_dict(), resume=resume)
+        continued = run.start(latent_id, request.to_dict(), resume=resume)  # an earlier run goes on
         finished = run.verified_result(run_id)
         if finished is not None and stage == "audio":
             LOG.info("resuming: the finished song verifies, nothing to redo")
-            return run.reuse_result(finished)
+            return run.reuse_result(finished, art.STAGES)
         current = {"stage": "plan", "verified": []}  # verified: the stages a resume kept, until one is redone
+        reused: list[str] = []  # the stages taken from verified checkpoints (result.json's stages_reused)
 
         def stage_meta(name: str, compute: Callable[[], tuple[dict[str, bytes], dict]]) -> dict:
             """The stage's recorded meta if it verifies; otherwise redo it (and forget later stages)."""
             current["stage"] = name
             stage_id = run_id if name == "audio" else latent_id
             meta = run.verified_stage(name, stage_id, *STAGE_RECORDS[name])
-            if meta is None and resumed and current["verified"] is not None:  # say what a resume keeps, once
+            if meta is None and continued and current["verified"] is not None:  # say what a resume keeps, once
                 LOG.info("resuming: %s verified, redoing %s", ", ".join(current["verified"]) or "no stage", name)
                 current["verified"] = None
             if meta is None:
+                run.stop_claiming(name, latent_id, request.to_dict())  # before its record goes
                 run.discard_from(name)
                 if on_stage is not None:
                     on_stage(name, "start", None)
@@ -588,6 +622,7 @@ class YuE2Pipeline:
             else:
                 if current["verified"] is not None:
                     current["verified"].append(name)
+                reused.append(name)
                 if on_stage is not None:
                     on_stage(name, "reused", meta)
             return meta
@@ -627,7 +662,8 @@ class YuE2Pipeline:
                                 plan_meta["timing"], plan_meta["truncated"])
             run.set_state(latent_id, request.to_dict(), "planned")
             if stage == "plan":
-                return {"status": "planned", "identity": run_id, "resumed": resumed, **plan_meta}
+                return {"status": "planned", "identity": run_id, "resumed": reused == ["plan"],
+                        "stages_reused": list(reused), **plan_meta}
             semantic_meta = stage_meta("semantic", compute_semantic)
             tokens = art.load_npy(run.path / "semantic.npy").astype(int).tolist()
             if any(not 0 <= t < CODEC_SIZE for t in tokens):
@@ -643,7 +679,10 @@ class YuE2Pipeline:
             timing = {"abc": plan.timing, "semantic": semantic.timing, "nar_seconds": synthesis_meta["nar_seconds"],
                       "vae_seconds": audio_meta["vae_seconds"], "load": self.load_timing}
             document = run.write_result({
-                "status": "complete", "identity": run_id, "resumed": resumed,
+                # resumed: as upstream, only a finished result reused untouched (reuse_result) says True
+                "status": "complete", "identity": run_id, "resumed": False, "stages_reused": list(reused),
+                **batch_record(plan.timing, semantic.timing),
+                "sources": self.source_records(),
                 "truncated": {"abc": plan.truncated, "semantic": semantic.truncated},
                 "sample_rate": SAMPLE_RATE, "audio_seconds": audio_meta["samples"] / SAMPLE_RATE,
                 "weights": self.weights, "timing": timing,

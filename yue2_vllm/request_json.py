@@ -14,7 +14,22 @@ IGNORED_FIELDS = {"lang", "eval_index", "clip_id", "prompt", "abc_path"}
 
 
 class UsageError(ValueError):
-    """A problem with what the user asked for (shown without a traceback)."""
+    """A problem with what the user asked for (shown without a traceback).
+
+    `cause` is the exception underneath (a missing file's FileNotFoundError, a JSONDecodeError, ...);
+    records name its type, as upstream's do (see `error_type`)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.cause = cause
+
+
+def error_type(error: BaseException) -> str:
+    """The exception type a record names: a UsageError's underlying one (ValueError when it has none, as
+    upstream's own checks raise), any other error's own."""
+    if isinstance(error, UsageError):
+        return type(error.cause).__name__ if error.cause is not None else "ValueError"
+    return type(error).__name__
 
 
 def _json_type(value) -> str:
@@ -28,9 +43,9 @@ def parse_json(text: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UsageError(f"invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    except RecursionError:
-        raise UsageError("invalid JSON (nested too deeply)") from None
+        raise UsageError(f"invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})", exc) from None
+    except RecursionError as exc:
+        raise UsageError("invalid JSON (nested too deeply)", exc) from None
 
 
 def read_text_file(path: Path, what: str, *, exact: bool = False) -> str:
@@ -39,12 +54,12 @@ def read_text_file(path: Path, what: str, *, exact: bool = False) -> str:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise UsageError(f"{what} {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"{what} {path}: {exc.strerror or exc}", exc) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{what} {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") \
-            from None
+        raise UsageError(f"{what} {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})",
+                         exc) from None
     return text if exact else text.replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -53,7 +68,7 @@ def read_json_file(path: Path, what: str):
         return parse_json(read_text_file(path, what))
     except UsageError as exc:
         message = str(exc)
-        raise UsageError(message if message.startswith(what) else f"{what} {path}: {message}") from None
+        raise UsageError(message if message.startswith(what) else f"{what} {path}: {message}", exc.cause) from None
 
 
 def read_abc(path: Path, what: str) -> str:
@@ -96,7 +111,7 @@ def request_from_json(data, base_dir: Path | None = None, where: str = "request"
             try:
                 value = check_sampling_overrides(data[key])
             except ValueError as exc:
-                raise UsageError(f"{where}: {key}: {exc}") from None
+                raise UsageError(f"{where}: {key}: {exc}", exc) from None
             if value:
                 overrides[phase] = value
     if "prompt" in data:

@@ -36,7 +36,7 @@ from ..memory import MemoryPlan, kv_cache_bytes, plan_memory, row_kv_bytes
 from ..model.modeling import YuE2Config
 from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, check_budget, end_token
 from ..model.sampling import ARResult, Cancelled, OnToken
-from .runner import RunnerChoice, resolve_runner
+from .runner import BatchInvariance, RunnerChoice, resolve_runner
 from .worker import EVENT_PREFIX
 
 TESTED_VLLM = ("0.32",)
@@ -118,8 +118,9 @@ class EngineSettings:
     threads: int | None = None  # the engine's CPU threads (None: half the cores on the CPU, see `cpu_split`)
     kv_admission: bool = True  # admit a request only when its worst-case KV is free (False: vLLM may preempt)
     sliced_head: bool = True  # YuE2ARForCausalLM: each row's logits only over its phase's ids (vllm_model)
-    runner: str = "auto"  # vLLM's model runner: "v1", "v2" or "auto" (see vllm_runner)
+    runner: str = "auto"  # vLLM's model runner: "v1", "v2" or "auto" (see engine.runner)
     cuda_visible_devices: str | None = None  # the worker sees only the pipeline's GPU (devices.engine_cuda_env)
+    batch_invariance: BatchInvariance | None = None  # set: a seed fixes a song whatever else the engine serves
 
     def plan(self, config: YuE2Config) -> MemoryPlan:
         return plan_memory(config, device=self.device_type, budget_gib=self.memory_budget_gib,
@@ -157,9 +158,11 @@ def worker_env(threads: int | None = None, extra: dict | None = None) -> dict:
     return env
 
 
-def engine_env(runner: RunnerChoice, cuda_visible_devices: str | None) -> dict[str, str]:
-    """What the worker's environment adds for the engine: the model runner, and the one GPU it may see."""
-    env = dict(runner.env)
+def engine_env(runner: RunnerChoice, cuda_visible_devices: str | None,
+               invariance: BatchInvariance | None = None) -> dict[str, str]:
+    """What the worker's environment adds for the engine: the model runner, the one GPU it may see, and
+    vLLM's batch-invariant mode where that is how a seed fixes a song."""
+    env = {**runner.env, **(invariance.env if invariance is not None else {})}
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     return env
@@ -295,6 +298,10 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, config: YuE2Config, settings: EngineSettings):
+        invariance = settings.batch_invariance
+        if invariance is not None and invariance.dtype is not None and settings.dtype != invariance.dtype:
+            raise ValueError(f"a batch-invariant engine here needs dtype {invariance.dtype} ({invariance.how}), "
+                             f"got {settings.dtype}")
         self.config = config
         self.settings = settings.resolved(config)
         self.plan = self.settings.plan(config)
@@ -308,6 +315,10 @@ class VLLMBackend:
         elif self.runner.runner == "v2":
             self.sliced_head_reason = "Model Runner V2 gives compute_logits no row-to-request table"
         self.sliced_head = self.sliced_head_reason is None
+        # Batch-invariant by request, or anyway: a float32 engine on vLLM-CPU does not depend on the batch.
+        self.invariance = self.settings.batch_invariance
+        if self.invariance is None and self.settings.device_type == "cpu" and self.settings.dtype == "float32":
+            self.invariance = BatchInvariance("float32", {}, "float32 engine (vLLM-CPU)")
         self.engine_info: dict = {}
         self.restarts = 0  # over the backend's life (recorded per song)
         self._restart_times: list[float] = []
@@ -380,7 +391,7 @@ class VLLMBackend:
 
                 setup["architecture"] = MODEL_ARCHITECTURE
             worker = _Worker(setup, self._streams, self._streams_lock, s.threads,
-                             engine_env(runner, s.cuda_visible_devices))
+                             engine_env(runner, s.cuda_visible_devices, s.batch_invariance))
             try:
                 event = worker.ready.get(timeout=s.start_timeout_s)
             except queue.Empty:
@@ -418,9 +429,11 @@ class VLLMBackend:
 
     def runner_record(self) -> dict:
         """How the engine runs, as recorded per song: runner (and why), async scheduling, the sliced head."""
+        invariance = self.invariance
         return {"vllm_runner": self.runner.runner, "vllm_runner_reason": self.runner.reason,
                 "async_scheduling": self.runner.async_scheduling, "sliced_head": self.sliced_head,
-                "sliced_head_reason": self.sliced_head_reason}
+                "sliced_head_reason": self.sliced_head_reason, "batch_invariant": invariance is not None,
+                "batch_invariance": invariance.how if invariance is not None else None}
 
     # -- admission
 

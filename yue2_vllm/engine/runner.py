@@ -93,3 +93,27 @@ def resolve_runner(requested: str, device_type: str, vllm_version: str | None, *
     if blocker:
         return RunnerChoice("v1", False, blocker)
     return RunnerChoice("v2", async_v2, f"{RUNNER_ENV}=1" if wanted else "vLLM's default for a dense model")
+
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+BATCH_INVARIANT_CAPABILITY = (8, 0)  # vLLM's batch-invariant kernels: sm80+
+
+
+@dataclass(frozen=True)
+class BatchInvariance:
+    """How the engine makes a seed fix a song whatever else it serves (`--reproducible`)."""
+
+    dtype: str | None  # the engine dtype this needs (float32), None: any
+    env: dict[str, str]
+    how: str  # recorded per song
+
+
+def batch_invariance(device_type: str, capability: tuple[int, int] | None = None) -> BatchInvariance:
+    """On CUDA sm80+ vLLM's batch-invariant mode (`VLLM_BATCH_INVARIANT=1`: its kernels reduce in the same order
+    whatever the batch; it needs an attention backend that supports it, which vLLM picks on those GPUs); on
+    the CPU and older GPUs a float32 engine (bf16 decoding on vLLM-CPU depends on which rows share a step,
+    float32 was shown not to: tests/test_engine_backend.py)."""
+    if device_type == "cuda" and capability is not None and tuple(capability) >= BATCH_INVARIANT_CAPABILITY:
+        return BatchInvariance(None, {BATCH_INVARIANT_ENV: "1"}, "vLLM batch-invariant kernels")
+    why = "vLLM-CPU" if device_type != "cuda" else f"sm{capability[0]}{capability[1]} < sm80" if capability else "CUDA"
+    return BatchInvariance("float32", {}, f"float32 engine ({why})")

@@ -1,0 +1,194 @@
+"""Hugging Face repo ids, resolved offline through the real huggingface_hub code from a hub cache built here."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from yue2_vllm.hub import (ALLOW_PATTERNS, HubError, ModelSource, hub_cache_dir, is_local_name, is_repo_id,
+                           resolve_model)
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
+
+
+def add_to_hub_cache(hf_home: Path, repo_id: str, source: Path, commit: str = COMMIT, *, ref: str | None = "main",
+                     skip=()) -> Path:
+    """`HF_HOME/hub/models--org--name/` as huggingface_hub lays it out: content-named blobs, a snapshot of
+    links to them, and `refs/<ref>` naming the commit. Returns the snapshot directory."""
+    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for file in sorted(source.iterdir()):
+        if file.name in skip:
+            continue
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit, encoding="utf-8")
+    return snapshot
+
+
+@pytest.fixture()
+def hub(tmp_path, monkeypatch, tiny_model_dir, tiny_vae_dir):
+    """An offline hub cache holding the tiny model as m-a-p/YuE2-3B and the tiny VAE as m-a-p/YuE2-Vae."""
+    home = tmp_path / "hf"
+    for name in ("HF_HUB_CACHE", "HF_TOKEN", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("YUE2_VLLM_CACHE", str(tmp_path / "yue2-cache"))
+    return {"home": home, "model": add_to_hub_cache(home, "m-a-p/YuE2-3B", tiny_model_dir),
+            "vae": add_to_hub_cache(home, "m-a-p/YuE2-Vae", tiny_vae_dir)}
+
+
+# --------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize("name,repo", [("m-a-p/YuE2-3B", True), ("m-a-p/YuE2-Vae", True), ("org/name.v2_x", True),
+                                       ("YuE2-3B", False), ("a/b/c", False), ("/abs/path", False),
+                                       ("./m-a-p/YuE2-3B", False), ("org--x/name", False), ("org/na..me", False),
+                                       ("org/name-", False), ("org/" + "x" * 97, False), ("", False)])
+def test_repo_ids(name, repo):
+    assert is_repo_id(name) is repo
+
+
+def test_local_names_win(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert is_local_name("m-a-p/YuE2-3B") is False
+    (tmp_path / "m-a-p" / "YuE2-3B").mkdir(parents=True)
+    assert is_local_name("m-a-p/YuE2-3B") is True  # a directory of that name is read, as upstream does
+    assert all(is_local_name(n) for n in ("./x/y", "../x/y", "~/x", "/x/y", "plain"))
+    assert resolve_model("m-a-p/YuE2-3B") == ModelSource(Path("m-a-p/YuE2-3B"))
+    assert resolve_model(Path("other/name")) == ModelSource(Path("other/name"))  # a Path is always local
+    assert resolve_model("m-a-p/YuE2-3B").record() == {"path": str(tmp_path / "m-a-p" / "YuE2-3B")}
+    with pytest.raises(ValueError, match=r"^--model m-a-p/YuE2-3B: a revision \('v1'\) applies to Hugging Face "
+                                         r"repo ids only, not to a local directory$"):
+        resolve_model("m-a-p/YuE2-3B", revision="v1", what="--model")
+
+
+def test_cache_dir_follows_the_environment(tmp_path):
+    assert hub_cache_dir({"HF_HUB_CACHE": "/c/hub", "HF_HOME": "/h"}) == Path("/c/hub")
+    assert hub_cache_dir({"HF_HOME": "/h"}) == Path("/h/hub")
+    assert hub_cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/huggingface/hub")
+    assert hub_cache_dir({}) == Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def test_only_the_files_we_read_are_requested():
+    assert ALLOW_PATTERNS == ("config.json", "model.safetensors", "model.safetensors.index.json",
+                              "model-?????-of-?????.safetensors", "weights_manifest.json", "qwen.tiktoken")
+
+
+# --------------------------------------------------------------------------- resolution through huggingface_hub
+
+
+def test_a_cached_repo_id_resolves_offline(hub):
+    source = resolve_model("m-a-p/YuE2-3B", what="--model")
+    assert source == ModelSource(hub["model"], "m-a-p/YuE2-3B", "main", COMMIT)
+    assert os.fspath(source) == str(hub["model"])
+    assert source.record() == {"path": str(hub["model"]), "repo_id": "m-a-p/YuE2-3B", "revision": "main",
+                               "commit": COMMIT}
+    assert resolve_model("m-a-p/YuE2-3B", revision=COMMIT).commit == COMMIT  # a commit needs no ref
+
+
+def test_a_revision_is_a_ref_of_the_cache(hub, tiny_model_dir):
+    snapshot = add_to_hub_cache(hub["home"], "m-a-p/YuE2-3B", tiny_model_dir, OTHER_COMMIT, ref="v2")
+    assert resolve_model("m-a-p/YuE2-3B", revision="v2") == ModelSource(snapshot, "m-a-p/YuE2-3B", "v2",
+                                                                         OTHER_COMMIT)
+    with pytest.raises(HubError) as info:
+        resolve_model("m-a-p/YuE2-3B", revision="v3", what="--model")
+    assert str(info.value) == (f"--model m-a-p/YuE2-3B (revision v3): not in the Hugging Face cache "
+                               f"{hub['home'] / 'hub'} and downloads are off (HF_HUB_OFFLINE); unset HF_HUB_OFFLINE "
+                               "to download it")
+
+
+def test_offline_with_nothing_cached_is_one_line(hub, tmp_path, capsys):
+    from yue2_vllm.cli import main
+
+    assert main(["generate", "--model", "m-a-p/Missing", "--vae", "m-a-p/YuE2-Vae", "--output",
+                 str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    message = (f"--model m-a-p/Missing (revision main): not in the Hugging Face cache {hub['home'] / 'hub'} and "
+               "downloads are off (HF_HUB_OFFLINE); unset HF_HUB_OFFLINE to download it")
+    assert json.loads(captured.out) == {"status": "failed", "type": "HubError", "reason": message}
+    assert captured.err == f"yue2-vllm: error: {message}\n"
+
+
+def test_the_model_card_command_runs_from_the_cache(hub, tmp_path, capsys):
+    from yue2_vllm.cli import main
+
+    config = tmp_path / "gen.json"
+    config.write_text(json.dumps({"abc": {"max_tokens": 4, "min_tokens": 2},
+                                  "semantic": {"max_tokens": 6, "min_tokens": 4}, "ode_steps": 1}), encoding="utf-8")
+    assert main(["generate", "--model", "m-a-p/YuE2-3B", "--vae", "m-a-p/YuE2-Vae", "--config", str(config),
+                 "--quiet", "--style", "pop", "--lyrics", "la", "--id", "s", "--output", str(tmp_path / "out")]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "complete"
+    result = json.loads((tmp_path / "out" / "s" / "result.json").read_text(encoding="utf-8"))
+    assert result["sources"] == {
+        "mot": {"path": str(hub["model"]), "repo_id": "m-a-p/YuE2-3B", "revision": "main", "commit": COMMIT},
+        "vae": {"path": str(hub["vae"]), "repo_id": "m-a-p/YuE2-Vae", "revision": "main", "commit": COMMIT}}
+    # the same weights from a local copy: the same song identity (sources are recorded beside it, not in it)
+    local_model, local_vae = tmp_path / "YuE2-3B", tmp_path / "YuE2-Vae"
+    shutil.copytree(hub["model"], local_model)
+    shutil.copytree(hub["vae"], local_vae)
+    assert main(["generate", "--model", str(local_model), "--vae", str(local_vae), "--config", str(config),
+                 "--quiet", "--style", "pop", "--lyrics", "la", "--id", "s", "--output", str(tmp_path / "out2")]) == 0
+    local = json.loads((tmp_path / "out2" / "s" / "result.json").read_text(encoding="utf-8"))
+    assert local["identity"] == result["identity"]
+    assert local["sources"] == {"mot": {"path": str(local_model)}, "vae": {"path": str(local_vae)}}
+
+
+def test_the_python_api_takes_repo_ids(hub):
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    pipe = YuE2Pipeline("m-a-p/YuE2-3B", "m-a-p/YuE2-Vae", revision=COMMIT, generation_config={"ode_steps": 1})
+    assert (pipe.model_dir, pipe.vae_dir) == (hub["model"], hub["vae"])
+    assert pipe.source_records()["mot"] == {"path": str(hub["model"]), "repo_id": "m-a-p/YuE2-3B",
+                                            "revision": COMMIT, "commit": COMMIT}
+    assert pipe.source_records()["vae"]["revision"] == "main"
+
+
+def test_serve_and_derive_take_repo_ids(hub, tmp_path, capsys):
+    from yue2_vllm.cli import _pipeline, build_parser, main
+
+    args = build_parser().parse_args(["serve", "--model", "m-a-p/YuE2-3B", "--vae", "m-a-p/YuE2-Vae", "--backend",
+                                      "torch"])  # no engine for this check
+    with _pipeline(args) as pipe:
+        assert (pipe.model_dir, pipe.vae_dir) == (hub["model"], hub["vae"])
+    assert main(["derive", "m-a-p/YuE2-3B", "--revision", COMMIT, "--out", str(tmp_path / "ar")]) == 0
+    derived = Path(json.loads(capsys.readouterr().out)["ar_checkpoint"])
+    assert derived.parent == tmp_path / "ar" / "yue2-ar" and (derived / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda snapshot: (snapshot / "qwen.tiktoken").unlink(), "qwen.tiktoken"),
+    (lambda snapshot: _truncate((snapshot / "model.safetensors").resolve()), "truncated"),
+])
+def test_a_partial_or_corrupt_download_is_caught_by_the_checkpoint_checks(hub, damage, message):
+    from yue2_vllm.checkpoint import CheckpointError
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    damage(hub["model"])
+    with pytest.raises(CheckpointError, match=message):
+        YuE2Pipeline("m-a-p/YuE2-3B", "m-a-p/YuE2-Vae")
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+
+
+def test_local_names_never_import_huggingface_hub(tiny_model_dir):
+    code = ("import sys\nfrom yue2_vllm.hub import resolve_model\nimport yue2_vllm.pipeline\n"
+            f"resolve_model({str(tiny_model_dir)!r})\n"
+            "bad = [m for m in ('huggingface_hub', 'vllm', 'triton', 'llmcompressor') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)

@@ -1,0 +1,128 @@
+"""Model names: a local directory, or a Hugging Face Hub repo id (`m-a-p/YuE2-3B`) resolved to a snapshot.
+
+A name that exists on disk, or that is absolute or starts with `.` or `~`, is a local path; any other
+`org/name` is a repo id, fetched with `huggingface_hub.snapshot_download` (imported only then) into
+the Hugging Face cache — only the files yue2-vllm reads (`ALLOW_PATTERNS`). `HF_HUB_CACHE` /
+`HF_HOME`, `HF_HUB_OFFLINE` and `HF_TOKEN` are read when a name is resolved, not when
+huggingface_hub was imported. A partial or corrupt download is left to the checkpoint checks that
+every model directory goes through.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+# What the loaders read from a MoT or VAE repository: config, weights (single file or shards), tokenizer.
+ALLOW_PATTERNS = ("config.json", "model.safetensors", "model.safetensors.index.json",
+                  "model-?????-of-?????.safetensors", "weights_manifest.json", "qwen.tiktoken")
+DEFAULT_REVISION = "main"
+_REPO_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*/[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_TRUE = {"1", "on", "yes", "true"}
+
+
+class HubError(OSError):
+    """A repo id that cannot be resolved (not cached while offline, not on the Hub, no network)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model directory came from: `path` is what the loaders read (a Hub snapshot for a repo id)."""
+
+    path: Path
+    repo_id: str | None = None
+    revision: str | None = None  # the revision asked for (the repo's main by default)
+    commit: str | None = None  # the snapshot's commit hash
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def record(self) -> dict:
+        """JSON for the run's records: the path read, and for a repo id the repo, revision and commit."""
+        if self.repo_id is None:
+            return {"path": str(Path(self.path).absolute())}
+        return {"path": str(self.path), "repo_id": self.repo_id, "revision": self.revision, "commit": self.commit}
+
+
+def is_repo_id(name: str) -> bool:
+    """`org/name` as the Hub spells repo ids (no `--` or `..`, at most 96 characters per part)."""
+    if not _REPO_ID.fullmatch(name) or "--" in name or ".." in name:
+        return False
+    return all(len(part) <= 96 and not part.endswith((".", "-")) for part in name.split("/"))
+
+
+def is_local_name(name: str) -> bool:
+    """A name read as a path: it exists, or it is absolute, `./…`, `../…` or `~…` (upstream's rule), or it
+    is not shaped like a repo id."""
+    return Path(name).expanduser().exists() or name.startswith((".", "~")) or Path(name).is_absolute() \
+        or not is_repo_id(name)
+
+
+def _true(value: str | None) -> bool:
+    return (value or "").strip().lower() in _TRUE
+
+
+def hub_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """The Hugging Face hub cache: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`."""
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    base = Path(env["XDG_CACHE_HOME"]).expanduser() if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def hub_offline(env: Mapping[str, str] = os.environ) -> bool:
+    return _true(env.get("HF_HUB_OFFLINE"))
+
+
+def resolve_model(name: str | os.PathLike | ModelSource, *, revision: str | None = None, what: str = "model",
+                  env: Mapping[str, str] = os.environ) -> ModelSource:
+    """A local directory as it is, or a repo id's snapshot; errors name `what` (e.g. `--model`) and the name."""
+    if isinstance(name, ModelSource):
+        return name
+    text = os.fspath(name)
+    if not isinstance(text, str):
+        raise TypeError(f"{what}: expected a directory or a repo id, got {type(name).__name__}")
+    if not isinstance(name, str) or is_local_name(text):
+        if revision is not None:
+            raise ValueError(f"{what} {text}: a revision ({revision!r}) applies to Hugging Face repo ids only, "
+                             "not to a local directory")
+        return ModelSource(Path(text).expanduser())
+    return _snapshot(text, revision, what, env)
+
+
+def _snapshot(repo_id: str, revision: str | None, what: str, env: Mapping[str, str]) -> ModelSource:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub import constants
+        from huggingface_hub.errors import (HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                            RevisionNotFoundError)
+    except ImportError as exc:
+        raise HubError(f"{what} {repo_id}: resolving a Hugging Face repo id needs huggingface_hub "
+                       f"(pip install huggingface_hub): {exc}") from None
+    cache, wanted = hub_cache_dir(env), revision or DEFAULT_REVISION
+    offline = hub_offline(env) or bool(getattr(constants, "HF_HUB_OFFLINE", False))
+    where = f"{what} {repo_id} (revision {wanted})"
+    try:
+        path = snapshot_download(repo_id, revision=wanted, cache_dir=str(cache), local_files_only=offline,
+                                 token=env.get("HF_TOKEN") or None, allow_patterns=list(ALLOW_PATTERNS))
+    except RevisionNotFoundError:
+        raise HubError(f"{where}: the repository has no such revision") from None
+    except RepositoryNotFoundError:
+        raise HubError(f"{where}: no such repository on the Hugging Face Hub, or it is private or gated "
+                       "(set HF_TOKEN to a token that can read it)") from None
+    except LocalEntryNotFoundError as exc:
+        if offline:
+            raise HubError(f"{where}: not in the Hugging Face cache {cache} and downloads are off "
+                           "(HF_HUB_OFFLINE); unset HF_HUB_OFFLINE to download it") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HubError(f"{where}: not fully in the Hugging Face cache {cache} and the Hub cannot be reached "
+                       f"({first})") from None
+    except (HfHubHTTPError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HubError(f"{where}: download into {cache} failed ({first})") from None
+    path = Path(path)
+    return ModelSource(path, repo_id, wanted, path.name)
