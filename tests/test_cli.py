@@ -208,7 +208,7 @@ QUICK_SONG = dict(style="a", lyrics="b", cot="melody", abc="X:1\nK:C\nCD|", id="
 @pytest.mark.parametrize("at", range(1, RUN_WRITES + 1))
 def test_disk_full_at_any_write_fails_cleanly(cli_pipe, tmp_path, monkeypatch, at):
     from yue2_vllm.artifacts import RunDirectory
-    from yue2_vllm.cli import run_song
+    from yue2_vllm.cli.generate import run_song
     from yue2_vllm.protocol import SongRequest
 
     disk = FullDisk(tmp_path, at, stays_full=True)
@@ -366,7 +366,7 @@ def test_bad_batch_rows_fail_alone(tiny_model_dir, tiny_vae_dir, config_file, tm
 
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from yue2_vllm.cli import _batch_rows  # noqa: E402
+from yue2_vllm.cli.batch import _batch_rows  # noqa: E402
 from yue2_vllm.request_json import IGNORED_FIELDS, REQUEST_FIELDS, request_from_json  # noqa: E402
 from yue2_vllm.checkpoint import json_text  # noqa: E402
 
@@ -577,7 +577,8 @@ def _non_tiny_model(directory):
 
 def test_generate_and_batch_default_to_auto_for_real_weights_and_torch_for_the_tiny_model(tiny_model_dir,
                                                                                          tmp_path):
-    from yue2_vllm.cli import build_parser, default_backend
+    from yue2_vllm.cli import build_parser
+    from yue2_vllm.cli.setup import default_backend
 
     parser = build_parser()
     for command in (["generate"], ["batch", "--input", "x"]):
@@ -608,15 +609,16 @@ def test_the_cli_asks_for_auto_with_real_weights_and_says_when_vllm_is_missing_o
         device, vllm_present, backend_flag, note, tiny_vae_dir, tmp_path, monkeypatch, caplog):
     import yue2_vllm.pipeline
     from yue2_vllm import cli
+    from yue2_vllm.cli import setup
 
     monkeypatch.setattr(yue2_vllm.pipeline, "YuE2Pipeline", _FakePipeline)
-    monkeypatch.setattr(cli, "vllm_installed", lambda: vllm_present)
+    monkeypatch.setattr(setup, "vllm_installed", lambda: vllm_present)
     monkeypatch.setattr(_FakePipeline, "device", device, raising=False)
     real = _non_tiny_model(tmp_path / "real")
     args = cli.build_parser().parse_args(["generate", "--model", str(real), "--vae", str(tiny_vae_dir),
                                           *backend_flag])
     with caplog.at_level("WARNING", logger="yue2_vllm"):
-        pipe = cli._pipeline(args)
+        pipe = setup._pipeline(args)
     assert pipe.kwargs["backend"] == (backend_flag[1] if backend_flag else "auto")
     lines = [r.getMessage() for r in caplog.records]
     assert lines == (["vLLM is not installed: the AR half runs on the torch backend on CUDA, far slower than on "

@@ -157,7 +157,8 @@ def test_the_python_api_takes_repo_ids(hub):
 
 
 def test_serve_and_derive_take_repo_ids(hub, tmp_path, capsys):
-    from yue2_vllm.cli import _pipeline, build_parser, main
+    from yue2_vllm.cli import build_parser, main
+    from yue2_vllm.cli.setup import _pipeline
 
     args = build_parser().parse_args(["serve", "--model", "m-a-p/YuE2-3B", "--vae", "m-a-p/YuE2-Vae", "--backend",
                                       "torch"])  # no engine for this check

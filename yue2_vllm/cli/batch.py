@@ -1,0 +1,167 @@
+"""`yue2-vllm batch`: one song per JSONL row through the song scheduler; a bad row fails alone.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..request_json import UsageError, error_type, parse_json, request_from_json
+from .generate import handle_status
+from .setup import _pipeline, _signal_name, print_status, write_json_atomic
+
+class BatchProgress:
+    """One tqdm bar per stage across the batch's songs (songs that finished each stage)."""
+
+    STAGES = (("plan", "Planned"), ("semantic", "Generated"), ("synthesis", "Synthesized"), ("audio", "Decoded"))
+
+    def __init__(self, enabled: bool, total: int):
+        self.bars = {}
+        self.tokens = 0
+        if enabled:
+            from tqdm import tqdm
+
+            self.bars = {stage: tqdm(total=total, desc=label, unit="song", file=sys.stderr, position=i, leave=True)
+                         for i, (stage, label) in enumerate(self.STAGES)}
+
+    def on_event(self, event) -> None:
+        """A scheduler listener (called from the song threads)."""
+        if event.kind == "tokens":
+            self.tokens += 1
+        elif event.kind == "stage_done" and event.data["stage"] in self.bars:
+            self.bars[event.data["stage"]].update(1)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
+@dataclass(frozen=True)
+class RowError:
+    """Why a batch row never became a request."""
+
+    type: str  # the underlying exception's class name (error_type), as upstream records it
+    reason: str  # "FILE:LINE: message"
+    line: int
+
+
+def _batch_rows(path: Path, default_cot: str | None,
+                check=None) -> list[tuple[str, object, dict, RowError | None]]:
+    """`(id, request, overrides, error)` per non-blank JSONL line; a bad row becomes an error, not an abort.
+
+    Lines are decoded one by one, so a line that is not UTF-8 fails alone. `check(request,
+    overrides)` may refuse a row before any song starts (e.g. overrides outside the pipeline's
+    limits). A row's id is its song id, or `_row<LINE>` when it has no usable id of its own (a name
+    no song id can take), so every failure has a directory of its own."""
+    from ..protocol import SongRequest, valid_song_id
+
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as exc:
+        raise UsageError(f"--input {path}: {exc.strerror or exc}") from None
+    rows, seen = [], set()
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        row_id = f"_row{number}"
+        try:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UsageError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})",
+                                 exc) from None
+            data = parse_json(line)
+            if isinstance(data, dict) and valid_song_id(data.get("id")) and data["id"] not in seen:
+                row_id = data["id"]
+            seen.add(row_id)
+            if isinstance(data, dict) and default_cot and "cot" not in data:
+                data["cot"] = default_cot
+            fields, overrides = request_from_json(data, path.parent, "row")
+            request = SongRequest(**fields)
+            if "id" not in data:
+                raise UsageError("missing 'id' (each batch row needs a unique id)")
+            if request.id != row_id:
+                raise UsageError(f"duplicate id {request.id!r}")
+            if check is not None:
+                check(request, overrides)
+            rows.append((request.id, request, overrides, None))
+        except (ValueError, TypeError, OSError, RecursionError) as exc:
+            rows.append((row_id, None, {}, RowError(error_type(exc), f"{path}:{number}: {exc}", number)))
+    return rows
+
+
+def _row_check(pipe):
+    """Row check: overrides resolve over the pipeline's generation config and the prompts fit."""
+    return lambda request, overrides: pipe.check_request(request, overrides.get("abc"), overrides.get("semantic"))
+
+
+def invalid_row_status(directory: Path, error: RowError) -> dict:
+    """The status line of an invalid batch row; its own failure.json records it too (never over a run)."""
+    from ..artifacts import STATE_FILE, RunDirectory
+
+    status = {"status": "failed", "id": directory.name, "directory": str(directory), "type": error.type,
+              "reason": error.reason}
+    if not (directory / STATE_FILE).exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        RunDirectory(directory).write_failure({**status, "line": error.line})
+    return status
+
+
+def cmd_batch(args) -> int:
+    _batch_rows(Path(args.input), args.cot)  # an unreadable file stops here, before any model loads
+    with _pipeline(args) as pipe:
+        return _run_batch(pipe, _batch_rows(Path(args.input), args.cot, _row_check(pipe)), args)
+
+
+def _run_batch(pipe, rows, args) -> int:
+    """Every valid row through the song scheduler (`--concurrency` at once); batch.json after each song.
+
+    batch.json lists the finished rows in row order; `all_attempted` turns true once every row was
+    attempted, and `complete` (upstream's meaning) once every row was attempted and none failed.
+    """
+    import time
+
+    from ..scheduler import SongScheduler
+
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    summary = {"complete": False, "all_attempted": False, "expected": len(rows), "failed": 0, "results": []}
+    finished: dict[int, dict] = {}
+    start = time.perf_counter()
+
+    def record(index: int, status: dict) -> None:
+        finished[index] = status
+        summary["failed"] = sum(s["status"] != "complete" for s in finished.values())
+        summary["results"] = [finished[i] for i in sorted(finished)]
+        write_json_atomic(output / "batch.json", summary)
+        print_status(status)
+
+    progress = BatchProgress(not args.quiet, len(rows))
+    for index, (row_id, request, overrides, error) in enumerate(rows):
+        if error is not None:
+            record(index, invalid_row_status(output / row_id, error))
+    valid = [(index, request, overrides) for index, (_, request, overrides, error) in enumerate(rows)
+             if error is None]
+    with SongScheduler(pipe, concurrency=args.concurrency, listener=progress.on_event) as scheduler:
+        handles = {scheduler.submit(request, output / request.id, overrides=overrides, resume=args.resume): index
+                   for index, request, overrides in valid}
+        try:
+            for handle in scheduler.as_completed(handles):
+                record(handles[handle], handle_status(handle, args.quiet))
+        except KeyboardInterrupt as exc:  # stop every song at its next boundary, record them, then stop
+            for handle in handles:
+                handle.cancel()
+            for handle in scheduler.as_completed([h for h in handles if handles[h] not in finished]):
+                record(handles[handle], handle_status(handle, args.quiet, f"cancelled by {_signal_name(exc)}; "
+                                                                           "rerun with --resume"))
+            raise
+    progress.close()
+    seconds = time.perf_counter() - start
+    summary["all_attempted"] = True
+    summary["complete"] = summary["failed"] == 0
+    write_json_atomic(output / "batch.json", summary)
+    done = len(rows) - summary["failed"]
+    print_status({"status": "batch", "songs": len(rows), "completed": done, "failed": summary["failed"],
+                  "concurrency": scheduler.concurrency, "seconds": round(seconds, 3),
+                  "songs_per_s": round(done / seconds, 4), "ar_tokens_per_s": round(progress.tokens / seconds, 1)})
+    return 1 if summary["failed"] else 0

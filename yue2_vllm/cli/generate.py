@@ -1,0 +1,136 @@
+"""`yue2-vllm generate`: one song into a run directory (resumable), with per-stage progress bars.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+from pathlib import Path
+
+from .setup import EXPECTED_ERRORS, _pipeline, _signal_name, build_request, print_status
+
+class Progress:
+    """tqdm bars on stderr: tokens per AR phase, steps for the NAR, tiles for the VAE."""
+
+    LABELS = {"abc": "Planning score", "semantic": "Generating song", "nar": "Synthesizing audio",
+              "vae": "Decoding audio"}
+
+    def __init__(self, enabled: bool, token_budget: dict[str, int]):
+        self.enabled, self.token_budget = enabled, token_budget
+        self.stage, self.bar = None, None
+
+    def _switch(self, stage: str, total: int | None) -> None:
+        if self.stage == stage:
+            return
+        self.close()
+        self.stage = stage
+        if self.enabled:
+            from tqdm import tqdm
+
+            unit = "tok" if stage in ("abc", "semantic") else ("step" if stage == "nar" else "tile")
+            self.bar = tqdm(total=total, desc=self.LABELS[stage], unit=unit, file=sys.stderr, leave=True)
+
+    def on_token(self, phase: str, token: int) -> None:
+        self._switch(phase, self.token_budget.get(phase))
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_progress(self, stage: str, done: int, total: int) -> None:
+        self._switch(stage, total)
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.bar, self.stage = None, None
+
+
+def _summary(document: dict) -> dict:
+    timing = document.get("timing", {})
+    phases = {phase: {k: timing[phase].get(k) for k in ("seconds", "output_tokens", "output_tps", "backend_actual")
+                      if k in timing[phase]} for phase in ("abc", "semantic") if phase in timing}
+    return {**phases, **{k: timing[k] for k in ("nar_seconds", "vae_seconds") if k in timing}}
+
+
+def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, stage: str, quiet: bool) -> dict:
+    """Generate one song into `directory`; returns the status line (failure.json is written on error)."""
+    budget = {phase: pipe.sampling_for(overrides.get(phase), phase).max_tokens for phase in ("abc", "semantic")}
+    progress = Progress(not quiet, budget)
+    try:
+        document = pipe.generate_to(directory, request, resume=resume, stage=stage,
+                                    abc_sampling=overrides.get("abc"), semantic_sampling=overrides.get("semantic"),
+                                    on_token=progress.on_token, on_progress=progress.on_progress)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: recorded, then the whole command stops
+        progress.close()
+        exc.status = cancelled_status(request, directory, f"cancelled by {_signal_name(exc)}; rerun with --resume")
+        raise
+    except Exception as exc:  # recorded per song; the caller decides whether to go on
+        progress.close()
+        return song_outcome(request, directory, error=exc, quiet=quiet)
+    progress.close()
+    return song_outcome(request, directory, document=document)
+
+
+def cancelled_status(request, directory: Path, reason: str) -> dict:
+    """The status line of a song stopped by Ctrl-C, SIGTERM or a cancel; its failure.json says the same."""
+    from ..artifacts import RunDirectory
+
+    run = RunDirectory(directory)
+    status = {"status": "cancelled", "id": request.id, "directory": str(directory), "state": "cancelled",
+              "reason": reason}
+    if run.state() is not None:
+        with contextlib.suppress(OSError):
+            run.write_failure({**status, "type": "Cancelled", "request": request.to_dict()})
+    return status
+
+
+def song_outcome(request, directory: Path, *, document: dict | None = None, error: BaseException | None = None,
+                 quiet: bool = True) -> dict:
+    """The status line of a finished song; a failure is also recorded in its directory's failure.json."""
+    from ..artifacts import ResumeError, RunDirectory, RunExistsError
+
+    run = RunDirectory(directory)
+    if error is not None:
+        reason = str(error)
+        if isinstance(error, RunExistsError):
+            reason = (f"{directory}: holds a run already; pass --resume to continue it, or choose another --output "
+                      "or --id" if error.holds_run else f"{directory}: is not empty; choose another --output or --id")
+        status = {"status": "failed", "id": request.id, "directory": str(directory), "type": type(error).__name__,
+                  "reason": reason}
+        if not isinstance(error, (RunExistsError, ResumeError)):  # the run began, so the directory is ours
+            state = run.state()
+            if state is not None and state.get("identity") is not None:
+                status["state"] = state.get("state")
+                with contextlib.suppress(OSError):  # e.g. a full disk: the status line still says why
+                    run.write_failure({**status, "request": request.to_dict()})
+        if not quiet and not isinstance(error, EXPECTED_ERRORS):
+            traceback.print_exception(error, file=sys.stderr)
+        return status
+    run.clear_failure()
+    status = {"status": document["status"], "id": request.id, "directory": str(directory),
+              "identity": document["identity"], "resumed": document["resumed"],
+              "stages_reused": document.get("stages_reused", [])}
+    if document["status"] == "complete":
+        status.update(audio_seconds=round(document["audio_seconds"], 3), truncated=document["truncated"],
+                      timing=_summary(document))
+    return status
+
+
+def cmd_generate(args) -> int:
+    request, overrides = build_request(args)
+    with _pipeline(args) as pipe:
+        status = run_song(pipe, request, overrides, Path(args.output) / request.id, resume=args.resume,
+                          stage=args.stage, quiet=args.quiet)
+    print_status(status)
+    if status["status"] == "failed":
+        print(f"yue2-vllm: error: {status['reason']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def handle_status(handle, quiet: bool, cancel_reason: str = "cancelled") -> dict:
+    if handle.state == "cancelled":
+        return cancelled_status(handle.request, handle.directory, cancel_reason)
+    return song_outcome(handle.request, handle.directory, document=handle.document, error=handle.error, quiet=quiet)

@@ -1,0 +1,190 @@
+"""What every song command shares: the request from flags and files, the pipeline from the model
+flags (backend, runner, hub ids), the JSON status line.
+"""
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+from ..request_json import UsageError, read_abc, read_json_file, read_text_file, request_from_json
+
+def write_json_atomic(path, value) -> None:
+    """checkpoint.write_json_atomic, imported on first use: `yue2-vllm --help` must not import torch."""
+    from ..checkpoint import write_json_atomic as write
+
+    write(path, value)
+
+
+DEFAULT_REQUEST = {
+    "id": "first_song",
+    "style": "华语流行, 钢琴, 温暖的女声, 抒情, 慢节奏",
+    "lyrics": "[verse]\n窗外的雨轻轻落下\n我把思念写成一首歌\n[chorus]\n你是我心里最温柔的光\n",
+}
+
+
+# Failures a user can act on from the message alone (a traceback would only hide it).
+EXPECTED_ERRORS = (ValueError, OSError, InterruptedError)
+
+
+def build_request(args) -> tuple[object, dict]:
+    from ..protocol import SongRequest
+
+    data, base_dir, where = {}, None, "request"
+    if args.request:
+        path = Path(args.request)
+        data, base_dir, where = read_json_file(path, "--request"), path.parent, f"--request {path}"
+    elif args.style is None and args.lyrics is None and args.lyrics_file is None:
+        data = dict(DEFAULT_REQUEST)
+    fields, overrides = request_from_json(data, base_dir, where)
+    flags = {"style": "--style", "lyrics": "--lyrics", "cot": "--cot", "seed": "--seed", "cfg_scale": "--cfg-scale",
+             "id": "--id"}
+    flag_values = {name: getattr(args, name) for name in flags}
+    if args.lyrics_file:
+        flags["lyrics"], flag_values["lyrics"] = "--lyrics-file", read_text_file(Path(args.lyrics_file),
+                                                                                 "--lyrics-file")
+    if args.abc_file:
+        flags["abc"], flag_values["abc"] = "--abc-file", read_abc(Path(args.abc_file), "--abc-file")
+    given = {k: v for k, v in flag_values.items() if v is not None}
+    fields.update(given)
+    for name in ("style", "lyrics"):
+        if name not in fields:
+            raise UsageError(f"request: missing '{name}' (give --{name} or a --request file)")
+    try:
+        return SongRequest(**fields), overrides
+    except ValueError as exc:  # name the flag or the file the bad value came from
+        field = re.match(r"SongRequest\.(\w+)", str(exc))
+        source = flags[field.group(1)] if field and field.group(1) in given else where
+        raise UsageError(f"{source}: {exc}", exc) from None
+
+
+def print_status(status: dict) -> None:
+    """One JSON status line on stdout."""
+    from ..checkpoint import json_text
+
+    print(json_text(status), flush=True)
+
+
+def _pipeline(args, need_vae: bool = True):
+    from ..pipeline import YuE2Pipeline, device_problem
+    from ..protocol import GenerationConfig
+    from ..testing import TINY_GENERATION, tiny_default
+
+    problem = device_problem(args.device)
+    if problem is not None:
+        raise UsageError(f"--device {args.device}: {problem}")
+    generation = read_json_file(Path(args.config), "--config") if args.config else None
+    if args.model is None and args.vae is None:
+        model_dir, vae_dir = tiny_default()
+        generation = generation or TINY_GENERATION  # a 10 s song, so the default run takes seconds
+    elif args.model is None or (args.vae is None and need_vae):
+        raise UsageError("give both --model and --vae, or neither for the embedded tiny default")
+    else:
+        model_dir, vae_dir = model_sources(args)
+    backend = args.backend or default_backend(model_dir)
+    try:
+        generation = GenerationConfig.from_dict(generation)
+    except ValueError as exc:
+        raise UsageError(f"--config {args.config}: {exc}") from None
+    engine_options = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
+                      if getattr(args, name, None) is not None}
+    if getattr(args, "no_sliced_head", False):
+        engine_options["sliced_head"] = False
+    if getattr(args, "vllm_runner", "auto") != "auto":
+        engine_options["runner"] = check_runner(args.vllm_runner, args.device, backend)
+    if getattr(args, "concurrency", None) and "max_num_seqs" not in engine_options:
+        engine_options["max_num_seqs"] = args.concurrency  # one engine row per song in flight
+    pipe = YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=backend,
+                        generation_config=generation, verify_hashes=args.verify_hashes,
+                        ar_checkpoint=args.ar_checkpoint, quantization=args.quantization, offload_ar=args.offload_ar,
+                        dtype=args.dtype, engine_options=engine_options, start_engine=True, cfg_engine=args.cfg_engine,
+                        quantized_policy=args.quantized_policy, reproducible=getattr(args, "reproducible", False))
+    note = torch_ar_note(backend, pipe.device.type, vllm_installed())
+    if note is not None:
+        import logging
+
+        logging.getLogger("yue2_vllm").warning("%s", note)
+    return pipe
+
+
+def check_runner(runner: str, device: str, backend: str) -> str:
+    """`--vllm-runner`, refused before anything is written when this machine's vLLM cannot run it."""
+    if backend != "torch":
+        from ..devices import resolve_device
+        from ..engine.backend import vllm_version
+        from ..engine.runner import resolve_runner
+
+        try:
+            resolve_runner(runner, resolve_device(device).type, vllm_version())
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return runner
+
+
+def model_sources(args) -> tuple:
+    """`--model` / `--vae` (and `--ar-checkpoint`): local directories, or Hugging Face repo ids resolved to
+    their cached snapshots (`--revision` / `--vae-revision`), each error naming its flag."""
+    from ..hub import is_local_name, resolve_model
+
+    sources = []
+    for flag, name, revision in (("--model", args.model, getattr(args, "revision", None)),
+                                 ("--vae", getattr(args, "vae", None), getattr(args, "vae_revision", None))):
+        if name is None:
+            sources.append(None)
+            continue
+        if is_local_name(name) and not Path(name).expanduser().is_dir():
+            raise UsageError(f"{flag} {name}: " + ("is not a directory" if Path(name).expanduser().exists()
+                                                   else "does not exist"))
+        sources.append(resolve_model(name, revision=revision, what=flag))
+    checkpoint = getattr(args, "ar_checkpoint", None)
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        raise UsageError(f"--ar-checkpoint {checkpoint}: " + ("is not a directory" if Path(checkpoint).exists()
+                                                             else "does not exist"))
+    return sources[0], sources[1]
+
+
+def default_backend(model_dir) -> str:
+    """`--backend` when not given: auto (vLLM whenever it can serve, else torch on the record) for real
+    weights; torch for the tiny model, whose songs finish before a vLLM engine would have started."""
+    from ..model.modeling import YuE2Config
+    from ..testing import TINY_CONFIG
+
+    try:
+        return "torch" if YuE2Config.load(Path(model_dir)) == TINY_CONFIG else "auto"
+    except (OSError, ValueError):  # the pipeline reports a broken checkpoint itself
+        return "auto"
+
+
+def vllm_installed() -> bool:
+    from ..engine.backend import vllm_version
+
+    return vllm_version() is not None
+
+
+def torch_ar_note(backend: str, device_type: str, vllm_present: bool) -> str | None:
+    """The one line shown when the AR half would run on our eager torch backend on a GPU only because vLLM
+    is missing (several times slower there than vLLM), with how to install it; else None."""
+    if backend == "torch" or device_type != "cuda" or vllm_present:
+        return None
+    from ..engine.backend import INSTALL_HINT
+
+    return (f"vLLM is not installed: the AR half runs on the torch backend on CUDA, far slower than on vLLM; "
+            f"install it with {INSTALL_HINT}")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised where the program is, so every stage unwinds as on Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _signal_name(exc: KeyboardInterrupt) -> str:
+    return signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
+
+
+def _interrupt(signum, frame):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not break the cleanup
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
