@@ -190,6 +190,8 @@ def test_events_come_in_order_after_a_snapshot(serve):
     ({"lyrics": "  "}, "lyrics", "lyrics must be non-blank text"),
     ({"abc_path": "/etc/passwd"}, "abc_path", "abc_path is not accepted here"),
     ({"stage": "mix"}, "stage", "stage: must be 'plan' or 'audio'"),
+    ({"reproducible": "yes"}, "reproducible", "reproducible: must be true or false"),
+    ({"reproducible": True}, "reproducible", "start the server with --reproducible"),  # this server's engine is bf16
     ({"abc_sampling": {"top_p": 5}}, "abc_sampling", "top_p"),
     ({"semantic_sampling": {"tempo": 1}}, "semantic_sampling", "unknown field(s) ['tempo']"),
     ({"semantic_sampling": {"min_tokens": 9, "max_tokens": 3}}, "semantic_sampling", "min_tokens"),

@@ -488,7 +488,8 @@ class SongService:
         document = verify_result(handle.directory, self.pipe.run_identity(request, config))
         return {"identity": document["identity"], "audio_seconds": document["audio_seconds"],
                 "sample_rate": document["sample_rate"], "truncated": document["truncated"],
-                "resumed": document["resumed"], "audio_bytes": document["artifacts"]["audio.flac"]["bytes"]}
+                "resumed": document["resumed"], "audio_bytes": document["artifacts"]["audio.flac"]["bytes"],
+                "batch_invariant": document.get("batch_invariant", False)}
 
     # -- engine
 

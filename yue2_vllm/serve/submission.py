@@ -76,6 +76,13 @@ def parse_submission(pipe: YuE2Pipeline, body: bytes, job_id: str) -> Submission
     stage = data.pop("stage", "audio")
     if stage not in ("plan", "audio"):
         raise RequestInvalid(f"stage: must be 'plan' or 'audio', got {stage!r}", field="stage")
+    reproducible = data.pop("reproducible", False)
+    if not isinstance(reproducible, bool):
+        raise RequestInvalid(f"reproducible: must be true or false, got {reproducible!r}", field="reproducible")
+    if reproducible and not pipe.reproducible:
+        raise RequestInvalid("reproducible: this server's engine is not batch-invariant, so a seed may not fix the "
+                             "song under load; start the server with --reproducible (then every song is)",
+                             field="reproducible")
     try:
         fields, overrides = request_from_json(data, where="body", allow_files=False)
     except (ValueError, TypeError) as exc:
