@@ -66,3 +66,21 @@ def test_a_redone_stage_is_no_longer_claimed(tmp_path, state, stage, after):
     run.stop_claiming(stage, "run", {})
     assert run.state()["state"] == after
     assert ((run.path / "run_state.json").stat().st_mtime_ns == before) is (state == after)
+
+
+def test_a_resume_removes_what_a_killed_writer_left_and_a_landed_stage_is_fsynced(tmp_path, monkeypatch):
+    import os
+
+    run = RunDirectory(tmp_path / "run")
+    run.start("run", {"id": "x"}, resume=False)
+    (run.path / "semantic.npy.4242.tmp").write_bytes(b"half a file")  # a writer killed before its rename
+    (run.path / "keep.txt").write_text("mine", encoding="utf-8")
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.path.isdir(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    assert run.start("run", {"id": "x"}, resume=True)
+    assert not list(run.path.glob("*.tmp")) and (run.path / "keep.txt").exists()
+    synced.clear()
+    run.write_stage("plan", "run", {"abc_tokens.npy": b"123"}, {})
+    assert synced[-1] is True  # the directory itself, after the stage record landed
+    assert sum(not d for d in synced) == 2  # the file and the record

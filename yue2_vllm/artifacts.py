@@ -15,7 +15,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .checkpoint import json_bytes, read_json, sha256_file, write_bytes_atomic, write_json_atomic
+from .checkpoint import fsync_directory, json_bytes, read_json, sha256_file, write_bytes_atomic, write_json_atomic
 
 STAGES = ("plan", "semantic", "synthesis", "audio")
 STATE_FILE = "run_state.json"
@@ -124,6 +124,7 @@ class RunDirectory:
         if state_path.exists() or state_path.is_symlink():
             if not resume:
                 raise RunExistsError(f"{self.path}: holds a run already; pass resume=True to continue it", True)
+            self.remove_stale_temporaries()
             state = _read_record(state_path)
             recorded = state.get("identity") if state is not None else None
             problem = self.manifest_problem(state) if recorded is not None else None
@@ -145,6 +146,17 @@ class RunDirectory:
         self.path.mkdir(parents=True, exist_ok=True)
         self.set_state(run_identity, request, "created")
         return False
+
+    def remove_stale_temporaries(self) -> list[str]:
+        """Delete `*.tmp` files a killed writer left behind (every write goes to a temp name first); their names."""
+        removed = []
+        for path in self.path.glob("*.tmp"):
+            if path.is_file() and not path.is_symlink():
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
+        if removed:
+            LOG.info("%s: removed %d stale temporary file(s) of an interrupted write", self.path, len(removed))
+        return removed
 
     def manifest_problem(self, state: dict) -> str | None:
         """Why a readable run state cannot be trusted (an unknown state or schema, or a stage it claims
@@ -185,6 +197,7 @@ class RunDirectory:
                   "files": {name: {"sha256": sha256_file(self.path / name), "bytes": len(data)}
                             for name, data in files.items()}}
         write_json_atomic(self._record(stage), record)
+        fsync_directory(self.path)  # the stage has landed once its files and record survive a power cut
 
     def verified_stage(self, stage: str, run_identity: str, files: Iterable[str] = (),
                        meta: Iterable[str] = ()) -> dict | None:
@@ -225,6 +238,7 @@ class RunDirectory:
             artifacts[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
         document = {**result, "artifacts": artifacts}
         write_bytes_atomic(self.path / RESULT_FILE, json_bytes(document))
+        fsync_directory(self.path)
         return document
 
     def reuse_result(self, document: dict, stages: Iterable[str] = STAGES) -> dict:
@@ -234,6 +248,7 @@ class RunDirectory:
         if document.get("resumed") is not True or document.get("stages_reused") != stages:
             document = {**document, "resumed": True, "stages_reused": stages}
             write_bytes_atomic(self.path / RESULT_FILE, json_bytes(document))
+        fsync_directory(self.path)
         return document
 
     def verified_result(self, run_identity: str) -> dict | None:

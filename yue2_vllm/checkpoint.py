@@ -305,6 +305,20 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Make the renames into a directory durable (its entries, not only the files' bytes)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. a platform without directory descriptors
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
 def json_text(value, indent: int | None = None) -> str:
     """JSON as readable UTF-8 text; a string that is not valid Unicode (a lone surrogate) makes it
     fall back to \\u escapes rather than fail to encode."""

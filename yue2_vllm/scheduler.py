@@ -73,10 +73,10 @@ class SongHandle:
     def id(self) -> str:
         return self.request.id
 
-    def cancel(self) -> None:
-        """Stop the song at its next token, ODE step or VAE tile; a queued song is cancelled at once."""
+    def cancel(self) -> bool:
+        """Stop the song at its next token, ODE step or VAE tile; a queued song is cancelled at once (True)."""
         self._cancel.set()
-        self._cancel_if_queued()
+        return self._cancel_if_queued()
 
     def cancelled(self) -> bool:
         return self._cancel.is_set()
@@ -130,19 +130,28 @@ class SongHandle:
             if self._started or self._done.is_set():
                 return False
             self._finish_locked("cancelled", error=InterruptedError("cancelled before it started"))
-            return True
+        self._emit_final()
+        return True
 
     def _finish(self, state: str, document: dict | None = None, error: BaseException | None = None) -> None:
         with self._transition:
-            self._finish_locked(state, document, error)
+            finished = self._finish_locked(state, document, error)
+        if finished:
+            self._emit_final()
 
-    def _finish_locked(self, state, document=None, error=None) -> None:
+    def _finish_locked(self, state, document=None, error=None) -> bool:
         if self._done.is_set():
-            return
+            return False
         self.document, self.error, self.finished = document, error, time.time()
         self.state = state
         self._done.set()
-        self._emit(state, error=None if error is None else f"{type(error).__name__}: {error}")
+        return True
+
+    def _emit_final(self) -> None:
+        """The final event, sent once the transition lock is released: a listener may take its own locks (or
+        cancel this very song) without an order between the two."""
+        error = self.error
+        self._emit(self.state, error=None if error is None else f"{type(error).__name__}: {error}")
 
 
 @dataclass
@@ -195,11 +204,20 @@ class SynthesisLane:
         self._queues[kind].put(job)
         return job.future.result()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = 60.0) -> None:
         for jobs in self._queues.values():
             jobs.put(None)
+        deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads:
-            thread.join(timeout=60)
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def threads_alive(self) -> list[threading.Thread]:
+        return [thread for thread in self._threads if thread.is_alive()]
+
+    @property
+    def healthy(self) -> bool:
+        """Both lane threads are running (a dead one would leave every song waiting for its synthesis)."""
+        return all(thread.is_alive() for thread in self._threads)
 
     @property
     def idle_seconds(self) -> float:
@@ -367,6 +385,11 @@ class SongScheduler:
         return sum(1 for h in list(self._handles.values()) if h.state not in ("queued",) + FINAL_STATES)
 
     @property
+    def healthy(self) -> bool:
+        """Every song thread and both lane threads are running."""
+        return all(thread.is_alive() for thread in self._threads) and self.lane.healthy
+
+    @property
     def queued(self) -> int:
         return sum(1 for h in list(self._handles.values()) if h.state == "queued")
 
@@ -380,16 +403,19 @@ class SongScheduler:
             if pending:
                 pending[0].wait(poll)
 
-    def close(self, cancel: bool = False) -> None:
-        """Stop taking songs; with `cancel`, stop the ones in flight too. Waits for the song threads."""
+    def close(self, cancel: bool = False, timeout: float | None = None) -> bool:
+        """Stop taking songs; with `cancel`, stop the ones in flight too. Waits for the song threads, at most
+        `timeout` seconds in all (None: until they stop); True when every thread stopped in time."""
         if cancel:
             for handle in list(self._handles.values()):
                 handle.cancel()
         for _ in self._threads:
             self._queue.put(None)
+        deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads:
-            thread.join()
-        self.lane.close()
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.lane.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads + self.lane.threads_alive())
 
     def __enter__(self):
         return self

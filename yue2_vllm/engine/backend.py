@@ -414,6 +414,12 @@ class VLLMBackend:
             self.engine_info = {"vllm_version": event["vllm_version"],
                                 "engine_load_seconds": event["engine_load_seconds"]}
 
+    @property
+    def can_restart(self) -> bool:
+        """Whether a dead engine would be started again now (the restart budget of this window is not spent)."""
+        now, window = time.monotonic(), self.settings.restart_window_s
+        return sum(1 for t in self._restart_times if now - t < window) < self.settings.max_restarts
+
     def close(self) -> None:
         """Stop the worker and its process group (frees all engine memory)."""
         with self._start_lock:

@@ -38,3 +38,7 @@ class TooManyJobs(ServiceError):
 
 class Unavailable(ServiceError):
     status = 503
+
+
+class InsufficientStorage(ServiceError):
+    status = 507

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import re
+import shutil
 import statistics
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,7 +27,7 @@ from ..artifacts import RunDirectory, verify_result
 from ..pipeline import STAGE_RECORDS, YuE2Pipeline
 from ..protocol import PHASES, SongRequest
 from ..scheduler import FINAL_STATES, STAGE_STATES, STATES, SongEvent, SongHandle, SongScheduler
-from .errors import Conflict, NotFound, RequestInvalid, TooManyJobs, Unavailable
+from .errors import Conflict, InsufficientStorage, NotFound, RequestInvalid, TooManyJobs, Unavailable
 from .events import EventHub, Throttle
 from .metrics import Registry, RateWindow
 from .store import IdempotencyConflict, JobRecord, JobStore, NewJob, QueueFull  # noqa: F401 (re-exported)
@@ -74,11 +78,19 @@ class ServeConfig:
     event_interval: float = 0.25  # token / NAR / VAE events per job at most every this many seconds
     engine_retries: int = 1  # times a song failed by an engine death goes back to the queue
     watchdog_interval: float = 1.0
+    max_interrupted_runs: int = 2  # a job running when the process died this many times is failed, not requeued
+    stall_seconds: float = 300.0  # songs in flight but none progressed for this long: /health says wedged
+    shutdown_seconds: float = 20.0  # how long close() waits for songs to reach a boundary
+    retention_seconds: float | None = None  # finished jobs older than this are purged (None: kept)
+    min_free_bytes: int = 1 << 30  # admission answers 507 below this much free disk in the data dir
+    owner_timeout: float = 30.0  # an HTTP call waits this long for the job owner, then answers 503
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
         if self.queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
+        if self.max_interrupted_runs < 1:
+            raise ValueError(f"max_interrupted_runs must be >= 1, got {self.max_interrupted_runs}")
 
     @property
     def database(self) -> Path:
@@ -91,7 +103,7 @@ class ServeConfig:
 
 @dataclass(eq=False)
 class LiveJob:
-    """A job the scheduler holds now: its handle and what the events said so far."""
+    """A job the scheduler holds now: its handle and what the events said so far (the owner's alone to write)."""
 
     handle: SongHandle | None  # None only while the scheduler is taking it
     budgets: dict
@@ -103,6 +115,11 @@ class LiveJob:
 
 
 class SongService:
+    """Jobs over the song scheduler. Every transition of a job — its store row, its live state, its events and
+    metrics — happens on one thread, the job owner: song and lane threads only post their events to its inbox
+    (never calling into the service, so no scheduler lock is ever held across a service one), and the HTTP
+    side's cancel / resume / render / launch run there as calls. Reads (status, lists, files) need no lock."""
+
     def __init__(self, pipe: YuE2Pipeline, config: ServeConfig):
         self.pipe, self.config = pipe, config
         config.jobs.mkdir(parents=True, exist_ok=True)
@@ -110,16 +127,59 @@ class SongService:
         self.hub = EventHub()
         self.throttle = Throttle(config.event_interval)
         self._live: dict[str, LiveJob] = {}
-        self._lock = threading.RLock()
+        self._held: list[str] = []  # queued jobs kept out of the scheduler while the engine is down for good
         self._durations: deque[float] = deque(maxlen=50)  # recent songs, started → finished (for Retry-After)
         self.closing = False
         self._stop = threading.Event()
         self._engine = None
         self.engine_state: dict = {"state": "none" if pipe.backend_requested == "torch" else "starting"}
+        self._inbox: queue.Queue = queue.Queue()
+        self._owner = threading.Thread(target=self._own, name="yue2-serve-jobs", daemon=True)
+        self._busy_since: float | None = None  # when the owner took the item it is on (None: waiting)
+        self._last_progress = time.monotonic()
         self._init_metrics()
-        self.scheduler = SongScheduler(pipe, concurrency=config.concurrency, listener=self._on_event)
-        self._watchdog = threading.Thread(target=self._watch_engine, name="yue2-serve-watchdog", daemon=True)
+        self.scheduler = SongScheduler(pipe, concurrency=config.concurrency, listener=self._post_event)
+        self._watchdog = threading.Thread(target=self._watch, name="yue2-serve-watchdog", daemon=True)
         self.started = False
+
+    # -- the job owner
+
+    def _own(self) -> None:
+        while True:
+            item = self._inbox.get()
+            if item is None:
+                return
+            self._busy_since = time.monotonic()
+            try:
+                if item[0] == "event":
+                    self._on_event(item[1])
+                else:
+                    _, fn, args, future = item
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as exc:  # the caller's to raise
+                        future.set_exception(exc)
+            except Exception:  # noqa: BLE001 (one job's bug must not stop every other job's transitions)
+                LOG.exception("job owner: handling %s failed", item[0])
+            finally:
+                self._busy_since = None
+
+    def _call(self, fn, *args):
+        """Run `fn(*args)` on the job owner and return its result (on the owner itself: directly)."""
+        if threading.current_thread() is self._owner or not self._owner.is_alive():
+            return fn(*args)
+        future: Future = Future()
+        self._inbox.put(("call", fn, args, future))
+        try:
+            return future.result(timeout=self.config.owner_timeout)
+        except FutureTimeout:
+            raise Unavailable(f"the job owner did not answer within {self.config.owner_timeout:.0f} s",
+                              headers={"Retry-After": "5"}) from None
+
+    def _post_event(self, event: SongEvent) -> None:
+        """The scheduler's listener (song and lane threads): never blocks, takes no lock."""
+        self._last_progress = time.monotonic()
+        self._inbox.put(("event", event))
 
     # -- lifecycle
 
@@ -128,6 +188,11 @@ class SongService:
         if self.started:
             return
         self.started = True
+        self._owner.start()
+        self._call(self._recover)
+        self._watchdog.start()
+
+    def _recover(self) -> None:
         unfinished = self.store.unfinished()
         if unfinished:
             LOG.info("resuming %d unfinished job(s) from their last verified stage", len(unfinished))
@@ -135,27 +200,45 @@ class SongService:
             if record.cancel_requested:  # asked to stop before the server did: it stays stopped
                 self._record_final(record.id, None, "cancelled", error={"type": "Cancelled", "message": "cancelled"})
                 continue
-            if record.status != "queued":  # it was running when the server stopped
+            if record.status != "queued":  # it was running when the process died
+                deaths = 1 + sum(1 for entry in record.retries if entry.get("kind") == "restart")
+                if deaths >= self.config.max_interrupted_runs:
+                    message = (f"the server died {deaths} times while this job was running (last while "
+                               f"{record.status}); not running it again: it may be what kills the server")
+                    self._record_final(record.id, None, "failed", error={"type": "Interrupted", "message": message})
+                    continue
                 record = self.store.requeue(record.id, None, reason=f"server restarted while {record.status}",
                                             kind="restart", from_statuses=UNFINISHED)
             self._launch(record)
-        self._watchdog.start()
 
     def close(self) -> None:
-        """Stop at the next boundaries; unfinished jobs stay unfinished in the store (resumed next start)."""
+        """Stop at the next boundaries, waiting at most `shutdown_seconds`; unfinished jobs go back to the queue
+        (as a shutdown, not a death) and resume at the next start."""
         self.closing = True
         self._stop.set()
-        self.scheduler.close(cancel=True)
+        if not self.scheduler.close(cancel=True, timeout=self.config.shutdown_seconds):
+            LOG.warning("songs did not stop within %.0f s; leaving them to resume at the next start",
+                        self.config.shutdown_seconds)
+        if self._owner.is_alive():
+            self._call(self._requeue_unfinished)
+            self._inbox.put(None)
+            self._owner.join(timeout=10)
         if self._watchdog.is_alive():
             self._watchdog.join(timeout=10)
         self.store.close()
+
+    def _requeue_unfinished(self) -> None:
+        for record in self.store.unfinished():
+            if record.status != "queued" and not record.cancel_requested:
+                self.store.requeue(record.id, None, reason=f"the server was stopped while {record.status}",
+                                   kind="shutdown", from_statuses=UNFINISHED)
 
     def directory(self, job_id: str) -> Path:
         if not valid_job_id(job_id):  # never a path from outside
             raise NotFound(f"no song {job_id!r}")
         return self.config.jobs / job_id
 
-    # -- submission
+    # -- submission (HTTP threads; the launch runs on the owner)
 
     def submit(self, body: bytes, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
         """Validate and queue a song; `(record, created)` (created False: an idempotent repeat)."""
@@ -163,6 +246,10 @@ class SongService:
         if self.engine_state.get("state") == "failed":
             raise Unavailable(f"the AR engine is down and will not be restarted: {self.engine_state.get('reason')}",
                               headers={"Retry-After": "60"})
+        free = shutil.disk_usage(self.config.jobs).free
+        if free < self.config.min_free_bytes:
+            raise InsufficientStorage(f"the data dir has {free / 2**30:.2f} GiB free, under the "
+                                      f"{self.config.min_free_bytes / 2**30:.2f} GiB a new song may take")
         job_id = new_job_id()
         song = parse_submission(self.pipe, body, job_id)
         stages = {stage: {"state": "pending"} for stage in (STAGES if song.stage == "audio" else ("plan",))}
@@ -175,7 +262,7 @@ class SongService:
         except QueueFull as exc:
             raise self._too_many(exc) from None
         if created:
-            self._launch(record)
+            self._call(self._launch, record)
         return record, created
 
     def _too_many(self, full: QueueFull) -> TooManyJobs:
@@ -189,17 +276,29 @@ class SongService:
         return max(1, min(60, math.ceil(seconds)))
 
     def _launch(self, record: JobRecord) -> None:
+        """Hand a queued job to the scheduler (owner only); held back while the engine is down for good."""
+        if self.engine_state.get("state") == "failed":
+            if record.id not in self._held:
+                self._held.append(record.id)
+            return
         request = SongRequest.from_dict(record.request)
         budgets = {phase: self.pipe.sampling_for(record.overrides.get(phase), phase).max_tokens for phase in PHASES}
         # A stage an earlier attempt was running is pending again (a finished one may still be reused).
         stages = {name: entry if entry.get("state") != "running" else {"state": "pending"}
                   for name, entry in record.stages.items()}
-        with self._lock:
-            self.store.update(record.id, attempts=record.attempts + 1, stages=stages)
-            live = self._live[record.id] = LiveJob(None, budgets, stages)
-            # The song may start (and report) before submit returns: its first event names the handle.
-            live.handle = self.scheduler.submit(request, self.directory(record.id), overrides=record.overrides,
-                                                resume=True, stage=record.stage)
+        self.store.update(record.id, attempts=record.attempts + 1, stages=stages)
+        live = self._live[record.id] = LiveJob(None, budgets, stages)
+        self._last_progress = time.monotonic()
+        # The song may start (and post events) before submit returns: its first event names the handle.
+        live.handle = self.scheduler.submit(request, self.directory(record.id), overrides=record.overrides,
+                                            resume=True, stage=record.stage)
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        for job_id in held:
+            record = self.store.get(job_id)
+            if record is not None and record.status == "queued":
+                self._launch(record)
 
     def requeue(self, job_id: str, *, render: bool) -> JobRecord:
         """Resume a failed or cancelled job from its last verified stage, or render a planned one to audio."""
@@ -209,23 +308,25 @@ class SongService:
                            f"stage={record.stage}")
         if not render and record.status not in ("failed", "cancelled"):
             raise Conflict(f"only a failed or cancelled job can be resumed; this one is {record.status}")
-        with self._lock:
-            live = self._live.get(job_id)
-            if live is not None and not live.handle.done:
-                raise Conflict("the job is still stopping; try again in a moment", headers={"Retry-After": "1"})
-            try:
-                record = self.store.requeue(job_id, self.config.queue_size, kind="render" if render else "resume",
-                                            reason="render requested" if render else "resume requested",
-                                            stage="audio" if render else None)
-            except QueueFull as exc:
-                raise self._too_many(exc) from None
-            except LookupError:
-                raise Conflict("the job changed meanwhile; read it again") from None
-            if render:
-                stages = {**record.stages, **{s: {"state": "pending"} for s in STAGES[1:]}}
-                self.store.update(job_id, stages=stages)
-                record.stages = stages
-            self._launch(record)
+        return self._call(self._requeue, job_id, render)
+
+    def _requeue(self, job_id: str, render: bool) -> JobRecord:
+        live = self._live.get(job_id)
+        if live is not None and not live.handle.done:
+            raise Conflict("the job is still stopping; try again in a moment", headers={"Retry-After": "1"})
+        try:
+            record = self.store.requeue(job_id, self.config.queue_size, kind="render" if render else "resume",
+                                        reason="render requested" if render else "resume requested",
+                                        stage="audio" if render else None)
+        except QueueFull as exc:
+            raise self._too_many(exc) from None
+        except LookupError:
+            raise Conflict("the job changed meanwhile; read it again") from None
+        if render:
+            stages = {**record.stages, **{s: {"state": "pending"} for s in STAGES[1:]}}
+            self.store.update(job_id, stages=stages)
+            record.stages = stages
+        self._launch(record)
         self.hub.publish(job_id, "state", {"status": "queued", "reason": record.retries[-1]["reason"]})
         return record
 
@@ -235,19 +336,51 @@ class SongService:
         record = self.get_record(job_id)
         if record.final:
             return record, False
-        with self._lock:
-            live = self._live.get(job_id)
-            self.store.update(job_id, cancel_requested=1)
-            if live is not None:
-                live.cancel_requested = True
-                live.handle.cancel()
-                started = live.handle.state != "queued"
-            else:
-                started = False
-            if not started:  # a queued song never starts: it is cancelled now, not when a song thread frees up
-                self._record_final(job_id, live, "cancelled", error={"type": "Cancelled",
-                                                                      "message": "cancelled before it started"})
-        return self.get_record(job_id), True
+        return self._call(self._cancel, job_id)
+
+    def _cancel(self, job_id: str) -> tuple[JobRecord, bool]:
+        record = self.store.get(job_id)
+        if record is None or record.final:
+            return record, False
+        live = self._live.get(job_id)
+        self.store.update(job_id, cancel_requested=1)
+        started = False
+        if live is not None:
+            live.cancel_requested = True
+            started = not live.handle.cancel()  # a song thread had taken it: it stops at its next boundary
+        if not started:  # a queued (or held) song never starts: it is cancelled now, not when a thread frees up
+            if job_id in self._held:
+                self._held.remove(job_id)
+            self._record_final(job_id, live, "cancelled", error={"type": "Cancelled",
+                                                                  "message": "cancelled before it started"})
+        return self.store.get(job_id), True
+
+    def purge(self, job_id: str) -> bool:
+        """Remove a finished job's files and row (DELETE ?purge=true, retention); Conflict while it runs."""
+        record = self.get_record(job_id)
+        if not record.final:
+            raise Conflict(f"only a finished job can be purged; this one is {record.status} (cancel it first)")
+        return self._call(self._purge, job_id)
+
+    def _purge(self, job_id: str) -> bool:
+        if job_id in self._live or not self.store.delete(job_id):
+            return False
+        directory = self.directory(job_id)
+        doomed = directory.with_name(directory.name + ".purging")
+        try:
+            directory.rename(doomed)  # gone from the data dir at once; removed below
+        except FileNotFoundError:
+            return True
+        shutil.rmtree(doomed, ignore_errors=True)
+        self.purged.inc()
+        return True
+
+    def _sweep(self) -> None:
+        """Purge finished jobs past the retention window (owner; called from the watchdog)."""
+        if self.config.retention_seconds is None:
+            return
+        for job_id in self.store.finished_before(time.time() - self.config.retention_seconds):
+            self._purge(job_id)
 
     # -- reads
 
@@ -342,7 +475,7 @@ class SongService:
         record = self.get_record(job_id)
         return self.hub.subscribe(record.id, loop, lambda: self.document(record.id))
 
-    # -- scheduler events (song threads)
+    # -- scheduler events (on the owner)
 
     def _on_event(self, event: SongEvent) -> None:
         job_id, kind, data = event.song.id, event.kind, event.data
@@ -358,9 +491,8 @@ class SongService:
                 if not live.finalized:
                     self._on_final(job_id, live, kind)
             finally:  # the handle is done: what it said is in the store now (an engine retry has a new one)
-                with self._lock:
-                    if self._live.get(job_id) is live:
-                        del self._live[job_id]
+                if self._live.get(job_id) is live:
+                    del self._live[job_id]
                 self.throttle.forget((job_id, "ar"))
                 self.throttle.forget((job_id, "synthesis"))
             return
@@ -426,8 +558,15 @@ class SongService:
             error = error_words(handle.error) if handle.error is not None else None
         if self.closing and not live.cancel_requested:
             return  # the server is stopping: the job stays unfinished and resumes at the next start
-        if kind == "failed" and self._engine_died(handle) and self._retry_for_engine(job_id, live, error):
-            return
+        if kind == "failed" and self._engine_died(handle):
+            engine = self.pipe.engine
+            if engine is not None and not engine.running and not engine.can_restart:
+                self.engine_state = {"state": "failed", "reason": error["message"] if error else "engine died"}
+            if self.engine_state.get("state") == "failed" and not live.cancel_requested:
+                self._hold_for_engine(job_id, live, error)  # not the song's fault: it waits for the engine
+                return
+            if self._retry_for_engine(job_id, live, error):
+                return
         if kind == "cancelled" and error is None:
             error = {"type": "Cancelled", "message": "cancelled"}
         self._record_final(job_id, live, kind, error=error)
@@ -445,25 +584,31 @@ class SongService:
         if used >= self.config.engine_retries or live.cancel_requested:
             return False
         reason = f"the AR engine failed ({error['message'][:300]}); retrying from the last verified stage"
-        with self._lock:
-            live.finalized = True
-            record = self.store.requeue(job_id, None, reason=reason, kind="engine",
-                                        from_statuses=UNFINISHED)
-            self.engine_retried.inc()
-            self.hub.publish(job_id, "retry", {"reason": reason, "attempt": record.attempts + 1})
-            self._launch(record)
+        live.finalized = True
+        record = self.store.requeue(job_id, None, reason=reason, kind="engine", from_statuses=UNFINISHED)
+        self.engine_retried.inc()
+        self.hub.publish(job_id, "retry", {"reason": reason, "attempt": record.attempts + 1})
+        self._launch(record)
         return True
+
+    def _hold_for_engine(self, job_id: str, live: LiveJob, error: dict) -> None:
+        """The engine is down for good: the song goes back to the queue, held until the engine is back."""
+        reason = f"the AR engine is down ({error['message'][:300]}); queued until it is back"
+        live.finalized = True
+        self.store.requeue(job_id, None, reason=reason, kind="engine-down", from_statuses=UNFINISHED)
+        self.hub.publish(job_id, "state", {"status": "queued", "reason": reason})
+        if job_id not in self._held:
+            self._held.append(job_id)
 
     def _record_final(self, job_id: str, live: LiveJob | None, status: str, *, result: dict | None = None,
                       error: dict | None = None) -> None:
-        with self._lock:
-            if live is not None:
-                if live.finalized:
-                    return
-                live.finalized = True
-            now = time.time()
-            written = self.store.update(job_id, unless_final=True, status=status, finished=now, error=error,
-                                        result=result, **({"stages": live.record_stages} if live else {}))
+        if live is not None:
+            if live.finalized:
+                return
+            live.finalized = True
+        now = time.time()
+        written = self.store.update(job_id, unless_final=True, status=status, finished=now, error=error,
+                                    result=result, **({"stages": live.record_stages} if live else {}))
         if not written:
             return
         self.songs_finished.inc(status=status)
@@ -493,34 +638,51 @@ class SongService:
 
     # -- engine
 
+    def _watch(self) -> None:
+        """Keep `engine_state` current and restart a dead engine (bounded by the engine's max_restarts); put held
+        jobs back into the scheduler once the engine is back; purge past the retention window."""
+        last_sweep = 0.0
+        while not self._stop.is_set():
+            was_failed = self.engine_state.get("state") == "failed"
+            self._watch_engine()
+            if was_failed and self.engine_state.get("state") != "failed" and self._held:
+                self._call_quietly(self._release_held)
+            if self.config.retention_seconds is not None and time.monotonic() - last_sweep > 60:
+                last_sweep = time.monotonic()
+                self._call_quietly(self._sweep)
+            self._stop.wait(self.config.watchdog_interval)
+
+    def _call_quietly(self, fn) -> None:
+        try:
+            self._call(fn)
+        except Exception:  # noqa: BLE001 (logged; the watchdog goes on)
+            LOG.exception("watchdog: %s failed", getattr(fn, "__name__", fn))
+
     def _watch_engine(self) -> None:
-        """Keep `engine_state` current and restart a dead engine (bounded by the engine's max_restarts)."""
         from ..engine.backend import EngineError
 
         if self.pipe.backend_requested == "torch":
             return
-        while not self._stop.is_set():
-            engine = self._engine or self.pipe.engine
-            self._engine = engine
-            if engine is None or not engine.running:
-                restarting = engine is not None and engine.ever_started
-                if restarting and self.engine_state.get("state") != "failed":
-                    LOG.warning("the AR engine is down; restarting it (restarts so far: %d)", engine.restarts)
-                    self.engine_state = {"state": "restarting", "restarts": engine.restarts}
-                try:
-                    _, reason = self.pipe.select_ar_backend(1.0, False)  # starts (or restarts) the engine
-                except EngineError as exc:
-                    if self.engine_state.get("state") != "failed":
-                        LOG.error("the AR engine will not be restarted: %s", error_words(exc)["message"])
-                    self.engine_state = {"state": "failed", "reason": error_words(exc)["message"]}
-                else:
-                    self._engine = self.pipe.engine
-                    self.engine_state = {"state": "unavailable", "reason": reason} if reason else {"state": "running"}
-                    if restarting and not reason:
-                        LOG.warning("the AR engine is back")
-            elif self.engine_state.get("state") != "running":
-                self.engine_state = {"state": "running"}
-            self._stop.wait(self.config.watchdog_interval)
+        engine = self._engine or self.pipe.engine
+        self._engine = engine
+        if engine is None or not engine.running:
+            restarting = engine is not None and engine.ever_started
+            if restarting and self.engine_state.get("state") != "failed":
+                LOG.warning("the AR engine is down; restarting it (restarts so far: %d)", engine.restarts)
+                self.engine_state = {"state": "restarting", "restarts": engine.restarts}
+            try:
+                _, reason = self.pipe.select_ar_backend(1.0, False)  # starts (or restarts) the engine
+            except EngineError as exc:
+                if self.engine_state.get("state") != "failed":
+                    LOG.error("the AR engine will not be restarted now: %s", error_words(exc)["message"])
+                self.engine_state = {"state": "failed", "reason": error_words(exc)["message"]}
+            else:
+                self._engine = self.pipe.engine
+                self.engine_state = {"state": "unavailable", "reason": reason} if reason else {"state": "running"}
+                if restarting and not reason:
+                    LOG.warning("the AR engine is back")
+        elif self.engine_state.get("state") != "running":
+            self.engine_state = {"state": "running"}
 
     def engine_status(self) -> dict:
         """The engine as /health shows it: backend, state, restarts (checked now, not at the last watch)."""
@@ -535,11 +697,28 @@ class SongService:
         return {"backend_requested": backend, "backend": actual, **state}
 
     def health(self) -> tuple[dict, bool]:
+        """What /health says: ok only when the engine can serve, the torch side runs and songs in flight make
+        progress (or none are in flight) — a wedged server answers 503 with the reason."""
         engine = self.engine_status()
-        ok = engine["state"] not in ENGINE_DOWN
-        return {"status": "ok" if ok else "unavailable", "engine": engine,
-                "queue": {"depth": self.store.queued(), "limit": self.config.queue_size},
-                "in_flight": self.in_flight(), "concurrency": self.scheduler.concurrency}, ok
+        problems = []
+        if engine["state"] in ENGINE_DOWN:
+            problems.append(f"the AR engine is {engine['state']}" + (f": {engine['reason']}" if engine.get("reason")
+                                                                     else ""))
+        in_flight, now = self.in_flight(), time.monotonic()
+        quiet = now - self._last_progress
+        if in_flight and quiet > self.config.stall_seconds:
+            problems.append(f"no song has made progress for {quiet:.0f} s with {in_flight} in flight")
+        busy = self._busy_since
+        if busy is not None and now - busy > self.config.stall_seconds:
+            problems.append(f"the job owner has been on one event for {now - busy:.0f} s")
+        if not self._owner.is_alive() and self.started and not self.closing:
+            problems.append("the job owner thread is not running")
+        if not self.scheduler.healthy:
+            problems.append("the torch side is not running (a song or synthesis thread has stopped)")
+        ok = not problems
+        return {"status": "ok" if ok else "unavailable", "problems": problems, "engine": engine,
+                "queue": {"depth": self.store.queued(), "limit": self.config.queue_size, "held": len(self._held)},
+                "in_flight": in_flight, "concurrency": self.scheduler.concurrency}, ok
 
     def in_flight(self) -> int:
         return sum(1 for live in list(self._live.values()) if not live.finalized and live.handle is not None
@@ -566,6 +745,7 @@ class SongService:
                                           "of the requested one, by phase and reason.", ("phase", "reason"))
         self.engine_retried = registry.counter("yue2_engine_retries_total",
                                                "Songs put back in the queue after an engine failure.")
+        self.purged = registry.counter("yue2_jobs_purged_total", "Finished jobs removed (purge or retention).")
         registry.gauge("yue2_engine_up", "1 while the AR engine can serve (or none is needed).",
                        function=lambda: 0 if self.engine_status()["state"] in ENGINE_DOWN else 1)
         registry.counter("yue2_engine_restarts_total", "Times the AR engine worker was restarted.",

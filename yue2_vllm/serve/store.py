@@ -196,8 +196,9 @@ class JobStore:
                 if depth >= queue_limit:
                     raise QueueFull(depth, queue_limit)
             retries = json.loads(row["retries"]) + [{"at": self.clock(), "kind": kind, "reason": reason}]
-            db.execute("UPDATE jobs SET status='queued', finished=NULL, error=NULL, result=NULL, cancel_requested=0,"
-                       " stage=?, retries=?, updated=? WHERE id=?",
+            # started is cleared too: song seconds and Retry-After count this attempt, not the time in between.
+            db.execute("UPDATE jobs SET status='queued', started=NULL, finished=NULL, error=NULL, result=NULL,"
+                       " cancel_requested=0, stage=?, retries=?, updated=? WHERE id=?",
                        (stage or row["stage"], _encode("retries", retries), self.clock(), job_id))
             return _record(db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone())
 
@@ -216,6 +217,20 @@ class JobStore:
         with self.transaction() as db:
             cursor = db.execute(query, [_encode(n, v) for n, v in values.items()] + [self.clock(), job_id])
             return cursor.rowcount == 1
+
+    def delete(self, job_id: str) -> bool:
+        """Remove a finished job's row (retention); whether there was one. Unfinished jobs are never removed."""
+        with self.transaction() as db:
+            cursor = db.execute("DELETE FROM jobs WHERE id = ? AND status IN ('complete', 'failed', 'cancelled')",
+                                (job_id,))
+            return cursor.rowcount == 1
+
+    def finished_before(self, timestamp: float, limit: int = 100) -> list[str]:
+        """Ids of finished jobs that finished before `timestamp`, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT id FROM jobs WHERE status IN ('complete', 'failed', 'cancelled') AND "
+                                    "finished < ? ORDER BY finished LIMIT ?", (timestamp, limit)).fetchall()
+        return [row[0] for row in rows]
 
     # -- reads
 
