@@ -4,7 +4,6 @@ import json
 import os
 import random
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
