@@ -224,7 +224,6 @@ def test_sixteen_long_lyric_songs_at_once_on_the_engine(tiny_model_dir, tiny_vae
         pipe.close()
 
 
-@pytest.mark.slow
 def test_kill_9_soak_loses_no_job_and_completes_none_twice(tmp_path):
     """24 jobs; the server is killed (SIGKILL) at 3 random moments and restarted each time."""
     args = server_args(tmp_path, "--max-concurrency", "4", "--backend", "torch")
@@ -245,8 +244,9 @@ def test_kill_9_soak_loses_no_job_and_completes_none_twice(tmp_path):
             doc = final(server.client, job_id, timeout=600)
             assert doc["status"] == "complete", (job_id, doc["error"])
             verify_result(tmp_path / "data" / "jobs" / job_id)
-            if job_id in completed_at:  # complete before a kill: never run again
-                assert doc["finished"] == completed_at[job_id] and doc["attempts"] == 1 + len(doc["retries"])
+            if job_id in completed_at:  # complete before a kill: never run again (a second run would finish anew)
+                assert doc["finished"] == completed_at[job_id]
+                assert all(retry["at"] <= doc["finished"] for retry in doc["retries"])
         listed = {song["id"] for song in server.client.get("/v1/songs", params={"limit": 100}).json()["songs"]}
         assert set(jobs) <= listed
     finally:
