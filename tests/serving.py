@@ -11,8 +11,21 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# Songs of a few tokens, two ODE steps: a whole song in about a second on the tiny model.
+GENERATION = {"abc": {"max_tokens": 6, "min_tokens": 6}, "semantic": {"max_tokens": 12, "min_tokens": 12},
+              "ode_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_model_dir, tiny_vae_dir):
+    """The tiny pipeline with GENERATION's budgets (import it into a test module to use it as a fixture)."""
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION) as pipe:
+        yield pipe
 
 
 class ThreadServer:

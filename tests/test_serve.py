@@ -17,6 +17,7 @@ import soundfile
 from yue2_vllm.artifacts import verify_result
 from yue2_vllm.cli import main
 from yue2_vllm.pipeline import YuE2Pipeline
+from yue2_vllm.serve.app import redact
 from yue2_vllm.serve.runner import data_dir_lock
 from yue2_vllm.serve.errors import RequestInvalid
 from yue2_vllm.serve.service import ServeConfig, SongService
@@ -24,20 +25,13 @@ from yue2_vllm.serve.submission import JOB_ID, parse_submission
 from yue2_vllm.serve.store import JobStore, NewJob
 from yue2_vllm.engine.backend import vllm_version
 
-from serving import ProcessServer, ThreadServer, read_events, wait_for
+from serving import GENERATION, ProcessServer, ThreadServer, pipe, read_events, wait_for  # noqa: F401 (pipe)
 
-GENERATION = {"abc": {"max_tokens": 6, "min_tokens": 6}, "semantic": {"max_tokens": 12, "min_tokens": 12},
-              "ode_steps": 2}
 SONG = {"style": "pop, piano", "lyrics": "[verse]\nla la la\n", "seed": 7}
 LONG = {"semantic_sampling": {"min_tokens": 3000, "max_tokens": 3000}}  # runs until it is cancelled
 FINAL = ("complete", "failed", "cancelled")
+AS_JSON = {"Content-Type": "application/json"}
 needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny_model_dir, tiny_vae_dir):
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION) as pipe:
-        yield pipe
 
 
 @pytest.fixture
@@ -121,21 +115,24 @@ def test_a_song_from_post_to_download(serve, tmp_path):
 
     score = client.get(job["urls"]["score"])
     assert score.status_code == 200 and score.content == (directory / "score.abc").read_bytes()
-    assert client.get(job["urls"]["result"]).json() == json.loads((directory / "result.json").read_text())
+    result = client.get(job["urls"]["result"])  # without a key: the file, with no server path in it
+    assert result.json() == redact(json.loads((directory / "result.json").read_text()))
+    assert result.json()["identity"] == document["identity"] and str(tmp_path) not in result.text
 
     metrics = client.get("/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
     lines = [line for line in metrics.text.splitlines() if not line.startswith("#")]
     assert all(re.fullmatch(r'[a-z_][a-z0-9_]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [-+0-9.eEInfa]+', line)
                for line in lines), lines
-    values = dict(line.rsplit(" ", 1) for line in lines)
-    assert values['yue2_songs_finished_total{status="complete"}'] == "1"
-    assert values['yue2_ar_tokens_total{phase="abc"}'] == "6" and values['yue2_ar_tokens_total{phase="semantic"}'] == "12"
-    assert values["yue2_nar_seconds_count"] == "1" and values["yue2_vae_seconds_count"] == "1"
-    assert values['yue2_nar_seconds_bucket{le="+Inf"}'] == "1" and float(values["yue2_nar_seconds_sum"]) > 0
-    assert values["yue2_queue_depth"] == "0" and values["yue2_songs_in_flight"] == "0"
-    assert values['yue2_jobs{status="complete"}'] == "1" and values["yue2_engine_restarts_total"] == "0"
-    assert values['yue2_http_responses_total{code="202"}'] == "1"
+    values = {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines)}
+    assert values['yue2_songs_finished_total{status="complete"}'] == 1
+    assert values['yue2_ar_tokens_total{phase="abc"}'] == 6 and values['yue2_ar_tokens_total{phase="semantic"}'] == 12
+    assert values["yue2_nar_seconds_count"] == 1 and values["yue2_vae_seconds_count"] == 1
+    assert values['yue2_nar_seconds_bucket{le="+Inf"}'] == 1 and values["yue2_nar_seconds_sum"] > 0
+    assert values["yue2_queue_depth"] == 0 and values["yue2_songs_in_flight"] == 0
+    assert values['yue2_jobs{status="complete"}'] == 1 and values["yue2_engine_restarts_total"] == 0
+    assert values['yue2_http_responses_total{code="202"}'] == 1
+    assert values["process_resident_memory_bytes"] > 0  # prometheus_client's process collector
     health = client.get("/health")
     assert health.status_code == 200 and health.json()["engine"] == {"backend_requested": "torch",
                                                                      "backend": "torch", "state": "none"}
@@ -238,29 +235,31 @@ def test_any_json_body_is_a_song_or_a_422_naming_what_is_wrong(pipe, body):
 @pytest.mark.parametrize("raw, words", [(b"[1, 2]", "must be a JSON object"), (b"{not json", "invalid JSON"),
                                         (b"\xff\xfe", "not UTF-8"), (b"", "invalid JSON")])
 def test_bodies_that_are_not_json_objects_are_422(serve, raw, words):
-    response = serve().client.post("/v1/songs", content=raw)
+    response = serve().client.post("/v1/songs", content=raw, headers=AS_JSON)
     assert response.status_code == 422 and words in error_of(response)["message"]
 
 
 def test_a_body_over_256_kib_is_413_declared_or_streamed(serve):
     client = serve().client
     big = json.dumps({**SONG, "lyrics": "x" * (256 * 1024)}).encode()
-    declared = client.post("/v1/songs", content=big)
+    declared = client.post("/v1/songs", content=big, headers=AS_JSON)
     assert declared.status_code == 413 and "262144 bytes" in error_of(declared)["message"]
-    streamed = client.post("/v1/songs", content=iter([big[:100_000], big[100_000:]]))  # chunked: no length
+    chunked = iter([big[:100_000], big[100_000:]])  # no length
+    streamed = client.post("/v1/songs", content=chunked, headers=AS_JSON)
     assert streamed.status_code == 413
     assert client.get("/v1/songs").json()["songs"] == []
 
 
-def test_an_idempotency_key_returns_the_same_job_or_409(serve):
+def test_an_idempotency_key_returns_the_same_job_or_422_for_another_body(serve):
     client = serve().client
     key = {"Idempotency-Key": "order-1234"}
     first = client.post("/v1/songs", json=SONG, headers=key)
-    again = client.post("/v1/songs", content=json.dumps(SONG, indent=2), headers=key)  # same body, other spelling
+    spelled = json.dumps(SONG, indent=2)  # the same body, spelled otherwise
+    again = client.post("/v1/songs", content=spelled, headers={**key, **AS_JSON})
     assert first.status_code == 202 and again.status_code == 200
     assert again.json()["id"] == first.json()["id"] and again.json()["created"] is False
     other = client.post("/v1/songs", json={**SONG, "seed": 8}, headers=key)
-    assert other.status_code == 409 and error_of(other)["field"] == "Idempotency-Key"
+    assert other.status_code == 422 and error_of(other)["field"] == "Idempotency-Key"
     assert first.json()["id"] in error_of(other)["message"]
     for bad in ("", "with space", "k" * 256):
         assert client.post("/v1/songs", json=SONG, headers={"Idempotency-Key": bad}).status_code == 422
@@ -516,7 +515,7 @@ def test_on_the_vllm_engine_a_killed_worker_is_restarted_and_its_songs_retried(t
         doc = final(client, guided["id"])
         assert doc["stages"]["semantic"]["backend_actual"] == "torch"
         assert "--cfg-engine torch" in doc["stages"]["semantic"]["fallback_reason"]
-        assert 'yue2_fallbacks_total{phase="semantic",reason="cfg_scale N ≠ N"} 1' in client.get("/metrics").text
+        assert 'yue2_fallbacks_total{phase="semantic",reason="cfg_scale N ≠ N"} 1.0' in client.get("/metrics").text
 
         long = submit(client, semantic_sampling={"min_tokens": 400, "max_tokens": 400})
         wait_for(lambda: client.get(long["urls"]["self"]).json(), lambda d: d["progress"]["semantic"]["tokens"] >= 20)
@@ -530,7 +529,7 @@ def test_on_the_vllm_engine_a_killed_worker_is_restarted_and_its_songs_retried(t
         assert doc["stages"]["plan"]["state"] == "reused"
         verify_result(tmp_path / "data" / "jobs" / long["id"])
         metrics = client.get("/metrics").text
-        assert "yue2_engine_restarts_total 1" in metrics and "yue2_engine_retries_total 1" in metrics
+        assert "yue2_engine_restarts_total 1.0" in metrics and "yue2_engine_retries_total 1.0" in metrics
         assert client.get("/health").json()["engine"]["restarts"] == 1
     finally:
         server.stop()

@@ -173,6 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
                                          "characters); default: $YUE2_API_KEY, else no key")
     serve.add_argument("--data-dir", default="serve-data", help="the job database (jobs.sqlite3) and each job's "
                                                                 "files (jobs/<id>/)")
+    serve.add_argument("--allowed-host", action="append", metavar="NAME",
+                       help="a Host name this server answers to besides loopback names and IP addresses (repeat "
+                            "for more; '*': any, which gives up the DNS-rebinding check)")
+    serve.add_argument("--insecure-no-auth", action="store_true",
+                       help="listen on a --host beyond loopback without an API key (refused otherwise)")
+    serve.add_argument("--max-sse-clients", type=_count, default=256,
+                       help="event streams open at once before GET .../events answers 503 (default %(default)s)")
+    serve.add_argument("--max-connections", type=_count, default=1024,
+                       help="HTTP connections and tasks at once before the server answers 503 (default "
+                            "%(default)s)")
 
     doctor = command("doctor", "versions, devices, which backends are usable, and the engine / torch memory split")
     doctor.add_argument("--model", help="YuE2 MoT directory or Hugging Face repo id for the memory split (default: "

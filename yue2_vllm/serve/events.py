@@ -8,12 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 BACKLOG = 1000  # events a slow client may fall behind before it is sent a fresh snapshot instead
+# json.dumps escapes CR, LF and every other C0 control, but (ensure_ascii=False) leaves these raw, and
+# str.splitlines and some SSE readers break lines at them.
+_LINE_BREAKS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_LINE_BREAK_TABLE = str.maketrans(_LINE_BREAKS)
+
+
+def event_json(data) -> str:
+    """`data` as one line of JSON for an SSE `data:` field: UTF-8 text kept, but no raw line separator of any
+    kind (CR, LF, NEL, U+2028, U+2029)."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAK_TABLE)
 
 
 @dataclass(eq=False)

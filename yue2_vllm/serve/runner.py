@@ -81,22 +81,46 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
+    """Refuse to listen beyond loopback without an API key (anyone who reaches the port could queue songs and
+    read every job), unless the operator says so with --insecure-no-auth."""
+    if is_loopback(host) or api_key is not None:
+        return
+    if not insecure:
+        raise UsageError(f"--host {host}: listening beyond loopback needs --api-key (or $YUE2_API_KEY); "
+                         "--insecure-no-auth serves without one")
+    LOG.warning("serving on %s without an API key (--insecure-no-auth): anyone who reaches it can submit songs "
+                "and read every job", host)
+
+
 def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def stderr_logging() -> dict:
+    """uvicorn's logging with its access log on stderr: stdout carries only our JSON status lines, and a
+    supervisor that reads just the first one must not wedge the server once the pipe buffer fills."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    for handler in config.get("handlers", {}).values():
+        if handler.get("stream") == "ext://sys.stdout":
+            handler["stream"] = "ext://sys.stderr"
+    return config
 
 
 def serve(args, build_pipeline: Callable, print_status: Callable[[dict], None]) -> int:
     check_installed()
     import uvicorn
 
-    from .app import create_app
+    from .app import MAX_SSE_CLIENTS, create_app
     from .service import ServeConfig, SongService
 
     api_key = api_key_from(args.api_key)
-    if not is_loopback(args.host) and api_key is None:
-        LOG.warning("serving on %s without an API key: anyone who reaches it can submit songs (--api-key or "
-                    "$YUE2_API_KEY)", args.host)
+    check_exposure(args.host, api_key, getattr(args, "insecure_no_auth", False))
     data_dir = Path(args.data_dir)
     try:
         with data_dir_lock(data_dir):
@@ -104,9 +128,13 @@ def serve(args, build_pipeline: Callable, print_status: Callable[[dict], None]) 
             with build_pipeline() as pipe:
                 service = SongService(pipe, ServeConfig(data_dir, concurrency=args.concurrency,
                                                         queue_size=args.queue_size))
-                config = uvicorn.Config(create_app(service, api_key=api_key), lifespan="on", ws="none",
+                app = create_app(service, api_key=api_key, allowed_hosts=tuple(getattr(args, "allowed_host", None)
+                                                                               or ()),
+                                 max_sse_clients=getattr(args, "max_sse_clients", MAX_SSE_CLIENTS))
+                config = uvicorn.Config(app, lifespan="on", ws="none", log_config=stderr_logging(),
                                         log_level="warning" if args.quiet else "info", access_log=not args.quiet,
-                                        timeout_graceful_shutdown=5, server_header=False)
+                                        timeout_graceful_shutdown=5, server_header=False,
+                                        limit_concurrency=getattr(args, "max_connections", None))
                 print_status({"status": "serving", "url": url_of(sock), "data_dir": str(data_dir),
                               "backend": args.backend, "concurrency": service.scheduler.concurrency,
                               "queue_size": args.queue_size, "api_key": api_key is not None})

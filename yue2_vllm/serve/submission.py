@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import secrets
 from dataclasses import dataclass
@@ -53,6 +54,27 @@ def field_of(message: str) -> str | None:
     return None
 
 
+_INTEGER_FIELDS = ("top_k", "penalty_window", "min_tokens", "max_tokens")
+
+
+def _integral(value):
+    """A JSON number with no fractional part (26.0) is the integer JSON Schema calls it; any other value as is."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+def integers_as_integers(data: dict) -> dict:
+    """The body with `seed` and the sampling counts written as 26.0 read as 26 (1.5 stays, and is refused)."""
+    data = dict(data)
+    if "seed" in data:
+        data["seed"] = _integral(data["seed"])
+    for key in ("abc_sampling", "semantic_sampling"):
+        if isinstance(data.get(key), dict):
+            data[key] = {k: _integral(v) if k in _INTEGER_FIELDS else v for k, v in data[key].items()}
+    return data
+
+
 def canonical_sha256(data) -> str:
     """The same for every spelling of one JSON document (ASCII escapes: lone surrogates hash too)."""
     text = json.dumps(data, sort_keys=True, separators=(",", ":"))
@@ -71,8 +93,8 @@ def parse_submission(pipe: YuE2Pipeline, body: bytes, job_id: str) -> Submission
         raise RequestInvalid(f"body: {exc}") from None
     if not isinstance(data, dict):
         raise RequestInvalid(f"body: must be a JSON object, got {type(data).__name__}")
+    data = integers_as_integers(data)
     body_sha256 = canonical_sha256(data)
-    data = dict(data)
     stage = data.pop("stage", "audio")
     if stage not in ("plan", "audio"):
         raise RequestInvalid(f"stage: must be 'plan' or 'audio', got {stage!r}", field="stage")

@@ -1,0 +1,123 @@
+"""`/openapi.json` is the contract: schemathesis `--checks all` against a live server (bounded), every schema-valid
+POST body a song or one of the 422s no schema can express, and README's API table checked against it."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from yue2_vllm.serve.errors import RequestInvalid
+from yue2_vllm.serve.service import ServeConfig, SongService
+from yue2_vllm.serve.submission import parse_submission
+
+from serving import ThreadServer, pipe  # noqa: F401 (pipe: a fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "openapi-test-key-0123456789"
+MAX_TIME = 120
+# What a schema-valid body may still be refused for (tests/schemathesis.toml says why): the context budget,
+# min_tokens over a merged max_tokens.
+CROSS_FIELD = re.compile(r"the request is too long|min_tokens must be in \[0, max_tokens\]")
+schemathesis = pytest.importorskip("schemathesis", reason="pip install 'yue2-vllm[test]'")
+
+
+@pytest.fixture(scope="module")
+def server(pipe, tmp_path_factory):
+    # A short queue: the fuzzer's songs are a few, then 429s (documented), so the run stays bounded.
+    service = SongService(pipe, ServeConfig(tmp_path_factory.mktemp("openapi") / "data", queue_size=4,
+                                            concurrency=1))
+    server = ThreadServer(service, api_key=KEY)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def openapi(server):
+    response = server.client.get("/openapi.json")
+    assert response.status_code == 200
+    return response.json()
+
+
+def test_schemathesis_all_checks_pass(server, tmp_path):
+    command = [str(Path(sys.executable).with_name("st")), "--no-color", "--config-file",
+               str(ROOT / "tests" / "schemathesis.toml"), "run", f"{server.url}/openapi.json", "--checks", "all",
+               "--exclude-checks", "use_after_free",  # DELETE cancels, the job stays: tests/schemathesis.toml
+               "--max-time", str(MAX_TIME), "--seed", "20", "-H", f"Authorization: Bearer {KEY}",
+               "--report-junit-path", str(tmp_path / "junit.xml")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=MAX_TIME + 240, cwd=tmp_path)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-12000:]
+    assert re.search(r"Tested: 13\b", output), output[-3000:]
+
+
+def test_the_song_body_and_every_status_are_documented(openapi):
+    post = openapi["paths"]["/v1/songs"]["post"]
+    assert post["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/SongBody"}
+    body = openapi["components"]["schemas"]["SongBody"]
+    assert body["required"] == ["lyrics"] and body["additionalProperties"] is False
+    assert set(body["properties"]) >= {"style", "tags", "lyrics", "cot", "seed", "abc", "cfg_scale", "id",
+                                       "abc_sampling", "semantic_sampling", "stage", "reproducible"}
+    assert body["properties"]["reproducible"]["const"] is False  # this server is not --reproducible
+    assert set(post["responses"]) == {"200", "202", "400", "401", "403", "409", "413", "415", "422", "429", "503"}
+    error = {"$ref": "#/components/schemas/ErrorBody"}
+    for path, operations in openapi["paths"].items():
+        for method, operation in operations.items():
+            for status, response in operation["responses"].items():
+                if int(status) >= 400 and status != "416" and path != "/health":
+                    assert response["content"]["application/json"]["schema"] == error, (method, path, status)
+    assert openapi["components"]["schemas"]["ErrorDetail"]["required"] == ["status", "message", "field"]
+    assert openapi["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+
+
+def test_every_schema_valid_body_is_a_song_or_a_cross_field_422(pipe, openapi):
+    from hypothesis import HealthCheck, given, settings
+
+    operation = schemathesis.openapi.from_dict(openapi)["/v1/songs"]["POST"]
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(operation.as_strategy())
+    def check(case):
+        try:
+            parse_submission(pipe, json.dumps(case.body).encode(), "j" + "0" * 20)
+        except RequestInvalid as exc:
+            assert CROSS_FIELD.search(exc.message), (case.body, exc.message)
+
+    check()
+
+
+# --------------------------------------------------------------------------- README's API table
+
+
+def readme_operations() -> dict[tuple[str, str], set[int]]:
+    """`{(METHOD, path): bold statuses}` from README's API table (`GET /v1/songs/{id}/audio`, `/score` names
+    `GET /v1/songs/{id}/score` too)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text.split("| endpoint | answers |", 1)[1].split("\n\n", 1)[0]
+    operations = {}
+    for row in table.strip().splitlines()[1:]:
+        cell, answers = row.strip("|").split("|", 1)
+        statuses = {int(s) for s in re.findall(r"\*\*(\d{3})\*\*", answers)}
+        methods, base = None, None
+        for item in re.findall(r"`([^`]+)`", cell):
+            words = item.split()
+            if len(words) == 2:
+                methods, base = words[0].split("/"), words[1].split("?")[0]
+                path = base
+            else:
+                path = base.rsplit("/", 1)[0] + words[0]
+            for method in methods:
+                operations[(method, path)] = statuses
+    return operations
+
+
+def test_the_readme_api_table_is_the_openapi_contract(openapi):
+    documented = {}
+    for path, operations in openapi["paths"].items():
+        for method, operation in operations.items():
+            documented[(method.upper(), path.replace("{job_id}", "{id}"))] = {int(s) for s in operation["responses"]}
+    table = readme_operations()
+    assert set(table) == set(documented), (sorted(set(table) ^ set(documented)))
+    for operation, statuses in table.items():
+        assert statuses <= documented[operation], (operation, statuses - documented[operation])

@@ -1,0 +1,160 @@
+"""The HTTP contract as OpenAPI sees it: the POST body's schema (a pydantic model with the CLI's field constraints
+and examples), the answers' models and the error shape every status shares.
+
+The body is still validated by `submission.parse_submission` (the CLI's checks and the pipeline's context budget,
+with the CLI's messages); this model documents it, so a client generator or a fuzzer can build a valid song.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..protocol import CONTEXT, DEFAULT_SEED, MAX_CFG_SCALE, MAX_SEED
+
+NON_BLANK = r"\S"  # at least one character that is not white space
+SONG_ID = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,179}$"
+IDEMPOTENCY_KEY = r"^[\x21-\x7e]{1,255}$"
+STATUSES = ("queued", "planning", "generating", "synthesizing", "decoding", "complete", "failed", "cancelled")
+
+
+class Sampling(BaseModel):
+    """One AR phase's sampling overrides, merged over the server's defaults for the phase (then
+    `min_tokens <= max_tokens` must hold, and the prompt plus `max_tokens` must fit the context)."""
+
+    model_config = ConfigDict(extra="forbid", title="Sampling")
+    temperature: float = Field(None, ge=0, le=5)
+    top_p: float = Field(None, gt=0, le=1)
+    top_k: int = Field(None, ge=1)
+    repetition_penalty: float = Field(None, gt=0)
+    penalty_window: int = Field(None, ge=1, le=100)
+    min_tokens: int = Field(None, ge=0, le=CONTEXT)
+    max_tokens: int = Field(None, ge=1, le=CONTEXT)
+
+
+class SongBody(BaseModel):
+    """A song: the `generate --request` JSON, plus `stage` and `reproducible`. Give `style` or its alias `tags`
+    (both only when equal). The prompt built from style, lyrics and score must fit the model's context with
+    each phase's `max_tokens` (a 422 naming `lyrics` or `abc` otherwise)."""
+
+    model_config = ConfigDict(extra="forbid", title="SongBody", json_schema_extra={"examples": [
+        {"style": "pop, piano, warm female vocal", "lyrics": "[verse]\nla la la\n", "seed": 7},
+        {"tags": "rock, electric guitar", "lyrics": "[chorus]\nhey\n", "cot": "melody", "stage": "plan",
+         "semantic_sampling": {"temperature": 0.9, "max_tokens": 3000}},
+    ]})
+    style: str = Field(None, pattern=NON_BLANK, description="the style tags the song is conditioned on",
+                       examples=["pop, piano, warm female vocal"])
+    tags: str | None = Field(None, pattern=NON_BLANK, description="an alias of style (null: not given)")
+    lyrics: str = Field(..., pattern=NON_BLANK, examples=["[verse]\nla la la\n"])
+    cot: Literal["off", "melody", "full"] = Field("full", description="chain of thought: a chord-annotated score "
+                                                  "(full), a melody-only one (melody), or none (off)")
+    seed: int = Field(DEFAULT_SEED, ge=0, lt=MAX_SEED)
+    abc: str | None = Field(None, pattern=NON_BLANK, description="an external ABC score (not with cot off)")
+    cfg_scale: float | None = Field(None, ge=0, le=MAX_CFG_SCALE, description="classifier-free guidance scale "
+                                    "(null: the cot mode's default)")
+    id: str | None = Field(None, pattern=SONG_ID, description="kept as the job's label (never a path)")
+    abc_sampling: Sampling | None = None
+    semantic_sampling: Sampling | None = None
+    stage: Literal["plan", "audio"] = Field("audio", description="plan: the score only (render its audio later)")
+    reproducible: bool = Field(False, description="ask for a batch-invariant song (only on a server started with "
+                                                  "--reproducible)")
+    lang: Any = Field(None, description="upstream's request JSON: accepted and ignored")
+    eval_index: Any = Field(None, description="upstream's request JSON: accepted and ignored")
+    clip_id: Any = Field(None, description="upstream's request JSON: accepted and ignored")
+
+
+class ErrorDetail(BaseModel):
+    status: int = Field(..., examples=[422])
+    message: str = Field(..., examples=["cfg_scale must be a finite number in [0, 20], got 99"])
+    field: str | None = Field(..., description="the request field, header or parameter it is about",
+                              examples=["cfg_scale"])
+
+
+class ErrorBody(BaseModel):
+    """Every error: its status, a message in words and the field it is about (or null)."""
+
+    error: ErrorDetail
+
+
+class Urls(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    self: str
+    events: str
+    audio: str
+    score: str
+    result: str
+
+
+class SongCreated(BaseModel):
+    id: str = Field(..., pattern=r"^j[0-9a-f]{20}$")
+    label: str | None
+    status: Literal[STATUSES]
+    stage: Literal["plan", "audio"]
+    created: bool = Field(..., description="false: an earlier request with this Idempotency-Key made the job")
+    urls: Urls
+
+
+class Song(BaseModel):
+    """A job: status, per-stage progress and records, retries, error and result."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    label: str | None
+    status: Literal[STATUSES]
+    stage: Literal["plan", "audio"]
+    progress: dict
+    stages: dict
+    error: dict | None
+    result: dict | None
+    urls: Urls
+
+
+class SongSummary(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    status: Literal[STATUSES]
+    urls: Urls
+
+
+class SongList(BaseModel):
+    songs: list[SongSummary]
+    next_cursor: str | None = Field(..., description="pass as cursor for the next page (null: the last page)")
+
+
+class Health(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    status: Literal["ok", "unavailable"]
+    engine: dict
+    queue: dict
+    in_flight: int
+    api_key_required: bool
+
+
+def _drop_null_defaults(schema):
+    """pydantic writes `default: null` for an optional field that may not be null: leave it out."""
+    if isinstance(schema, dict):
+        if "default" in schema and schema["default"] is None and "anyOf" not in schema and schema.get("type") != "null":
+            schema = {k: v for k, v in schema.items() if k != "default"}
+        return {k: _drop_null_defaults(v) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_drop_null_defaults(item) for item in schema]
+    return schema
+
+
+def song_body_schemas(*, reproducible: bool) -> dict:
+    """`components.schemas` entries for the POST body: SongBody and Sampling, with what pydantic cannot say
+    (style or tags; no score with cot off; reproducible only where the server is)."""
+    schema = _drop_null_defaults(SongBody.model_json_schema(ref_template="#/components/schemas/{model}"))
+    definitions = schema.pop("$defs", {})
+    for name in ("lang", "eval_index", "clip_id"):
+        schema["properties"][name] = {"description": schema["properties"][name]["description"]}
+    text = {"type": "string", "pattern": NON_BLANK}
+    schema["anyOf"] = [{"required": ["style"]}, {"required": ["tags"], "properties": {"tags": text}}]
+    schema["not"] = {"required": ["style", "tags"], "properties": {"tags": text}}
+    schema["if"] = {"required": ["cot"], "properties": {"cot": {"const": "off"}}}
+    schema["then"] = {"properties": {"abc": {"type": "null"}}}
+    if not reproducible:
+        schema["properties"]["reproducible"] = {**schema["properties"]["reproducible"], "const": False,
+                                                "description": "this server's engine is not batch-invariant: "
+                                                               "only false (start it with --reproducible)"}
+    return {"SongBody": schema, **definitions}
