@@ -17,6 +17,9 @@ CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run"]
 DOCS_SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "serve-page.png"
+KEY = "page-test-key-0123456789"
+# Line separators a JSON encoder leaves raw (U+2028, U+2029, NEL): the event stream must still carry them.
+LYRICS = "[verse]\nla la\u2028la\u2029la\u0085la\n[chorus]\nhey\n"
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (CI does)")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="apt-get install chromium (CI does)")
@@ -30,10 +33,11 @@ def server(tiny_model_dir, tiny_vae_dir, tmp_path):
     cache.mkdir(parents=True)
     (cache / "YuE2-3B-tiny").symlink_to(tiny_model_dir, target_is_directory=True)
     (cache / "YuE2-Vae-tiny").symlink_to(tiny_vae_dir, target_is_directory=True)
-    server = ProcessServer(["--data-dir", str(tmp_path / "data"), "--quiet"],
+    server = ProcessServer(["--data-dir", str(tmp_path / "data"), "--quiet", "--api-key", KEY],
                            env={"YUE2_VLLM_CACHE": str(tmp_path / "cache")}, log=tmp_path / "serve.log")
     try:
         server.wait_healthy()
+        server.client.headers["Authorization"] = f"Bearer {KEY}"
         yield server
     finally:
         assert server.stop() == 0
@@ -45,11 +49,29 @@ def test_make_a_song_with_the_form_and_hear_it(server, tmp_path):
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
         page = browser.new_page(viewport={"width": 1200, "height": 900})
         page.on("request", lambda request: requests.append(request.url))
+        statuses = []
+        page.on("response", lambda response: statuses.append((response.status, response.url)))
         page.on("console", lambda message: message.type == "error" and problems.append(message.text))
         page.on("pageerror", lambda error: problems.append(str(error)))
         page.goto(server.url + "/")
         assert page.title().startswith("yue2-vllm")
         page.locator("#health.ok").wait_for()
+        page.locator("#jobs-error").wait_for(state="visible")  # the key is asked for, not a 401 fetched
+        assert "API key" in page.inner_text("#jobs-error") and page.locator("#api-key").is_visible()
+        page.fill("#api-key", KEY)
+        page.dispatch_event("#api-key", "change")
+        page.locator("#jobs-empty").wait_for(state="visible")
+        assert not [s for s in statuses if s[0] == 401], statuses
+
+        page.fill("#semantic-max_tokens", "3")  # under the phase's min_tokens: explained on the field
+        page.focus("#lyrics")
+        page.keyboard.press("Control+Enter")
+        alert = page.locator("#form-error")
+        alert.wait_for(state="visible")
+        assert "min tokens" in alert.inner_text(), alert.inner_text()
+        assert page.get_attribute("#semantic-max_tokens", "aria-invalid") == "true"
+        assert page.evaluate("document.activeElement.id") == "semantic-max_tokens"
+        page.fill("#semantic-max_tokens", "")
 
         page.fill("#cfg_scale", "99")  # an honest error: the server's 422 message, on the field it names
         page.focus("#lyrics")
@@ -62,6 +84,7 @@ def test_make_a_song_with_the_form_and_hear_it(server, tmp_path):
 
         page.fill("#cfg_scale", "")
         page.fill("#style", "pop, piano, warm female vocal")
+        page.fill("#lyrics", LYRICS)
         page.keyboard.press("Control+Enter")
         page.locator("#current").wait_for(state="visible")
         job_id = page.evaluate("location.hash").lstrip("#")
@@ -70,10 +93,15 @@ def test_make_a_song_with_the_form_and_hear_it(server, tmp_path):
                             lambda value: value and value > 0, timeout=30)
         doc = server.client.get(f"/v1/songs/{job_id}").json()
         assert doc["status"] == "complete" and doc["request"]["style"] == "pop, piano, warm female vocal"
+        assert doc["request"]["lyrics"] == LYRICS
         assert abs(duration - doc["result"]["audio_seconds"]) < 0.05, (duration, doc["result"])
         assert page.inner_text("#current-status") == "complete"
         assert page.inner_text("#score") == server.client.get(f"/v1/songs/{job_id}/score").text
-        assert page.get_attribute("#download", "href") == f"/v1/songs/{job_id}/audio"
+        assert page.get_attribute("#download", "href").startswith("blob:")  # fetched with the key
+        result_href = page.get_attribute("#result-link", "href")
+        assert result_href.startswith("blob:")
+        result = page.evaluate("(url) => fetch(url).then((r) => r.json())", result_href)
+        assert result["audio_seconds"] == doc["result"]["audio_seconds"]
         assert [p.get_attribute("value") for p in page.locator("#bars progress").all()] == ["1"] * 4
         row = page.locator(f"#jobs tr[data-id='{job_id}']")
         row.wait_for()
@@ -86,5 +114,7 @@ def test_make_a_song_with_the_form_and_hear_it(server, tmp_path):
     assert screenshot.stat().st_size > 10_000
     if os.environ.get("YUE2_UPDATE_SCREENSHOT") == "1":
         shutil.copyfile(screenshot, DOCS_SCREENSHOT)
-    assert all(url.startswith(server.url) for url in requests), [u for u in requests if not u.startswith(server.url)]
+    ours = (server.url, f"blob:{server.url}/")  # the server, and blobs of what the page fetched from it with the key
+    assert all(url.startswith(ours) for url in requests), [u for u in requests if not u.startswith(ours)]
     assert not [p for p in problems if "status of 422" not in p], problems
+    assert not [s for s in statuses if s[0] == 401], statuses

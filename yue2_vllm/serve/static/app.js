@@ -18,6 +18,7 @@ let apiKey = sessionStorage.getItem("yue2-api-key") || "";
 let current = null;  // {id, doc, score, stream: AbortController, audioUrl}
 let pendingKey = null;  // {body, key}: reused only when the last attempt got no answer at all
 let listed = "";  // the list as last drawn (redrawn only when it changed, so keyboard focus stays put)
+let keyRequired = false;  // /health says whether /v1 needs a key: none is asked for (no 401) before one is typed
 
 // ------------------------------------------------------------------ HTTP
 
@@ -37,7 +38,7 @@ async function api(path, options = {}) {
     error.status = response.status;
     error.field = detail.field || null;
     error.retryAfter = response.headers.get("retry-after");
-    if (response.status === 401) $("advanced").open = true;
+    if (response.status === 401) askForKey();
     throw error;
   }
   return body;
@@ -49,6 +50,23 @@ function describeError(error) {
   if (error.status === 429 && error.retryAfter) text += ` Try again in ${error.retryAfter} s.`;
   if (error.status === 401) text += " Enter the API key under Advanced.";
   return text;
+}
+
+function askForKey() {
+  $("advanced").open = true;
+  show($("jobs-error"), apiKey ? "The API key was refused: enter the server's key under Advanced."
+                               : "This server needs its API key: enter it under Advanced.");
+}
+
+function needKey() {  // true (and the key asked for) when /v1 would answer 401
+  if (keyRequired && !apiKey) { askForKey(); return true; }
+  return false;
+}
+
+async function blobOf(url) {  // a file fetched with the key, for a link or <audio> that cannot send it
+  const response = await fetch(url, { headers: headers() });
+  if (!response.ok) throw new Error(`${url.split("/").pop()}: ${response.status}`);
+  return URL.createObjectURL(await response.blob());
 }
 
 function show(element, text) {
@@ -88,12 +106,38 @@ function clearInvalid() {
   for (const element of document.querySelectorAll("[aria-invalid]")) element.removeAttribute("aria-invalid");
 }
 
+function saveKey() {
+  apiKey = $("api-key").value.trim();
+  sessionStorage.setItem("yue2-api-key", apiKey);
+}
+
+// The field an error is about; a phase's min_tokens over its max_tokens is the max-tokens field's doing.
+function controlFor(error) {
+  const phase = /^(abc|semantic)_sampling$/.exec(error.field || "");
+  if (phase && /min_tokens|max_tokens/.test(error.message)) return $(`${phase[1]}-max_tokens`);
+  return error.field && $(FIELDS[error.field] || "");
+}
+
+function explain(error) {
+  const phase = /^(abc|semantic)_sampling$/.exec(error.field || "");
+  if (phase && /min_tokens must be in \[0, max_tokens\]/.test(error.message)) {
+    return ` Max tokens is under this phase's min tokens (the server's default for the ${phase[1] === "abc"
+      ? "score" : "song"}): raise it, or leave it empty.`;
+  }
+  return "";
+}
+
 async function submit(event) {
   event.preventDefault();
   clearInvalid();
   show($("form-error"), "");
-  apiKey = $("api-key").value.trim();
-  sessionStorage.setItem("yue2-api-key", apiKey);
+  saveKey();
+  if (needKey()) {
+    show($("form-error"), "This server needs its API key: enter it under Advanced.");
+    $("api-key").setAttribute("aria-invalid", "true");
+    $("api-key").focus();
+    return;
+  }
   const body = collect();
   const key = pendingKey && pendingKey.body === body ? pendingKey.key : crypto.randomUUID();
   pendingKey = { body, key };
@@ -108,8 +152,8 @@ async function submit(event) {
     refreshJobs();
   } catch (error) {
     if (error.status !== undefined) pendingKey = null;  // answered: a new attempt is a new job
-    show($("form-error"), describeError(error));
-    const control = error.field && $(FIELDS[error.field] || "");
+    show($("form-error"), describeError(error) + explain(error));
+    const control = controlFor(error);
     if (control) {
       control.setAttribute("aria-invalid", "true");
       if (control.closest("details")) control.closest("details").open = true;
@@ -164,16 +208,19 @@ function renderBars(doc) {
 async function showAudio(doc) {
   const url = doc.urls.audio;
   let source = url;
-  if (apiKey) {  // an <audio> element cannot send the key: fetch the file, play it from a blob
-    const response = await fetch(url, { headers: headers() });
-    if (!response.ok) throw new Error(`audio: ${response.status}`);
-    source = URL.createObjectURL(await response.blob());
+  let result = doc.urls.result;
+  if (apiKey) {  // an <audio> element or a link cannot send the key: fetch the files, use blobs
+    source = await blobOf(url);
+    result = await blobOf(doc.urls.result);
     current.audioUrl = source;
+    current.resultUrl = result;
   }
   $("audio").src = source;
   $("download").href = source;
   $("download").download = `${doc.label || doc.id}.flac`;
-  $("result-link").href = doc.urls.result;
+  $("result-link").href = result;
+  $("result-link").download = apiKey ? `${doc.label || doc.id}.result.json` : "";
+  if (!apiKey) $("result-link").removeAttribute("download");
   $("player").hidden = false;
 }
 
@@ -240,11 +287,15 @@ async function follow(id, signal) {
       if (response.status === 404 || response.status === 401) return;
       const reader = response.body.getReader();
       const decoder = new TextDecoder();
-      let buffer = "";
+      let buffer = "", pendingCR = false;
       for (;;) {
         const { value, done } = await reader.read();
         if (done) break;
-        buffer += decoder.decode(value, { stream: true });
+        // A line ends at CRLF, LF or CR (the event-stream format); a CR at a chunk's end may start a CRLF.
+        let text = (pendingCR ? "\r" : "") + decoder.decode(value, { stream: true });
+        pendingCR = text.endsWith("\r");
+        if (pendingCR) text = text.slice(0, -1);
+        buffer += text.replace(/\r\n?/g, "\n");
         let end;
         while ((end = buffer.indexOf("\n\n")) >= 0) {
           const block = buffer.slice(0, end);
@@ -269,10 +320,11 @@ async function follow(id, signal) {
 async function select(id) {
   if (current && current.stream) current.stream.abort();
   if (current && current.audioUrl) URL.revokeObjectURL(current.audioUrl);
+  if (current && current.resultUrl) URL.revokeObjectURL(current.resultUrl);
   $("player").hidden = true;
   $("audio").removeAttribute("src");
   const doc = await api(`/v1/songs/${id}`);
-  current = { id, doc, score: null, stream: new AbortController(), audioUrl: null };
+  current = { id, doc, score: null, stream: new AbortController(), audioUrl: null, resultUrl: null };
   history.replaceState(null, "", `#${id}`);
   render();
   for (const row of document.querySelectorAll("#jobs tr")) row.classList.toggle("selected", row.dataset.id === id);
@@ -293,6 +345,7 @@ async function act(id, action) {
 // ------------------------------------------------------------------ the list and health
 
 async function refreshJobs() {
+  if (needKey()) return;
   try {
     const page = await api("/v1/songs?limit=20");
     show($("jobs-error"), "");
@@ -345,6 +398,7 @@ async function refreshHealth() {
   try {
     const response = await fetch("/health");
     const health = await response.json();
+    keyRequired = Boolean(health.api_key_required);
     const engine = health.engine;
     const what = engine.backend === "vllm" ? `vLLM engine ${engine.state}` : "torch backend";
     element.textContent = `${what} · ${health.in_flight} in flight · queue ${health.queue.depth}/${health.queue.limit}`;
@@ -369,9 +423,13 @@ document.addEventListener("DOMContentLoaded", () => {
   $("render").addEventListener("click", () => current && act(current.id, "render"));
   $("resume").addEventListener("click", () => current && act(current.id, "resume"));
   $("refresh").addEventListener("click", refreshJobs);
-  refreshHealth();
-  refreshJobs();
+  $("api-key").addEventListener("change", () => { saveKey(); show($("jobs-error"), ""); listed = ""; refreshJobs(); });
   setInterval(() => { if (!document.hidden) { refreshHealth(); refreshJobs(); } }, 4000);
-  const id = location.hash.slice(1);
-  if (/^j[0-9a-f]{20}$/.test(id)) select(id).catch(() => history.replaceState(null, "", location.pathname));
+  refreshHealth().then(() => {  // whether a key is needed is known before anything under /v1 is asked
+    refreshJobs();
+    const id = location.hash.slice(1);
+    if (/^j[0-9a-f]{20}$/.test(id) && !needKey()) {
+      select(id).catch(() => history.replaceState(null, "", location.pathname));
+    }
+  });
 });
