@@ -136,7 +136,7 @@ def test_a_song_from_post_to_download(serve, tmp_path):
     health = client.get("/health")
     assert health.status_code == 200 and health.json()["engine"] == {"backend_requested": "torch",
                                                                      "backend": "torch", "state": "none"}
-    assert health.json()["queue"] == {"depth": 0, "limit": 64}
+    assert health.json()["queue"] == {"depth": 0, "limit": 64, "held": 0} and health.json()["problems"] == []
 
 
 def test_events_come_in_order_after_a_snapshot(serve):

@@ -251,3 +251,36 @@ def test_kill_9_soak_loses_no_job_and_completes_none_twice(tmp_path):
         assert set(jobs) <= listed
     finally:
         server.kill()
+
+
+def test_purge_retention_and_the_free_disk_bound(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch):
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION)
+    service = SongService(pipe, ServeConfig(tmp_path / "data", retention_seconds=3600))
+    server = ThreadServer(service)
+    client = server.client
+    try:
+        done = submit(client)["id"]
+        assert final(client, done)["status"] == "complete"
+        running = submit(client, **LONG)["id"]
+        wait_for(lambda: status(client, running), lambda d: d["status"] == "generating")
+        refused = client.delete(f"/v1/songs/{running}", params={"purge": "true"})
+        assert refused.status_code == 409 and "cancel it first" in refused.json()["error"]["message"]
+        assert client.delete(f"/v1/songs/{done}", params={"purge": "true"}).status_code == 204
+        assert client.get(f"/v1/songs/{done}").status_code == 404
+        assert not (tmp_path / "data" / "jobs" / done).exists()
+        assert client.delete(f"/v1/songs/{done}", params={"purge": "true"}).status_code == 404
+        client.delete(f"/v1/songs/{running}")
+        assert final(client, running)["status"] == "cancelled"
+        # Retention: a finished job older than the window goes at the next sweep.
+        service.store.update(running, finished=time.time() - 7200)
+        service._call(service._sweep)
+        assert client.get(f"/v1/songs/{running}").status_code == 404
+        assert 'yue2_jobs_purged_total 2.0' in client.get("/metrics").text
+        # Under the free-disk bound, admission is 507 and nothing is queued.
+        monkeypatch.setattr(service.config, "min_free_bytes", 1 << 62)
+        full = client.post("/v1/songs", json=SONG)
+        assert full.status_code == 507 and "GiB free" in full.json()["error"]["message"]
+        assert service.store.queued() == 0
+    finally:
+        server.stop()
+        pipe.close()

@@ -60,7 +60,8 @@ def test_the_song_body_and_every_status_are_documented(openapi):
     assert set(body["properties"]) >= {"style", "tags", "lyrics", "cot", "seed", "abc", "cfg_scale", "id",
                                        "abc_sampling", "semantic_sampling", "stage", "reproducible"}
     assert body["properties"]["reproducible"]["const"] is False  # this server is not --reproducible
-    assert set(post["responses"]) == {"200", "202", "400", "401", "403", "409", "413", "415", "422", "429", "503"}
+    assert set(post["responses"]) == {"200", "202", "400", "401", "403", "409", "413", "415", "422", "429", "503",
+                                      "507"}
     error = {"$ref": "#/components/schemas/ErrorBody"}
     for path, operations in openapi["paths"].items():
         for method, operation in operations.items():

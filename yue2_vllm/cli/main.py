@@ -183,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", type=_count, default=1024,
                        help="HTTP connections and tasks at once before the server answers 503 (default "
                             "%(default)s)")
+    serve.add_argument("--stall-seconds", type=_positive_float, default=300.0,
+                       help="songs in flight but none progressed for this long: /health answers 503 (default "
+                            "%(default)s)")
+    serve.add_argument("--retention", type=_positive_float, metavar="SECONDS",
+                       help="purge finished jobs (files and row) this long after they finished (default: keep them)")
+    serve.add_argument("--min-free-disk", type=_positive_float, default=1.0, metavar="GIB",
+                       help="POST answers 507 while the data dir has less free disk than this (default %(default)s)")
 
     doctor = command("doctor", "versions, devices, which backends are usable, and the engine / torch memory split")
     doctor.add_argument("--model", help="YuE2 MoT directory or Hugging Face repo id for the memory split (default: "

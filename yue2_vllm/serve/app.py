@@ -314,7 +314,8 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
         409: {"model": contract.ErrorBody, "description": "a request with this Idempotency-Key is still being "
                                                           "processed", "headers": RETRY_AFTER},
         429: {"model": contract.ErrorBody, "description": "the queue is full", "headers": RETRY_AFTER},
-        503: {"model": contract.ErrorBody, "description": "the engine is down for good", "headers": RETRY_AFTER}})
+        503: {"model": contract.ErrorBody, "description": "the engine is down for good", "headers": RETRY_AFTER},
+        507: {"model": contract.ErrorBody, "description": "the data dir is under its free-disk bound"}})
     async def create_song(request: Request, idempotency_key: str | None = Header(
             None, pattern=contract.IDEMPOTENCY_KEY, max_length=255,
             description="the same key and body again → the same job (200); another body → 422")):
@@ -354,11 +355,17 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
     def get_song(request: Request, job_id: str):
         return answer(request, service.document(job_id))
 
-    @v1.delete("/songs/{job_id}", summary="Cancel a job", responses={
+    @v1.delete("/songs/{job_id}", summary="Cancel a job, or purge a finished one", responses={
         **song, 202: {"model": contract.Song, "description": "asked to stop at the next token, ODE step or tile"},
         200: {"model": contract.Song, "description": "finished already (its files stay), or cancelled at once"},
-        **_errors(403)})
-    def cancel_song(request: Request, job_id: str):
+        204: {"description": "purge=true: the finished job's files and row are gone"},
+        **_errors(403, 409)})
+    def cancel_song(request: Request, job_id: str,
+                    purge: bool = Query(False, description="remove a finished job's files and row (409 while it "
+                                                           "runs: cancel it first)")):
+        if purge:
+            service.purge(job_id)
+            return Response(status_code=204)
         record, asked = service.cancel(job_id)
         return answer(request, service.describe(record), 202 if asked and not record.final else 200)
 

@@ -126,8 +126,10 @@ def serve(args, build_pipeline: Callable, print_status: Callable[[dict], None]) 
         with data_dir_lock(data_dir):
             sock = bind(args.host, args.port)
             with build_pipeline() as pipe:
-                service = SongService(pipe, ServeConfig(data_dir, concurrency=args.concurrency,
-                                                        queue_size=args.queue_size))
+                service = SongService(pipe, ServeConfig(
+                    data_dir, concurrency=args.concurrency, queue_size=args.queue_size,
+                    stall_seconds=getattr(args, "stall_seconds", 300.0), retention_seconds=getattr(args, "retention", None),
+                    min_free_bytes=int(getattr(args, "min_free_disk", 1.0) * 2**30)))
                 app = create_app(service, api_key=api_key, allowed_hosts=tuple(getattr(args, "allowed_host", None)
                                                                                or ()),
                                  max_sse_clients=getattr(args, "max_sse_clients", MAX_SSE_CLIENTS))
