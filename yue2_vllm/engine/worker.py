@@ -1,12 +1,19 @@
-"""The vLLM engine process: `python -m yue2_vllm.engine.worker`, driven over stdin/stdout JSON lines.
+"""The vLLM engine process: `python -m yue2_vllm.engine.worker`, driven over stdin/stdout.
 
 One in-process vLLM `LLMEngine` lives for the worker's lifetime and keeps many requests in
-flight. The parent sends one setup line, then commands at any time: `{"command": "generate",
-"id", ...}`, `{"command": "abort", "id"}`, `{"command": "shutdown"}`; commands are taken in
-between engine steps. Events go back on the original stdout as `YUE2\\t{json}` lines: `ready`;
-one `step` per engine step with every request's new tokens and the requests that finished;
-`aborted`, `error` (one request rejected) and `fatal` (the engine broke; the worker exits 3).
-Everything vLLM prints goes to stderr (the parent's log file). EOF on stdin ends the worker.
+flight. The parent sends one setup message, then commands at any time: `{"command": "generate",
+"id", ...}`, `{"command": "generate_pair", ...}`, `{"command": "abort", "id"}`, `{"command": "shutdown"}`;
+commands are taken in between engine steps. Every message on stdin is one length-checked frame,
+`<byte length>\t<json object>\n` (see `frame`); anything else (a bad header, a short body, a missing
+newline, bad JSON, an unknown command) is a protocol error: the worker reports it as a `fatal` event
+naming it and exits 3. Events go back on the original stdout as `YUE2\t{json}` lines, written by the
+main thread only: `ready`; one `step` per engine step with every request's new tokens and the requests
+that finished; `aborted`, `error` (one request rejected) and `fatal` (the engine or the protocol broke;
+the worker exits 3). Everything vLLM prints goes to stderr (the parent's log file).
+
+The worker dies with its parent: EOF on stdin (the parent closed it or is gone) ends the process at
+once, even mid-step or while the engine loads, and on Linux the kernel sends it SIGKILL when its parent
+dies (`PR_SET_PDEATHSIG`, set first thing; the parent names its pid in `PARENT_ENV` to close the race).
 """
 from __future__ import annotations
 
@@ -21,6 +28,64 @@ from dataclasses import dataclass, field
 
 EVENT_PREFIX = "YUE2\t"
 FATAL_EXIT = 3
+PARENT_ENV = "YUE2_ENGINE_PARENT_PID"
+MAX_FRAME_BYTES = 64 * 2**20  # a generate_pair of two 24,576-token prompts is ~0.4 MB
+_HEADER_DIGITS = len(str(MAX_FRAME_BYTES))
+PR_SET_PDEATHSIG = 1
+
+
+class ProtocolError(ValueError):
+    """A message on the command pipe that is not one well-formed frame."""
+
+
+def frame(message: dict) -> bytes:
+    """One command as sent to the worker: `<byte length>\t<json>\n`."""
+    body = json.dumps(message, separators=(",", ":")).encode("utf-8")
+    return b"%d\t%s\n" % (len(body), body)
+
+
+def read_frame(stream) -> dict | None:
+    """The next framed message from a binary stream; None on EOF at a frame boundary, else ProtocolError."""
+    header = b""
+    while True:
+        char = stream.read(1)
+        if not char:
+            if header:
+                raise ProtocolError(f"the stream ended inside a frame header ({header[:40]!r})")
+            return None
+        if char == b"\t":
+            break
+        header += char
+        if not char.isdigit() or len(header) > _HEADER_DIGITS:
+            raise ProtocolError(f"bad frame header {header[:40]!r}: expected <byte length>\\t<json>\\n")
+    length = int(header) if header else -1
+    if not 0 < length <= MAX_FRAME_BYTES:
+        raise ProtocolError(f"bad frame length {header!r} (1 to {MAX_FRAME_BYTES} bytes)")
+    body = stream.read(length)
+    if len(body) != length:
+        raise ProtocolError(f"the stream ended {length - len(body)} bytes short of a {length}-byte frame")
+    end = stream.read(1)
+    if end != b"\n":
+        raise ProtocolError(f"a {length}-byte frame is followed by {end!r}, not a newline (a torn or mis-sized frame)")
+    try:
+        message = json.loads(body)
+    except ValueError as exc:
+        raise ProtocolError(f"a {length}-byte frame is not JSON ({exc}): {body[:80]!r}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a {length}-byte frame holds a {type(message).__name__}, not a JSON object")
+    return message
+
+
+def die_with_parent() -> None:
+    """SIGKILL from the kernel when the parent dies (Linux); exit now if it is already gone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    expected = os.environ.get(PARENT_ENV)
+    if expected and os.getppid() != int(expected):
+        os._exit(FATAL_EXIT)  # reparented before the signal was armed: the parent is gone
 
 
 class Channel:
@@ -36,11 +101,28 @@ class Channel:
         self._out.flush()
 
 
-def read_commands(commands: queue.Queue) -> None:
-    for line in sys.stdin:
-        if line.strip():
-            commands.put(json.loads(line))
-    commands.put({"command": "shutdown"})  # parent closed our stdin
+COMMANDS = ("generate", "generate_pair", "abort", "shutdown")
+
+
+def read_commands(stdin, commands: queue.Queue) -> None:
+    """Frames from the parent into `commands`; a protocol error is queued for the main thread to report.
+    EOF ends the process at once: the parent closed our stdin or died, and nobody reads our events."""
+    try:
+        while True:
+            message = read_frame(stdin)
+            if message is None:
+                break
+            if message.get("command") not in COMMANDS:
+                raise ProtocolError(f"unknown command {str(message.get('command'))[:40]!r}")
+            commands.put(message)
+    except ProtocolError as exc:
+        commands.put({"command": "protocol_error", "error": str(exc)})
+        return
+    except Exception as exc:  # an unreadable stdin is a protocol error too
+        commands.put({"command": "protocol_error", "error": f"reading the command pipe: {type(exc).__name__}: {exc}"})
+        return
+    print("yue2 engine worker: stdin closed (the parent is gone); exiting", file=sys.stderr, flush=True)
+    os._exit(0)
 
 
 def build_engine(setup: dict):
@@ -149,10 +231,12 @@ class Worker:
             self.channel.emit({"event": "aborted", "id": rid})
 
     def handle(self, command: dict) -> bool:
-        """Apply one command; False on shutdown."""
+        """Apply one command; False on shutdown. A protocol error raises (the worker exits)."""
         kind = command.get("command")
         if kind == "shutdown":
             return False
+        if kind == "protocol_error":
+            raise ProtocolError(command["error"])
         if kind == "generate":
             self.add(command)
         elif kind == "generate_pair":
@@ -201,11 +285,24 @@ class Worker:
             self.channel.emit({"event": "step", "tokens": tokens, "done": done})
 
 
+def fatal(channel: Channel, error: str) -> int:
+    print(f"yue2 engine worker: fatal: {error}", file=sys.stderr, flush=True)
+    channel.emit({"event": "fatal", "error": error})
+    return FATAL_EXIT
+
+
 def main() -> int:
+    die_with_parent()
     channel = Channel()
     commands: queue.Queue = queue.Queue()
-    setup = json.loads(sys.stdin.readline())
-    threading.Thread(target=read_commands, args=(commands,), daemon=True).start()
+    stdin = sys.stdin.buffer
+    try:
+        setup = read_frame(stdin)
+    except ProtocolError as exc:
+        return fatal(channel, f"protocol error in the setup frame: {exc}")
+    if setup is None:
+        return 0  # the parent went away before sending anything
+    threading.Thread(target=read_commands, args=(stdin, commands), daemon=True).start()
     try:
         import vllm
 
@@ -218,8 +315,7 @@ def main() -> int:
                       "async_scheduling": bool(config.scheduler_config.async_scheduling)})
     except Exception as exc:  # reported to the parent, which raises with the log tail
         traceback.print_exc()
-        channel.emit({"event": "fatal", "error": f"{type(exc).__name__}: {exc}"})
-        return FATAL_EXIT
+        return fatal(channel, f"{type(exc).__name__}: {exc}")
     worker = Worker(engine, channel)
     while True:
         busy = engine.has_unfinished_requests()
@@ -228,8 +324,15 @@ def main() -> int:
         except queue.Empty:
             command = None
         while command is not None:
-            if not worker.handle(command):
-                return 0
+            try:
+                if not worker.handle(command):
+                    return 0
+            except ProtocolError as exc:
+                return fatal(channel, f"protocol error on the command pipe: {exc}")
+            except Exception as exc:  # a command that is well framed but malformed (a missing field)
+                traceback.print_exc()
+                return fatal(channel, f"protocol error: the {str(command.get('command'))[:40]!r} command failed: "
+                                      f"{type(exc).__name__}: {exc}")
             try:
                 command = commands.get_nowait()
             except queue.Empty:
@@ -239,9 +342,10 @@ def main() -> int:
                 worker.step()
             except Exception as exc:  # the engine is broken: every request in flight fails
                 traceback.print_exc()
-                channel.emit({"event": "fatal", "error": f"{type(exc).__name__}: {exc}"})
-                return FATAL_EXIT
+                return fatal(channel, f"{type(exc).__name__}: {exc}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    os._exit(code)  # at once: interpreter shutdown can wait on vLLM's threads and exit handlers indefinitely
