@@ -173,14 +173,15 @@ def test_failure_json_names_the_failed_state(tiny_model_dir, tiny_vae_dir, tmp_p
 
 
 class FullDisk:
-    """os.fsync that fails with ENOSPC at the `at`-th write under `root` (and after it, if the disk stays full)."""
+    """os.fsync that fails with ENOSPC at the `at`-th file write under `root` (and after it, if the disk stays full)."""
 
     def __init__(self, root, at, stays_full):
         self.root, self.at, self.stays_full, self.writes = str(root), at, stays_full, 0
         self.real = os.fsync
 
     def __call__(self, fd):
-        if os.readlink(f"/proc/self/fd/{fd}").startswith(self.root):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.startswith(self.root) and not os.path.isdir(path):  # a file's bytes (directory entries apart)
             self.writes += 1
             if self.writes == self.at or (self.stays_full and self.writes > self.at):
                 raise OSError(28, os.strerror(28))

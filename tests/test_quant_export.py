@@ -101,7 +101,7 @@ def test_refusals_come_before_llmcompressor(tiny_model_dir, tmp_path, monkeypatc
 
 def test_missing_llmcompressor_names_the_quant_venv(tiny_model_dir, tmp_path, no_llmcompressor):
     with pytest.raises(ImportError, match=r"bash calibration/setup-quant-env\.sh.*\.venv-quant/bin/yue2-vllm "
-                                          r"quantize.*\.venv-quant/bin/python -m yue2_vllm\.export"):
+                                          r"quantize.*\.venv-quant/bin/python -m yue2_vllm\.quant\.export"):
         quantize_ar(tiny_model_dir, "fp8", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

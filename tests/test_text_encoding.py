@@ -29,6 +29,11 @@ def _text_mode(node: ast.Call, name: str) -> bool:
     return not (isinstance(mode, ast.Constant) and isinstance(mode.value, str) and "b" in mode.value)
 
 
+def _is_os_open(func) -> bool:
+    return isinstance(func, ast.Attribute) and func.attr == "open" and isinstance(func.value, ast.Name) \
+        and func.value.id == "os"
+
+
 def implicit_text_io(source: str):
     """(line, call) for text I/O without an explicit `encoding=`."""
     for node in ast.walk(ast.parse(source)):
@@ -37,7 +42,7 @@ def implicit_text_io(source: str):
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
         keywords = _keywords(node)
-        if "encoding" in keywords:
+        if "encoding" in keywords or _is_os_open(func):  # os.open gives a file descriptor: no text layer
             continue
         if name in ALWAYS_TEXT or (name in MODE_TEXT and _text_mode(node, name)):
             yield node.lineno, name
@@ -50,7 +55,7 @@ def test_the_scan_finds_what_it_looks_for():
     found = list(implicit_text_io("from pathlib import Path\nPath('a').read_text()\nopen('x')\nopen('x', 'rb')\n"
                                   "open('x', mode='w')\nopen('x', 'a', encoding='utf-8')\n"
                                   "Path('a').write_text('t', encoding='utf-8')\nsubprocess.run(['a'], text=True)\n"
-                                  "io.TextIOWrapper(stream)\nos.fdopen(3, 'wb')\n"))
+                                  "io.TextIOWrapper(stream)\nos.fdopen(3, 'wb')\nos.open('d', os.O_RDONLY)\n"))
     assert found == [(2, "read_text"), (3, "open"), (5, "open"), (8, "run"), (9, "TextIOWrapper")]
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from ..checkpoint import atomic_directory, read_json, write_json_atomic
 from ..protocol import CODEC_OFFSET, CODEC_SIZE, MUSIC_END, SongRequest
 
-DEFAULT_REQUESTS = Path(__file__).resolve().parent.parent / "calibration" / "requests.json"
+DEFAULT_REQUESTS = Path(__file__).resolve().parents[2] / "calibration" / "requests.json"
 MAX_WINDOW = 8192
 MANIFEST = "manifest.json"
 META_FIELDS = ("lang",)

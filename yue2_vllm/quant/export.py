@@ -40,7 +40,7 @@ from .schemes import runnable_reason
 
 SCHEMA = 1
 RECORD_FILE = "yue2_quantization.json"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "calibration" / "recipes"
 # scheme -> (recipe file, the QuantScheme name the export must have, whether it needs calibration data)
 SCHEMES = {
@@ -184,7 +184,7 @@ def load_calibration(directory: str | os.PathLike, vocab_size: int | None = None
 def quant_python() -> Path | None:
     """The quantization venv's python: `$YUE2_QUANT_PYTHON`, else `<repo>/.venv-quant/bin/python`."""
     configured = os.environ.get("YUE2_QUANT_PYTHON")
-    repo_venv = Path(__file__).resolve().parent.parent / ".venv-quant" / "bin" / "python"
+    repo_venv = REPO_ROOT / ".venv-quant" / "bin" / "python"
     for candidate in ([Path(configured)] if configured else []) + [repo_venv]:
         if candidate.exists():
             return candidate
