@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from yue2_vllm.engine import sampling as es
-from yue2_vllm.engine import mrv2 as vllm_mrv2
+from yue2_vllm.engine import mrv2
 from yue2_vllm.protocol import ABC_END, CODEC_OFFSET, MUSIC_END, MUSIC_START, Sampling, VOCAB_SIZE
 from yue2_vllm.engine.backend import vllm_version
 from yue2_vllm.engine.plugin import FQCNS, Pairing, parse_row, row_args, sample_rows, step_layout
@@ -175,9 +175,9 @@ def test_device_history_helpers_match_the_host_arithmetic():
     tokens = torch.tensor([prefix + history + outputs + [0] * 5])
     slots, prompt_len = torch.tensor([0]), torch.tensor([len(prefix) + len(history)])
     pos = torch.tensor([len(prefix) + len(history) + len(outputs) - 1])
-    steps, start = vllm_mrv2.output_positions(pos, slots, prompt_len, torch.tensor([len(history)]))
+    steps, start = mrv2.output_positions(pos, slots, prompt_len, torch.tensor([len(history)]))
     assert steps.tolist() == [state.step] and start.tolist() == [len(prefix)]
-    window = vllm_mrv2.recent_phase_ids(tokens, slots, pos, start, tokens[0, pos], torch.tensor([6]), 6, 1)
+    window = mrv2.recent_phase_ids(tokens, slots, pos, start, tokens[0, pos], torch.tensor([6]), 6, 1)
     expected = es.local_windows([state.recent()], 1)[0]
     assert sorted(t for t in window[0].tolist() if t >= 0) == sorted(t for t in expected if t >= 0)
     assert window[0].tolist()[:4] == [t - MUSIC_END for t in (CODEC_OFFSET + 4, CODEC_OFFSET + 3, CODEC_OFFSET + 2,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from yue2_vllm.engine import sampling as es
-from yue2_vllm.engine import plugin as vllm_plugin
+from yue2_vllm.engine import plugin
 from yue2_vllm.protocol import CODEC_OFFSET, EOD, MUSIC_END, MUSIC_START, Sampling
 from yue2_vllm.engine.backend import vllm_version
 from yue2_vllm.engine.plugin import Pairing, RowState, parse_row, row_args, sample_rows, step_layout
@@ -93,7 +93,7 @@ def test_sampler_inside_real_engine_with_mixed_batch(tiny_model_dir, tmp_path_fa
         monkeypatch.setenv(key, value)
     from vllm import LLM, SamplingParams
 
-    processor = vllm_plugin.YuE2Sampler
+    processor = plugin.YuE2Sampler
     records, original = [], processor.apply
 
     def recording(self, logits):
@@ -113,7 +113,7 @@ def test_sampler_inside_real_engine_with_mixed_batch(tiny_model_dir, tmp_path_fa
     monkeypatch.setattr(processor, "apply", recording)
     monkeypatch.setattr(processor, "update_state", counting)
     llm = LLM(model=str(derived), skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-              kv_cache_memory_bytes=64 * 2**20, max_num_seqs=8, seed=0, logits_processors=[vllm_plugin.FQCNS["v1"]])
+              kv_cache_memory_bytes=64 * 2**20, max_num_seqs=8, seed=0, logits_processors=[plugin.FQCNS["v1"]])
     rng = random.Random(1)
     params, seeds = [], []
     for i in range(24):

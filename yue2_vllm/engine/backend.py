@@ -125,7 +125,7 @@ class EngineSettings:
     offload_ar: bool = False
     threads: int | None = None  # the engine's CPU threads (None: half the cores on the CPU, see `cpu_split`)
     kv_admission: bool = True  # admit a request only when its worst-case KV is free (False: vLLM may preempt)
-    sliced_head: bool = True  # YuE2ARForCausalLM: each row's logits only over its phase's ids (vllm_model)
+    sliced_head: bool = True  # YuE2ARForCausalLM: each row's logits only over its phase's ids (engine.ar_model)
     runner: str = "auto"  # vLLM's model runner: "v1", "v2" or "auto" (see engine.runner)
     cuda_visible_devices: str | None = None  # the worker sees only the pipeline's GPU (devices.engine_cuda_env)
     batch_invariance: BatchInvariance | None = None  # set: a seed fixes a song whatever else the engine serves
