@@ -42,8 +42,10 @@ class Server:
         self.data_dir = data_dir
 
     def engine_worker(self) -> int | None:
-        """The engine worker: the child of the server process that leads its own process group."""
-        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
+        """The engine worker: the child of the server process that leads its own process group (forked by any of
+        the server's threads: the backend starts workers from a spawner thread of its own)."""
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        children = [c for task in tasks.iterdir() for c in (task / "children").read_text(encoding="utf-8").split()]
         for child in map(int, children):
             try:
                 if os.getpgid(child) == child:
