@@ -30,11 +30,19 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
-def _positive_float(text: str) -> float:
+def _positive(text: str, unit: str) -> float:
     value = float(text)
     if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive number of {unit}, got {text}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    return _positive(text, "GiB")
+
+
+def _positive_seconds(text: str) -> float:
+    return _positive(text, "seconds")
 
 
 def _integer_in(text: str, low: int, high: int | None, words: str) -> int:
@@ -183,10 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", type=_count, default=1024,
                        help="HTTP connections and tasks at once before the server answers 503 (default "
                             "%(default)s)")
-    serve.add_argument("--stall-seconds", type=_positive_float, default=300.0,
+    serve.add_argument("--stall-seconds", type=_positive_seconds, default=300.0,
                        help="songs in flight but none progressed for this long: /health answers 503 (default "
                             "%(default)s)")
-    serve.add_argument("--retention", type=_positive_float, metavar="SECONDS",
+    serve.add_argument("--retention", type=_positive_seconds, metavar="SECONDS",
                        help="purge finished jobs (files and row) this long after they finished (default: keep them)")
     serve.add_argument("--min-free-disk", type=_positive_float, default=1.0, metavar="GIB",
                        help="POST answers 507 while the data dir has less free disk than this (default %(default)s)")
