@@ -148,7 +148,7 @@ class PathsEverywhere:
     path = "/tmp/yue2-secret-8f3k/jobs/j00000000000000000000/audio.flac"
 
     def __init__(self):
-        self.pipe = type("Pipe", (), {"reproducible": False})()
+        self.rules = type("Rules", (), {"reproducible": False})()
         self.hub, self.http_responses, self.metrics = EventHub(), Counter(), Registry(process=False)
 
     def start(self):

@@ -25,9 +25,8 @@ from .model.loader import load_model
 from .model.modeling import YuE2Config
 from .model.nar import SongInput, offloaded_ar, synthesize_many
 from .model.nar import synthesize as nar_synthesize
-from .protocol import (ABC_END, CODEC_OFFSET, CODEC_SIZE, MUSIC_START, GenerationConfig, Sampling, SongRequest,
-                       abc_prompt, check_abc_ids, check_budget, check_token_ids, default_cfg_scale, negative_prompt,
-                       resolve_sampling, semantic_prompt)
+from .protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, Sampling, SongRequest, SongRules, abc_prompt,
+                       check_abc_ids, check_token_ids, default_cfg_scale, negative_prompt, semantic_prompt)
 from .derive import OVERRIDE_ENV
 from .hub import resolve_model
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
@@ -191,6 +190,7 @@ class YuE2Pipeline:
         self.vae_config = check_vae(self.vae_dir) if self.vae_dir is not None else None
         identity_seconds = time.perf_counter() - start
         self.tokenizer = YuE2Tokenizer.from_model_dir(self.model_dir)
+        self.rules = SongRules(self.generation_config, self.tokenizer, self.reproducible)
         self.quantization = quantization
         self.dtype, self.offload_ar = dtype, bool(offload_ar)
         self.ar_checkpoint = ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None
@@ -368,7 +368,7 @@ class YuE2Pipeline:
     # -- configuration
 
     def sampling_for(self, request_overrides: dict | Sampling | None, phase: str) -> Sampling:
-        return resolve_sampling(request_overrides, getattr(self.generation_config, phase))
+        return self.rules.sampling_for(request_overrides, phase)
 
     def effective_config(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> dict:
         generation = replace(self.generation_config, abc=self.sampling_for(abc_sampling, "abc"),
@@ -395,26 +395,7 @@ class YuE2Pipeline:
         }
 
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
-        """Refuse, before any stage runs, overrides that do not resolve and prompts that cannot fit the
-        context with their token budgets (a generated score can only make the semantic prompt longer)."""
-        sampling = {}
-        for phase, value in (("abc", abc_sampling), ("semantic", semantic_sampling)):
-            try:
-                sampling[phase] = self.sampling_for(value, phase)
-            except ValueError as exc:
-                raise ValueError(f"{phase}_sampling: {exc}") from None
-        try:
-            if request.cot == "off" or request.abc is not None:
-                check_budget(semantic_prompt(request, self.tokenizer), sampling["semantic"].max_tokens,
-                             "semantic prompt")
-            else:
-                prompt = abc_prompt(request, self.tokenizer)
-                check_budget(prompt, sampling["abc"].max_tokens, "abc prompt")
-                check_budget(prompt + [ABC_END, MUSIC_START], sampling["semantic"].max_tokens,
-                             "semantic prompt (before any score token)")
-        except ValueError as exc:
-            raise ValueError(f"the request is too long: {exc}; shorten the lyrics, style or score, or lower "
-                             "max_tokens") from None
+        self.rules.check_request(request, abc_sampling, semantic_sampling)
 
     def source_records(self) -> dict:
         """Where the weights were read from (a Hub repo's revision, commit and snapshot path, or the local

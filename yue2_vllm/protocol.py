@@ -349,6 +349,42 @@ def check_budget(prompt: Sequence[int], max_tokens: int, what: str = "prompt") -
                          f"{len(prompt) + max_tokens} exceeds the {CONTEXT}-token context")
 
 
+
+@dataclass(frozen=True)
+class SongRules:
+    """What admitting a song takes, without any weights: each phase's sampling defaults, the tokenizer (the
+    prompt's length) and whether the engine is batch-invariant. The pipeline holds one; so does a server whose
+    songs run on other processes (Ray replicas), which must refuse what a replica would refuse."""
+
+    generation: GenerationConfig
+    tokenizer: TextEncoder
+    reproducible: bool = False
+
+    def sampling_for(self, overrides: dict | Sampling | None, phase: str) -> Sampling:
+        return resolve_sampling(overrides, getattr(self.generation, phase))
+
+    def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
+        """Refuse, before any stage runs, overrides that do not resolve and prompts that cannot fit the
+        context with their token budgets (a generated score can only make the semantic prompt longer)."""
+        sampling = {}
+        for phase, value in (("abc", abc_sampling), ("semantic", semantic_sampling)):
+            try:
+                sampling[phase] = self.sampling_for(value, phase)
+            except ValueError as exc:
+                raise ValueError(f"{phase}_sampling: {exc}") from None
+        try:
+            if request.cot == "off" or request.abc is not None:
+                check_budget(semantic_prompt(request, self.tokenizer), sampling["semantic"].max_tokens,
+                             "semantic prompt")
+            else:
+                prompt = abc_prompt(request, self.tokenizer)
+                check_budget(prompt, sampling["abc"].max_tokens, "abc prompt")
+                check_budget(prompt + [ABC_END, MUSIC_START], sampling["semantic"].max_tokens,
+                             "semantic prompt (before any score token)")
+        except ValueError as exc:
+            raise ValueError(f"the request is too long: {exc}; shorten the lyrics, style or score, or lower "
+                             "max_tokens") from None
+
 def chunk_ranges(frames: int, prefix_tokens: int, context: int = CONTEXT) -> list[tuple[int, int]]:
     """NAR chunks `[a, b)` over the codec frames so that prefix + n + 1 AR and n + 2 NAR fit the context."""
     if not _is_int(frames) or frames < 0:

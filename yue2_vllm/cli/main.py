@@ -125,6 +125,33 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
 
 
+def _replica_gpus(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0 <= value <= 8) or (value > 1 and value != int(value)):
+        raise argparse.ArgumentTypeError(f"must be 0 (CPU replicas), a fraction of one GPU or whole GPUs, got {text}")
+    return value
+
+
+def _cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """Scale-out on Ray Serve (the `ray` extra): a song worker replica per GPU behind this server's API."""
+    parser.add_argument("--replicas", type=_count, metavar="N",
+                        help="serve from N song-worker replicas (each a pipeline, its engine and synthesis lane) on a "
+                             "local Ray cluster this command starts; with --ray-address, on that cluster (default "
+                             "there: one per GPU). Without either flag: one process, no Ray")
+    parser.add_argument("--ray-address", metavar="ADDR",
+                        help="join this Ray cluster (HOST:6379 of `ray start --head`, or auto) instead of starting one; "
+                             "the data dir must be shared by every node")
+    parser.add_argument("--replica-gpus", type=_replica_gpus, metavar="G",
+                        help="GPUs each replica reserves (default: 1 where the cluster has GPUs, else 0 = CPU "
+                             "replicas; a fraction puts several replicas, each with its own engine, on one GPU)")
+    parser.add_argument("--replica-cpus", type=_count, metavar="C",
+                        help="CPU cores each replica reserves (default: 1 beside a GPU; on a CPU cluster its cores "
+                             "shared out, each replica pinned to its own)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
@@ -198,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="purge finished jobs (files and row) this long after they finished (default: keep them)")
     serve.add_argument("--min-free-disk", type=_positive_float, default=1.0, metavar="GIB",
                        help="POST answers 507 while the data dir has less free disk than this (default %(default)s)")
+    _cluster_flags(serve)
 
     doctor = command("doctor", "versions, devices, which backends are usable, and the engine / torch memory split")
     doctor.add_argument("--model", help="YuE2 MoT directory or Hugging Face repo id for the memory split (default: "
@@ -209,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--budget", type=float, default=24.0, help="memory budget in GiB (default %(default)s)")
     doctor.add_argument("--concurrency", type=_count, help="engine rows (default: sized from the budget)")
     doctor.add_argument("--offload-ar", action="store_true", help="plan for --offload-ar")
+    _cluster_flags(doctor)
     doctor.set_defaults(func=cmd_doctor)
 
     derive = command("derive", "write the Qwen3 AR checkpoint vLLM serves (cached by content)")

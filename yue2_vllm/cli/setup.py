@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+import sys
 from pathlib import Path
 
 from ..request_json import UsageError, read_abc, read_json_file, read_text_file, request_from_json
@@ -58,15 +59,17 @@ def build_request(args) -> tuple[object, dict]:
         raise UsageError(f"{source}: {exc}", exc) from None
 
 
-def print_status(status: dict) -> None:
-    """One JSON status line on stdout."""
+def print_status(status: dict, stream=None) -> None:
+    """One JSON status line on stdout (or `stream`)."""
     from ..checkpoint import json_text
 
-    print(json_text(status), flush=True)
+    print(json_text(status), file=stream or sys.stdout, flush=True)
 
 
-def _pipeline(args, need_vae: bool = True):
-    from ..pipeline import YuE2Pipeline, device_problem
+def _models(args, need_vae: bool = True) -> tuple:
+    """`(model_dir, vae_dir, generation config, backend)` from the model flags (the embedded tiny default with
+    its 10-second budgets when --model and --vae are both left out)."""
+    from ..pipeline import device_problem
     from ..protocol import GenerationConfig
     from ..testing import TINY_GENERATION, tiny_default
 
@@ -86,6 +89,13 @@ def _pipeline(args, need_vae: bool = True):
         generation = GenerationConfig.from_dict(generation)
     except ValueError as exc:
         raise UsageError(f"--config {args.config}: {exc}") from None
+    return model_dir, vae_dir, generation, backend
+
+
+def _pipeline(args, need_vae: bool = True):
+    from ..pipeline import YuE2Pipeline
+
+    model_dir, vae_dir, generation, backend = _models(args, need_vae)
     engine_options = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
                       if getattr(args, name, None) is not None}
     if getattr(args, "no_sliced_head", False):
@@ -105,6 +115,44 @@ def _pipeline(args, need_vae: bool = True):
 
         logging.getLogger("yue2_vllm").warning("%s", note)
     return pipe
+
+
+def _rules(args):
+    """The SongRules a server admits songs by (the pipeline's, without loading any weights), and the backend."""
+    from ..protocol import SongRules
+    from ..tokenizer import YuE2Tokenizer
+
+    model_dir, _, generation, backend = _models(args)
+    return SongRules(generation, YuE2Tokenizer.from_model_dir(model_dir), getattr(args, "reproducible", False)), \
+        backend
+
+
+def replica_rows(args, device_type: str, backend: str) -> int:
+    """Songs one replica serves at once when --max-concurrency is not given: the engine's rows as the memory
+    split on a replica's device sizes them (`doctor` shows the split); 1 on the torch backend."""
+    if backend == "torch" or (backend == "auto" and not vllm_installed()):
+        return 1
+    from ..checkpoint import weights_bytes
+    from ..memory import PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, plan_memory
+    from ..model.modeling import YuE2Config
+
+    model_dir, vae_dir, generation, _ = _models(args)
+    config = YuE2Config.load(Path(model_dir))
+    typical = PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)
+    plan = plan_memory(config, device=device_type, budget_gib=args.budget, engine_weights=ar_expert_bytes(config),
+                       torch_model=weights_bytes(model_dir), vae=weights_bytes(vae_dir), typical_tokens=typical,
+                       offload_ar=args.offload_ar, total=card_bytes(device_type, args.budget))
+    return plan.max_num_seqs
+
+
+def card_bytes(device_type: str, budget_gib: float) -> int | None:
+    """A replica's device memory as far as this machine can tell: its own first GPU, or the budget when it has
+    none (the head of a GPU cluster may have no GPU); None for host memory."""
+    import torch
+
+    if device_type != "cuda" or torch.cuda.is_available():
+        return None
+    return int(budget_gib * 2**30)
 
 
 def check_runner(runner: str, device: str, backend: str) -> str:

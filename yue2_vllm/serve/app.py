@@ -216,7 +216,7 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
                   responses=_errors(400))
     app.add_middleware(ResponseCounter, counter=service.http_responses)
     app.add_middleware(Guard, allowed_hosts=tuple(allowed_hosts))
-    reproducible = bool(getattr(service.pipe, "reproducible", False))
+    reproducible = bool(service.rules.reproducible)
     in_flight_keys: set[str] = set()
     streams = {"open": 0}
 

@@ -5,10 +5,12 @@ so `--port 0` tells which port it got) and one when it stops.
 """
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import os
 import socket
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -112,8 +114,77 @@ def stderr_logging() -> dict:
     return config
 
 
-def serve(args, build_pipeline: Callable, print_status: Callable[[dict], None]) -> int:
+@contextmanager
+def one_process(args, pipeline: Callable):
+    """The single-process server's workers: this process's pipeline."""
+    with pipeline(args) as pipe:
+        yield pipe, {}
+
+
+@contextmanager
+def replicas(args, pipeline: Callable, rules: Callable, rows: Callable, data_dir: Path):
+    """Ray Serve replicas (the `ray` extra): a local cluster this process starts (--replicas) or one it joins
+    (--ray-address), a `ReplicaPool` over them, and what the status line says of them."""
+    import argparse
+
+    from .cluster import ReplicaPool, connect, shape_replicas, write_cluster_file
+    from .replica import ReplicaSpec
+
+    song_rules, backend = rules(args)
+    joined = args.ray_address is not None
+    resources = connect(args.ray_address)
+    if args.device == "cpu":
+        if args.replica_gpus:
+            raise UsageError("--device cpu with --replica-gpus: CPU replicas reserve no GPU")
+        resources = {**resources, "GPU": 0.0}
+    shape = shape_replicas(resources, args.replicas, args.replica_gpus, args.replica_cpus, strict=not joined)
+    concurrency = args.concurrency or rows(args, shape.device, backend)
+    # Each replica builds its pipeline as this command would, with one engine row per song it serves.
+    replica_args = argparse.Namespace(**{**vars(args), "concurrency": concurrency})
+    spec = ReplicaSpec(functools.partial(pipeline, replica_args), str(data_dir.resolve()),
+                       write_cluster_file(data_dir), concurrency, cpus=shape.cpus if shape.device == "cpu" else None)
+    pool = ReplicaPool(song_rules, spec, shape, backend=backend, owns_cluster=not joined)
+    try:
+        yield pool, {"replicas": shape.replicas, "replica_concurrency": concurrency, "replica_gpus": shape.gpus,
+                     "replica_cpus": shape.cpus, "ray_address": args.ray_address or "local", "resources": resources}
+    finally:
+        if not joined:
+            import ray
+
+            ray.shutdown()  # the local cluster goes with this process (a no-op once the pool has stopped it)
+
+
+def serve(args, pipeline: Callable, print_status: Callable[[dict], None], *, rules: Callable | None = None,
+          rows: Callable | None = None) -> int:
+    """`yue2-vllm serve`: `pipeline(args)` builds a pipeline; with --replicas / --ray-address each replica builds
+    its own, and this process admits songs by `rules(args)` -> (SongRules, backend), sizing a replica's songs in
+    flight with `rows(args, device_type, backend)` unless --max-concurrency says."""
     check_installed()
+    clustered = getattr(args, "replicas", None) is not None or getattr(args, "ray_address", None) is not None
+    if clustered:
+        from .cluster import check_ray
+
+        check_ray()
+        if args.device.startswith("cuda:"):
+            raise UsageError(f"--device {args.device}: Ray gives each replica its GPU; use --device auto or cuda")
+        with status_channel(print_status) as status:
+            return _serve(args, pipeline, status, rules, rows, clustered)
+    return _serve(args, pipeline, print_status, rules, rows, clustered)
+
+
+@contextmanager
+def status_channel(print_status: Callable):
+    """stdout carries only our status lines, but Ray's driver prints worker errors to `sys.stdout`: while Ray runs
+    in this process, `sys.stdout` is stderr and the status lines go to the real stdout."""
+    real = sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        yield lambda status: print_status(status, stream=real)
+    finally:
+        sys.stdout = real
+
+
+def _serve(args, pipeline: Callable, print_status: Callable, rules, rows, clustered: bool) -> int:
     import uvicorn
 
     from .app import MAX_SSE_CLIENTS, create_app
@@ -125,8 +196,9 @@ def serve(args, build_pipeline: Callable, print_status: Callable[[dict], None]) 
     try:
         with data_dir_lock(data_dir):
             sock = bind(args.host, args.port)
-            with build_pipeline() as pipe:
-                service = SongService(pipe, ServeConfig(
+            workers = replicas(args, pipeline, rules, rows, data_dir) if clustered else one_process(args, pipeline)
+            with workers as (source, described):
+                service = SongService(source, ServeConfig(
                     data_dir, concurrency=args.concurrency, queue_size=args.queue_size,
                     stall_seconds=getattr(args, "stall_seconds", 300.0), retention_seconds=getattr(args, "retention", None),
                     min_free_bytes=int(getattr(args, "min_free_disk", 1.0) * 2**30)))
@@ -138,7 +210,7 @@ def serve(args, build_pipeline: Callable, print_status: Callable[[dict], None]) 
                                         timeout_graceful_shutdown=5, server_header=False,
                                         limit_concurrency=getattr(args, "max_connections", None))
                 print_status({"status": "serving", "url": url_of(sock), "data_dir": str(data_dir),
-                              "backend": args.backend, "concurrency": service.scheduler.concurrency,
+                              "backend": args.backend, **described, "concurrency": service.workers.concurrency,
                               "queue_size": args.queue_size, "api_key": api_key is not None})
                 try:
                     uvicorn.Server(config).run(sockets=[sock])

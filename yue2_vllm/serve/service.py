@@ -1,10 +1,14 @@
-"""The song service: one pipeline and song scheduler behind a durable job store.
+"""The song service: jobs in a durable store, run by song workers.
 
-It validates and admits jobs (atomically with the queue bound and idempotency keys), hands them to
-the scheduler, writes each job's status from the scheduler's events (`complete` only once the
-artifacts verify), fans the events out to SSE subscribers (token and synthesis events at most 4/s
-per job), keeps the metrics, resumes every unfinished job when it starts, and restarts a dead
-engine in the background.
+It validates and admits jobs (atomically with the queue bound and idempotency keys), hands each attempt to its
+workers — one `SongWorker` in this process, or a pool of Ray Serve replicas (`serve.cluster.ReplicaPool`) —
+writes each job's status from their events (`complete` only once the artifacts verify), fans the events out to
+SSE subscribers (token and synthesis events at most 4/s per job), keeps the metrics, resumes every unfinished job
+when it starts, and puts back the songs a dead engine or a dead replica failed.
+
+What it needs of its workers (both kinds have it): `rules` (SongRules), `concurrency`, `listener` (set here),
+`start()`, `close(timeout)`, `submit(order) -> run` (a run has `id`, `state`, `done`, `cancel()` and may name
+its `replica`), `down_for_good()` (why no song can be served, else None) and `health()`.
 """
 from __future__ import annotations
 
@@ -23,36 +27,25 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..artifacts import RunDirectory, verify_result
-from ..pipeline import STAGE_RECORDS, YuE2Pipeline
-from ..protocol import PHASES, SongRequest
-from ..scheduler import FINAL_STATES, STAGE_STATES, STATES, SongEvent, SongHandle, SongScheduler
+from ..protocol import PHASES
+from ..scheduler import FINAL_STATES, STAGE_STATES, STATES, SongEvent
 from .errors import Conflict, InsufficientStorage, NotFound, RequestInvalid, TooManyJobs, Unavailable
 from .events import EventHub, Throttle
 from .metrics import Registry, RateWindow
 from .store import IdempotencyConflict, JobRecord, JobStore, NewJob, QueueFull  # noqa: F401 (re-exported)
 from .submission import check_idempotency_key, new_job_id, parse_submission, valid_job_id
+from .worker import ENGINE_DOWN, SongOrder, SongWorker, error_words  # noqa: F401 (error_words re-exported)
 
 LOG = logging.getLogger("yue2_vllm.serve")
 STAGE_OF_STATE = {state: stage for stage, state in STAGE_STATES.items()}
 STAGES = tuple(STAGE_STATES)  # plan, semantic, synthesis, audio
 UNFINISHED = tuple(state for state in STATES if state not in FINAL_STATES)
-ENGINE_DOWN = ("starting", "restarting", "failed")  # /health answers 503
-ERROR_CHARS = 2000
 
 
 def iso(timestamp: float | None) -> str | None:
     if timestamp is None:
         return None
     return datetime.fromtimestamp(timestamp, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def error_words(error: BaseException) -> dict:
-    """`{"type", "message"}` of an exception, without an engine log tail, at most ERROR_CHARS long."""
-    message = str(error).split("; log tail")[0]
-    if len(message) > ERROR_CHARS:
-        message = message[:ERROR_CHARS] + "…"
-    return {"type": type(error).__name__, "message": message}
 
 
 def fallback_label(reason: str) -> str:
@@ -77,6 +70,7 @@ class ServeConfig:
     queue_size: int = 64  # queued (not yet started) jobs before 429
     event_interval: float = 0.25  # token / NAR / VAE events per job at most every this many seconds
     engine_retries: int = 1  # times a song failed by an engine death goes back to the queue
+    replica_retries: int = 3  # times a job goes back to the queue after the replica running it died
     watchdog_interval: float = 1.0
     max_interrupted_runs: int = 2  # a job running when the process died this many times is failed, not requeued
     stall_seconds: float = 300.0  # songs in flight but none progressed for this long: /health says wedged
@@ -91,6 +85,8 @@ class ServeConfig:
             raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
         if self.max_interrupted_runs < 1:
             raise ValueError(f"max_interrupted_runs must be >= 1, got {self.max_interrupted_runs}")
+        if self.replica_retries < 0 or self.engine_retries < 0:
+            raise ValueError("engine_retries and replica_retries must be >= 0")
 
     @property
     def database(self) -> Path:
@@ -103,9 +99,9 @@ class ServeConfig:
 
 @dataclass(eq=False)
 class LiveJob:
-    """A job the scheduler holds now: its handle and what the events said so far (the owner's alone to write)."""
+    """A job a worker holds now: its run and what the events said so far (the owner's alone to write)."""
 
-    handle: SongHandle | None  # None only while the scheduler is taking it
+    handle: object | None  # the run (SongHandle, or a replica's RemoteRun); None only while a worker takes it
     budgets: dict
     record_stages: dict
     tokens: dict = field(default_factory=lambda: {phase: 0 for phase in PHASES})
@@ -115,30 +111,35 @@ class LiveJob:
 
 
 class SongService:
-    """Jobs over the song scheduler. Every transition of a job — its store row, its live state, its events and
-    metrics — happens on one thread, the job owner: song and lane threads only post their events to its inbox
-    (never calling into the service, so no scheduler lock is ever held across a service one), and the HTTP
-    side's cancel / resume / render / launch run there as calls. Reads (status, lists, files) need no lock."""
+    """Jobs over song workers. Every transition of a job — its store row, its live state, its events and
+    metrics — happens on one thread, the job owner: song, lane and replica-stream threads only post their events
+    to its inbox (never calling into the service, so no scheduler lock is ever held across a service one), and
+    the HTTP side's cancel / resume / render / launch run there as calls. Reads (status, lists, files) need no
+    lock.
 
-    def __init__(self, pipe: YuE2Pipeline, config: ServeConfig):
-        self.pipe, self.config = pipe, config
+    `workers`: a pipeline (this process runs the songs: a `SongWorker` over it, `config.concurrency` at once) or
+    a workers object, such as `serve.cluster.ReplicaPool`."""
+
+    def __init__(self, workers, config: ServeConfig):
+        if not hasattr(workers, "submit"):  # a pipeline
+            workers = SongWorker(workers, concurrency=config.concurrency)
+        self.workers, self.config = workers, config
+        self.rules = workers.rules
         config.jobs.mkdir(parents=True, exist_ok=True)
         self.store = JobStore(config.database)
         self.hub = EventHub()
         self.throttle = Throttle(config.event_interval)
         self._live: dict[str, LiveJob] = {}
-        self._held: list[str] = []  # queued jobs kept out of the scheduler while the engine is down for good
+        self._held: list[str] = []  # queued jobs kept from the workers while they cannot serve any song
         self._durations: deque[float] = deque(maxlen=50)  # recent songs, started → finished (for Retry-After)
         self.closing = False
         self._stop = threading.Event()
-        self._engine = None
-        self.engine_state: dict = {"state": "none" if pipe.backend_requested == "torch" else "starting"}
         self._inbox: queue.Queue = queue.Queue()
         self._owner = threading.Thread(target=self._own, name="yue2-serve-jobs", daemon=True)
         self._busy_since: float | None = None  # when the owner took the item it is on (None: waiting)
         self._last_progress = time.monotonic()
         self._init_metrics()
-        self.scheduler = SongScheduler(pipe, concurrency=config.concurrency, listener=self._post_event)
+        workers.listener = self._post_event
         self._watchdog = threading.Thread(target=self._watch, name="yue2-serve-watchdog", daemon=True)
         self.started = False
 
@@ -177,7 +178,7 @@ class SongService:
                               headers={"Retry-After": "5"}) from None
 
     def _post_event(self, event: SongEvent) -> None:
-        """The scheduler's listener (song and lane threads): never blocks, takes no lock."""
+        """The workers' listener (song, lane and stream threads): never blocks, takes no lock."""
         self._last_progress = time.monotonic()
         self._inbox.put(("event", event))
 
@@ -188,6 +189,7 @@ class SongService:
         if self.started:
             return
         self.started = True
+        self.workers.start()
         self._owner.start()
         self._call(self._recover)
         self._watchdog.start()
@@ -216,7 +218,7 @@ class SongService:
         (as a shutdown, not a death) and resume at the next start."""
         self.closing = True
         self._stop.set()
-        if not self.scheduler.close(cancel=True, timeout=self.config.shutdown_seconds):
+        if not self.workers.close(timeout=self.config.shutdown_seconds):
             LOG.warning("songs did not stop within %.0f s; leaving them to resume at the next start",
                         self.config.shutdown_seconds)
         if self._owner.is_alive():
@@ -243,15 +245,15 @@ class SongService:
     def submit(self, body: bytes, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
         """Validate and queue a song; `(record, created)` (created False: an idempotent repeat)."""
         key = check_idempotency_key(idempotency_key)
-        if self.engine_state.get("state") == "failed":
-            raise Unavailable(f"the AR engine is down and will not be restarted: {self.engine_state.get('reason')}",
-                              headers={"Retry-After": "60"})
+        down = self.workers.down_for_good()
+        if down is not None:
+            raise Unavailable(f"no song can be served now: {down}", headers={"Retry-After": "60"})
         free = shutil.disk_usage(self.config.jobs).free
         if free < self.config.min_free_bytes:
             raise InsufficientStorage(f"the data dir has {free / 2**30:.2f} GiB free, under the "
                                       f"{self.config.min_free_bytes / 2**30:.2f} GiB a new song may take")
         job_id = new_job_id()
-        song = parse_submission(self.pipe, body, job_id)
+        song = parse_submission(self.rules, body, job_id)
         stages = {stage: {"state": "pending"} for stage in (STAGES if song.stage == "audio" else ("plan",))}
         job = NewJob(job_id, song.label, song.stage, song.request.to_dict(), song.overrides, song.body_sha256, key,
                      stages)
@@ -272,26 +274,26 @@ class SongService:
         """Seconds until a queue slot is likely free: the median recent song over the concurrency."""
         if not self._durations:
             return 5
-        seconds = statistics.median(self._durations) / self.scheduler.concurrency
+        seconds = statistics.median(self._durations) / max(1, self.workers.concurrency)
         return max(1, min(60, math.ceil(seconds)))
 
     def _launch(self, record: JobRecord) -> None:
-        """Hand a queued job to the scheduler (owner only); held back while the engine is down for good."""
-        if self.engine_state.get("state") == "failed":
+        """Hand a queued job to the workers (owner only); held back while they cannot serve any song."""
+        if self.workers.down_for_good() is not None:
             if record.id not in self._held:
                 self._held.append(record.id)
             return
-        request = SongRequest.from_dict(record.request)
-        budgets = {phase: self.pipe.sampling_for(record.overrides.get(phase), phase).max_tokens for phase in PHASES}
+        budgets = {phase: self.rules.sampling_for(record.overrides.get(phase), phase).max_tokens for phase in PHASES}
         # A stage an earlier attempt was running is pending again (a finished one may still be reused).
         stages = {name: entry if entry.get("state") != "running" else {"state": "pending"}
                   for name, entry in record.stages.items()}
         self.store.update(record.id, attempts=record.attempts + 1, stages=stages)
         live = self._live[record.id] = LiveJob(None, budgets, stages)
         self._last_progress = time.monotonic()
-        # The song may start (and post events) before submit returns: its first event names the handle.
-        live.handle = self.scheduler.submit(request, self.directory(record.id), overrides=record.overrides,
-                                            resume=True, stage=record.stage)
+        order = SongOrder(record.id, record.attempts + 1, record.request, record.overrides, record.stage,
+                          str(self.directory(record.id)))
+        # The song may start (and post events) before submit returns: its first event names the run.
+        live.handle = self.workers.submit(order)
 
     def _release_held(self) -> None:
         held, self._held = self._held, []
@@ -407,7 +409,7 @@ class SongService:
             else:
                 tokens = live.tokens[phase] if running else 0
             progress[phase] = {"tokens": tokens,
-                               "max_tokens": self.pipe.sampling_for(record.overrides.get(phase), phase).max_tokens}
+                               "max_tokens": self.rules.sampling_for(record.overrides.get(phase), phase).max_tokens}
         if running:
             for stage, (done, total) in list(live.progress.items()):
                 progress[stage] = {"done": done, "total": total}
@@ -475,7 +477,7 @@ class SongService:
         record = self.get_record(job_id)
         return self.hub.subscribe(record.id, loop, lambda: self.document(record.id))
 
-    # -- scheduler events (on the owner)
+    # -- worker events (on the owner)
 
     def _on_event(self, event: SongEvent) -> None:
         job_id, kind, data = event.song.id, event.kind, event.data
@@ -485,12 +487,12 @@ class SongService:
         if live.handle is None:
             live.handle = event.song
         elif live.handle is not event.song:
-            return  # an event of an earlier handle of this job
+            return  # an event of an earlier run of this job
         if kind in FINAL_STATES:
             try:
                 if not live.finalized:
-                    self._on_final(job_id, live, kind)
-            finally:  # the handle is done: what it said is in the store now (an engine retry has a new one)
+                    self._on_final(job_id, live, kind, data)
+            finally:  # the run is done: what it said is in the store now (a retry has a new one)
                 if self._live.get(job_id) is live:
                     del self._live[job_id]
                 self.throttle.forget((job_id, "ar"))
@@ -499,8 +501,10 @@ class SongService:
         if live.finalized:
             return
         if kind == "tokens":
-            self.tokens_total.inc(phase=data["phase"])
-            self.token_rate.add(data["phase"])
+            added = data["count"] - live.tokens[data["phase"]]  # a replica sends a count every few tokens
+            if added > 0:
+                self.tokens_total.inc(added, phase=data["phase"])
+                self.token_rate.add(data["phase"], added)
             live.tokens[data["phase"]] = data["count"]
             if self.throttle.ready((job_id, "ar")):
                 self.hub.publish(job_id, "tokens", {"phase": data["phase"], "count": data["count"],
@@ -516,24 +520,31 @@ class SongService:
         elif kind == "score":
             self.hub.publish(job_id, "score", {"abc": data["abc"]})
 
+    @staticmethod
+    def _where(live: LiveJob) -> dict:
+        """The replica running the job, for its stage records (nothing when the songs run in this process)."""
+        replica = getattr(live.handle, "replica", None)
+        return {"replica": replica} if replica else {}
+
     def _on_state(self, job_id: str, live: LiveJob, state: str) -> None:
         if state == "queued" or live.cancel_requested:
             return
         stage = STAGE_OF_STATE[state]
         now = time.time()
-        live.record_stages[stage] = {"state": "running", "started": now}
+        live.record_stages[stage] = {"state": "running", "started": now, **self._where(live)}
         record = self.store.get(job_id)
         values = {"status": state, "stages": live.record_stages}
         if record is not None and record.started is None:
             values["started"] = now
         self.store.update(job_id, unless_final=True, **values)
-        self.hub.publish(job_id, "state", {"status": state, "stage": stage})
+        self.hub.publish(job_id, "state", {"status": state, "stage": stage, **self._where(live)})
 
     def _on_stage_done(self, job_id: str, live: LiveJob, stage: str, reused: bool, meta: dict) -> None:
         summary = stage_summary(stage, meta, reused)
         previous = live.record_stages.get(stage, {})
+        where = {"replica": previous["replica"]} if reused and previous.get("replica") else self._where(live)
         live.record_stages[stage] = {**summary, "started": previous.get("started"),
-                                     "finished": None if reused else time.time()}
+                                     "finished": None if reused else time.time(), **where}
         self.store.update(job_id, stages=live.record_stages)
         if not reused:
             if stage in ("synthesis", "audio") and summary.get("seconds") is not None:
@@ -541,58 +552,51 @@ class SongService:
             reason = summary.get("fallback_reason")
             if reason:
                 self.fallbacks.inc(phase="abc" if stage == "plan" else "semantic", reason=fallback_label(reason))
-        self.hub.publish(job_id, "stage", {"stage": stage, **summary})
+        self.hub.publish(job_id, "stage", {"stage": stage, **summary, **where})
 
-    def _on_final(self, job_id: str, live: LiveJob, kind: str) -> None:
-        handle = live.handle
+    def _on_final(self, job_id: str, live: LiveJob, kind: str, data: dict) -> None:
+        """A run's end. `data`: error, result, engine_failure (the engine died under it) and, from a replica pool,
+        replica_lost (the replica died under it)."""
+        error = data.get("error")
         if kind == "complete":
-            try:
-                result = self._verify(handle)
-            except Exception as exc:  # noqa: BLE001 (a record never claims what the files do not hold)
-                kind, error = "failed", {"type": "VerificationError",
-                                         "message": f"the song's artifacts do not verify: {exc}"}
-            else:
-                self._record_final(job_id, live, "complete", result=result)
-                return
-        else:
-            error = error_words(handle.error) if handle.error is not None else None
+            self._record_final(job_id, live, "complete", result=data.get("result"))
+            return
         if self.closing and not live.cancel_requested:
             return  # the server is stopping: the job stays unfinished and resumes at the next start
-        if kind == "failed" and self._engine_died(handle):
-            engine = self.pipe.engine
-            if engine is not None and not engine.running and not engine.can_restart:
-                self.engine_state = {"state": "failed", "reason": error["message"] if error else "engine died"}
-            if self.engine_state.get("state") == "failed" and not live.cancel_requested:
+        if kind == "failed" and data.get("replica_lost") and not live.cancel_requested:
+            if self._retry(job_id, live, error, kind="replica", limit=self.config.replica_retries):
+                return
+            error = {**error, "message": f"{error['message']} (the replica running this job died "
+                                         f"{self.config.replica_retries + 1} times; not running it again)"}
+        if kind == "failed" and data.get("engine_failure"):
+            if self.workers.down_for_good() is not None and not live.cancel_requested:
                 self._hold_for_engine(job_id, live, error)  # not the song's fault: it waits for the engine
                 return
-            if self._retry_for_engine(job_id, live, error):
+            if not live.cancel_requested and self._retry(job_id, live, error, kind="engine",
+                                                         limit=self.config.engine_retries):
                 return
         if kind == "cancelled" and error is None:
             error = {"type": "Cancelled", "message": "cancelled"}
         self._record_final(job_id, live, kind, error=error)
 
-    @staticmethod
-    def _engine_died(handle: SongHandle) -> bool:
-        from ..engine.backend import EngineError
-
-        return isinstance(handle.error, EngineError)
-
-    def _retry_for_engine(self, job_id: str, live: LiveJob, error: dict) -> bool:
-        """Put a song an engine death failed back in the queue (resumed from its last verified stage), once."""
+    def _retry(self, job_id: str, live: LiveJob, error: dict, *, kind: str, limit: int) -> bool:
+        """Put a song that a dead engine or replica failed back in the queue (resumed from its last verified
+        stage), at most `limit` times per job."""
         record = self.store.get(job_id)
-        used = sum(1 for entry in record.retries if entry.get("kind") == "engine")
-        if used >= self.config.engine_retries or live.cancel_requested:
+        if sum(1 for entry in record.retries if entry.get("kind") == kind) >= limit:
             return False
-        reason = f"the AR engine failed ({error['message'][:300]}); retrying from the last verified stage"
+        what = "the AR engine failed" if kind == "engine" else "the replica running it died"
+        reason = f"{what} ({error['message'][:300]}); retrying from the last verified stage"
         live.finalized = True
-        record = self.store.requeue(job_id, None, reason=reason, kind="engine", from_statuses=UNFINISHED)
-        self.engine_retried.inc()
-        self.hub.publish(job_id, "retry", {"reason": reason, "attempt": record.attempts + 1})
+        record = self.store.requeue(job_id, None, reason=reason, kind=kind, from_statuses=UNFINISHED)
+        (self.engine_retried if kind == "engine" else self.replica_retried).inc()
+        self.hub.publish(job_id, "retry", {"reason": reason, "attempt": record.attempts + 1, "kind": kind})
         self._launch(record)
         return True
 
     def _hold_for_engine(self, job_id: str, live: LiveJob, error: dict) -> None:
-        """The engine is down for good: the song goes back to the queue, held until the engine is back."""
+        """No song can be served (the engine is down for good): the song goes back to the queue, held until the
+        workers can serve again."""
         reason = f"the AR engine is down ({error['message'][:300]}); queued until it is back"
         live.finalized = True
         self.store.requeue(job_id, None, reason=reason, kind="engine-down", from_statuses=UNFINISHED)
@@ -619,34 +623,16 @@ class SongService:
                 self._durations.append(now - record.started)
         self.hub.publish(job_id, status, {"status": status, "error": error, "result": result, "urls": urls(job_id)})
 
-    def _verify(self, handle: SongHandle) -> dict:
-        """What result.json (or, for stage=plan, the plan record) holds, after checking every file."""
-        request, overrides = handle.request, handle.overrides
-        config = self.pipe.effective_config(request, overrides.get("abc"), overrides.get("semantic"))
-        document = handle.document or {}
-        if handle.stage == "plan":
-            latent_id = self.pipe.latent_identity(request, config)
-            if RunDirectory(handle.directory).verified_stage("plan", latent_id, *STAGE_RECORDS["plan"]) is None:
-                raise ValueError(f"{handle.directory}: plan.stage.json does not verify")
-            return {"identity": document.get("identity"), "truncated": {"abc": document.get("truncated")},
-                    "resumed": document.get("resumed")}
-        document = verify_result(handle.directory, self.pipe.run_identity(request, config))
-        return {"identity": document["identity"], "audio_seconds": document["audio_seconds"],
-                "sample_rate": document["sample_rate"], "truncated": document["truncated"],
-                "resumed": document["resumed"], "audio_bytes": document["artifacts"]["audio.flac"]["bytes"],
-                "batch_invariant": document.get("batch_invariant", False)}
-
-    # -- engine
+    # -- watching
 
     def _watch(self) -> None:
-        """Keep `engine_state` current and restart a dead engine (bounded by the engine's max_restarts); put held
-        jobs back into the scheduler once the engine is back; purge past the retention window."""
-        last_sweep = 0.0
+        """Put held jobs back to the workers once they can serve again; purge past the retention window."""
+        last_sweep, was_down = 0.0, False
         while not self._stop.is_set():
-            was_failed = self.engine_state.get("state") == "failed"
-            self._watch_engine()
-            if was_failed and self.engine_state.get("state") != "failed" and self._held:
+            down = self.workers.down_for_good() is not None
+            if was_down and not down and self._held:
                 self._call_quietly(self._release_held)
+            was_down = down
             if self.config.retention_seconds is not None and time.monotonic() - last_sweep > 60:
                 last_sweep = time.monotonic()
                 self._call_quietly(self._sweep)
@@ -658,52 +644,15 @@ class SongService:
         except Exception:  # noqa: BLE001 (logged; the watchdog goes on)
             LOG.exception("watchdog: %s failed", getattr(fn, "__name__", fn))
 
-    def _watch_engine(self) -> None:
-        from ..engine.backend import EngineError
-
-        if self.pipe.backend_requested == "torch":
-            return
-        engine = self._engine or self.pipe.engine
-        self._engine = engine
-        if engine is None or not engine.running:
-            restarting = engine is not None and engine.ever_started
-            if restarting and self.engine_state.get("state") != "failed":
-                LOG.warning("the AR engine is down; restarting it (restarts so far: %d)", engine.restarts)
-                self.engine_state = {"state": "restarting", "restarts": engine.restarts}
-            try:
-                _, reason = self.pipe.select_ar_backend(1.0, False)  # starts (or restarts) the engine
-            except EngineError as exc:
-                if self.engine_state.get("state") != "failed":
-                    LOG.error("the AR engine will not be restarted now: %s", error_words(exc)["message"])
-                self.engine_state = {"state": "failed", "reason": error_words(exc)["message"]}
-            else:
-                self._engine = self.pipe.engine
-                self.engine_state = {"state": "unavailable", "reason": reason} if reason else {"state": "running"}
-                if restarting and not reason:
-                    LOG.warning("the AR engine is back")
-        elif self.engine_state.get("state") != "running":
-            self.engine_state = {"state": "running"}
-
     def engine_status(self) -> dict:
-        """The engine as /health shows it: backend, state, restarts (checked now, not at the last watch)."""
-        backend = self.pipe.backend_requested
-        state = dict(self.engine_state)
-        engine = self._engine
-        if engine is not None:
-            if state["state"] == "running" and not engine.running:
-                state = {"state": "restarting"}
-            state["restarts"] = engine.restarts
-        actual = "torch" if backend == "torch" or state["state"] == "unavailable" else "vllm"
-        return {"backend_requested": backend, "backend": actual, **state}
+        return self.workers.health()["engine"]
 
     def health(self) -> tuple[dict, bool]:
-        """What /health says: ok only when the engine can serve, the torch side runs and songs in flight make
-        progress (or none are in flight) — a wedged server answers 503 with the reason."""
-        engine = self.engine_status()
-        problems = []
-        if engine["state"] in ENGINE_DOWN:
-            problems.append(f"the AR engine is {engine['state']}" + (f": {engine['reason']}" if engine.get("reason")
-                                                                     else ""))
+        """What /health says: ok only when the workers can serve (the engine, the torch side; with replicas, at
+        least one), the job owner runs and songs in flight make progress (or none are in flight) — a wedged
+        server answers 503 with the reason."""
+        workers = self.workers.health()
+        problems = list(workers["problems"])
         in_flight, now = self.in_flight(), time.monotonic()
         quiet = now - self._last_progress
         if in_flight and quiet > self.config.stall_seconds:
@@ -713,12 +662,12 @@ class SongService:
             problems.append(f"the job owner has been on one event for {now - busy:.0f} s")
         if not self._owner.is_alive() and self.started and not self.closing:
             problems.append("the job owner thread is not running")
-        if not self.scheduler.healthy:
-            problems.append("the torch side is not running (a song or synthesis thread has stopped)")
         ok = not problems
-        return {"status": "ok" if ok else "unavailable", "problems": problems, "engine": engine,
+        extra = {k: v for k, v in workers.items() if k not in ("engine", "problems", "in_flight", "queued",
+                                                               "concurrency")}
+        return {"status": "ok" if ok else "unavailable", "problems": problems, "engine": workers["engine"],
                 "queue": {"depth": self.store.queued(), "limit": self.config.queue_size, "held": len(self._held)},
-                "in_flight": in_flight, "concurrency": self.scheduler.concurrency}, ok
+                "in_flight": in_flight, "concurrency": self.workers.concurrency, **extra}, ok
 
     def in_flight(self) -> int:
         return sum(1 for live in list(self._live.values()) if not live.finalized and live.handle is not None
@@ -745,11 +694,13 @@ class SongService:
                                           "of the requested one, by phase and reason.", ("phase", "reason"))
         self.engine_retried = registry.counter("yue2_engine_retries_total",
                                                "Songs put back in the queue after an engine failure.")
+        self.replica_retried = registry.counter("yue2_replica_retries_total",
+                                                "Songs put back in the queue after the replica running them died.")
         self.purged = registry.counter("yue2_jobs_purged_total", "Finished jobs removed (purge or retention).")
         registry.gauge("yue2_engine_up", "1 while the AR engine can serve (or none is needed).",
                        function=lambda: 0 if self.engine_status()["state"] in ENGINE_DOWN else 1)
-        registry.counter("yue2_engine_restarts_total", "Times the AR engine worker was restarted.",
-                         function=lambda: self._engine.restarts if self._engine is not None else 0)
+        registry.counter("yue2_engine_restarts_total", "Times the AR engine worker was restarted (all replicas).",
+                         function=lambda: self.engine_status().get("restarts", 0))
         self.http_responses = registry.counter("yue2_http_responses_total", "HTTP responses by status code.",
                                                ("code",))
 

@@ -1,4 +1,4 @@
-"""What a POST body asks for: the song request, validated with the CLI's checks and the pipeline's context
+"""What a POST body asks for: the song request, validated with the CLI's checks and the context
 budget (a 422 names the field), the body's canonical hash for idempotency, and job ids."""
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from ..pipeline import YuE2Pipeline
-from ..protocol import SongRequest, valid_song_id
+from ..protocol import SongRequest, SongRules, valid_song_id
 from ..request_json import UsageError, parse_json, request_from_json
 from .errors import RequestInvalid
 
@@ -81,8 +80,9 @@ def canonical_sha256(data) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-def parse_submission(pipe: YuE2Pipeline, body: bytes, job_id: str) -> Submission:
-    """A POST body → the song it asks for, with the CLI's validation and the pipeline's context check."""
+def parse_submission(rules: SongRules, body: bytes, job_id: str) -> Submission:
+    """A POST body → the song it asks for, with the CLI's validation and the context check (`rules`: the
+    server's SongRules, or a pipeline, which holds them)."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -101,7 +101,7 @@ def parse_submission(pipe: YuE2Pipeline, body: bytes, job_id: str) -> Submission
     reproducible = data.pop("reproducible", False)
     if not isinstance(reproducible, bool):
         raise RequestInvalid(f"reproducible: must be true or false, got {reproducible!r}", field="reproducible")
-    if reproducible and not pipe.reproducible:
+    if reproducible and not rules.reproducible:
         raise RequestInvalid("reproducible: this server's engine is not batch-invariant, so a seed may not fix the "
                              "song under load; start the server with --reproducible (then every song is)",
                              field="reproducible")
@@ -124,7 +124,7 @@ def parse_submission(pipe: YuE2Pipeline, body: bytes, job_id: str) -> Submission
         raise RequestInvalid(message.replace(f"SongRequest.{name}", name) if name else message, field=name) \
             from None
     try:
-        pipe.check_request(request, overrides.get("abc"), overrides.get("semantic"))
+        rules.check_request(request, overrides.get("abc"), overrides.get("semantic"))
     except ValueError as exc:
         message = str(exc)
         name = field_of(message)

@@ -1,0 +1,167 @@
+"""`yue2-vllm serve --replicas N` on a real local Ray cluster (Ray Serve replicas, the tiny default): songs
+spread over the replicas, a replica killed mid-song, SSE across the move, kill -9 of the ingress, SIGTERM."""
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from serving import ProcessServer, wait_for
+from yue2_vllm.artifacts import verify_result
+
+pytest.importorskip("ray.serve", reason="pip install 'yue2-vllm[ray]'")
+httpx_sse = pytest.importorskip("httpx_sse", reason="pip install 'yue2-vllm[test]'")
+
+FINAL = ("complete", "failed", "cancelled")
+GENERATION = {"abc": {"max_tokens": 6, "min_tokens": 6}, "semantic": {"max_tokens": 12, "min_tokens": 12},
+              "ode_steps": 2}
+SONG = {"style": "pop, piano", "lyrics": "[verse]\nla la la\n"}
+LONGER = {"semantic_sampling": {"min_tokens": 400, "max_tokens": 400}}  # ~10 s on one core
+
+
+def server_args(tmp_path: Path, *more: str) -> list[str]:
+    config = tmp_path / "generation.json"
+    config.write_text(json.dumps(GENERATION), encoding="utf-8")
+    return ["--data-dir", str(tmp_path / "data"), "--config", str(config), "--backend", "torch", *more]
+
+
+def start(tmp_path: Path, replicas: int = 2) -> ProcessServer:
+    server = ProcessServer(server_args(tmp_path, "--replicas", str(replicas)), log=tmp_path / "serve.log")
+    assert server.status["replicas"] == replicas and server.status["replica_cpus"] == 1
+    wait_for(lambda: server.client.get("/health"),
+             lambda r: r.status_code == 200 and r.json()["replicas"] == f"{replicas}/{replicas}", timeout=180)
+    return server
+
+
+def submit(client, seed: int, **body) -> str:
+    response = client.post("/v1/songs", json={**SONG, "seed": seed, **body})
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+def status(client, job_id: str) -> dict:
+    return client.get(f"/v1/songs/{job_id}").json()
+
+
+def final(client, job_id: str, timeout: float = 300) -> dict:
+    return wait_for(lambda: status(client, job_id), lambda d: d["status"] in FINAL, timeout)
+
+
+def completed_total(client) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith('yue2_songs_finished_total{status="complete"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def replica_pids(client) -> dict[str, int]:
+    return {r["replica"]: r["pid"] for r in client.get("/health").json()["replica_states"]}
+
+
+def test_eight_songs_through_two_replicas_and_a_graceful_stop(tmp_path):
+    server = start(tmp_path)
+    client = server.client
+    try:
+        health = client.get("/health").json()
+        assert health["concurrency"] == 2 and len(health["replica_states"]) == 2
+        jobs = [submit(client, seed) for seed in range(8)]
+        docs = [final(client, job_id) for job_id in jobs]
+        assert [doc["status"] for doc in docs] == ["complete"] * 8, [doc["error"] for doc in docs]
+        for job_id in jobs:
+            verify_result(tmp_path / "data" / "jobs" / job_id)
+        ran = {stage["replica"] for doc in docs for stage in doc["stages"].values()}
+        assert ran == set(replica_pids(client)), ran  # both replicas ran songs, each stage names its replica
+        assert all(not doc["retries"] for doc in docs)
+        assert completed_total(client) == 8
+        pids = list(replica_pids(client).values())
+        started = time.monotonic()
+        assert server.stop(timeout=60) == 0 and time.monotonic() - started < 30
+        assert server.process.stdout.read().strip().endswith(b'{"status": "stopped"}')
+        assert not any(alive(pid) for pid in pids)  # the local cluster went with the server
+    finally:
+        if server.process.poll() is None:
+            server.kill()
+
+
+def test_a_replica_killed_mid_song_moves_the_song_and_its_stream_stays_one(tmp_path):
+    server = start(tmp_path)
+    client = server.client
+    try:
+        moving = submit(client, 1, **LONGER)
+        events: list[tuple[str, str, dict]] = []
+
+        def follow() -> None:
+            with httpx_sse.connect_sse(client, "GET", f"/v1/songs/{moving}/events", timeout=300) as source:
+                for event in source.iter_sse():
+                    if not event.data:  # the heartbeat (a comment: httpx-sse hands it over with the last id)
+                        continue
+                    events.append((event.id, event.event, json.loads(event.data)))
+                    if event.event in FINAL:
+                        return
+
+        reader = threading.Thread(target=follow)
+        reader.start()
+        doc = wait_for(lambda: status(client, moving),
+                       lambda d: d["progress"].get("semantic", {}).get("tokens", 0) >= 30, timeout=120)
+        victim = doc["stages"]["semantic"]["replica"]
+        pid = replica_pids(client)[victim]
+        others = [submit(client, seed) for seed in range(2, 6)]
+        os.kill(pid, signal.SIGKILL)
+        degraded = wait_for(lambda: client.get("/health"), lambda r: r.json()["replicas"] == "1/2", timeout=30)
+        assert degraded.status_code == 200 and degraded.json()["status"] == "ok"  # degraded, still serving
+        doc = final(client, moving)
+        assert doc["status"] == "complete", doc["error"]
+        verify_result(tmp_path / "data" / "jobs" / moving)
+        assert [r["kind"] for r in doc["retries"]] == ["replica"] and victim in doc["retries"][0]["reason"]
+        assert doc["stages"]["plan"]["replica"] == victim  # the verified plan was kept, not redone
+        assert doc["stages"]["semantic"]["replica"] != victim
+        for job_id in others:
+            assert final(client, job_id)["status"] == "complete"
+        assert completed_total(client) == 1 + len(others)  # nothing ran twice to completion
+        reader.join(timeout=60)
+        ids = [int(event_id) for event_id, _, _ in events[1:]]
+        kinds = [kind for _, kind, _ in events]
+        assert kinds[0] == "status" and kinds[-1] == "complete" and kinds.count("complete") == 1, kinds
+        assert ids == sorted(ids) and len(set(ids)) == len(ids)  # one ordered stream across the move
+        retry = kinds.index("retry")
+        assert "generating" in [data.get("status") for _, kind, data in events[retry:] if kind == "state"]
+        assert all(data.get("replica") != victim for _, kind, data in events[retry:] if kind == "state")
+        back = wait_for(lambda: client.get("/health"), lambda r: r.json()["replicas"] == "2/2", timeout=120)
+        assert victim not in {r["replica"] for r in back.json()["replica_states"]}  # Serve started a new one
+    finally:
+        server.kill()
+
+
+def test_ingress_kill_9_then_restart_accounts_for_every_job(tmp_path):
+    server = start(tmp_path)
+    jobs = [submit(server.client, seed, **(LONGER if seed < 2 else {})) for seed in range(6)]
+    wait_for(lambda: status(server.client, jobs[0]), lambda d: d["status"] == "generating", timeout=120)
+    done_before = {job_id: doc["finished"] for job_id in jobs
+                   if (doc := status(server.client, job_id))["status"] == "complete"}
+    pids = list(replica_pids(server.client).values())
+    server.kill()
+    wait_for(lambda: [pid for pid in pids if alive(pid)], lambda left: not left, timeout=30)  # replicas died too
+    server = start(tmp_path)
+    try:
+        for job_id in jobs:
+            doc = final(server.client, job_id)
+            assert doc["status"] == "complete", (job_id, doc["error"])
+            verify_result(tmp_path / "data" / "jobs" / job_id)
+            if job_id in done_before:
+                assert doc["finished"] == done_before[job_id] and not doc["retries"]
+        assert [r["kind"] for r in status(server.client, jobs[0])["retries"]] == ["restart"]
+        listed = {song["id"] for song in server.client.get("/v1/songs").json()["songs"]}
+        assert set(jobs) <= listed
+    finally:
+        server.kill()

@@ -1,0 +1,455 @@
+"""Scale-out on Ray Serve: the job service's workers are the replicas of one deployment, a song worker per GPU.
+
+`yue2-vllm serve --replicas N` starts a local Ray cluster (one node) itself; `--ray-address ADDR` joins one
+(`ray start --head` / `ray start --address HEAD:6379`). The ingress — this process — keeps the HTTP app and the
+job store (admission, idempotency, listing, recovery) and hands each attempt of a job to Serve's deployment
+handle as a streaming call; **Serve routes it** (power of two choices on the replicas' ongoing requests, at most
+`max_ongoing_requests` = a replica's song concurrency each; the rest wait in the handle's queue, first in, first
+out). The job's events stream back on that call; cancel requests and the replicas' load go through the job
+board (`serve.replica`). A run whose replica dies (its stream fails with the actor gone) is put back by the
+service and Serve restarts the replica.
+
+Everything here imports Ray only when called: without the `ray` extra the single-process server is unchanged.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..artifacts import verify_result
+from ..request_json import UsageError
+from ..scheduler import FINAL_STATES, SongEvent
+from .worker import ENGINE_DOWN, SongOrder, error_words
+
+LOG = logging.getLogger("yue2_vllm.serve")
+APP = "yue2"
+DEPLOYMENT = "SongWorker"
+RAY_EXTRA = "pip install 'yue2-vllm[ray]'"
+REPORT_STALE_SECONDS = 10.0  # a replica whose last load report is older than this is not counted
+# The engine state /health shows for several replicas: the best one among those alive.
+ENGINE_ORDER = ("running", "unavailable", "none", "starting", "restarting", "failed")
+
+
+def check_ray() -> None:
+    """Ray Serve is importable, or a UsageError naming the extra to install."""
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"--replicas / --ray-address need Ray Serve ({exc}); install it with {RAY_EXTRA}") from None
+
+
+# --------------------------------------------------------------------------- shaping the replicas
+
+
+@dataclass(frozen=True)
+class ReplicaShape:
+    """How many replicas, and what each reserves (Ray's `num_gpus` / `num_cpus`)."""
+
+    replicas: int
+    gpus: float  # per replica: 1 on a GPU cluster (a fraction only when asked for), 0 for CPU replicas
+    cpus: int  # per replica
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpus > 0 else "cpu"
+
+    def actor_options(self) -> dict:
+        return {"num_cpus": self.cpus, **({"num_gpus": self.gpus} if self.gpus else {})}
+
+
+def shape_replicas(resources: dict, replicas: int | None, gpus: float | None = None, cpus: int | None = None, *,
+                   strict: bool = True) -> ReplicaShape:
+    """The replicas `resources` ({"CPU", "GPU"} of a cluster) hold: one GPU each where there are GPUs (a fraction
+    only when `gpus` says so), else `cpus` cores each (default: the CPUs shared out). `replicas` None: one per
+    GPU, or one on a CPU cluster. A shape that cannot fit is refused (`strict`) or logged (a cluster that may
+    grow)."""
+    have_gpus, have_cpus = float(resources.get("GPU", 0)), float(resources.get("CPU", 0))
+    if gpus is None:
+        gpus = 1.0 if have_gpus >= 1 else 0.0
+    if gpus < 0 or (gpus > 1 and gpus != int(gpus)):
+        raise UsageError(f"--replica-gpus {gpus:g}: must be 0 (CPU replicas), a fraction of one GPU, or whole GPUs")
+    if replicas is None:
+        replicas = max(1, int(have_gpus // gpus)) if gpus > 0 else 1
+    if replicas < 1:
+        raise UsageError(f"--replicas {replicas}: must be >= 1")
+    if cpus is None:
+        cpus = 1 if gpus > 0 else max(1, int(have_cpus // replicas))
+    problems = []
+    if replicas * gpus > have_gpus + 1e-9:
+        hint = (f"; --replica-gpus {have_gpus / replicas:g} would share the GPUs (each replica then holds an engine and "
+                "the torch side on its share: size --budget per replica)" if have_gpus and replicas > have_gpus
+                else "")
+        problems.append(f"--replicas {replicas} × {gpus:g} GPU needs {replicas * gpus:g} GPUs, the cluster has "
+                        f"{have_gpus:g}{hint}")
+    if replicas * cpus > have_cpus + 1e-9:
+        problems.append(f"--replicas {replicas} × {cpus} CPU needs {replicas * cpus} CPUs, the cluster has "
+                        f"{have_cpus:g}")
+    if problems:
+        if strict:
+            raise UsageError("; ".join(problems))
+        LOG.warning("%s: Ray starts the rest once the cluster has room", "; ".join(problems))
+    return ReplicaShape(replicas, gpus, cpus)
+
+
+def local_resources() -> dict:
+    """What a local cluster started here would hold: this process's cores and the GPUs torch sees."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"CPU": float(cores), "GPU": float(gpus), "memory": float(memory)}
+
+
+def connect(address: str | None, resources: dict | None = None) -> dict:
+    """Start a local Ray cluster (`address` None: one node, `resources`' CPUs and GPUs) or join one; the
+    cluster's resources. Worker output stays in Ray's logs: this process's stdout carries status lines only."""
+    import ray
+
+    if not ray.is_initialized():
+        with own_signal_handlers():
+            _init(ray, address, resources)
+    return {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
+
+
+@contextmanager
+def own_signal_handlers():
+    """`ray.init` makes SIGTERM `sys.exit(15)`; this process keeps its own (the CLI's: stop gracefully, then print
+    the `stopped` line and exit 0)."""
+    on_main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)} if on_main else {}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _init(ray, address: str | None, resources: dict | None) -> None:
+    if address is None:
+        resources = resources or local_resources()
+        ray.init(address="local", num_cpus=int(resources["CPU"]), num_gpus=int(resources["GPU"]),
+                 include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        return
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise UsageError(f"--ray-address {address}: {exc}") from None
+
+
+def cluster_nodes() -> list[dict]:
+    import ray
+
+    return [{"host": node.get("NodeManagerHostname"), "alive": node.get("Alive"),
+             "resources": {k: v for k, v in node.get("Resources", {}).items() if k in ("CPU", "GPU", "memory")}}
+            for node in ray.nodes()]
+
+
+def write_cluster_file(data_dir: Path) -> str:
+    """`DATA_DIR/cluster.json` with a fresh token: a replica that reads it back sees this data dir."""
+    from ..checkpoint import write_json_atomic
+    from .replica import CLUSTER_FILE
+
+    token = secrets.token_hex(16)
+    write_json_atomic(data_dir / CLUSTER_FILE, {"token": token, "ingress": socket.gethostname(),
+                                                 "pid": os.getpid(), "started": time.time()})
+    return token
+
+
+# --------------------------------------------------------------------------- one attempt on a replica
+
+
+class RemoteRun:
+    """One attempt of a job on the replicas, as the service sees a run: `id`, `state`, `done`, `cancel()`,
+    and the `replica` that took it."""
+
+    def __init__(self, order: SongOrder, pool: "ReplicaPool"):
+        self.order, self.id, self._pool = order, order.job_id, pool
+        self.state = "queued"
+        self.replica: str | None = None  # set when a replica takes it
+        self.where: dict = {}
+        self._ended = threading.Event()
+
+    @property
+    def accepted(self) -> bool:
+        return self.replica is not None
+
+    @property
+    def done(self) -> bool:
+        """The stream ended: nothing of this attempt runs anywhere any more."""
+        return self._ended.is_set()
+
+    def cancel(self) -> bool:
+        """Ask the replica to stop it at its next boundary; True when no replica has taken it yet (it is
+        cancelled now, and ends as soon as a replica takes it)."""
+        self._pool.cancel(self)
+        return not self.accepted
+
+
+def visible_verdict(order: SongOrder, data: dict) -> tuple[str, dict]:
+    """A replica's `complete`, checked from the ingress: the files it verified must be here too (the data dir is
+    shared), else `failed` with the reason."""
+    directory = Path(order.directory)
+    try:
+        if order.stage == "plan":
+            if not (directory / "plan.stage.json").is_file():
+                raise FileNotFoundError(f"{directory}/plan.stage.json is missing")
+        else:
+            verify_result(directory, (data.get("result") or {}).get("identity"))
+    except Exception as exc:  # noqa: BLE001 (the record must not claim what this node cannot serve)
+        return "failed", {"error": {"type": "VerificationError",
+                                    "message": f"the replica finished the song, but its files do not verify in this "
+                                               f"server's data dir (is it one file system shared by every node?): "
+                                               f"{exc}"},
+                          "result": None, "engine_failure": False}
+    return "complete", data
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """Whether a failed stream means its replica is gone (its actor died or cannot be reached), rather than an
+    error raised by the replica's own code."""
+    from ray.exceptions import RayError, RayTaskError
+
+    return isinstance(exc, RayError) and not isinstance(exc, RayTaskError)
+
+
+# --------------------------------------------------------------------------- the pool
+
+
+@dataclass
+class _State:
+    reports: dict = field(default_factory=dict)  # replica -> its last load report
+    dead: set = field(default_factory=set)  # replicas whose streams failed with the actor gone
+    restarts: dict = field(default_factory=dict)  # replica -> most engine restarts it reported
+    serve_message: str = ""
+
+
+class ReplicaPool:
+    """The service's workers on Ray Serve (see the module docstring)."""
+
+    def __init__(self, rules, spec, shape: ReplicaShape, *, backend: str, owns_cluster: bool):
+        self.rules, self.spec, self.shape = rules, spec, shape
+        self.backend, self.owns_cluster = backend, owns_cluster
+        self.listener = None
+        self.board = None
+        self._handle = None
+        self._failed: str | None = None  # the deployment failed for good
+        self._closing = False
+        self._runs: dict[str, RemoteRun] = {}
+        self._lock = threading.Lock()
+        self._state = _State()
+        self._loop = asyncio.new_event_loop()
+        self._ready: asyncio.Event | None = None
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop.run_forever, name="yue2-replica-streams", daemon=True),
+                         threading.Thread(target=self._deploy, name="yue2-replica-deploy", daemon=True),
+                         threading.Thread(target=self._watch, name="yue2-replica-watch", daemon=True)]
+
+    @property
+    def concurrency(self) -> int:
+        return self.spec.concurrency * self.shape.replicas
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from .replica import JobBoard
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.board = JobBoard.options(scheduling_strategy=here).remote()
+        self._ready = asyncio.Event()
+        for thread in self._threads:
+            thread.start()
+
+    def _deploy(self) -> None:
+        from ray import serve
+
+        from .replica import SongReplica
+
+        try:
+            serve.start(proxy_location="Disabled")
+            if APP in serve.status().applications:  # an earlier ingress's replicas: replaced, never shared
+                serve.delete(APP)
+            deployment = serve.deployment(
+                SongReplica, name=DEPLOYMENT, num_replicas=self.shape.replicas,
+                max_ongoing_requests=self.spec.concurrency, ray_actor_options=self.shape.actor_options(),
+                health_check_period_s=2, health_check_timeout_s=60, graceful_shutdown_wait_loop_s=1,
+                graceful_shutdown_timeout_s=20, max_constructor_retry_count=3)
+            handle = serve.run(deployment.bind(self.spec, self.board), name=APP, route_prefix=None)
+        except Exception as exc:  # noqa: BLE001 (reported by /health and POST; the runs wait no more)
+            self._failed = f"the replicas failed to start: {error_words(exc)['message']}"
+            LOG.error("%s", self._failed)
+        else:
+            self._handle = handle
+            LOG.info("%d replica(s) ready", self.shape.replicas)
+        self._loop.call_soon_threadsafe(self._ready.set)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop every run at its next boundary (waiting at most `timeout` s), then the replicas (and the local
+        cluster, when this process started it)."""
+        self._closing = True
+        with self._lock:
+            runs = list(self._runs.values())
+        for run in runs:
+            self.cancel(run)
+        deadline = time.monotonic() + (timeout if timeout is not None else 60.0)
+        stopped = all(run._ended.wait(max(0.0, deadline - time.monotonic())) for run in runs)
+        self._stop.set()
+        self._shutdown()
+        return stopped
+
+    def _shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            if self.owns_cluster:  # the songs have stopped: the local cluster goes, replicas and all
+                ray.shutdown()
+            else:
+                serve.delete(APP)
+        except Exception:  # noqa: BLE001 (stopping anyway)
+            LOG.warning("stopping the replicas failed", exc_info=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    # -- runs
+
+    def submit(self, order: SongOrder) -> RemoteRun:
+        run = RemoteRun(order, self)
+        with self._lock:
+            self._runs[order.run_id] = run
+        asyncio.run_coroutine_threadsafe(self._stream(run), self._loop)
+        return run
+
+    def cancel(self, run: RemoteRun) -> None:
+        if self.board is not None and not run.done:
+            self.board.cancel.remote(run.order.run_id)
+
+    def _post(self, run: RemoteRun, kind: str, data: dict) -> None:
+        if self.listener is not None:
+            self.listener(SongEvent(run, kind, data))
+
+    async def _stream(self, run: RemoteRun) -> None:
+        """Follow one run's stream: its events go to the service; its final event only once the stream ended."""
+        final: tuple[str, dict] | None = None
+        try:
+            await self._ready.wait()
+            if self._handle is None:
+                raise RuntimeError(self._failed or "the replicas are not running")
+            response = self._handle.options(stream=True, method_name="run").remote(run.order.to_dict())
+            async for event in response:
+                kind, data = event["kind"], event["data"]
+                if kind == "accepted":
+                    run.replica, run.where = data["replica"], data
+                    continue
+                if kind in FINAL_STATES:
+                    final = await asyncio.to_thread(visible_verdict, run.order, data) if kind == "complete" \
+                        else (kind, data)
+                    continue
+                if kind == "state":
+                    run.state = data["state"]
+                self._post(run, kind, data)
+            if final is None:
+                raise RuntimeError(f"the stream from replica {run.replica} ended without the song's end")
+        except Exception as exc:  # noqa: BLE001 (every way a stream ends is the run's end)
+            if final is None:
+                final = self._lost(run, exc)
+        finally:
+            with self._lock:
+                self._runs.pop(run.order.run_id, None)
+            if self.board is not None:
+                self.board.forget.remote(run.order.run_id)
+            run.state = final[0] if final else "failed"
+            run._ended.set()
+            if final is not None:
+                self._post(run, *final)
+
+    def _lost(self, run: RemoteRun, exc: BaseException) -> tuple[str, dict]:
+        """The final event of a run whose stream failed."""
+        if self._handle is None:  # the deployment never came up: no song can be served (the service holds it)
+            return "failed", {"error": {"type": "ReplicasUnavailable", "message": str(exc)}, "result": None,
+                              "engine_failure": True}
+        lost = replica_lost(exc)
+        if lost and run.replica is not None:
+            self._state.dead.add(run.replica)
+            self._state.reports.pop(run.replica, None)
+            self.board.drop.remote(run.replica)
+        where = f"replica {run.replica} on {run.where.get('host')}" if run.replica else "a replica"
+        message = f"{where} died while {run.state} ({error_words(exc)['message'][:400]})" if lost \
+            else error_words(exc)["message"]
+        return "failed", {"error": {"type": "ReplicaDied" if lost else type(exc).__name__, "message": message,
+                                    **({"replica": run.replica} if run.replica else {})},
+                          "result": None, "engine_failure": False, "replica_lost": lost}
+
+    # -- health
+
+    def _watch(self) -> None:
+        import ray
+        from ray import serve
+
+        last_status = 0.0
+        while not self._stop.wait(1.0):
+            try:
+                reports = ray.get(self.board.reports.remote(), timeout=5)
+                self._state.reports = {name: report for name, report in reports.items()
+                                       if name not in self._state.dead}
+                for name, report in reports.items():
+                    restarts = (report.get("engine") or {}).get("restarts", 0)
+                    self._state.restarts[name] = max(self._state.restarts.get(name, 0), restarts)
+                if self._handle is not None and len(self._alive()) < self.shape.replicas \
+                        and time.monotonic() - last_status > 5:
+                    last_status = time.monotonic()
+                    status = serve.status().applications.get(APP)
+                    deployment = status.deployments.get(DEPLOYMENT) if status else None
+                    self._state.serve_message = (deployment.message or deployment.status) if deployment else ""
+            except Exception:  # noqa: BLE001 (the next look may succeed)
+                LOG.debug("replica watch failed", exc_info=True)
+
+    def _alive(self) -> list[dict]:
+        now = time.time()
+        return [r for name, r in self._state.reports.items()
+                if now - r.get("received", 0) < REPORT_STALE_SECONDS and not r.get("fatal")]
+
+    def down_for_good(self) -> str | None:
+        return self._failed
+
+    def health(self) -> dict:
+        alive = self._alive()
+        target = self.shape.replicas
+        states = [r["engine"]["state"] for r in alive]
+        if states:
+            state = min(states, key=lambda s: ENGINE_ORDER.index(s) if s in ENGINE_ORDER else len(ENGINE_ORDER))
+        else:
+            state = "failed" if self._failed else ("restarting" if self._handle is not None else "starting")
+        engine = {"backend_requested": self.backend,
+                  "backend": "torch" if self.backend == "torch" or state in ("unavailable", "none") else "vllm",
+                  "state": state, "restarts": sum(self._state.restarts.values())}
+        problems = []
+        if not alive:
+            why = self._failed or self._state.serve_message or ("starting" if self._handle is None else
+                                                                "no replica reports")
+            problems.append(f"no replica can serve (0/{target}): {why}")
+        elif state in ENGINE_DOWN:
+            problems.append(f"the AR engine is {state} on every replica")
+        replicas = [{key: r.get(key) for key in ("replica", "host", "node", "pid", "device", "in_flight", "queued",
+                                                  "concurrency")} | {"engine": r["engine"]["state"]}
+                    for r in sorted(alive, key=lambda r: r.get("rank", 0))]
+        return {"engine": engine, "problems": problems, "replicas": f"{len(alive)}/{target}",
+                "replica_states": replicas,
+                "cluster": {"per_replica": {"gpus": self.shape.gpus, "cpus": self.shape.cpus,
+                                            "concurrency": self.spec.concurrency},
+                            **({"degraded": f"{target - len(alive)} of {target} replicas are not serving"
+                                            + (f": {self._state.serve_message}" if self._state.serve_message else "")}
+                               if 0 < len(alive) < target else {})}}
+
