@@ -6,7 +6,12 @@ final event, then the next), and again with the engine worker killed (SIGKILL) o
 Markdown table: songs/s, p50/p95 seconds from POST to complete, p50 seconds from POST to the first SSE
 event and to the first token event, AR tok/s, lost jobs (accepted but not listed in a final state),
 5xx answers, failed and retried songs. Every complete song's files are verified.
-Run: `.venv/bin/python bench/bench_serve.py [--songs 32 --concurrency 8]`.
+
+`--replicas 1 2` (the `ray` extra) runs the same load on `serve --replicas N` for each N, side by side — the
+same songs in flight in all (each replica serves ceil(concurrency / N) at once) — and then, on the largest N,
+the load again with one replica (its process) killed once mid-run; `0` in the list is the single-process
+server. On a GPU node each replica takes a GPU: the same command measures N GPUs.
+Run: `.venv/bin/python bench/bench_serve.py [--songs 32 --concurrency 8] [--replicas 1 2]`.
 """
 from __future__ import annotations
 
@@ -14,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,14 +36,37 @@ FINAL = ("complete", "failed", "cancelled")
 
 
 class Server:
-    def __init__(self, data_dir: Path, concurrency: int, log: Path):
+    def __init__(self, data_dir: Path, concurrency: int, log: Path, replicas: int = 0):
         self.log = open(log, "ab")
+        per_replica = -(-concurrency // replicas) if replicas else concurrency
         command = [sys.executable, "-m", "yue2_vllm.cli", "serve", "--port", "0", "--data-dir", str(data_dir),
-                   "--max-concurrency", str(concurrency), "--queue-size", "256", "--quiet"]
+                   "--max-concurrency", str(per_replica), "--queue-size", "256", "--quiet",
+                   *(["--replicas", str(replicas)] if replicas else [])]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT,
                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
         self.url = json.loads(self.process.stdout.readline())["url"]
-        self.data_dir = data_dir
+        self.data_dir, self.replicas = data_dir, replicas
+
+    def ready(self, client: httpx.Client) -> bool:
+        health = client.get("/health")
+        return health.status_code == 200 and (not self.replicas or health.json()["replicas"] ==
+                                              f"{self.replicas}/{self.replicas}")
+
+    def kill_once(self, client: httpx.Client) -> None:
+        """What the faulty run kills: a replica's process (with replicas), else the engine worker."""
+        if self.replicas:
+            os.kill(client.get("/health").json()["replica_states"][0]["pid"], signal.SIGKILL)
+            return
+        worker_pid = self.engine_worker()
+        if worker_pid is not None:
+            os.killpg(worker_pid, signal.SIGKILL)
+
+    def recovered(self, health: httpx.Response) -> bool:
+        if health.status_code != 200:
+            return False
+        if self.replicas:
+            return health.json()["replicas"] == f"{self.replicas}/{self.replicas}"
+        return health.json()["engine"].get("restarts", 0) >= 1
 
     def engine_worker(self) -> int | None:
         """The engine worker: the child of the server process that leads its own process group (forked by any of
@@ -125,9 +152,7 @@ def run_load(server: Server, songs: int, concurrency: int, kill_after: int | Non
                 if kill_now:
                     killed["at"] = time.monotonic()
             if kill_now:
-                worker_pid = server.engine_worker()
-                if worker_pid is not None:
-                    os.killpg(worker_pid, signal.SIGKILL)
+                server.kill_once(client)
 
     start = time.monotonic()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -136,10 +161,13 @@ def run_load(server: Server, songs: int, concurrency: int, kill_after: int | Non
     if kill_after is not None:
         while killed["at"] is None and any(t.is_alive() for t in threads):
             time.sleep(0.05)
-        while killed["at"] is not None and killed["recovered"] is None:  # /health 503 until the engine is back
+        seen_down = False  # back only after /health has shown the death (503, or fewer replicas)
+        while killed["at"] is not None and killed["recovered"] is None:  # until the engine / replica is back
             health = client.get("/health")
             health_codes[health.status_code] += 1
-            if health.status_code == 200 and health.json()["engine"].get("restarts", 0) >= 1:
+            back = server.recovered(health)
+            seen_down = seen_down or not back or time.monotonic() - killed["at"] > 15
+            if back and seen_down:
                 killed["recovered"] = time.monotonic() - killed["at"]
             time.sleep(0.1)
     for thread in threads:
@@ -172,33 +200,45 @@ def run_load(server: Server, songs: int, concurrency: int, kill_after: int | Non
             "ar_tok_s": tokens / wall, "engine_recovered_s": killed["recovered"]}
 
 
+def serve_and_load(replicas: int, args, tmp: Path) -> list[tuple[str, dict]]:
+    start = time.monotonic()
+    name = f"{replicas} replica{'s' if replicas > 1 else ''}" if replicas else "one process"
+    server = Server(tmp / f"data-{replicas}", args.concurrency, tmp / f"serve-{replicas}.log", replicas)
+    client = httpx.Client(base_url=server.url, timeout=30)
+    while not server.ready(client):
+        time.sleep(0.2)
+    engine = client.get("/health").json()["engine"]
+    print(f"{name}: up in {time.monotonic() - start:.1f} s ({engine['backend']} backend, engine {engine['state']})",
+          file=sys.stderr)
+    try:
+        runs = [(f"{name}: steady", run_load(server, args.songs, args.concurrency, None))]
+        kill = not args.no_kill and (replicas == max(args.replicas) if replicas else engine["backend"] == "vllm")
+        if kill:
+            what = "a replica killed once" if replicas else "engine worker killed once"
+            runs.append((f"{name}: {what}", run_load(server, args.songs, args.concurrency, args.songs // 4)))
+    finally:
+        client.close()
+        server.stop()
+        server.log.close()
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--songs", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8, help="client threads = the server's songs in flight")
-    parser.add_argument("--no-kill", action="store_true", help="skip the run with the engine worker killed")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[0],
+                        help="serve --replicas N for each N, side by side (0: the single-process server; default 0)")
+    parser.add_argument("--no-kill", action="store_true", help="skip the run with the engine worker / a replica "
+                                                              "killed")
     args = parser.parse_args()
+    runs = []
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-        start = time.monotonic()
-        server = Server(Path(tmp) / "data", args.concurrency, Path(tmp) / "serve.log")
-        client = httpx.Client(base_url=server.url, timeout=30)
-        while client.get("/health").status_code != 200:
-            time.sleep(0.2)
-        engine = client.get("/health").json()["engine"]
-        print(f"server up in {time.monotonic() - start:.1f} s ({engine['backend']} backend, engine {engine['state']})",
-              file=sys.stderr)
-        try:
-            runs = [("steady", run_load(server, args.songs, args.concurrency, None))]
-            if not args.no_kill and engine["backend"] == "vllm":
-                runs.append(("engine worker killed once", run_load(server, args.songs, args.concurrency,
-                                                                   args.songs // 4)))
-        finally:
-            client.close()
-            server.stop()
-            server.log.close()
+        for replicas in args.replicas:
+            runs += serve_and_load(replicas, args, Path(tmp))
     print("\n| run | songs @ conc | songs/s | p50 / p95 to complete (s) | p50 to 1st SSE event (s) | "
           "p50 to 1st token (s) | AR tok/s | complete | failed | retried | lost | 5xx | health 503s | "
-          "engine back after (s) | /health after |")
+          "back after (s) | /health after |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in runs:
         recovered = f"{r['engine_recovered_s']:.1f}" if r["engine_recovered_s"] is not None else "–"
@@ -206,6 +246,11 @@ def main() -> None:
               f"{r['p95_complete']:.1f} | {r['p50_first_event']:.3f} | {r['p50_first_token']:.2f} | "
               f"{r['ar_tok_s']:.0f} | {r['complete']} | {r['failed']} | {r['retried']} | {r['lost']} | "
               f"{r['http_5xx']} | {r['health_503']} | {recovered} | {r['health_after']} |")
+    steady = {name.split(":")[0]: r["songs_per_s"] for name, r in runs if name.endswith("steady")}
+    if len(steady) > 1:
+        first = next(iter(steady.values()))
+        print("\nsongs/s relative to the first: " + ", ".join(f"{name} {value / first:.2f}x"
+                                                                for name, value in steady.items()))
 
 
 if __name__ == "__main__":

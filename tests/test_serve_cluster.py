@@ -145,7 +145,7 @@ def test_a_replica_killed_mid_song_moves_the_song_and_its_stream_stays_one(tmp_p
 
 def test_ingress_kill_9_then_restart_accounts_for_every_job(tmp_path):
     server = start(tmp_path)
-    jobs = [submit(server.client, seed, **(LONGER if seed < 2 else {})) for seed in range(6)]
+    jobs = [submit(server.client, seed, **(LONGER if seed == 0 else {})) for seed in range(5)]
     wait_for(lambda: status(server.client, jobs[0]), lambda d: d["status"] == "generating", timeout=120)
     done_before = {job_id: doc["finished"] for job_id in jobs
                    if (doc := status(server.client, job_id))["status"] == "complete"}

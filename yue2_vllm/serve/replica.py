@@ -69,7 +69,11 @@ def pin_cpus(cores: int, local_rank: int) -> list[int]:
         return available
     start = (local_rank * cores) % len(available)
     mine = [available[(start + i) % len(available)] for i in range(cores)]
-    os.sched_setaffinity(0, mine)
+    for task in os.listdir("/proc/self/task"):  # every thread of the process (Linux pins threads one by one)
+        try:
+            os.sched_setaffinity(int(task), mine)
+        except (ProcessLookupError, PermissionError):  # a thread that has just ended
+            pass
     return mine
 
 
@@ -182,7 +186,8 @@ class SongReplica:
         local_rank = getattr(rank, "local_rank", 0) if rank is not None else 0
         self.where = {"replica": self.name, "host": socket.gethostname(), "pid": os.getpid(),
                       "node": ray.get_runtime_context().get_node_id()[:12], "rank": getattr(rank, "rank", 0)}
-        check_data_dir(spec.data_dir, spec.token, f"{self.where['host']} (replica {self.name})")
+        check_data_dir(spec.data_dir, spec.token, f"{self.where['host']} (node {self.where['node']}, replica "
+                                                  f"{self.name})")
         if spec.cpus:
             self.where["cpus"] = pin_cpus(spec.cpus, local_rank)
         self.pipe = spec.build_pipeline()
