@@ -408,8 +408,9 @@ class ReplicaPool:
             self._state.reports.pop(run.replica, None)
             self.board.drop.remote(run.replica)
         where = f"replica {run.replica} on {run.where.get('host')}" if run.replica else "a replica"
-        message = f"{where} died while {run.state} ({error_words(exc)['message'][:400]})" if lost \
-            else error_words(exc)["message"]
+        words = error_words(exc)["message"]
+        message = f"{where} died while {run.state} ({words.strip().splitlines()[0][:300] if words.strip() else ''})" \
+            if lost else words
         return "failed", {"error": {"type": "ReplicaDied" if lost else type(exc).__name__, "message": message,
                                     **({"replica": run.replica} if run.replica else {})},
                           "result": None, "engine_failure": False, "replica_lost": lost}
