@@ -89,6 +89,15 @@ class ProcessServer:
         return code
 
 
+def alive(pid: int) -> bool:
+    """Whether a process runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def wait_for(poll, done, timeout: float = 120, interval: float = 0.05):
     """Call `poll()` until `done(value)`; the last value, or an AssertionError naming it."""
     deadline = time.monotonic() + timeout

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from serving import ProcessServer, wait_for
+from serving import ProcessServer, alive, wait_for
 from yue2_vllm.artifacts import verify_result
 
 pytest.importorskip("ray.serve", reason="pip install 'yue2-vllm[ray]'")
@@ -55,14 +55,6 @@ def completed_total(client) -> float:
         if line.startswith('yue2_songs_finished_total{status="complete"}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def replica_pids(client) -> dict[str, int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from serving import ProcessServer, ThreadServer, wait_for
+from serving import ProcessServer, ThreadServer, alive, wait_for
 from yue2_vllm.artifacts import verify_result
 from yue2_vllm.engine.backend import vllm_version
 from yue2_vllm.pipeline import YuE2Pipeline
@@ -50,14 +50,6 @@ def children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         found += [int(c) for c in (task / "children").read_text(encoding="utf-8").split()]
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_cancels_racing_the_ends_of_songs_never_wedge_the_server(tmp_path):
