@@ -266,7 +266,6 @@ class ReplicaPool:
         self.board = None
         self._handle = None
         self._failed: str | None = None  # the deployment failed for good
-        self._closing = False
         self._runs: dict[str, RemoteRun] = {}
         self._lock = threading.Lock()
         self._state = _State()
@@ -321,7 +320,6 @@ class ReplicaPool:
     def close(self, timeout: float | None = None) -> bool:
         """Stop every run at its next boundary (waiting at most `timeout` s), then the replicas (and the local
         cluster, when this process started it)."""
-        self._closing = True
         with self._lock:
             runs = list(self._runs.values())
         for run in runs:
