@@ -134,3 +134,13 @@ def test_a_stream_that_fails_because_its_replica_died_is_told_from_an_error_of_t
     raised = RayTaskError("run", "Traceback ...", RuntimeError("job j1 is already running")).as_instanceof_cause()
     assert not replica_lost(raised)
     assert not replica_lost(RuntimeError("not from Ray"))
+
+
+def test_a_local_cluster_that_cannot_hold_the_replicas_is_refused_before_anything_starts(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    done = subprocess.run([sys.executable, "-m", "yue2_vllm.cli", "serve", "--replicas", str(cores + 1), "--port", "0",
+                           "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2
+    status = json.loads(done.stdout.splitlines()[0])
+    assert status["reason"] == f"--replicas {cores + 1} × 1 CPU needs {cores + 1} CPUs, the cluster has {cores}"
+    assert not (tmp_path / "d").exists() and "Started a local Ray instance" not in done.stderr

@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -121,36 +122,60 @@ def one_process(args, pipeline: Callable):
         yield pipe, {}
 
 
-@contextmanager
-def replicas(args, pipeline: Callable, rules: Callable, rows: Callable, data_dir: Path):
-    """Ray Serve replicas (the `ray` extra): a local cluster this process starts (--replicas) or one it joins
-    (--ray-address), a `ReplicaPool` over them, and what the status line says of them."""
-    import argparse
+@dataclass
+class ClusterPlan:
+    """What `serve --replicas` / `--ray-address` will run, decided before anything is written or started."""
 
-    from .cluster import ReplicaPool, connect, shape_replicas, write_cluster_file
-    from .replica import ReplicaSpec
+    rules: object  # SongRules: what the ingress admits
+    backend: str
+    shape: object  # cluster.ReplicaShape
+    concurrency: int  # songs in flight per replica
+    resources: dict
+    joined: bool  # an existing cluster (--ray-address), else a local one this process starts
+
+
+def plan_cluster(args, rules: Callable, rows: Callable) -> ClusterPlan:
+    """The replicas' shape and songs in flight, refused (UsageError) when they cannot fit: on this machine's
+    resources for a local cluster (none is started yet), on the joined cluster's otherwise."""
+    from .cluster import connect, local_resources, shape_replicas
 
     song_rules, backend = rules(args)
     joined = args.ray_address is not None
-    resources = connect(args.ray_address)
+    resources = connect(args.ray_address) if joined else local_resources()
     if args.device == "cpu":
         if args.replica_gpus:
             raise UsageError("--device cpu with --replica-gpus: CPU replicas reserve no GPU")
         resources = {**resources, "GPU": 0.0}
     shape = shape_replicas(resources, args.replicas, args.replica_gpus, args.replica_cpus, strict=not joined)
     concurrency = args.concurrency or rows(args, shape.device, backend)
-    # Each replica builds its pipeline as this command would, with one engine row per song it serves.
-    replica_args = argparse.Namespace(**{**vars(args), "concurrency": concurrency})
-    spec = ReplicaSpec(functools.partial(pipeline, replica_args), str(data_dir.resolve()),
-                       write_cluster_file(data_dir), concurrency, cpus=shape.cpus if shape.device == "cpu" else None)
-    pool = ReplicaPool(song_rules, spec, shape, backend=backend, owns_cluster=not joined)
-    try:
-        yield pool, {"replicas": shape.replicas, "replica_concurrency": concurrency, "replica_gpus": shape.gpus,
-                     "replica_cpus": shape.cpus, "ray_address": args.ray_address or "local", "resources": resources}
-    finally:
-        if not joined:
-            import ray
+    return ClusterPlan(song_rules, backend, shape, concurrency, resources, joined)
 
+
+@contextmanager
+def replicas(args, pipeline: Callable, plan: ClusterPlan, data_dir: Path):
+    """Ray Serve replicas (the `ray` extra): the local cluster started here (or the joined one), a `ReplicaPool`
+    over them, and what the status line says of them."""
+    import argparse
+
+    import ray
+
+    from .cluster import ReplicaPool, connect, write_cluster_file
+    from .replica import ReplicaSpec
+
+    shape = plan.shape
+    connect(args.ray_address, plan.resources)
+    # Each replica builds its pipeline as this command would, with one engine row per song it serves.
+    replica_args = argparse.Namespace(**{**vars(args), "concurrency": plan.concurrency})
+    spec = ReplicaSpec(functools.partial(pipeline, replica_args), str(data_dir.resolve()),
+                       write_cluster_file(data_dir), plan.concurrency,
+                       cpus=shape.cpus if shape.device == "cpu" else None)
+    pool = ReplicaPool(plan.rules, spec, shape, backend=plan.backend, owns_cluster=not plan.joined)
+    try:
+        yield pool, {"replicas": shape.replicas, "replica_concurrency": plan.concurrency, "replica_gpus": shape.gpus,
+                     "replica_cpus": shape.cpus, "ray_address": args.ray_address or "local",
+                     "resources": plan.resources}
+    finally:
+        if not plan.joined:
             ray.shutdown()  # the local cluster goes with this process (a no-op once the pool has stopped it)
 
 
@@ -160,16 +185,18 @@ def serve(args, pipeline: Callable, print_status: Callable[[dict], None], *, rul
     its own, and this process admits songs by `rules(args)` -> (SongRules, backend), sizing a replica's songs in
     flight with `rows(args, device_type, backend)` unless --max-concurrency says."""
     check_installed()
-    clustered = getattr(args, "replicas", None) is not None or getattr(args, "ray_address", None) is not None
-    if clustered:
-        from .cluster import check_ray
+    api_key = api_key_from(args.api_key)
+    check_exposure(args.host, api_key, getattr(args, "insecure_no_auth", False))
+    if getattr(args, "replicas", None) is None and getattr(args, "ray_address", None) is None:
+        return _serve(args, api_key, lambda data_dir: one_process(args, pipeline), print_status)
+    from .cluster import check_ray
 
-        check_ray()
-        if args.device.startswith("cuda:"):
-            raise UsageError(f"--device {args.device}: Ray gives each replica its GPU; use --device auto or cuda")
-        with status_channel(print_status) as status:
-            return _serve(args, pipeline, status, rules, rows, clustered)
-    return _serve(args, pipeline, print_status, rules, rows, clustered)
+    check_ray()
+    if args.device.startswith("cuda:"):
+        raise UsageError(f"--device {args.device}: Ray gives each replica its GPU; use --device auto or cuda")
+    with status_channel(print_status) as status:
+        plan = plan_cluster(args, rules, rows)
+        return _serve(args, api_key, lambda data_dir: replicas(args, pipeline, plan, data_dir), status)
 
 
 @contextmanager
@@ -184,20 +211,19 @@ def status_channel(print_status: Callable):
         sys.stdout = real
 
 
-def _serve(args, pipeline: Callable, print_status: Callable, rules, rows, clustered: bool) -> int:
+def _serve(args, api_key: str | None, workers: Callable, print_status: Callable) -> int:
+    """Hold the data dir, listen, build the workers (`workers(data_dir)`: a context of `(source, status words)`)
+    and serve until SIGINT / SIGTERM."""
     import uvicorn
 
     from .app import MAX_SSE_CLIENTS, create_app
     from .service import ServeConfig, SongService
 
-    api_key = api_key_from(args.api_key)
-    check_exposure(args.host, api_key, getattr(args, "insecure_no_auth", False))
     data_dir = Path(args.data_dir)
     try:
         with data_dir_lock(data_dir):
             sock = bind(args.host, args.port)
-            workers = replicas(args, pipeline, rules, rows, data_dir) if clustered else one_process(args, pipeline)
-            with workers as (source, described):
+            with workers(data_dir) as (source, described):
                 service = SongService(source, ServeConfig(
                     data_dir, concurrency=args.concurrency, queue_size=args.queue_size,
                     stall_seconds=getattr(args, "stall_seconds", 300.0), retention_seconds=getattr(args, "retention", None),
