@@ -401,7 +401,8 @@ async function refreshHealth() {
     keyRequired = Boolean(health.api_key_required);
     const engine = health.engine;
     const what = engine.backend === "vllm" ? `vLLM engine ${engine.state}` : "torch backend";
-    element.textContent = `${what} · ${health.in_flight} in flight · queue ${health.queue.depth}/${health.queue.limit}`;
+    const replicas = health.replicas ? ` · replicas ${health.replicas}` : "";
+    element.textContent = `${what}${replicas} · ${health.in_flight} in flight · queue ${health.queue.depth}/${health.queue.limit}`;
     element.className = "health " + (response.ok ? "ok" : "down");
   } catch (error) {
     element.textContent = "the server does not answer";
