@@ -40,20 +40,14 @@ def cmd_doctor(args) -> int:
 def memory_split(args, device: str | None = None) -> dict:
     """The engine / torch split `serve`, `batch` and `generate` would start with (memory.plan_memory) on this
     machine's device, or on a replica's `device` ("cuda": its card, or --budget when this machine has no GPU)."""
-    from ..checkpoint import weights_bytes
-    from ..memory import ar_expert_bytes, plan_memory
-    from ..model.modeling import YuE2Config
     from ..pipeline import resolve_device
     from ..testing import tiny_default
-    from .setup import card_bytes
+    from .setup import memory_plan
 
     model_dir, vae_dir = model_sources(args) if args.model else tiny_default()
     model_dir, vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
-    config = YuE2Config.load(model_dir)
-    device = device or resolve_device(args.device).type
-    plan = plan_memory(config, device=device, budget_gib=args.budget, engine_weights=ar_expert_bytes(config),
-                       torch_model=weights_bytes(model_dir), vae=weights_bytes(vae_dir), max_num_seqs=args.concurrency,
-                       offload_ar=args.offload_ar, total=card_bytes(device, args.budget))
+    plan = memory_plan(model_dir, vae_dir, device or resolve_device(args.device).type, args.budget,
+                       max_num_seqs=args.concurrency, offload_ar=args.offload_ar)
     return {"model": str(model_dir), **plan.describe(), "problems": plan.problems()}
 
 

@@ -132,17 +132,25 @@ def replica_rows(args, device_type: str, backend: str) -> int:
     split on a replica's device sizes them (`doctor` shows the split); 1 on the torch backend."""
     if backend == "torch" or (backend == "auto" and not vllm_installed()):
         return 1
+    model_dir, vae_dir, generation, _ = _models(args)
+    return memory_plan(model_dir, vae_dir, device_type, args.budget, offload_ar=args.offload_ar,
+                       generation=generation).max_num_seqs
+
+
+def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float, *, max_num_seqs: int | None = None,
+                offload_ar: bool = False, generation=None):
+    """The engine / torch split (memory.plan_memory) of these weights on `device_type`; with `generation`, rows
+    sized for its songs (a prompt + the larger phase budget) instead of upstream's."""
     from ..checkpoint import weights_bytes
     from ..memory import PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, plan_memory
     from ..model.modeling import YuE2Config
 
-    model_dir, vae_dir, generation, _ = _models(args)
     config = YuE2Config.load(Path(model_dir))
-    typical = PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)
-    plan = plan_memory(config, device=device_type, budget_gib=args.budget, engine_weights=ar_expert_bytes(config),
-                       torch_model=weights_bytes(model_dir), vae=weights_bytes(vae_dir), typical_tokens=typical,
-                       offload_ar=args.offload_ar, total=card_bytes(device_type, args.budget))
-    return plan.max_num_seqs
+    typical = {} if generation is None else {
+        "typical_tokens": PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)}
+    return plan_memory(config, device=device_type, budget_gib=budget_gib, engine_weights=ar_expert_bytes(config),
+                       torch_model=weights_bytes(model_dir), vae=weights_bytes(vae_dir), max_num_seqs=max_num_seqs,
+                       offload_ar=offload_ar, total=card_bytes(device_type, budget_gib), **typical)
 
 
 def card_bytes(device_type: str, budget_gib: float) -> int | None:
