@@ -34,7 +34,7 @@ from .events import EventHub, Throttle
 from .metrics import Registry, RateWindow
 from .store import IdempotencyConflict, JobRecord, JobStore, NewJob, QueueFull  # noqa: F401 (re-exported)
 from .submission import check_idempotency_key, new_job_id, parse_submission, valid_job_id
-from .worker import ENGINE_DOWN, SongOrder, SongWorker, error_words  # noqa: F401 (error_words re-exported)
+from .worker import ENGINE_DOWN, SongOrder, SongWorker
 
 LOG = logging.getLogger("yue2_vllm.serve")
 STAGE_OF_STATE = {state: stage for stage, state in STAGE_STATES.items()}
