@@ -76,6 +76,9 @@ def test_eight_songs_through_two_replicas_and_a_graceful_stop(tmp_path):
         assert ran == set(replica_pids(client)), ran  # both replicas ran songs, each stage names its replica
         assert all(not doc["retries"] for doc in docs)
         assert completed_total(client) == 8
+        metrics = client.get("/metrics").text
+        assert 'yue2_replicas{state="serving"} 2.0' in metrics and 'yue2_replicas{state="wanted"} 2.0' in metrics
+        assert sum('yue2_replica_songs_in_flight{replica="' in line for line in metrics.splitlines()) == 2
         pids = list(replica_pids(client).values())
         started = time.monotonic()
         assert server.stop(timeout=60) == 0 and time.monotonic() - started < 30

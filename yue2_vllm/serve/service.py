@@ -703,6 +703,18 @@ class SongService:
                          function=lambda: self.engine_status().get("restarts", 0))
         self.http_responses = registry.counter("yue2_http_responses_total", "HTTP responses by status code.",
                                                ("code",))
+        registry.gauge("yue2_replicas", "Song-worker replicas (serve --replicas / --ray-address): serving and wanted.",
+                       ("state",), function=self._replica_counts)
+        registry.gauge("yue2_replica_songs_in_flight", "Songs each serving replica runs now.", ("replica",),
+                       function=lambda: {(r["replica"],): r["in_flight"] or 0
+                                         for r in self.workers.health().get("replica_states", ())})
+
+    def _replica_counts(self) -> dict:
+        replicas = self.workers.health().get("replicas")  # "serving/wanted"; none in a single process
+        if not replicas:
+            return {}
+        serving, wanted = replicas.split("/")
+        return {("serving",): int(serving), ("wanted",): int(wanted)}
 
 
 def stage_summary(stage: str, meta: dict, reused: bool) -> dict:
