@@ -11,6 +11,7 @@ import pytest
 
 from serving import ProcessServer, alive, wait_for
 from yue2_vllm.artifacts import verify_result
+from yue2_vllm.engine.backend import vllm_version
 
 pytest.importorskip("ray.serve", reason="pip install 'yue2-vllm[ray]'")
 httpx_sse = pytest.importorskip("httpx_sse", reason="pip install 'yue2-vllm[test]'")
@@ -25,11 +26,12 @@ LONGER = {"semantic_sampling": {"min_tokens": 400, "max_tokens": 400}}  # ~10 s 
 def server_args(tmp_path: Path, *more: str) -> list[str]:
     config = tmp_path / "generation.json"
     config.write_text(json.dumps(GENERATION), encoding="utf-8")
-    return ["--data-dir", str(tmp_path / "data"), "--config", str(config), "--backend", "torch", *more]
+    return ["--data-dir", str(tmp_path / "data"), "--config", str(config), *more]
 
 
-def start(tmp_path: Path, replicas: int = 2) -> ProcessServer:
-    server = ProcessServer(server_args(tmp_path, "--replicas", str(replicas)), log=tmp_path / "serve.log")
+def start(tmp_path: Path, replicas: int = 2, backend: str = "torch", *more: str) -> ProcessServer:
+    server = ProcessServer(server_args(tmp_path, "--replicas", str(replicas), "--backend", backend, *more),
+                           log=tmp_path / "serve.log")
     assert server.status["replicas"] == replicas and server.status["replica_cpus"] == 1
     wait_for(lambda: server.client.get("/health"),
              lambda r: r.status_code == 200 and r.json()["replicas"] == f"{replicas}/{replicas}", timeout=180)
@@ -59,6 +61,18 @@ def completed_total(client) -> float:
 
 def replica_pids(client) -> dict[str, int]:
     return {r["replica"]: r["pid"] for r in client.get("/health").json()["replica_states"]}
+
+
+def engine_worker(replica_pid: int) -> int | None:
+    """The replica's engine worker: its child that leads a process group of its own."""
+    for task in Path(f"/proc/{replica_pid}/task").iterdir():
+        for child in map(int, (task / "children").read_text(encoding="utf-8").split()):
+            try:
+                if os.getpgid(child) == child and alive(child):
+                    return child
+            except ProcessLookupError:
+                continue
+    return None
 
 
 def test_eight_songs_through_two_replicas_and_a_graceful_stop(tmp_path):
@@ -158,5 +172,40 @@ def test_ingress_kill_9_then_restart_accounts_for_every_job(tmp_path):
         assert [r["kind"] for r in status(server.client, jobs[0])["retries"]] == ["restart"]
         listed = {song["id"] for song in server.client.get("/v1/songs").json()["songs"]}
         assert set(jobs) <= listed
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
+def test_a_replica_whose_engine_is_gone_for_good_is_replaced_and_its_song_moves(tmp_path):
+    """vLLM engines in both replicas; one replica's engine killed until it may not restart (max_restarts 3): the
+    song it was running completes elsewhere (a `replica` retry, not a failure) and Serve replaces the replica."""
+    server = start(tmp_path, 2, "vllm", "--max-concurrency", "1")
+    client = server.client
+    try:
+        states = client.get("/health").json()["replica_states"]
+        victim, pid = states[0]["replica"], states[0]["pid"]
+        def engine_state():
+            return {r["replica"]: r["engine"] for r in client.get("/health").json()["replica_states"]}.get(victim)
+
+        for _ in range(3):  # three restarts spend the engine's budget (3 per 10 minutes)
+            os.killpg(engine_worker(pid), signal.SIGKILL)
+            wait_for(engine_state, lambda state: state != "running", timeout=60)  # restarting ...
+            wait_for(engine_state, lambda state: state == "running", timeout=300)  # ... and up again
+        jobs = [submit(client, seed, semantic_sampling={"min_tokens": 1500, "max_tokens": 1500}) for seed in (1, 2)]
+        on_victim = wait_for(lambda: [status(client, j) for j in jobs],
+                             lambda docs: any(d["stages"]["semantic"].get("replica") == victim and
+                                              d["progress"]["semantic"]["tokens"] >= 20 for d in docs), timeout=180)
+        moving = next(d["id"] for d in on_victim if d["stages"]["semantic"].get("replica") == victim)
+        os.killpg(engine_worker(pid), signal.SIGKILL)  # the fourth death: this engine is gone for good
+        doc = final(client, moving, timeout=600)
+        assert doc["status"] == "complete", doc["error"]
+        assert [r["kind"] for r in doc["retries"]] == ["replica"] and victim in doc["retries"][0]["reason"]
+        assert doc["stages"]["semantic"]["replica"] != victim
+        assert all(final(client, j)["status"] == "complete" for j in jobs)
+        back = wait_for(lambda: client.get("/health"), lambda r: r.json()["replicas"] == "2/2" and victim not in
+                        {x["replica"] for x in r.json()["replica_states"]}, timeout=300)
+        assert back.status_code == 200
     finally:
         server.kill()

@@ -496,6 +496,13 @@ class VLLMBackend:
                                 "engine_load_seconds": event["engine_load_seconds"]}
 
     @property
+    def gone_for_good(self) -> bool:
+        """The worker died and `start` would refuse to restart it (this window's restart budget is spent). A
+        restart in progress is not: the dead worker is dropped before the new one starts."""
+        worker = self._worker
+        return worker is not None and not worker.alive and not self.can_restart
+
+    @property
     def can_restart(self) -> bool:
         """Whether a dead engine would be started again now (the restart budget of this window is not spent)."""
         now, window = time.monotonic(), self.settings.restart_window_s

@@ -35,7 +35,8 @@ LOG = logging.getLogger("yue2_vllm.serve")
 APP = "yue2"
 DEPLOYMENT = "SongWorker"
 RAY_EXTRA = "pip install 'yue2-vllm[ray]'"
-REPORT_STALE_SECONDS = 10.0  # a replica whose last load report is older than this is not counted
+REPORT_STALE_SECONDS = 10.0
+REFUSED_RETRY_SECONDS = 1.0  # a run a replica refused goes again after this (doubling, at most 10 s)  # a replica whose last load report is older than this is not counted
 # The engine state /health shows for several replicas: the best one among those alive.
 ENGINE_ORDER = ("running", "unavailable", "none", "starting", "restarting", "failed")
 
@@ -361,10 +362,36 @@ class ReplicaPool:
             self.listener(SongEvent(run, kind, data))
 
     async def _stream(self, run: RemoteRun) -> None:
-        """Follow one run's stream: its events go to the service; its final event only once the stream ended."""
+        """Follow one run to its end: its events go to the service, its final event only once the stream ended. A
+        replica that refuses it before it starts (one Serve still routes to, but that cannot serve any more) is
+        not the song's failure: the run is sent again (Serve drops the replica once its health check fails)."""
         final: tuple[str, dict] | None = None
+        delay = REFUSED_RETRY_SECONDS
         try:
             await self._ready.wait()
+            while True:
+                final = await self._attempt(run)
+                if not final[1].get("refused"):
+                    break
+                LOG.info("%s was refused by replica %s (%s); sending it again in %.0f s", run.order.run_id,
+                         run.replica, final[1]["error"]["message"], delay)
+                run.replica, run.where = None, {}
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 10.0)
+        finally:
+            with self._lock:
+                self._runs.pop(run.order.run_id, None)
+            if self.board is not None:
+                self.board.forget.remote(run.order.run_id)
+            run.state = final[0] if final else "failed"
+            run._ended.set()
+            if final is not None:
+                self._post(run, *final)
+
+    async def _attempt(self, run: RemoteRun) -> tuple[str, dict]:
+        """One streaming call: the run's events to the service; its final event (or why the stream failed)."""
+        final: tuple[str, dict] | None = None
+        try:
             if self._handle is None:
                 raise RuntimeError(self._failed or "the replicas are not running")
             response = self._handle.options(stream=True, method_name="run").remote(run.order.to_dict())
@@ -385,15 +412,7 @@ class ReplicaPool:
         except Exception as exc:  # noqa: BLE001 (every way a stream ends is the run's end)
             if final is None:
                 final = self._lost(run, exc)
-        finally:
-            with self._lock:
-                self._runs.pop(run.order.run_id, None)
-            if self.board is not None:
-                self.board.forget.remote(run.order.run_id)
-            run.state = final[0] if final else "failed"
-            run._ended.set()
-            if final is not None:
-                self._post(run, *final)
+        return final
 
     def _lost(self, run: RemoteRun, exc: BaseException) -> tuple[str, dict]:
         """The final event of a run whose stream failed."""

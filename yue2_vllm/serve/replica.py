@@ -208,6 +208,10 @@ class SongReplica:
         and its final event (see `serve.worker`)."""
         order = SongOrder(**order)
         yield {"kind": "accepted", "data": dict(self.where)}
+        unable = self.fatal()
+        if unable is not None:  # Serve routes here until the health check fails: the song goes elsewhere
+            yield {"kind": "failed", "data": {**self._not_here(unable), "refused": True}}
+            return
         if await self.board.is_cancelled.remote(order.run_id):
             yield {"kind": "cancelled", "data": {"error": {"type": "Cancelled", "message": "cancelled before it "
                                                                                               "started"},
@@ -234,14 +238,26 @@ class SongReplica:
             if handle is not None and not handle.done:  # the ingress went away: the song stops at its next boundary
                 handle.cancel()
 
+    def _not_here(self, reason: str) -> dict:
+        """A final event's data for a song this replica cannot serve any more: the ingress puts it back, as it does
+        for a song whose replica died."""
+        return {"error": {"type": "ReplicaUnavailable", "message": f"replica {self.name} on {self.where['host']}: "
+                                                                   f"{reason}", "replica": self.name},
+                "result": None, "engine_failure": False, "replica_lost": True}
+
     def _on_event(self, event: SongEvent) -> None:
         """The worker's listener (song and lane threads): hand the event to its run's stream."""
         stream = self._streams.get(event.song.id)
         if stream is None:
             return
         loop, inbox = stream
+        data = event.data
+        if event.kind == "failed" and data.get("engine_failure"):
+            unable = self.worker.down_for_good()
+            if unable is not None:  # the engine will not come back here: not the song's fault, nor its last try
+                data = self._not_here(unable)
         try:
-            loop.call_soon_threadsafe(inbox.put_nowait, (event.kind, event.data))
+            loop.call_soon_threadsafe(inbox.put_nowait, (event.kind, data))
         except RuntimeError:  # the run's event loop is gone
             pass
 

@@ -145,7 +145,7 @@ class SongWorker:
         """Why no song can be served any more (the engine died and may not be restarted), else None. Checked
         now, not at the watchdog's last look: a song that the engine's death failed asks at once."""
         engine = self.pipe.engine if self.pipe.backend_requested != "torch" else None
-        if engine is not None and not engine.running and engine.ever_started and not engine.can_restart:
+        if engine is not None and engine.gone_for_good:
             if self.engine_state.get("state") != "failed":
                 self.engine_state = {"state": "failed", "reason": "the AR engine died and may not be restarted "
                                                                   f"(restarts so far: {engine.restarts})"}
