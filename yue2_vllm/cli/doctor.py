@@ -73,10 +73,9 @@ def cluster_report(args) -> dict:
     problems: list[str] = []
     try:
         shape = shape_replicas(resources, args.replicas, args.replica_gpus, args.replica_cpus, strict=True)
-    except UsageError as exc:
+    except UsageError as exc:  # reported, and the shape asked for is sized anyway
         problems.append(str(exc))
-        shape = shape_replicas(resources, args.replicas, None if args.replica_gpus and args.replica_gpus > 1 else
-                               args.replica_gpus, args.replica_cpus, strict=False)
+        shape = shape_replicas(resources, args.replicas, args.replica_gpus, args.replica_cpus, strict=False)
     split = memory_split(args, shape.device)
     problems += split["problems"]
     need = split["engine_bytes"] + split["torch_bytes"]

@@ -117,24 +117,21 @@ def _pipeline(args, need_vae: bool = True):
     return pipe
 
 
-def _rules(args):
-    """The SongRules a server admits songs by (the pipeline's, without loading any weights), and the backend."""
+def replica_admission(args, device_type: str) -> tuple:
+    """What a server whose songs run on replicas needs of the model flags, the weights resolved once:
+    `(SongRules, backend, rows)` — the rules it admits songs by (the pipeline's, without loading any weights), and
+    the songs one replica serves at once when --max-concurrency is not given (the engine's rows as the memory split
+    on a replica's `device_type` sizes them, as `doctor` shows; 1 on the torch backend)."""
     from ..protocol import SongRules
     from ..tokenizer import YuE2Tokenizer
 
-    model_dir, _, generation, backend = _models(args)
-    return SongRules(generation, YuE2Tokenizer.from_model_dir(model_dir), getattr(args, "reproducible", False)), \
-        backend
-
-
-def replica_rows(args, device_type: str, backend: str) -> int:
-    """Songs one replica serves at once when --max-concurrency is not given: the engine's rows as the memory
-    split on a replica's device sizes them (`doctor` shows the split); 1 on the torch backend."""
+    model_dir, vae_dir, generation, backend = _models(args)
+    rules = SongRules(generation, YuE2Tokenizer.from_model_dir(model_dir), getattr(args, "reproducible", False))
     if backend == "torch" or (backend == "auto" and not vllm_installed()):
-        return 1
-    model_dir, vae_dir, generation, _ = _models(args)
-    return memory_plan(model_dir, vae_dir, device_type, args.budget, offload_ar=args.offload_ar,
+        return rules, backend, 1
+    rows = memory_plan(model_dir, vae_dir, device_type, args.budget, offload_ar=args.offload_ar,
                        generation=generation).max_num_seqs
+    return rules, backend, rows
 
 
 def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float, *, max_num_seqs: int | None = None,

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .setup import _pipeline, _rules, print_status, replica_rows
+from .setup import _pipeline, print_status, replica_admission
 
 def cmd_derive(args) -> int:
     import time
@@ -56,7 +56,7 @@ def cmd_make_tiny(args) -> int:
 def cmd_serve(args) -> int:
     from ..serve.runner import serve
 
-    return serve(args, _pipeline, print_status, rules=_rules, rows=replica_rows)
+    return serve(args, _pipeline, print_status, admission=replica_admission)
 
 
 def cmd_quantize(args) -> int:

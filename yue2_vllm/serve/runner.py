@@ -134,12 +134,11 @@ class ClusterPlan:
     joined: bool  # an existing cluster (--ray-address), else a local one this process starts
 
 
-def plan_cluster(args, rules: Callable, rows: Callable) -> ClusterPlan:
+def plan_cluster(args, admission: Callable) -> ClusterPlan:
     """The replicas' shape and songs in flight, refused (UsageError) when they cannot fit: on this machine's
     resources for a local cluster (none is started yet), on the joined cluster's otherwise."""
     from .cluster import connect, local_resources, shape_replicas
 
-    song_rules, backend = rules(args)
     joined = args.ray_address is not None
     resources = connect(args.ray_address) if joined else local_resources()
     if args.device == "cpu":
@@ -147,8 +146,8 @@ def plan_cluster(args, rules: Callable, rows: Callable) -> ClusterPlan:
             raise UsageError("--device cpu with --replica-gpus: CPU replicas reserve no GPU")
         resources = {**resources, "GPU": 0.0}
     shape = shape_replicas(resources, args.replicas, args.replica_gpus, args.replica_cpus, strict=not joined)
-    concurrency = args.concurrency or rows(args, shape.device, backend)
-    return ClusterPlan(song_rules, backend, shape, concurrency, resources, joined)
+    song_rules, backend, rows = admission(args, shape.device)
+    return ClusterPlan(song_rules, backend, shape, args.concurrency or rows, resources, joined)
 
 
 @contextmanager
@@ -179,11 +178,10 @@ def replicas(args, pipeline: Callable, plan: ClusterPlan, data_dir: Path):
             ray.shutdown()  # the local cluster goes with this process (a no-op once the pool has stopped it)
 
 
-def serve(args, pipeline: Callable, print_status: Callable[[dict], None], *, rules: Callable | None = None,
-          rows: Callable | None = None) -> int:
+def serve(args, pipeline: Callable, print_status: Callable[[dict], None], *, admission: Callable | None = None) -> int:
     """`yue2-vllm serve`: `pipeline(args)` builds a pipeline; with --replicas / --ray-address each replica builds
-    its own, and this process admits songs by `rules(args)` -> (SongRules, backend), sizing a replica's songs in
-    flight with `rows(args, device_type, backend)` unless --max-concurrency says."""
+    its own, and this process admits songs by `admission(args, device_type)` -> (SongRules, backend, a replica's
+    songs in flight unless --max-concurrency says)."""
     check_installed()
     api_key = api_key_from(args.api_key)
     check_exposure(args.host, api_key, getattr(args, "insecure_no_auth", False))
@@ -195,7 +193,7 @@ def serve(args, pipeline: Callable, print_status: Callable[[dict], None], *, rul
     if args.device.startswith("cuda:"):
         raise UsageError(f"--device {args.device}: Ray gives each replica its GPU; use --device auto or cuda")
     with status_channel(print_status) as status:
-        plan = plan_cluster(args, rules, rows)
+        plan = plan_cluster(args, admission)
         return _serve(args, api_key, lambda data_dir: replicas(args, pipeline, plan, data_dir), status)
 
 
