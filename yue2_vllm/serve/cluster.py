@@ -35,8 +35,8 @@ LOG = logging.getLogger("yue2_vllm.serve")
 APP = "yue2"
 DEPLOYMENT = "SongWorker"
 RAY_EXTRA = "pip install 'yue2-vllm[ray]'"
-REPORT_STALE_SECONDS = 10.0
-REFUSED_RETRY_SECONDS = 1.0  # a run a replica refused goes again after this (doubling, at most 10 s)  # a replica whose last load report is older than this is not counted
+REPORT_STALE_SECONDS = 10.0  # a replica whose last load report is older than this is not counted
+REFUSED_RETRY_SECONDS = 1.0  # a run a replica refused goes again after this (doubling, at most 10 s)
 # The engine state /health shows for several replicas: the best one among those alive.
 ENGINE_ORDER = ("running", "unavailable", "none", "starting", "restarting", "failed")
 
