@@ -17,7 +17,7 @@ import soundfile
 from yue2_vllm.artifacts import verify_result
 from yue2_vllm.cli import main
 from yue2_vllm.pipeline import YuE2Pipeline
-from yue2_vllm.serve.app import redact
+from yue2_vllm.serve.app import OpenFileResponse, redact
 from yue2_vllm.serve.runner import data_dir_lock
 from yue2_vllm.serve.errors import RequestInvalid
 from yue2_vllm.serve.service import ServeConfig, SongService
@@ -348,6 +348,28 @@ def test_delete_removes_a_job_at_once_and_its_files_once_it_stopped(serve, tmp_p
     assert stage_records(jobs / keep["id"]) == kept and client.get(keep["urls"]["score"]).status_code == 200
     assert sorted(p.name for p in jobs.iterdir()) == sorted([keep["id"], again.json()["id"]])  # no *.purging left
     assert "yue2_jobs_purged_total 3.0" in client.get("/metrics").text
+
+
+def test_a_download_outlives_the_removal_of_its_file(tmp_path):
+    """The audio answer holds its file open: a DELETE that removes the job while the bytes go out cuts nothing."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    path, data = tmp_path / "audio.flac", os.urandom(300_000)
+
+    def download(request):
+        path.write_bytes(data)
+        response = OpenFileResponse(open(path, "rb"), media_type="audio/flac")
+        path.unlink()  # as a DELETE would, between the answer and its bytes
+        return response
+
+    with TestClient(Starlette(routes=[Route("/audio", download)])) as client:
+        whole = client.get("/audio")
+        assert whole.status_code == 200 and whole.content == data
+        ranged = client.get("/audio", headers={"Range": "bytes=100-199"})
+        assert ranged.status_code == 206 and ranged.content == data[100:200]
+        assert ranged.headers["content-range"] == f"bytes 100-199/{len(data)}"
 
 
 def test_ids_are_validated_before_anything_is_read(serve, tmp_path):
