@@ -142,7 +142,13 @@ def test_make_a_song_with_the_form_and_hear_it(server, tmp_path):
         screenshot = tmp_path / "serve-page.png"
         page.screenshot(path=str(screenshot), full_page=True)
 
-        # Delete: the song is gone from the page and from the server.
+        # Delete (once confirmed): the song is gone from the page and from the server.
+        dialogs = []
+        page.once("dialog", lambda dialog: dialogs.append(dialog.message) or dialog.dismiss())
+        row.locator("button", has_text="Delete").click()
+        wait_for(lambda: dialogs, lambda seen: seen, timeout=10)
+        assert job_id in dialogs[0] and server.client.get(f"/v1/songs/{job_id}").status_code == 200
+        page.once("dialog", lambda dialog: dialog.accept())
         row.locator("button", has_text="Delete").click()
         row.wait_for(state="detached")
         page.locator("#current").wait_for(state="hidden")

@@ -516,6 +516,7 @@ async function select(id) {
 async function act(id, action) {  // cancel, resume, render (POST) or delete (DELETE)
   try {
     if (action === "delete") {
+      if (!confirm(`Delete song ${id} and its files? This cannot be undone.`)) return;
       await api(`/v1/songs/${id}`, { method: "DELETE" });
       if (current && current.id === id) forget();
     } else {
