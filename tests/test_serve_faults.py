@@ -88,7 +88,7 @@ def test_cancels_racing_the_ends_of_songs_never_wedge_the_server(tmp_path):
 
 
 def test_deletes_racing_the_ends_of_songs_remove_every_job_and_keep_the_server_healthy(tmp_path):
-    """12 songs at --max-concurrency 4, each DELETEd by two clients at once while it synthesizes, decodes or has
+    """8 songs at --max-concurrency 4, each DELETEd by two clients at once while it synthesizes, decodes or has
     just ended, while a third keeps reading it: one DELETE of each answers 202 or 204 and the other 404,
     every read after the first answer is 404 and none is a 5xx, every job's row and files go, a job nobody
     deleted keeps its files, and the server stays healthy."""
@@ -99,7 +99,7 @@ def test_deletes_racing_the_ends_of_songs_remove_every_job_and_keep_the_server_h
     try:
         server.wait_healthy()
         kept = submit(client)["id"]
-        jobs = [submit(client, seed=n)["id"] for n in range(12)]
+        jobs = [submit(client, seed=n)["id"] for n in range(8)]
         # Seconds after it reached synthesis: none (its run is stopped), up to 0.4 (at its end), or once it ended.
         delays = {job_id: 0.0 if n == 0 else rng.uniform(0, 0.4) if n % 2 else None for n, job_id in enumerate(jobs)}
         answers: dict[str, list[int]] = {job_id: [] for job_id in jobs}
@@ -133,7 +133,7 @@ def test_deletes_racing_the_ends_of_songs_remove_every_job_and_keep_the_server_h
                 reader.result()
             assert after == 404, (job_id, after)
 
-        with ThreadPoolExecutor(12) as pool:
+        with ThreadPoolExecutor(len(jobs)) as pool:
             list(pool.map(race, jobs))
         for job_id, codes in answers.items():
             assert sorted(codes) in ([202, 404], [204, 404]), (job_id, codes)
