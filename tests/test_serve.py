@@ -1,5 +1,5 @@
 """`yue2-vllm serve` against real uvicorn servers on loopback: every status code of the contract, SSE order,
-Range requests, idempotency, auth, cancel, id validation, restarts after kill -9, and the vLLM engine."""
+Range requests, idempotency, auth, cancel and delete, id validation, restarts after kill -9, and the vLLM engine."""
 import http.client
 import json
 import os
@@ -17,7 +17,7 @@ import soundfile
 from yue2_vllm.artifacts import verify_result
 from yue2_vllm.cli import main
 from yue2_vllm.pipeline import YuE2Pipeline
-from yue2_vllm.serve.app import redact
+from yue2_vllm.serve.app import OpenFileResponse, redact
 from yue2_vllm.serve.runner import data_dir_lock
 from yue2_vllm.serve.errors import RequestInvalid
 from yue2_vllm.serve.service import ServeConfig, SongService
@@ -66,6 +66,10 @@ def stage_records(directory: Path) -> dict[str, bytes]:
 
 def error_of(response) -> dict:
     return response.json()["error"]
+
+
+def cancel(client, job: dict):
+    return client.post(f"{job['urls']['self']}/cancel")
 
 
 # --------------------------------------------------------------------------- a song, its files, Range
@@ -281,11 +285,11 @@ def test_a_full_queue_is_429_and_cancel_works_queued_running_and_finished(serve,
         not_ready = client.get(queued[0]["urls"][name])
         assert not_ready.status_code == 409 and "not ready (status queued)" in error_of(not_ready)["message"]
 
-    cancelled = client.delete(queued[0]["urls"]["self"])  # queued: cancelled at once, it never starts
+    cancelled = cancel(client, queued[0])  # queued: cancelled at once, it never starts
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     assert cancelled.json()["error"]["message"] == "cancelled before it started"
     later = submit(client)  # its slot is free again
-    stopping = client.delete(running["urls"]["self"])  # running: stops at the next token
+    stopping = cancel(client, running)  # running: stops at the next token
     assert stopping.status_code == 202 and stopping.json()["cancel_requested"] is True
     doc = final(client, running["id"])
     assert doc["status"] == "cancelled" and doc["error"]["type"] in ("InterruptedError", "Cancelled")
@@ -295,10 +299,77 @@ def test_a_full_queue_is_429_and_cancel_works_queued_running_and_finished(serve,
     assert not (tmp_path / "data" / "jobs" / queued[0]["id"]).exists()
     for job in (queued[1], later):
         assert final(client, job["id"])["status"] == "complete"
-    done = client.delete(later["urls"]["self"])  # finished: nothing to cancel, its files stay
+    done = cancel(client, later)  # finished: nothing to cancel, the job as it is, its files stay
     assert done.status_code == 200 and done.json()["status"] == "complete"
     assert client.get(later["urls"]["audio"]).status_code == 200
+    again = cancel(client, queued[0])  # idempotent on an ended job
+    assert again.status_code == 200 and again.json() == client.get(queued[0]["urls"]["self"]).json()
     assert final(client, queued[0]["id"])["status"] == "cancelled"
+
+
+def test_delete_removes_a_job_at_once_and_its_files_once_it_stopped(serve, tmp_path):
+    server = serve(concurrency=1)
+    client, jobs = server.client, tmp_path / "data" / "jobs"
+    keep = submit(client, stage="plan")
+    done = submit(client, headers={"Idempotency-Key": "delete-me"})
+    assert final(client, keep["id"])["status"] == final(client, done["id"])["status"] == "complete"
+    kept = stage_records(jobs / keep["id"])
+    running = submit(client, **LONG)
+    wait_for(lambda: client.get(running["urls"]["self"]).json(), lambda d: d["progress"]["semantic"]["tokens"] > 0)
+    queued = submit(client)
+
+    gone = client.delete(done["urls"]["self"])  # nothing runs: its files and row go now
+    assert gone.status_code == 204 and gone.content == b""
+    assert not (jobs / done["id"]).exists() and server.service.store.get(done["id"]) is None
+    for name in ("self", "events", "audio", "score", "result"):
+        assert client.get(done["urls"][name]).status_code == 404, name
+    assert client.head(done["urls"]["audio"]).status_code == 404
+    for verb in ("cancel", "resume", "render"):
+        assert client.post(f"{done['urls']['self']}/{verb}").status_code == 404, verb
+    assert client.delete(done["urls"]["self"]).status_code == 404
+    again = client.post("/v1/songs", json=SONG, headers={"Idempotency-Key": "delete-me"})  # the key names no job now
+    assert again.status_code == 202 and again.json()["id"] != done["id"]
+
+    assert client.delete(queued["urls"]["self"]).status_code == 204  # queued: it never starts
+    assert client.get(queued["urls"]["self"]).status_code == 404 and not (jobs / queued["id"]).exists()
+
+    stopping = client.delete(running["urls"]["self"])  # running: gone for clients now, its files once it stops
+    assert stopping.status_code == 202, stopping.text
+    assert stopping.json()["id"] == running["id"] and stopping.json()["cancel_requested"] is True
+    for name in ("self", "events", "audio", "score", "result"):
+        assert client.get(running["urls"][name]).status_code == 404, name
+    assert running["id"] not in [s["id"] for s in client.get("/v1/songs").json()["songs"]]
+    assert client.delete(running["urls"]["self"]).status_code == 404
+    wait_for(lambda: server.service.store.get(running["id"]), lambda record: record is None, timeout=60)
+    assert not (jobs / running["id"]).exists()
+
+    assert final(client, again.json()["id"])["status"] == "complete"
+    assert [s["id"] for s in client.get("/v1/songs").json()["songs"]] == [again.json()["id"], keep["id"]]
+    assert stage_records(jobs / keep["id"]) == kept and client.get(keep["urls"]["score"]).status_code == 200
+    assert sorted(p.name for p in jobs.iterdir()) == sorted([keep["id"], again.json()["id"]])  # no *.purging left
+    assert "yue2_jobs_purged_total 3.0" in client.get("/metrics").text
+
+
+def test_a_download_outlives_the_removal_of_its_file(tmp_path):
+    """The audio answer holds its file open: a DELETE that removes the job while the bytes go out cuts nothing."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    path, data = tmp_path / "audio.flac", os.urandom(300_000)
+
+    def download(request):
+        path.write_bytes(data)
+        response = OpenFileResponse(open(path, "rb"), media_type="audio/flac")
+        path.unlink()  # as a DELETE would, between the answer and its bytes
+        return response
+
+    with TestClient(Starlette(routes=[Route("/audio", download)])) as client:
+        whole = client.get("/audio")
+        assert whole.status_code == 200 and whole.content == data
+        ranged = client.get("/audio", headers={"Range": "bytes=100-199"})
+        assert ranged.status_code == 206 and ranged.content == data[100:200]
+        assert ranged.headers["content-range"] == f"bytes 100-199/{len(data)}"
 
 
 def test_ids_are_validated_before_anything_is_read(serve, tmp_path):
@@ -351,7 +422,7 @@ def test_the_list_is_newest_first_with_filters_and_cursors(serve):
     for job in jobs:
         final(client, job["id"])
     cancelled = submit(client, **LONG)
-    client.delete(cancelled["urls"]["self"])
+    cancel(client, cancelled)
     final(client, cancelled["id"])
     page = client.get("/v1/songs", params={"limit": 2}).json()
     assert [s["id"] for s in page["songs"]] == [cancelled["id"], jobs[2]["id"]]
@@ -393,24 +464,24 @@ def test_a_cancelled_song_resumes_from_its_last_verified_stage(serve, tmp_path):
     client = serve().client
     job = submit(client, semantic_sampling={"min_tokens": 200, "max_tokens": 200})
     wait_for(lambda: client.get(job["urls"]["self"]).json(), lambda d: d["progress"]["semantic"]["tokens"] >= 3)
-    assert client.delete(job["urls"]["self"]).status_code == 202
+    assert cancel(client, job).status_code == 202
     assert final(client, job["id"])["status"] == "cancelled"
     directory = tmp_path / "data" / "jobs" / job["id"]
     plan = (directory / "plan.stage.json").read_bytes()
     assert client.post(f"{job['urls']['self']}/resume").status_code == 202
     wait_for(lambda: client.get(job["urls"]["self"]).json(), lambda d: d["progress"]["semantic"]["tokens"] >= 3)
-    assert client.delete(job["urls"]["self"]).status_code == 202  # and once more, to make it quick
+    assert cancel(client, job).status_code == 202  # and once more, to make it quick
     doc = final(client, job["id"])
     assert doc["status"] == "cancelled" and doc["stages"]["plan"]["state"] == "reused"
     assert (directory / "plan.stage.json").read_bytes() == plan
     assert [r["kind"] for r in doc["retries"]] == ["resume"] and doc["attempts"] == 2
     assert client.post(f"{job['urls']['self']}/resume").status_code == 202
-    client.delete(job["urls"]["self"])
+    cancel(client, job)
     final(client, job["id"])
     busy = submit(client, **LONG)
     resume_running = client.post(f"{busy['urls']['self']}/resume")
     assert resume_running.status_code == 409 and "only a failed or cancelled job" in error_of(resume_running)["message"]
-    client.delete(busy["urls"]["self"])
+    cancel(client, busy)
     final(client, busy["id"])
 
 
@@ -419,10 +490,12 @@ def test_a_restart_resumes_unfinished_jobs_and_keeps_a_cancel_asked_before_it(pi
     store = JobStore(tmp_path / "data" / "jobs.sqlite3")  # what a crashed server left behind
     request = {"style": "pop", "lyrics": "la", "cot": "full", "seed": 3, "abc": None, "cfg_scale": None}
     stages = {s: {"state": "pending"} for s in ("plan", "semantic", "synthesis", "audio")}
-    for number, status, cancel in ((1, "generating", 0), (2, "planning", 1), (3, "queued", 0)):
+    for number, status, cancel in ((1, "generating", 0), (2, "planning", 1), (3, "queued", 0), (4, "generating", 0)):
         job_id = f"j{number:020x}"
         store.admit(NewJob(job_id, None, "audio", {**request, "id": job_id}, {}, str(number), None, stages), None)
         store.update(job_id, status=status, cancel_requested=cancel)
+    store.mark_deleted(f"j{4:020x}")  # DELETEd while it ran: the server died before it stopped
+    (tmp_path / "data" / "jobs" / f"j{4:020x}").mkdir(parents=True)
     store.close()
     server = ThreadServer(SongService(pipe, ServeConfig(tmp_path / "data")))
     try:
@@ -432,6 +505,10 @@ def test_a_restart_resumes_unfinished_jobs_and_keeps_a_cancel_asked_before_it(pi
     assert [docs[n]["status"] for n in (1, 2, 3)] == ["complete", "cancelled", "complete"]
     assert docs[1]["retries"][0]["reason"] == "server restarted while generating" and docs[3]["retries"] == []
     assert not (tmp_path / "data" / "jobs" / f"j{2:020x}").exists()
+    assert not (tmp_path / "data" / "jobs" / f"j{4:020x}").exists()  # removed at the start, never resumed
+    store = JobStore(tmp_path / "data" / "jobs.sqlite3")
+    assert store.get(f"j{4:020x}") is None
+    store.close()
 
 
 # --------------------------------------------------------------------------- the command

@@ -97,6 +97,18 @@ def test_eight_songs_through_two_replicas_and_a_graceful_stop(tmp_path):
         metrics = client.get("/metrics").text
         assert 'yue2_replicas{state="serving"} 2.0' in metrics and 'yue2_replicas{state="wanted"} 2.0' in metrics
         assert sum('yue2_replica_songs_in_flight{replica="' in line for line in metrics.splitlines()) == 2
+        # Cancel and delete reach a replica's song through the job board.
+        cancelled, deleted = submit(client, 100, **LONGER), submit(client, 101, **LONGER)
+        for job_id in (cancelled, deleted):
+            wait_for(lambda: status(client, job_id), lambda d: d["status"] == "generating", timeout=120)
+        assert client.post(f"/v1/songs/{cancelled}/cancel").status_code == 202
+        stopping = client.delete(f"/v1/songs/{deleted}")
+        assert stopping.status_code == 202 and client.get(f"/v1/songs/{deleted}").status_code == 404
+        assert client.delete(f"/v1/songs/{jobs[0]}").status_code == 204
+        assert final(client, cancelled, timeout=60)["status"] == "cancelled"
+        wait_for(lambda: (tmp_path / "data" / "jobs" / deleted).exists(), lambda exists: not exists, timeout=60)
+        assert not (tmp_path / "data" / "jobs" / jobs[0]).exists()
+        assert {song["id"] for song in client.get("/v1/songs").json()["songs"]} == set(jobs[1:]) | {cancelled}
         pids = list(replica_pids(client).values())
         started = time.monotonic()
         assert server.stop(timeout=60) == 0 and time.monotonic() - started < 30

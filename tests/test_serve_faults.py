@@ -1,4 +1,4 @@
-"""The serving core under faults, as its users meet them: cancels racing a song's end, a job that kills the
+"""The serving core under faults, as its users meet them: cancels and deletes racing a song's end, a job that kills the
 server, an engine down for good, a wedged engine, kill -9 of the server, many long-lyric songs at once."""
 import json
 import os
@@ -53,7 +53,7 @@ def children(pid: int) -> list[int]:
 
 
 def test_cancels_racing_the_ends_of_songs_never_wedge_the_server(tmp_path):
-    """13 songs at --max-concurrency 4, each DELETEd ~20 times while it synthesizes or decodes: every DELETE
+    """13 songs at --max-concurrency 4, each cancelled ~20 times while it synthesizes or decodes: every cancel
     answers, a POST afterwards answers within 5 s, every song ends, and SIGTERM stops the server within 30 s."""
     server = ProcessServer(server_args(tmp_path, "--max-concurrency", "4", "--backend", "torch"),
                            log=tmp_path / "serve.log")
@@ -69,7 +69,7 @@ def test_cancels_racing_the_ends_of_songs_never_wedge_the_server(tmp_path):
             if doc["status"] in FINAL:
                 return
             for _ in range(20):
-                answered.append(client.delete(f"/v1/songs/{job_id}").status_code)
+                answered.append(client.post(f"/v1/songs/{job_id}/cancel").status_code)
 
         with ThreadPoolExecutor(13) as pool:
             list(pool.map(hammer, jobs))
@@ -82,6 +82,76 @@ def test_cancels_racing_the_ends_of_songs_never_wedge_the_server(tmp_path):
         assert client.get("/health").status_code == 200
         started = time.monotonic()
         assert server.stop(timeout=30) == 0 and time.monotonic() - started < 30
+    finally:
+        if server.process.poll() is None:
+            server.kill()
+
+
+def test_deletes_racing_the_ends_of_songs_remove_every_job_and_keep_the_server_healthy(tmp_path):
+    """8 songs at --max-concurrency 4, each DELETEd by two clients at once while it synthesizes, decodes or has
+    just ended, while a third keeps reading it: one DELETE of each answers 202 or 204 and the other 404,
+    every read after the first answer is 404 and none is a 5xx, every job's row and files go, a job nobody
+    deleted keeps its files, and the server stays healthy."""
+    server = ProcessServer(server_args(tmp_path, "--max-concurrency", "4", "--backend", "torch"),
+                           log=tmp_path / "serve.log")
+    client, jobs_dir = server.client, tmp_path / "data" / "jobs"
+    rng = random.Random(29)
+    try:
+        server.wait_healthy()
+        kept = submit(client)["id"]
+        jobs = [submit(client, seed=n)["id"] for n in range(8)]
+        # Seconds after it reached synthesis: none (its run is stopped), up to 0.4 (at its end), or once it ended.
+        delays = {job_id: 0.0 if n == 0 else rng.uniform(0, 0.4) if n % 2 else None for n, job_id in enumerate(jobs)}
+        answers: dict[str, list[int]] = {job_id: [] for job_id in jobs}
+        removed_at: dict[str, float] = {}  # when the first DELETE of the job was answered
+        reads: list[tuple[str, float, int]] = []  # (job, when the read was sent, its status)
+
+        def delete(job_id: str) -> None:
+            code = client.delete(f"/v1/songs/{job_id}").status_code
+            if code in (202, 204):
+                removed_at[job_id] = time.monotonic()
+            answers[job_id].append(code)
+
+        def read(job_id: str, until: float) -> None:
+            while time.monotonic() < until:
+                for path in ("", "/audio", "/result", "/events"):
+                    sent = time.monotonic()
+                    reads.append((job_id, sent, client.get(f"/v1/songs/{job_id}{path}").status_code))
+
+        def race(job_id: str) -> None:
+            wait_for(lambda: status(client, job_id),
+                     lambda d: d["status"] in ("synthesizing", "decoding") + FINAL, timeout=300, interval=0.01)
+            if delays[job_id] is None:
+                wait_for(lambda: status(client, job_id), lambda d: d["status"] in FINAL, timeout=300, interval=0.01)
+            else:
+                time.sleep(delays[job_id])
+            with ThreadPoolExecutor(3) as pool:
+                reader = pool.submit(read, job_id, time.monotonic() + 1.0)
+                for future in [pool.submit(delete, job_id) for _ in range(2)]:
+                    future.result()
+                after = client.get(f"/v1/songs/{job_id}").status_code
+                reader.result()
+            assert after == 404, (job_id, after)
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            list(pool.map(race, jobs))
+        for job_id, codes in answers.items():
+            assert sorted(codes) in ([202, 404], [204, 404]), (job_id, codes)
+            if delays[job_id] is None:  # it had ended: nothing was running
+                assert 204 in codes, (job_id, codes)
+        assert 202 in answers[jobs[0]]  # stopped mid-run: removed once it stopped
+        codes = {code for _, _, code in reads}
+        assert codes <= {200, 404, 409}, sorted(codes)  # never a 5xx, a download cut short included
+        late = [(job_id, code) for job_id, sent, code in reads if sent > removed_at[job_id] and code != 404]
+        assert not late, late  # once a DELETE was answered, every read is 404
+        wait_for(lambda: sorted(p.name for p in jobs_dir.iterdir()), lambda names: names == [kept], timeout=120)
+        listed = client.get("/v1/songs", params={"limit": 100}).json()["songs"]
+        assert [song["id"] for song in listed] == [kept]
+        assert final(client, kept)["status"] == "complete"
+        verify_result(jobs_dir / kept)
+        assert client.get("/health").status_code == 200
+        assert final(client, submit(client)["id"])["status"] == "complete"  # and it goes on serving
+        assert server.stop(timeout=30) == 0
     finally:
         if server.process.poll() is None:
             server.kill()
@@ -185,7 +255,7 @@ def test_health_is_503_while_songs_in_flight_make_no_progress(tiny_model_dir, ti
         finally:
             os.kill(worker, signal.SIGCONT)
         wait_for(lambda: client.get("/health"), lambda r: r.status_code == 200, timeout=60)
-        client.delete(f"/v1/songs/{job}")
+        client.post(f"/v1/songs/{job}/cancel")
         assert final(client, job)["status"] == "cancelled"
     finally:
         server.stop()
@@ -245,28 +315,24 @@ def test_kill_9_soak_loses_no_job_and_completes_none_twice(tmp_path):
         server.kill()
 
 
-def test_purge_retention_and_the_free_disk_bound(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch):
+def test_delete_retention_and_the_free_disk_bound(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch):
     pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION)
     service = SongService(pipe, ServeConfig(tmp_path / "data", retention_seconds=3600))
     server = ThreadServer(service)
     client = server.client
     try:
         done = submit(client)["id"]
-        assert final(client, done)["status"] == "complete"
-        running = submit(client, **LONG)["id"]
-        wait_for(lambda: status(client, running), lambda d: d["status"] == "generating")
-        refused = client.delete(f"/v1/songs/{running}", params={"purge": "true"})
-        assert refused.status_code == 409 and "cancel it first" in refused.json()["error"]["message"]
-        assert client.delete(f"/v1/songs/{done}", params={"purge": "true"}).status_code == 204
+        old = submit(client, stage="plan")["id"]
+        assert final(client, done)["status"] == final(client, old)["status"] == "complete"
+        assert client.delete(f"/v1/songs/{done}").status_code == 204
         assert client.get(f"/v1/songs/{done}").status_code == 404
         assert not (tmp_path / "data" / "jobs" / done).exists()
-        assert client.delete(f"/v1/songs/{done}", params={"purge": "true"}).status_code == 404
-        client.delete(f"/v1/songs/{running}")
-        assert final(client, running)["status"] == "cancelled"
+        assert client.delete(f"/v1/songs/{done}").status_code == 404
         # Retention: a finished job older than the window goes at the next sweep.
-        service.store.update(running, finished=time.time() - 7200)
+        service.store.update(old, finished=time.time() - 7200)
         service._call(service._sweep)
-        assert client.get(f"/v1/songs/{running}").status_code == 404
+        assert client.get(f"/v1/songs/{old}").status_code == 404
+        assert not (tmp_path / "data" / "jobs" / old).exists()
         assert 'yue2_jobs_purged_total 2.0' in client.get("/metrics").text
         # Under the free-disk bound, admission is 507 and nothing is queued.
         monkeypatch.setattr(service.config, "min_free_bytes", 1 << 62)

@@ -4,6 +4,7 @@ model flags (the embedded tiny default, the vLLM engine when installed).
 The screenshot is kept in the test's tmp dir; with YUE2_UPDATE_SCREENSHOT=1 it also replaces docs/serve-page.png
 (README's picture), so a plain test run leaves the checkout as it was.
 """
+import io
 import os
 import shutil
 import time
@@ -23,6 +24,16 @@ LYRICS = "[verse]\nla la\u2028la\u2029la\u0085la\n[chorus]\nhey\n"
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (CI does)")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="apt-get install chromium (CI does)")
+
+
+def drawn(png: bytes) -> tuple[float, int]:
+    """A screenshot's share of pixels unlike its most common colour (the background), and how many colours."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    counts = sorted(image.getcolors(maxcolors=1 << 24), reverse=True)
+    total = sum(count for count, _ in counts)
+    return 1 - counts[0][0] / total, len(counts)
 
 
 @pytest.fixture
@@ -107,9 +118,41 @@ def test_make_a_song_with_the_form_and_hear_it(server, tmp_path):
         row.wait_for()
         assert "complete" in row.inner_text()
         page.locator("#jobs-empty").wait_for(state="hidden")
+        # The song's picture, drawn from the FLAC the player fetched (once): both channels' peaks, a spectrogram.
+        page.locator("#picture").wait_for(state="visible", timeout=30_000)
+        page.wait_for_function("document.getElementById('spectrogram').width === 720 && "
+                               "!document.getElementById('spectrogram').hidden", timeout=30_000)
+        assert [url for url in requests if "/audio" in url] == [f"{server.url}/v1/songs/{job_id}/audio"]
+        for lane in ("#waveform", "#spectrogram"):
+            share, colours = drawn(page.locator(lane).screenshot())
+            assert share > 0.02 and colours > 8, (lane, share, colours)
+        box = page.locator("#picture").bounding_box()
+        assert page.evaluate("document.getElementById('audio').currentTime") == 0
+        page.locator("#picture").click(position={"x": box["width"] * 0.6, "y": box["height"] / 2})
+        seconds = page.evaluate("document.getElementById('audio').currentTime")
+        assert abs(seconds - 0.6 * duration) < 0.02 * duration, (seconds, duration)
+        played = page.evaluate("document.getElementById('played').getBoundingClientRect().width")
+        assert abs(played - 0.6 * box["width"]) < 4, (played, box)
+        page.focus("#picture")
+        page.keyboard.press("Home")  # and from the keyboard
+        assert page.evaluate("document.getElementById('audio').currentTime") == 0
+        page.locator("#picture").click(position={"x": box["width"] * 0.6, "y": box["height"] / 2})
+        page.evaluate("document.activeElement.blur()")
         time.sleep(0.5)  # let the bars' transitions settle for the picture
         screenshot = tmp_path / "serve-page.png"
         page.screenshot(path=str(screenshot), full_page=True)
+
+        # Delete (once confirmed): the song is gone from the page and from the server.
+        dialogs = []
+        page.once("dialog", lambda dialog: dialogs.append(dialog.message) or dialog.dismiss())
+        row.locator("button", has_text="Delete").click()
+        wait_for(lambda: dialogs, lambda seen: seen, timeout=10)
+        assert job_id in dialogs[0] and server.client.get(f"/v1/songs/{job_id}").status_code == 200
+        page.once("dialog", lambda dialog: dialog.accept())
+        row.locator("button", has_text="Delete").click()
+        row.wait_for(state="detached")
+        page.locator("#current").wait_for(state="hidden")
+        assert server.client.get(f"/v1/songs/{job_id}").status_code == 404
         browser.close()
     assert screenshot.stat().st_size > 10_000
     if os.environ.get("YUE2_UPDATE_SCREENSHOT") == "1":

@@ -81,7 +81,7 @@ def test_event_streams_are_capped(pipe, serve, tmp_path):
         second = client.get(job["urls"]["events"])
         assert second.status_code == 503 and second.headers["retry-after"] == "5"
         assert "event streams are open" in second.json()["error"]["message"]
-    client.delete(job["urls"]["self"])
+    client.post(f"{job['urls']['self']}/cancel")
     final(client, job["id"])
     wait_for(lambda: client.get(job["urls"]["events"]).status_code, lambda code: code == 200, timeout=30)
 
@@ -104,6 +104,7 @@ def test_a_cross_site_post_is_refused_before_the_queue(serve):
         assert response.status_code == 403 and response.json()["error"]["field"] == "Origin", headers
         assert client.delete("/v1/songs/j" + "0" * 20, headers=headers).status_code == 403
         assert client.post("/v1/songs/j" + "0" * 20 + "/resume", headers=headers).status_code == 403
+        assert client.post("/v1/songs/j" + "0" * 20 + "/cancel", headers=headers).status_code == 403
     assert client.get("/v1/songs").json()["songs"] == []
     same = client.post("/v1/songs", content=body, headers={**JSON, "Origin": str(client.base_url).rstrip("/"),
                                                              "Sec-Fetch-Site": "same-origin"})

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from yue2_vllm.serve.store import (SCHEMA_VERSION, IdempotencyConflict, JobStore, NewJob, QueueFull, StoreError)
+from yue2_vllm.serve.store import (SCHEMA, SCHEMA_VERSION, IdempotencyConflict, JobStore, NewJob, QueueFull, StoreError)
 
 
 def job(number: int, key: str | None = None, body: str = "b") -> NewJob:
@@ -124,6 +124,42 @@ def test_jobs_survive_reopening_in_wal_mode(tmp_path):
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_a_deleted_job_is_hidden_its_key_freed_and_its_row_removable_while_unfinished(store):
+    store.admit(job(1, key="k"), queue_limit=None)
+    store.admit(job(2), queue_limit=None)
+    store.update(job(1).id, status="generating")
+    before = store.mark_deleted(job(1).id)
+    assert before.status == "generating" and before.deleted is None and not before.cancel_requested
+    assert store.mark_deleted(job(1).id) is None  # once
+    record = store.get(job(1).id)
+    assert record.deleted is not None and record.cancel_requested and record.idempotency_key is None
+    assert [r.id for r in store.list()] == [job(2).id] and store.counts() == {"queued": 1}
+    assert store.deleted_ids() == [job(1).id]
+    with pytest.raises(LookupError):  # never resumed
+        store.requeue(job(1).id, None, reason="resume requested", kind="resume", from_statuses=("generating",))
+    again, created = store.admit(job(3, key="k", body="other"), queue_limit=None)  # the key names no job now
+    assert created and again.id == job(3).id
+    assert not store.delete(job(2).id)  # neither finished nor deleted: never removed
+    assert store.delete(job(1).id) and store.get(job(1).id) is None and store.deleted_ids() == []
+
+
+def test_a_schema_1_store_is_migrated_in_place(tmp_path):
+    path = tmp_path / "jobs.sqlite3"
+    with sqlite3.connect(path) as db:  # what yue2-vllm wrote before the deleted column
+        lines = [line for line in SCHEMA.splitlines() if not line.lstrip().startswith("deleted REAL")]
+        db.executescript("\n".join(lines).replace("    result TEXT,", "    result TEXT"))
+        db.execute("PRAGMA user_version=1")
+        db.execute("INSERT INTO jobs (id, status, stage, request, overrides, body_sha256, created, updated) "
+                   "VALUES ('j00000000000000000001', 'complete', 'audio', '{}', '{}', 'b', 1, 1)")
+    store = JobStore(path)
+    record = store.get("j00000000000000000001")
+    assert record.status == "complete" and record.deleted is None
+    assert store.mark_deleted(record.id) is not None and store.delete(record.id)
+    store.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
 
 
 def test_a_newer_schema_or_a_foreign_database_is_refused(tmp_path):

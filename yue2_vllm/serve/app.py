@@ -12,11 +12,13 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import os
 import re
 from contextlib import asynccontextmanager
 from importlib import resources
 from urllib.parse import urlsplit
 
+import anyio
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +27,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.security import HTTPBearer
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.background import BackgroundTask
 from starlette.routing import Match
 
 from .. import __version__
@@ -170,6 +173,20 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class OpenFileResponse(FileResponse):
+    """A FileResponse (Range requests and all) over a file opened while the answer was made: a DELETE that removes
+    the job meanwhile does not cut a download short."""
+
+    def __init__(self, file, **options):
+        self.file = file
+        super().__init__(file.name, stat_result=os.fstat(file.fileno()), background=BackgroundTask(file.close),
+                         **options)
+
+    @asynccontextmanager
+    async def _open_file(self):
+        yield anyio.wrap_file(self.file)
+
+
 # --------------------------------------------------------------------------- OpenAPI: statuses and media
 
 
@@ -310,7 +327,7 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
         200: {"model": contract.SongCreated, "description": "the job an earlier request with this Idempotency-Key "
                                                             "made (the same body)", "headers": LOCATION},
         **_errors(*denied, 403, 413, 415, 422, s422="a field is invalid (named), or the Idempotency-Key was used "
-                  "with another body"),
+                  "with another body (the IETF Idempotency-Key draft's answer)"),
         409: {"model": contract.ErrorBody, "description": "a request with this Idempotency-Key is still being "
                                                           "processed", "headers": RETRY_AFTER},
         429: {"model": contract.ErrorBody, "description": "the queue is full", "headers": RETRY_AFTER},
@@ -355,17 +372,23 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
     def get_song(request: Request, job_id: str):
         return answer(request, service.document(job_id))
 
-    @v1.delete("/songs/{job_id}", summary="Cancel a job, or purge a finished one", responses={
-        **song, 202: {"model": contract.Song, "description": "asked to stop at the next token, ODE step or tile"},
-        200: {"model": contract.Song, "description": "finished already (its files stay), or cancelled at once"},
-        204: {"description": "purge=true: the finished job's files and row are gone"},
-        **_errors(403, 409)})
-    def cancel_song(request: Request, job_id: str,
-                    purge: bool = Query(False, description="remove a finished job's files and row (409 while it "
-                                                           "runs: cancel it first)")):
-        if purge:
-            service.purge(job_id)
-            return Response(status_code=204)
+    @v1.delete("/songs/{job_id}", status_code=204, summary="Delete a job: it is gone at once, its files and row "
+               "once it stopped", responses={
+        204: {"description": "the job's files and row are gone (nothing of it was running)"},
+        202: {"model": contract.Song, "description": "the job, asked to stop: it is gone for every client already "
+                                                     "(each GET answers 404); its run stops at the next token, ODE "
+                                                     "step or tile, then its files and row are removed"},
+        **_errors(*denied, 403, 404)})
+    def delete_song(request: Request, job_id: str):
+        stopping = service.delete(job_id)
+        return Response(status_code=204) if stopping is None else answer(request, stopping, 202)
+
+    @v1.post("/songs/{job_id}/cancel", summary="Cancel a job (it stays, resumable)", responses={
+        202: {"model": contract.Song, "description": "asked to stop at the next token, ODE step or tile"},
+        200: {"model": contract.Song, "description": "cancelled at once (it was queued), or it had ended already: "
+                                                     "the job as it is"},
+        **_errors(*denied, 403, 404)})
+    def cancel_song(request: Request, job_id: str):
         record, asked = service.cancel(job_id)
         return answer(request, service.describe(record), 202 if asked and not record.final else 200)
 
@@ -388,10 +411,19 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
                      206: _media("audio/flac", "a Range of it", {"type": "string", "format": "binary"}),
                      416: {"description": "the Range is outside the file"}, **files}
 
+    def opened(job_id: str, name: str):
+        """A job's ready file, open (404 once the job is deleted, even when that happens meanwhile)."""
+        path = service.file(job_id, name)
+        try:
+            return open(path, "rb")
+        except FileNotFoundError:
+            service.get_record(job_id)
+            raise Conflict(f"{name} is missing from the job's directory") from None
+
     def audio(job_id: str):
-        path = service.file(job_id, "audio.flac")
         label = service.get_record(job_id).label or job_id
-        return FileResponse(path, media_type="audio/flac", filename=f"{label}.flac", content_disposition_type="inline")
+        return OpenFileResponse(opened(job_id, "audio.flac"), media_type="audio/flac", filename=f"{label}.flac",
+                                content_disposition_type="inline")
 
     for method in ("GET", "HEAD"):
         v1.add_api_route("/songs/{job_id}/audio", audio, methods=[method], summary="The song (FLAC)",
@@ -400,13 +432,14 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
     @v1.get("/songs/{job_id}/score", summary="The ABC score", responses={
         200: _media("text/vnd.abc", "the score as planned"), **files})
     def score(job_id: str):
-        path = service.file(job_id, "score.abc")
-        return Response(path.read_bytes(), media_type="text/vnd.abc; charset=utf-8")
+        with opened(job_id, "score.abc") as file:
+            return Response(file.read(), media_type="text/vnd.abc; charset=utf-8")
 
     @v1.get("/songs/{job_id}/result", summary="result.json", responses={
         200: _media("application/json", "the run's result.json", {"type": "object"}), **files})
     def result(request: Request, job_id: str):
-        data = service.file(job_id, "result.json").read_bytes()
+        with opened(job_id, "result.json") as file:
+            data = file.read()
         if trusted(request):
             return Response(data, media_type="application/json")
         return answer(request, redact(json.loads(data), inside=False))
@@ -440,7 +473,10 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
                 while True:
                     kind, data, event_id = await subscriber.queue.get()
                     if kind == "resync":  # this client fell behind: the current state instead of the backlog
-                        kind, data = "status", await run_in_threadpool(service.document, job_id)
+                        try:
+                            kind, data = "status", await run_in_threadpool(service.document, job_id)
+                        except ServiceError:  # deleted meanwhile: nothing more to say
+                            return
                     yield event(kind, data, event_id)
                     if kind in FINAL_STATES:
                         return

@@ -195,6 +195,8 @@ class SongService:
         self._watchdog.start()
 
     def _recover(self) -> None:
+        for job_id in self.store.deleted_ids():  # DELETEd while it ran, and the server stopped before it did
+            self._remove(job_id)
         unfinished = self.store.unfinished()
         if unfinished:
             LOG.info("resuming %d unfinished job(s) from their last verified stage", len(unfinished))
@@ -357,25 +359,45 @@ class SongService:
                                                                   "message": "cancelled before it started"})
         return self.store.get(job_id), True
 
-    def purge(self, job_id: str) -> bool:
-        """Remove a finished job's files and row (DELETE ?purge=true, retention); Conflict while it runs."""
-        record = self.get_record(job_id)
-        if not record.final:
-            raise Conflict(f"only a finished job can be purged; this one is {record.status} (cancel it first)")
-        return self._call(self._purge, job_id)
+    def delete(self, job_id: str) -> dict | None:
+        """DELETE: the job is gone for every client at once (each read answers 404); a run of it is cancelled, and
+        its files and row are removed once nothing of it runs. The job as it is now while that removal is pending
+        (a run was stopping), None once it is done."""
+        self.get_record(job_id)
+        return self._call(self._delete, job_id)
 
-    def _purge(self, job_id: str) -> bool:
-        if job_id in self._live or not self.store.delete(job_id):
+    def _delete(self, job_id: str) -> dict | None:
+        record = self.store.mark_deleted(job_id)
+        if record is None:
+            raise NotFound(f"no song {job_id!r}")
+        if not record.final:
+            self._cancel(job_id)
+        live = self._live.get(job_id)
+        if live is not None and (live.handle is None or not live.handle.done):
+            return self.describe(self.store.get(job_id))  # removed when its final event comes (see _on_event)
+        self._remove(job_id)
+        return None
+
+    def _remove(self, job_id: str) -> bool:
+        """Remove a finished or deleted job's files and row (owner; nothing of it may run). Whether it was here."""
+        self._live.pop(job_id, None)
+        if job_id in self._held:
+            self._held.remove(job_id)
+        if not self.store.delete(job_id):
             return False
         directory = self.directory(job_id)
         doomed = directory.with_name(directory.name + ".purging")
         try:
             directory.rename(doomed)  # gone from the data dir at once; removed below
         except FileNotFoundError:
-            return True
+            pass
         shutil.rmtree(doomed, ignore_errors=True)
         self.purged.inc()
         return True
+
+    def _purge(self, job_id: str) -> bool:
+        """Remove a finished job past the retention window (never one a run still holds)."""
+        return job_id not in self._live and self._remove(job_id)
 
     def _sweep(self) -> None:
         """Purge finished jobs past the retention window (owner; called from the watchdog)."""
@@ -388,7 +410,7 @@ class SongService:
 
     def get_record(self, job_id: str) -> JobRecord:
         record = self.store.get(job_id) if valid_job_id(job_id) else None
-        if record is None:
+        if record is None or record.deleted is not None:
             raise NotFound(f"no song {job_id!r}")
         return record
 
@@ -497,6 +519,9 @@ class SongService:
                     del self._live[job_id]
                 self.throttle.forget((job_id, "ar"))
                 self.throttle.forget((job_id, "synthesis"))
+                record = self.store.get(job_id)
+                if job_id not in self._live and record is not None and record.deleted is not None:
+                    self._remove(job_id)  # DELETEd while it ran: now it has stopped
             return
         if live.finalized:
             return
@@ -696,7 +721,7 @@ class SongService:
                                                "Songs put back in the queue after an engine failure.")
         self.replica_retried = registry.counter("yue2_replica_retries_total",
                                                 "Songs put back in the queue after the replica running them died.")
-        self.purged = registry.counter("yue2_jobs_purged_total", "Finished jobs removed (purge or retention).")
+        self.purged = registry.counter("yue2_jobs_purged_total", "Jobs removed (DELETE or retention).")
         registry.gauge("yue2_engine_up", "1 while the AR engine can serve (or none is needed).",
                        function=lambda: 0 if self.engine_status()["state"] in ENGINE_DOWN else 1)
         registry.counter("yue2_engine_restarts_total", "Times the AR engine worker was restarted (all replicas).",

@@ -2,7 +2,9 @@
 
 Admission is one `BEGIN IMMEDIATE` transaction: the idempotency key lookup, the queue bound and the
 insert happen together, so two clients can neither both take the last queue slot nor create two
-jobs for one key. A job's status only leaves a final state through `requeue` (resume / render).
+jobs for one key. A job's status only leaves a final state through `requeue` (resume / render). A DELETEd job
+is marked `deleted` at once (hidden from every read from then on, its idempotency key freed) and its row removed
+once nothing of it runs any more.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the deleted column
 FINAL = ("complete", "failed", "cancelled")
 SCHEMA = """
 CREATE TABLE jobs (
@@ -36,10 +38,12 @@ CREATE TABLE jobs (
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     error TEXT,                              -- {"type", "message"} (JSON) once failed or cancelled
     stages TEXT NOT NULL DEFAULT '{}',       -- per stage: state, timings, backend (JSON)
-    result TEXT                              -- summary of result.json once complete (JSON)
+    result TEXT,                             -- summary of result.json once complete (JSON)
+    deleted REAL                             -- when a DELETE asked for it to go (removed once it stopped)
 );
 CREATE INDEX jobs_status_seq ON jobs (status, seq);
 """
+MIGRATIONS = {1: ("ALTER TABLE jobs ADD COLUMN deleted REAL",)}  # from schema N to N + 1
 JSON_COLUMNS = ("request", "overrides", "retries", "error", "stages", "result")
 UPDATABLE = {"label", "status", "stage", "started", "finished", "attempts", "retries", "cancel_requested", "error",
              "stages", "result"}
@@ -82,6 +86,7 @@ class JobRecord:
     error: dict | None
     stages: dict
     result: dict | None
+    deleted: float | None = None
 
     @property
     def final(self) -> bool:
@@ -141,6 +146,11 @@ class JobStore:
             elif version > SCHEMA_VERSION:
                 raise StoreError(f"{self.path}: job store schema {version} was written by a newer yue2-vllm "
                                  f"(this one reads schema {SCHEMA_VERSION})")
+            else:
+                for step in range(version, SCHEMA_VERSION):
+                    for statement in MIGRATIONS[step]:
+                        db.execute(statement)
+                db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     @contextmanager
     def transaction(self):
@@ -189,7 +199,7 @@ class JobStore:
         the job is not in one of `from_statuses`."""
         with self.transaction() as db:
             row = db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            if row is None or row["status"] not in from_statuses:
+            if row is None or row["status"] not in from_statuses or row["deleted"] is not None:
                 raise LookupError(job_id)
             if queue_limit is not None:
                 depth = self._queued(db)
@@ -218,18 +228,37 @@ class JobStore:
             cursor = db.execute(query, [_encode(n, v) for n, v in values.items()] + [self.clock(), job_id])
             return cursor.rowcount == 1
 
-    def delete(self, job_id: str) -> bool:
-        """Remove a finished job's row (retention); whether there was one. Unfinished jobs are never removed."""
+    def mark_deleted(self, job_id: str) -> JobRecord | None:
+        """Mark a job deleted (DELETE): every read the service answers treats it as gone from now on, and its
+        idempotency key names no job any more; an unfinished one is asked to stop. The record as it was before,
+        or None when there is no such job (or it was deleted already)."""
         with self.transaction() as db:
-            cursor = db.execute("DELETE FROM jobs WHERE id = ? AND status IN ('complete', 'failed', 'cancelled')",
-                                (job_id,))
+            row = db.execute("SELECT * FROM jobs WHERE id = ? AND deleted IS NULL", (job_id,)).fetchone()
+            if row is None:
+                return None
+            db.execute("UPDATE jobs SET deleted = ?, idempotency_key = NULL, updated = ?, cancel_requested = "
+                       "CASE WHEN status IN ('complete', 'failed', 'cancelled') THEN cancel_requested ELSE 1 END "
+                       "WHERE id = ?", (self.clock(), self.clock(), job_id))
+            return _record(row)
+
+    def delete(self, job_id: str) -> bool:
+        """Remove a finished or deleted job's row; whether there was one. A job that is neither is never removed."""
+        with self.transaction() as db:
+            cursor = db.execute("DELETE FROM jobs WHERE id = ? AND (status IN ('complete', 'failed', 'cancelled') "
+                                "OR deleted IS NOT NULL)", (job_id,))
             return cursor.rowcount == 1
+
+    def deleted_ids(self) -> list[str]:
+        """Ids of the jobs marked deleted whose rows are still here (their runs had not stopped yet)."""
+        with self._lock:
+            return [row[0] for row in self._db.execute("SELECT id FROM jobs WHERE deleted IS NOT NULL ORDER BY seq")]
 
     def finished_before(self, timestamp: float, limit: int = 100) -> list[str]:
         """Ids of finished jobs that finished before `timestamp`, oldest first."""
         with self._lock:
             rows = self._db.execute("SELECT id FROM jobs WHERE status IN ('complete', 'failed', 'cancelled') AND "
-                                    "finished < ? ORDER BY finished LIMIT ?", (timestamp, limit)).fetchall()
+                                    "deleted IS NULL AND finished < ? ORDER BY finished LIMIT ?",
+                                    (timestamp, limit)).fetchall()
         return [row[0] for row in rows]
 
     # -- reads
@@ -240,8 +269,8 @@ class JobStore:
         return _record(row) if row is not None else None
 
     def list(self, statuses: tuple[str, ...] = (), limit: int = 50, before: int | None = None) -> list[JobRecord]:
-        """Newest first; `before` is the `seq` of the last job of the previous page."""
-        query, params = "SELECT * FROM jobs WHERE 1=1", []
+        """Newest first, deleted jobs left out; `before` is the `seq` of the last job of the previous page."""
+        query, params = "SELECT * FROM jobs WHERE deleted IS NULL", []
         if statuses:
             query += f" AND status IN ({', '.join('?' * len(statuses))})"
             params += list(statuses)
@@ -276,4 +305,5 @@ class JobStore:
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            return {row[0]: row[1] for row in self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status")}
+            return {row[0]: row[1] for row in self._db.execute("SELECT status, COUNT(*) FROM jobs WHERE deleted IS "
+                                                               "NULL GROUP BY status")}

@@ -15,7 +15,7 @@ const FIELDS = {  // an error's field -> the control to mark
 };
 
 let apiKey = sessionStorage.getItem("yue2-api-key") || "";
-let current = null;  // {id, doc, score, stream: AbortController, audioUrl}
+let current = null;  // {id, doc, score, stream: AbortController, audioUrl, resultUrl, picture}
 let pendingKey = null;  // {body, key}: reused only when the last attempt got no answer at all
 let listed = "";  // the list as last drawn (redrawn only when it changed, so keyboard focus stays put)
 let keyRequired = false;  // /health says whether /v1 needs a key: none is asked for (no 401) before one is typed
@@ -205,23 +205,194 @@ function renderBars(doc) {
   }
 }
 
+// ------------------------------------------------------------------ the song's picture
+
+const PEAK_BUCKETS = 4096;  // min/max per channel kept per song; each pixel takes the extremes of its buckets
+const SPECTRUM = { size: 2048, columns: 720, rows: 96, low: 40 };  // FFT size, image size, lowest Hz
+
+// Per channel, PEAK_BUCKETS (min, max) pairs over equal spans of the song.
+function peaksOf(buffer) {
+  const lanes = [];
+  for (let c = 0; c < Math.min(2, buffer.numberOfChannels); c++) {
+    const data = buffer.getChannelData(c);
+    const peaks = new Float32Array(PEAK_BUCKETS * 2);
+    for (let b = 0; b < PEAK_BUCKETS; b++) {
+      const start = Math.floor(b * data.length / PEAK_BUCKETS);
+      const end = Math.max(start + 1, Math.floor((b + 1) * data.length / PEAK_BUCKETS));
+      let low = 0, high = 0;
+      for (let i = start; i < end && i < data.length; i++) {
+        const v = data[i];
+        if (v < low) low = v;
+        if (v > high) high = v;
+      }
+      peaks[2 * b] = low;
+      peaks[2 * b + 1] = high;
+    }
+    lanes.push(peaks);
+  }
+  if (lanes.length === 1) lanes.push(lanes[0]);  // a mono file: the same in both lanes
+  return lanes;
+}
+
+function fft(re, im) {  // in place, radix 2 (length a power of two)
+  const n = re.length;
+  for (let i = 1, j = 0; i < n; i++) {
+    let bit = n >> 1;
+    for (; j & bit; bit >>= 1) j ^= bit;
+    j ^= bit;
+    if (i < j) { [re[i], re[j]] = [re[j], re[i]]; [im[i], im[j]] = [im[j], im[i]]; }
+  }
+  for (let len = 2; len <= n; len <<= 1) {
+    const angle = -2 * Math.PI / len, wr = Math.cos(angle), wi = Math.sin(angle);
+    for (let i = 0; i < n; i += len) {
+      let ur = 1, ui = 0;
+      for (let k = 0; k < len / 2; k++) {
+        const a = i + k, b = a + len / 2;
+        const tr = re[b] * ur - im[b] * ui, ti = re[b] * ui + im[b] * ur;
+        re[b] = re[a] - tr; im[b] = im[a] - ti;
+        re[a] += tr; im[a] += ti;
+        [ur, ui] = [ur * wr - ui * wi, ur * wi + ui * wr];
+      }
+    }
+  }
+}
+
+// A log-frequency spectrogram of the channels' mean: SPECTRUM.columns Hann-windowed FFTs, dB over 80 dB.
+function spectrogramOf(buffer) {
+  const { size, columns, rows, low } = SPECTRUM;
+  const left = buffer.getChannelData(0);
+  const right = buffer.getChannelData(Math.min(1, buffer.numberOfChannels - 1));
+  const high = buffer.sampleRate / 2, binHz = buffer.sampleRate / size;
+  const window = Float32Array.from({ length: size }, (_, i) => 0.5 - 0.5 * Math.cos(2 * Math.PI * i / (size - 1)));
+  const edges = Array.from({ length: rows + 1 }, (_, r) => low * Math.pow(high / low, r / rows) / binHz);
+  const levels = new Float32Array(columns * rows);
+  const re = new Float32Array(size), im = new Float32Array(size);
+  let loudest = -Infinity;
+  for (let x = 0; x < columns; x++) {
+    const center = Math.floor((x + 0.5) * left.length / columns);
+    for (let i = 0; i < size; i++) {
+      const at = center - size / 2 + i;
+      re[i] = at >= 0 && at < left.length ? window[i] * (left[at] + right[at]) / 2 : 0;
+      im[i] = 0;
+    }
+    fft(re, im);
+    for (let r = 0; r < rows; r++) {  // row r (0: lowest) is the loudest bin between its two edges
+      let power = 0;
+      const first = Math.floor(edges[r]), last = Math.max(first, Math.floor(edges[r + 1]));
+      for (let k = first; k <= last && k < size / 2; k++) power = Math.max(power, re[k] * re[k] + im[k] * im[k]);
+      const level = 10 * Math.log10(power + 1e-12);
+      levels[x * rows + r] = level;
+      if (level > loudest) loudest = level;
+    }
+  }
+  const image = new ImageData(columns, rows);
+  for (let x = 0; x < columns; x++) {
+    for (let r = 0; r < rows; r++) {
+      const v = Math.max(0, Math.min(1, (levels[x * rows + r] - loudest + 80) / 80));
+      const [red, green, blue] = heat(v);
+      const at = ((rows - 1 - r) * columns + x) * 4;
+      image.data[at] = red; image.data[at + 1] = green; image.data[at + 2] = blue; image.data[at + 3] = 255;
+    }
+  }
+  return image;
+}
+
+function heat(v) {  // dark blue → purple → orange → pale yellow
+  const stops = [[12, 10, 40], [90, 30, 130], [200, 60, 90], [250, 160, 50], [252, 250, 190]];
+  const at = v * (stops.length - 1), i = Math.min(stops.length - 2, Math.floor(at)), t = at - i;
+  return stops[i].map((c, k) => Math.round(c + (stops[i + 1][k] - c) * t));
+}
+
+function drawPicture() {
+  const picture = current && current.picture;
+  if (!picture) return;
+  const ratio = window.devicePixelRatio || 1;
+  const wave = $("waveform");
+  const width = Math.max(1, Math.round(wave.clientWidth * ratio)), height = Math.round(wave.clientHeight * ratio);
+  wave.width = width;
+  wave.height = height;
+  const context = wave.getContext("2d");
+  const style = getComputedStyle(document.documentElement);
+  context.clearRect(0, 0, width, height);
+  const lane = height / 2;
+  picture.lanes.forEach((peaks, c) => {
+    const middle = lane * c + lane / 2, scale = lane / 2 - 2 * ratio;
+    context.fillStyle = style.getPropertyValue("--line");
+    context.fillRect(0, Math.round(middle), width, Math.max(1, Math.round(ratio / 2)));
+    context.fillStyle = style.getPropertyValue("--accent");
+    for (let x = 0; x < width; x++) {  // this pixel's extremes: over every bucket it covers
+      const first = Math.floor(x * PEAK_BUCKETS / width);
+      const last = Math.max(first + 1, Math.floor((x + 1) * PEAK_BUCKETS / width));
+      let low = 0, high = 0;
+      for (let b = first; b < last; b++) {
+        if (peaks[2 * b] < low) low = peaks[2 * b];
+        if (peaks[2 * b + 1] > high) high = peaks[2 * b + 1];
+      }
+      const top = middle - high * scale, bottom = middle - low * scale;
+      context.fillRect(x, top, 1, Math.max(1, bottom - top));
+    }
+  });
+  const spectrum = $("spectrogram");
+  if (picture.spectrogram) {
+    spectrum.hidden = false;
+    spectrum.width = SPECTRUM.columns;
+    spectrum.height = SPECTRUM.rows;
+    spectrum.getContext("2d").putImageData(picture.spectrogram, 0, 0);
+  } else spectrum.hidden = true;
+  movePlayhead();
+}
+
+function movePlayhead() {
+  const audio = $("audio");
+  const duration = audio.duration || (current && current.picture && current.picture.duration) || 0;
+  $("played").style.width = duration ? `${Math.min(100, 100 * audio.currentTime / duration)}%` : "0";
+}
+
+function seekTo(fraction) {
+  const audio = $("audio");
+  const duration = audio.duration || (current && current.picture && current.picture.duration) || 0;
+  if (!duration) return;
+  audio.currentTime = Math.max(0, Math.min(1, fraction)) * duration;
+  movePlayhead();
+}
+
+async function showPicture(bytes, id) {
+  const context = new OfflineAudioContext(2, 1, 48000);
+  const buffer = await context.decodeAudioData(bytes);
+  if (!current || current.id !== id) return;
+  current.picture = { lanes: peaksOf(buffer), spectrogram: null, duration: buffer.duration };
+  $("picture").hidden = false;
+  drawPicture();
+  await new Promise((resolve) => setTimeout(resolve, 0));  // the waveform first, then the spectrum
+  if (!current || current.id !== id) return;
+  current.picture.spectrogram = spectrogramOf(buffer);
+  drawPicture();
+}
+
 async function showAudio(doc) {
   const url = doc.urls.audio;
-  let source = url;
   let result = doc.urls.result;
-  if (apiKey) {  // an <audio> element or a link cannot send the key: fetch the files, use blobs
-    source = await blobOf(url);
+  // The FLAC is fetched once (with the key, if any): the player plays it, the page draws it.
+  const response = await fetch(url, { headers: headers() });
+  if (!response.ok) throw new Error(`audio: ${response.status}`);
+  const bytes = await response.arrayBuffer();
+  const source = URL.createObjectURL(new Blob([bytes], { type: "audio/flac" }));
+  current.audioUrl = source;
+  if (apiKey) {  // a link cannot send the key: a blob of the result too
     result = await blobOf(doc.urls.result);
-    current.audioUrl = source;
     current.resultUrl = result;
   }
   $("audio").src = source;
-  $("download").href = source;
+  $("download").href = apiKey ? source : url;
   $("download").download = `${doc.label || doc.id}.flac`;
   $("result-link").href = result;
   $("result-link").download = apiKey ? `${doc.label || doc.id}.result.json` : "";
   if (!apiKey) $("result-link").removeAttribute("download");
   $("player").hidden = false;
+  showPicture(bytes, doc.id).catch((error) => {  // the song still plays without its picture
+    $("picture").hidden = true;
+    console.warn(`the song's picture: ${error.message}`);
+  });
 }
 
 function render() {
@@ -270,7 +441,8 @@ function onEvent(id, kind, data) {
   } else if (kind === "score") { if (data.abc) current.score = data.abc; }
   else if (kind === "retry") doc.retries = (doc.retries || []).concat([{ reason: data.reason }]);
   else if (FINAL.has(kind)) {
-    api(doc.urls.self).then((fresh) => { if (current && current.id === id) { current.doc = fresh; render(); } });
+    api(doc.urls.self).then((fresh) => { if (current && current.id === id) { current.doc = fresh; render(); } })
+      .catch((error) => { if (error.status === 404 && current && current.id === id) forget(); });  // deleted
     refreshJobs();
     refreshHealth();
     return true;
@@ -317,25 +489,40 @@ async function follow(id, signal) {
   }
 }
 
+function forget() {  // the shown song was deleted
+  if (current.stream) current.stream.abort();
+  for (const url of [current.audioUrl, current.resultUrl]) if (url) URL.revokeObjectURL(url);
+  $("audio").removeAttribute("src");
+  current = null;
+  $("current").hidden = true;
+  history.replaceState(null, "", location.pathname);
+}
+
 async function select(id) {
   if (current && current.stream) current.stream.abort();
   if (current && current.audioUrl) URL.revokeObjectURL(current.audioUrl);
   if (current && current.resultUrl) URL.revokeObjectURL(current.resultUrl);
   $("player").hidden = true;
+  $("picture").hidden = true;
   $("audio").removeAttribute("src");
   const doc = await api(`/v1/songs/${id}`);
-  current = { id, doc, score: null, stream: new AbortController(), audioUrl: null, resultUrl: null };
+  current = { id, doc, score: null, stream: new AbortController(), audioUrl: null, resultUrl: null, picture: null };
   history.replaceState(null, "", `#${id}`);
   render();
   for (const row of document.querySelectorAll("#jobs tr")) row.classList.toggle("selected", row.dataset.id === id);
   if (!FINAL.has(doc.status)) follow(id, current.stream.signal);
 }
 
-async function act(id, action) {
+async function act(id, action) {  // cancel, resume, render (POST) or delete (DELETE)
   try {
-    const path = `/v1/songs/${id}` + (action === "cancel" ? "" : `/${action}`);
-    await api(path, { method: action === "cancel" ? "DELETE" : "POST" });
-    if (current && current.id === id) await select(id);
+    if (action === "delete") {
+      if (!confirm(`Delete song ${id} and its files? This cannot be undone.`)) return;
+      await api(`/v1/songs/${id}`, { method: "DELETE" });
+      if (current && current.id === id) forget();
+    } else {
+      await api(`/v1/songs/${id}/${action}`, { method: "POST" });
+      if (current && current.id === id) await select(id);
+    }
     refreshJobs();
   } catch (error) {
     show(current && current.id === id ? $("current-error") : $("jobs-error"), describeError(error));
@@ -383,6 +570,13 @@ async function refreshJobs() {
         cancel.addEventListener("click", () => act(song.id, "cancel"));
         cells[4].appendChild(cancel);
       }
+      const remove = document.createElement("button");
+      remove.type = "button";
+      remove.className = "secondary small";
+      remove.textContent = "Delete";
+      remove.setAttribute("aria-label", `Delete song ${song.id}`);
+      remove.addEventListener("click", () => act(song.id, "delete"));
+      cells[4].appendChild(remove);
       rows.appendChild(row);
     }
     $("jobs-empty").hidden = page.songs.length > 0;
@@ -423,7 +617,26 @@ document.addEventListener("DOMContentLoaded", () => {
   $("cancel").addEventListener("click", () => current && act(current.id, "cancel"));
   $("render").addEventListener("click", () => current && act(current.id, "render"));
   $("resume").addEventListener("click", () => current && act(current.id, "resume"));
+  $("delete").addEventListener("click", () => current && act(current.id, "delete"));
   $("refresh").addEventListener("click", refreshJobs);
+  $("picture").addEventListener("click", (event) => {
+    const box = $("picture").getBoundingClientRect();
+    seekTo((event.clientX - box.left) / box.width);
+  });
+  $("picture").addEventListener("keydown", (event) => {
+    const audio = $("audio"), duration = audio.duration || 0;
+    const step = { ArrowLeft: -5, ArrowRight: 5, Home: -Infinity, End: Infinity }[event.key];
+    if (step === undefined || !duration) return;
+    event.preventDefault();
+    seekTo((Math.max(0, Math.min(duration, audio.currentTime + step))) / duration);
+  });
+  for (const kind of ["timeupdate", "seeked", "loadedmetadata"]) $("audio").addEventListener(kind, movePlayhead);
+  $("audio").addEventListener("play", function tick() {  // smoother than timeupdate while it plays
+    movePlayhead();
+    if (!$("audio").paused) requestAnimationFrame(tick);
+  });
+  let resized = null;
+  window.addEventListener("resize", () => { clearTimeout(resized); resized = setTimeout(drawPicture, 100); });
   $("api-key").addEventListener("change", () => { saveKey(); show($("jobs-error"), ""); listed = ""; refreshJobs(); });
   setInterval(() => { if (!document.hidden) { refreshHealth(); refreshJobs(); } }, 4000);
   refreshHealth().then(() => {  // whether a key is needed is known before anything under /v1 is asked
