@@ -119,6 +119,7 @@ def test_eight_songs_through_two_replicas_and_a_graceful_stop(tmp_path):
             server.kill()
 
 
+@pytest.mark.slow  # a cluster restart or a replica replaced: 40-140 s here; the 8-song test stays in the default run
 def test_a_replica_killed_mid_song_moves_the_song_and_its_stream_stays_one(tmp_path):
     server = start(tmp_path)
     client = server.client
@@ -168,6 +169,7 @@ def test_a_replica_killed_mid_song_moves_the_song_and_its_stream_stays_one(tmp_p
         server.kill()
 
 
+@pytest.mark.slow  # a cluster restart or a replica replaced: 40-140 s here; the 8-song test stays in the default run
 def test_ingress_kill_9_then_restart_accounts_for_every_job(tmp_path):
     server = start(tmp_path)
     jobs = [submit(server.client, seed, **(LONGER if seed == 0 else {})) for seed in range(5)]
