@@ -421,6 +421,11 @@ class HashCache:
         return digest
 
 
+def default_hash_cache() -> HashCache:
+    """The hash cache every command shares, in yue2-vllm's own cache."""
+    return HashCache(cache_root() / "sha256-cache.json")
+
+
 def weights_bytes(model_dir: str | os.PathLike | None) -> int:
     """Bytes of a model directory's safetensors files (0 for no directory)."""
     return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) if model_dir is not None else 0

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import artifacts as art
-from .checkpoint import HashCache, cache_root, identity, model_identity, weights_bytes, write_json_atomic
+from .checkpoint import HashCache, default_hash_cache, identity, model_identity, weights_bytes, write_json_atomic
 from .model.loader import load_model
 from .model.modeling import YuE2Config
 from .model.nar import SongInput, offloaded_ar, synthesize_many
@@ -128,10 +128,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def default_hash_cache() -> HashCache:
-    return HashCache(cache_root() / "sha256-cache.json")
 
 
 BATCH_NOTE = ("the AR tokens may depend on the other songs the engine served at the same time (bf16 on vLLM); "

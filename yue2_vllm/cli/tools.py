@@ -12,7 +12,7 @@ def cmd_derive(args) -> int:
     import time
 
     from ..derive import derive_ar_checkpoint
-    from ..pipeline import default_hash_cache
+    from ..checkpoint import default_hash_cache
 
     from ..hub import resolve_model
 

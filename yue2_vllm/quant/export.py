@@ -364,7 +364,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_quantize(args) -> int:
     """`yue2-vllm quantize`: one JSON status line on stdout; 0 on success, 2 on a refused request."""
-    from ..pipeline import default_hash_cache
+    from ..checkpoint import default_hash_cache
 
     start, timings = time.perf_counter(), {}
     try:
