@@ -60,10 +60,10 @@ def total_memory_bytes(device_type: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def read_meminfo(path: str | os.PathLike = MEMINFO) -> dict[str, int]:
-    """/proc/meminfo as `{field: bytes}` (the kB figures times 1024; counts without a unit as they are)."""
+def read_meminfo(path: str | os.PathLike | None = None) -> dict[str, int]:
+    """/proc/meminfo (or `path`) as `{field: bytes}` (kB figures times 1024; counts without a unit as they are)."""
     values = {}
-    with open(path, encoding="ascii") as handle:
+    with open(path or MEMINFO, encoding="ascii") as handle:
         for line in handle:
             name, _, rest = line.partition(":")
             parts = rest.split()
@@ -98,16 +98,17 @@ class UnifiedPool:
                            f"{_gib(self.reserve)} (MemTotal {_gib(self.mem_total)})"}
 
 
-def unified_pool(meminfo_path: str | os.PathLike = MEMINFO, device_free: int | None = None) -> UnifiedPool:
+def unified_pool(meminfo_path: str | os.PathLike | None = None, device_free: int | None = None) -> UnifiedPool:
     """The unified pool now: MemAvailable and MemTotal from `meminfo_path`, the reserve from MemTotal."""
     info = read_meminfo(meminfo_path)
     missing = [name for name in ("MemTotal", "MemAvailable") if name not in info]
     if missing:
-        raise ValueError(f"{meminfo_path}: no {' or '.join(missing)} line; cannot size a unified-memory split")
+        raise ValueError(f"{meminfo_path or MEMINFO}: no {' or '.join(missing)} line; cannot size a unified-memory "
+                         "split")
     return UnifiedPool(info["MemTotal"], info["MemAvailable"], os_reserve_bytes(info["MemTotal"]), device_free)
 
 
-def device_pool(device: str, meminfo_path: str | os.PathLike = MEMINFO) -> UnifiedPool | None:
+def device_pool(device: str, meminfo_path: str | os.PathLike | None = None) -> UnifiedPool | None:
     """The unified pool when `device` (cuda, cuda:N) is an integrated GPU (`devices.unified_memory`), else None."""
     if not device.startswith("cuda"):
         return None

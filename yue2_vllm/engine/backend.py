@@ -132,7 +132,7 @@ class EngineSettings:
     batch_invariance: BatchInvariance | None = None  # set: a seed fixes a song whatever else the engine serves
     cuda_capability: tuple[int, int] | None = None  # the engine's GPU: decides the W8A8 kernels' environment
     unified: UnifiedPool | None = None  # the GPU shares the host's memory: one pool (memory.plan_memory)
-    meminfo_path: str = MEMINFO  # where MemAvailable is read just before the engine starts (unified memory)
+    meminfo_path: str | None = None  # MemAvailable is read here just before the engine starts (None: /proc/meminfo)
 
     def kernel_env(self) -> dict[str, str]:
         """What the worker's environment adds for the AR checkpoint's W8A8 kernel on this GPU
@@ -472,7 +472,7 @@ class VLLMBackend:
                 meminfo = self.settings.meminfo_path
                 problem = self.plan.startup_problem(read_meminfo(meminfo).get("MemAvailable", 0))
                 if problem:
-                    raise EngineError(f"{problem} (MemAvailable from {meminfo})")
+                    raise EngineError(f"{problem} (MemAvailable from {meminfo or MEMINFO})")
             from .plugin import processor_fqcn
 
             s, runner = self.settings, self.runner
