@@ -32,7 +32,8 @@ from .derive import OVERRIDE_ENV
 from .hub import resolve_model
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
                       resolve_device, set_upstream_numerics)
-from .memory import PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, budget_problem, default_budget_gib, device_pool, vae_decode_bytes
+from .memory import (PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, budget_problem, default_budget_gib, device_pool,
+                     vae_decode_bytes)
 from .model.sampling import ARBackend, TorchARBackend
 from .model.torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, proxy_slow_reason, restore_ar
 from .tokenizer import YuE2Tokenizer
@@ -141,6 +142,13 @@ def batch_record(*timings: dict | None) -> dict:
     return {"batch_invariant": invariant} if invariant else {"batch_invariant": False, "batch_note": BATCH_NOTE}
 
 
+def vllm_usable() -> bool:
+    """Whether an installed vLLM can be driven (without importing it)."""
+    from .engine.backend import unsupported_reason, vllm_version
+
+    return unsupported_reason(vllm_version()) is None
+
+
 class YuE2Pipeline:
     def __init__(self, model_dir: str | os.PathLike, vae_dir: str | os.PathLike | None, *, device: str = "auto",
                  memory_budget_gib: float | None = None, backend: str = "torch",
@@ -202,12 +210,12 @@ class YuE2Pipeline:
         self._vllm_lock = threading.Lock()
         self._prestart: threading.Thread | None = None
         self._prestart_error: BaseException | None = None
-        if self.unified is not None and backend != "torch":  # refused before anything is loaded
+        if self.unified is not None and backend != "torch" and vllm_usable():  # refused before anything is loaded
             self._check_unified_split()
-        if start_engine and backend != "torch":
-            # The worker imports vLLM and starts its engine while this process loads the MoT.
-            self._prestart = threading.Thread(target=self._start_engine_early, name="yue2-engine-start", daemon=True)
-            self._prestart.start()
+        if start_engine and backend != "torch" and self.unified is None:
+            # The worker imports vLLM and starts its engine while this process loads the MoT. On unified memory
+            # it starts after the load instead: vLLM's start-up check then sees the MoT already in the pool.
+            self._start_engine_in_background()
         # Load-time proxies without a fast kernel on this device are declined on the record (see quantized_policy).
         declined = proxy_slow_reason(quantization, self.device, DTYPES[dtype]) if quantized_policy != "force" else None
         try:
@@ -219,6 +227,8 @@ class YuE2Pipeline:
             raise
         if self.unified is not None:  # the MoT is in (unified) memory now; its file pages need not be too
             drop_page_cache(self.model_dir)
+            if start_engine and backend != "torch":
+                self._start_engine_in_background()
         if declined:
             LOG.info("load-time %s proxies declined: %s", quantization, declined)
             self.model.quantization_status = {**self.model.quantization_status, "requested": quantization,
@@ -312,6 +322,10 @@ class YuE2Pipeline:
                 else:
                     self._vllm = VLLMBackend(YuE2Config.load(self.model_dir), self.engine_settings(checkpoint))
             return self._vllm, self._vllm_unavailable
+
+    def _start_engine_in_background(self) -> None:
+        self._prestart = threading.Thread(target=self._start_engine_early, name="yue2-engine-start", daemon=True)
+        self._prestart.start()
 
     def _start_engine_early(self) -> None:
         try:

@@ -547,7 +547,8 @@ class VLLMBackend:
         """How the engine runs, as recorded per song: runner (and why), async scheduling, the sliced head,
         and the worker's VLLM_DISABLED_KERNELS where our W8A8 kernel choice set it."""
         invariance = self.invariance
-        return {**self.settings.kernel_env(), "unified_memory": self.plan.unified is not None,"vllm_runner": self.runner.runner, "vllm_runner_reason": self.runner.reason,
+        return {**self.settings.kernel_env(), "unified_memory": self.plan.unified is not None,
+                "vllm_runner": self.runner.runner, "vllm_runner_reason": self.runner.reason,
                 "async_scheduling": self.runner.async_scheduling, "sliced_head": self.sliced_head,
                 "sliced_head_reason": self.sliced_head_reason, "batch_invariant": invariance is not None,
                 "batch_invariance": invariance.how if invariance is not None else None}
