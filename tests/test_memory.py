@@ -125,6 +125,8 @@ def test_gb10_refuses_a_budget_above_the_pool_and_a_split_it_cannot_hold(fake_gp
     problem = budget_problem(100, pool)
     assert f"{pool.pool / GIB:.2f} GiB" in problem and "--budget 100.00 GiB" in problem and "MemAvailable" in problem
     assert budget_problem(pool.pool / GIB, pool) is None and budget_problem(100, None) is None
+    empty = device_pool("cuda", write_meminfo(tmp_path / "empty", gpu["total"], 8 * GIB))
+    assert empty.pool == 0 and "nothing is left to plan with" in budget_problem(default_budget_gib(empty), empty)
     refused = release_plan(24, gpu["total"], unified=pool, max_num_seqs=8, kv_cache=8 * kv_cache_bytes(FULL))
     (problem,) = refused.problems()
     assert "MemAvailable is 30.00 GiB" in problem and "need" in problem and "--concurrency" in problem

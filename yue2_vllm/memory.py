@@ -129,7 +129,12 @@ def default_budget_gib(pool: UnifiedPool | None) -> float:
 
 def budget_problem(budget_gib: float, pool: UnifiedPool | None) -> str | None:
     """Why a --budget cannot be had on unified memory (above the pool), naming both figures; None when it can."""
-    if pool is None or budget_gib * GIB <= pool.pool:
+    if pool is None:
+        return None
+    if pool.pool <= 0:
+        return (f"unified memory: MemAvailable {_gib(pool.mem_available)} is within the OS reserve of "
+                f"{_gib(pool.reserve)}; nothing is left to plan with: free host memory")
+    if budget_gib * GIB <= pool.pool:
         return None
     return (f"--budget {budget_gib:.2f} GiB is above the unified memory pool of {_gib(pool.pool)} (MemAvailable "
             f"{_gib(pool.mem_available)} less the OS reserve {_gib(pool.reserve)}); this GPU shares the host's "

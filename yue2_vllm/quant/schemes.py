@@ -284,9 +284,10 @@ def slow_reason(scheme: QuantScheme | None, device: DeviceInfo) -> str | None:
       weight on an AVX-512 host (34.6x on AVX2); one real-width layer decoded at 2.4 vs 37.2 tok/s.
     * INT8 W8A8 (oneDNN int8 GEMMs): no faster at batch 1 — the tiny default 134 vs 162, one real-width
       layer 33.6 vs 37.2 tok/s on AVX-512 with VNNI; 41.4 vs 42.7 on an AVX2 host.
-    On CUDA, FP8 W8A8 on sm89+ (Ada, Hopper) and INT8 W8A8 on sm75+ run vLLM's CUTLASS scaled-mm
-    kernels, which read half the weight bytes of bf16 at decode; below sm89 FP8 weights take a
-    weight-only fallback. (Stated from vLLM's kernel selection, not measured here: no GPU with vLLM.)
+    On CUDA, FP8 W8A8 on sm89+ and INT8 W8A8 on sm75+ run W8A8 kernels (`w8a8_kernel`: CUTLASS or
+    FlashInfer; int8 on sm100+ on Triton, our engine disabling CUTLASS int8 there), which read half the
+    weight bytes of bf16 at decode; below sm89 FP8 weights take a weight-only fallback. (Stated from
+    vLLM's kernel selection, not measured here: no GPU with vLLM; Triton int8 not measured anywhere.)
     Weight-only and 4-bit schemes have no measured gain here, so they count as slow.
     """
     if scheme is None:
