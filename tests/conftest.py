@@ -44,7 +44,8 @@ GPUS = {
 def write_meminfo(path, mem_total: int, mem_available: int):
     """A /proc/meminfo with the two figures a unified-memory plan reads (in kB, as the kernel writes them)."""
     path.write_text(f"MemTotal:       {mem_total // 1024} kB\nMemFree:         {mem_available // 2048} kB\n"
-                    f"MemAvailable:   {mem_available // 1024} kB\nBuffers:           1024 kB\nHugePages_Total:       0\n")
+                    f"MemAvailable:   {mem_available // 1024} kB\nBuffers:           1024 kB\n"
+                    "HugePages_Total:       0\n")
     return path
 
 

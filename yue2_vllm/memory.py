@@ -228,8 +228,9 @@ class MemoryPlan:
             return [f"unified memory: the engine ({_gib(self.engine)}: {_gib(self.engine_weights)} AR weights + "
                     f"{_gib(self.kv_cache)} KV cache for {self.max_num_seqs} rows + {_gib(self.engine_overhead)} "
                     f"overhead), the torch side ({_gib(self.torch_side)}) and the host side of both processes "
-                    f"({_gib(self.host_side)}) need {_gib(need)}, but MemAvailable is {_gib(self.unified.mem_available)}"
-                    f" and, less the OS reserve of {_gib(self.unified.reserve)}, the pool {_gib(self.unified.pool)} "
+                    f"({_gib(self.host_side)}) need {_gib(need)}, but MemAvailable is "
+                    f"{_gib(self.unified.mem_available)} and, less the OS reserve of {_gib(self.unified.reserve)}, "
+                    f"the pool {_gib(self.unified.pool)} "
                     f"(budget {_gib(self.budget)}); lower --concurrency or the KV cache, use --offload-ar or a "
                     "quantized AR checkpoint (FP8), or free host memory"]
         if need <= limit:

@@ -165,8 +165,7 @@ def w8a8_kernel(scheme: QuantScheme | None, capability: tuple[int, int],
     if _is_int8_w8a8(scheme):
         if cc < INT8_W8A8_MIN:
             return KernelChoice(scheme.name, cc, None, False, f"{scheme.name} needs sm75+ in vLLM (compressed-tensors "
-                                f"W8A8 int8), not {name}; {FP8_SUGGESTION}" if cc >= FP8_MARLIN_MIN else
-                                f"{scheme.name} needs sm75+ in vLLM, not {name}", disabled)
+                                f"W8A8 int8), not {name}", disabled)
         candidates = _INT8_KERNELS
     else:
         if cc < FP8_MARLIN_MIN:
@@ -174,7 +173,7 @@ def w8a8_kernel(scheme: QuantScheme | None, capability: tuple[int, int],
                                 f"not {name}", disabled)
         if cc < FP8_W8A8_MIN:
             return KernelChoice(scheme.name, cc, "MarlinFP8 (W8A16: FP8 weights, bf16 activations)", True,
-                                f"below sm89 vLLM serves FP8 weights weight-only (CompressedTensorsW8A16Fp8)", disabled)
+                                "below sm89 vLLM serves FP8 weights weight-only (CompressedTensorsW8A16Fp8)", disabled)
         candidates = _FP8_KERNELS
     skipped = []
     for kernel, chosen, fails in candidates:
