@@ -16,6 +16,13 @@ CUDA is skipped, with the reason, on a machine without it; CPU-runnable rows (sm
 * `torch.int8`: `_weight_int8pack_mm` availability per device and the proxy policy's verdict.
 * `torch.memory`: `mem_get_info` vs the per-process cap vs what admission counts.
 
+DGX Spark / Blackwell sections (so the first run on a GB10 tells what is true; not run on one yet):
+
+* `spark.kernels`: for sm80/86/89/90/100/120/121 and this GPU, the vLLM W8A8 kernel each AR form (FP8
+  per-tensor, FP8 row-wise, int8) would get under our engine's environment, and whether it runs.
+* `spark.memory`: `is_integrated`, MemAvailable vs `mem_get_info`'s free figure, the unified pool, and the
+  split the release weights (bf16 and FP8 AR) would be planned with on this GPU.
+
 vLLM-side sections (the engine's sampler arithmetic is plain torch; only `engine.runners` needs vLLM, which
 the GPU machines of this project do not have, so it is skipped there with the reason):
 
@@ -339,6 +346,70 @@ def torch_memory(args) -> Rows:
     return [{"row": "after a 24 GiB cap and 1 GiB cached", "mem_get_info_free": free, "total": total,
              "cap": cap, "process_cap_bytes": process_cap_bytes("cuda"), "reserved": torch.cuda.memory_reserved(),
              "admission_room": cuda_free_bytes("cuda")}]
+
+
+# --------------------------------------------------------------------------- DGX Spark / Blackwell sections
+
+SPARK_CAPABILITIES = [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1)]
+
+
+@section("spark.kernels")
+def spark_kernels(args) -> Rows:
+    from yue2_vllm.quant.schemes import ar_form_kernels
+
+    capabilities = list(SPARK_CAPABILITIES)
+    if torch.cuda.is_available():
+        capabilities.append(tuple(torch.cuda.get_device_capability()))
+    rows = []
+    for index, capability in enumerate(capabilities):
+        what = "this GPU " if index == len(SPARK_CAPABILITIES) else ""
+        for form, choice in ar_form_kernels(capability).items():
+            if form == "bf16":
+                continue
+            rows.append({"row": f"{what}sm{capability[0]}{capability[1]} {form}", "kernel": choice["kernel"],
+                         "runs": choice["runs"], "engine_env": choice["engine_env"] or None})
+    return rows
+
+
+def release_ar_bytes(config, fp8: bool) -> int:
+    """The release AR checkpoint's bytes: bf16, or FP8 W8A8 (1-byte linears in the layers, the rest bf16)."""
+    from yue2_vllm.memory import ar_expert_bytes
+    from yue2_vllm.model.modeling import ar_tensor_shapes
+
+    linears = sum(math.prod(shape) for name, shape in ar_tensor_shapes(config).items()
+                  if name.startswith("model.layers.") and name.endswith("_proj.weight"))
+    return ar_expert_bytes(config) - (linears if fp8 else 0)
+
+
+@section("spark.memory", needs="cuda")
+def spark_memory(args) -> Rows:
+    from yue2_vllm.devices import unified_memory
+    from yue2_vllm.memory import GIB, device_pool, plan_memory, read_meminfo
+    from yue2_vllm.model.modeling import YuE2Config, tensor_shapes
+
+    props = torch.cuda.get_device_properties(0)
+    unified, why = unified_memory(0)
+    free, total = torch.cuda.mem_get_info(0)
+    meminfo = read_meminfo()
+    rows = [{"row": "device", "name": props.name, "capability": torch.cuda.get_device_capability(0),
+             "is_integrated": bool(getattr(props, "is_integrated", False)), "unified": unified, "why": why},
+            {"row": "MemAvailable vs mem_get_info", "mem_available": meminfo.get("MemAvailable"),
+             "mem_total": meminfo.get("MemTotal"), "mem_get_info_free": free, "mem_get_info_total": total,
+             "cached": meminfo.get("Cached")}]
+    pool = device_pool("cuda:0")
+    if pool is not None:
+        rows.append({"row": "unified pool", **pool.describe()})
+    config = YuE2Config()
+    mot, vae = 2 * sum(math.prod(s) for s in tensor_shapes(config).values()), int(0.25 * GIB)  # bf16 MoT
+    budget = pool.pool / GIB if pool is not None else min(total, 24 * GIB) / GIB
+    for form, fp8 in (("bf16", False), ("fp8", True)):
+        plan = plan_memory(config, device="cuda", budget_gib=budget, engine_weights=release_ar_bytes(config, fp8),
+                           torch_model=mot, vae=vae, total=total, unified=pool)
+        rows.append({"row": f"release plan, {form} AR", "rows": plan.max_num_seqs, "kv_cache": plan.kv_cache,
+                     "gpu_memory_utilization": plan.gpu_memory_utilization, "summary": plan.describe()["summary"],
+                     "problems": plan.problems(),
+                     "startup_problem": plan.startup_problem(meminfo.get("MemAvailable", 0))})
+    return rows
 
 
 # --------------------------------------------------------------------------- vLLM-side sections

@@ -148,6 +148,9 @@ LP_V2 = M + "v1/worker/gpu/sample/logits_processor/interface.py"
 LP_V2_LOADER = M + "v1/worker/gpu/sample/logits_processor/loader.py"
 CFG = M + "config/vllm.py"
 SCHED = M + "v1/core/sched/scheduler.py"
+KL = M + "model_executor/kernels/linear/__init__.py"
+KL_MM = M + "model_executor/kernels/linear/scaled_mm/"
+CT = M + "model_executor/layers/quantization/compressed_tensors/schemes/"
 CHECKS: list[tuple[str, str | None, str, str, str]] = [
     # 1. V1 logits-processor interface
     ("0.28.0", None, LP_V1, r"^class LogitsProcessor\(ABC\)", "V1 LogitsProcessor base class"),
@@ -286,6 +289,49 @@ CHECKS: list[tuple[str, str | None, str, str, str]] = [
     ("0.28.0", None, M + "v1/attention/backends/flash_attn.py", r"def supports_batch_invariance\(cls\) -> bool:\s+return True",
      "FLASH_ATTN supports batch invariance"),
     ("0.28.0", None, M + "v1/attention/backends/flashinfer.py", r"!def supports_batch_invariance", "FLASHINFER: not batch-invariant"),
+    # 7. W8A8 kernel selection on CUDA (quant/schemes.py: w8a8_kernel, engine_kernel_env; docs/vllm-versions.md)
+    ("0.28.0", None, KL, r"_POSSIBLE_INT8_KERNELS[^=]*=\s*\{[^}]*?PlatformEnum\.CUDA: \[\s*CutlassInt8ScaledMMLinearKernel,"
+     r"\s*TritonInt8ScaledMMLinearKernel,\s*HummingInt8ScaledMMLinearKernel,\s*\]", "int8 CUDA order: Cutlass, Triton, Humming"),
+    ("0.28.0", None, KL_MM + "cutlass.py", r"class CutlassInt8ScaledMMLinearKernel\(Int8ScaledMMLinearKernel\):\s+@classmethod"
+     r"\s+def is_supported\(\s*cls, compute_capability: int \| None = None\s*\) -> tuple\[bool, str \| None\]:"
+     r"\s+if not current_platform\.is_cuda\(\):\s+return False, \"requires CUDA\.\"\s+return True, None",
+     "Cutlass int8 is_supported: True on any CUDA cc"),
+    ("0.28.0", None, KL_MM + "triton.py", r"class TritonInt8ScaledMMLinearKernel\(CutlassInt8ScaledMMLinearKernel\):\s+@classmethod"
+     r"\s+def is_supported\([^)]*\) -> tuple\[bool, str \| None\]:\s+if current_platform\.is_cuda_alike\(\)[^:]*:"
+     r"\s+return True, None", "Triton int8 is_supported on CUDA"),
+    ("0.28.0", None, KL_MM + "triton.py", r"class TritonInt8ScaledMMLinearKernel[\s\S]*?def can_implement\(cls, c: "
+     r"Int8ScaledMMLinearLayerConfig\) -> tuple\[bool, str \| None\]:\s+return True, None", "Triton int8 can_implement: any config"),
+    ("0.28.0", None, M + "envs.py", r'"VLLM_DISABLED_KERNELS": lambda: \(\s+\[\]\s+if "VLLM_DISABLED_KERNELS" not in os\.environ'
+     r'\s+else os\.environ\["VLLM_DISABLED_KERNELS"\]\.split\(","\)', "env VLLM_DISABLED_KERNELS: comma list"),
+    ("0.28.0", None, KL, r"def is_supported_and_can_implement_kernel\([\s\S]*?\) -> tuple\[bool, str\]:"
+     r"\s+if kernel\.__name__ in envs\.VLLM_DISABLED_KERNELS:\s+return False", "disabled kernels skipped first"),
+    ("0.28.0", None, KL, r"for kernel in platform_kernels:\s+is_supported_and_can_implement, failure_reason = \(\s+"
+     r"is_supported_and_can_implement_kernel\(kernel, config, compute_capability\)\s+\)\s+if is_supported_and_can_implement:"
+     r"\s+return kernel", "selection loop: first kernel that passes"),
+    ("0.28.0", None, KL, r"def init_int8_linear_kernel\([\s\S]*?choose_scaled_mm_linear_kernel\(\s+config,\s+_POSSIBLE_INT8_KERNELS",
+     "int8 layers use that loop"),
+    ("0.28.0", "0.28.0", KL, r"_POSSIBLE_FP8_KERNELS[^=]*=\s*\{\s*PlatformEnum\.CUDA: \[\s*MarlinFP8ScaledMMLinearKernel,"
+     r"\s*FlashInferFP8ScaledMMLinearKernel,\s*CutlassFP8ScaledMMLinearKernel,", "0.28 FP8 CUDA order: Marlin, FlashInfer, Cutlass"),
+    ("0.28.0", "0.28.0", KL_MM + "marlin.py", r"compute_capability >= 89\s+and not envs\.VLLM_TEST_FORCE_FP8_MARLIN",
+     "0.28 FP8 Marlin declines cc >= 89"),
+    ("0.29.0", None, KL, r"_POSSIBLE_FP8_KERNELS[^=]*=\s*\{\s*PlatformEnum\.CUDA: \[\s*FlashInferFP8ScaledMMLinearKernel,"
+     r"\s*CutlassFP8ScaledMMLinearKernel,", "FP8 CUDA order: FlashInfer, Cutlass first"),
+    ("0.28.0", None, KL_MM + "flashinfer.py", r"if compute_capability is not None and compute_capability < 100:",
+     "FlashInfer FP8 needs cc >= 100"),
+    ("0.28.0", None, KL_MM + "flashinfer.py", r"if not \(per_tensor_activation_scales and per_tensor_weight_scales\):",
+     "FlashInfer FP8: per-tensor scales only"),
+    ("0.28.0", None, CT + "compressed_tensors_w8a8_int8.py", r"def get_min_capability\(cls\) -> int:\s+#[^\n]*\n\s+return 75",
+     "compressed-tensors W8A8 int8: sm75+"),
+    ("0.28.0", None, CT + "compressed_tensors_w8a8_fp8.py", r"def get_min_capability\(cls\) -> int:\s+#[^\n]*\n\s+return 89",
+     "compressed-tensors W8A8 FP8: sm89+"),
+    # 8. unified memory (memory.py: MemoryPlan.startup_problem)
+    ("0.28.0", None, M + "v1/worker/utils.py", r"requested_memory = math\.ceil\(\s+init_snapshot\.total_memory \* "
+     r"cache_config\.gpu_memory_utilization\s+\)", "start-up check: utilization x total ..."),
+    ("0.28.0", None, M + "v1/worker/utils.py", r"if init_snapshot\.free_memory < requested_memory:", "... against free at start"),
+    ("0.28.0", None, M + "utils/mem_utils.py", r"if current_platform\.is_integrated_gpu\(device\.index\):(\s+#[^\n]*)+"
+     r"\s+self\.free_memory = psutil\.virtual_memory\(\)\.available", "integrated GPU: free = psutil available"),
+    ("0.28.0", None, M + "platforms/cuda.py", r"def is_integrated_gpu\(cls, device_id: int = 0\) -> bool:\s+return bool\("
+     r"torch\.cuda\.get_device_properties\(device_id\)\.is_integrated\)", "is_integrated_gpu = props.is_integrated"),
 ]
 
 

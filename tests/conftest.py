@@ -25,3 +25,48 @@ def tiny_model(tiny_model_dir):
     from yue2_vllm.model.loader import load_model
 
     return load_model(tiny_model_dir)
+
+
+# Four GPUs as torch reports them (the figures the issue names; mem_get_info's free figure on GB10 is smaller
+# than MemAvailable, as NVIDIA's DGX Spark notes say). Installed by `fake_gpu(name)`.
+GPUS = {
+    "GB10": {"capability": (12, 1), "integrated": True, "total": int(119.7 * 2**30), "free": 80 * 2**30,
+             "name": "NVIDIA GB10"},
+    "B200": {"capability": (10, 0), "integrated": False, "total": 179 * 2**30, "free": 178 * 2**30,
+             "name": "NVIDIA B200"},
+    "H100": {"capability": (9, 0), "integrated": False, "total": 80 * 2**30, "free": 79 * 2**30,
+             "name": "NVIDIA H100 80GB HBM3"},
+    "L40S": {"capability": (8, 9), "integrated": False, "total": 46068 * 2**20, "free": 45 * 2**30,
+             "name": "NVIDIA L40S"},
+}
+
+
+def write_meminfo(path, mem_total: int, mem_available: int):
+    """A /proc/meminfo with the two figures a unified-memory plan reads (in kB, as the kernel writes them)."""
+    path.write_text(f"MemTotal:       {mem_total // 1024} kB\nMemFree:         {mem_available // 2048} kB\n"
+                    f"MemAvailable:   {mem_available // 1024} kB\nBuffers:           1024 kB\n"
+                    "HugePages_Total:       0\n")
+    return path
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """`fake_gpu("GB10")` makes torch.cuda look like one such GPU (device 0) on this CPU machine."""
+    from types import SimpleNamespace
+
+    import torch
+
+    def install(name: str, **changes):
+        gpu = {**GPUS[name], **changes}
+        props = SimpleNamespace(total_memory=gpu["total"], is_integrated=gpu["integrated"], name=gpu["name"],
+                                major=gpu["capability"][0], minor=gpu["capability"][1])
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: gpu["capability"])
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: gpu["name"])
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (gpu["free"], gpu["total"]))
+        return gpu
+
+    return install

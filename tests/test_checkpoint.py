@@ -1,6 +1,7 @@
 import hashlib
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -152,3 +153,44 @@ def test_an_unwritable_hash_cache_only_costs_a_rehash(tmp_path):
     (tmp_path / "not-a-dir").write_text("")
     cache = HashCache(tmp_path / "not-a-dir" / "cache.json")
     assert cache.sha256(tmp_path / "file") == hashlib.sha256(b"abc").hexdigest()
+
+
+def _resident_bytes(path) -> int:
+    """Bytes of `path` in the page cache now (mincore over a fresh read-only mapping; Linux)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    size, page = path.stat().st_size, mmap.PAGESIZE
+    with open(path, "rb") as handle:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, handle.fileno(), 0)
+    pages = (size + page - 1) // page
+    vector = (ctypes.c_ubyte * pages)()
+    try:
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) == 0, ctypes.get_errno()
+    finally:
+        libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
+    return sum(byte & 1 for byte in vector) * page
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise and mincore: Linux")
+def test_drop_page_cache_leaves_the_loaded_files_out_of_memory(tmp_path):
+    """After loading, a unified-memory machine drops the weight files' page cache (they share the GPU's pool)."""
+    from yue2_vllm.checkpoint import drop_page_cache
+
+    model = tmp_path / "model"
+    model.mkdir()
+    files = [model / "model-00001-of-00002.safetensors", model / "model-00002-of-00002.safetensors"]
+    for index, path in enumerate(files):
+        with open(path, "wb") as handle:
+            handle.write(os.urandom((4 + index) * 2**20))
+            handle.flush()
+            os.fsync(handle.fileno())  # dirty pages are not dropped; loaded weights are clean
+        path.read_bytes()
+    (model / "config.json").write_text("{}")
+    assert all(_resident_bytes(path) > 0 for path in files)
+    assert drop_page_cache(model) == sum(path.stat().st_size for path in files) == 9 * 2**20
+    assert [_resident_bytes(path) for path in files] == [0, 0]
+    assert drop_page_cache(None) == 0

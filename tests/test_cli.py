@@ -644,3 +644,34 @@ def test_a_runner_vllm_cannot_run_here_is_refused_before_anything_is_written(tmp
     assert main(["generate", "--backend", "vllm", "--vllm-runner", "v2", "--output", str(tmp_path / "runs")]) == 2
     assert "--vllm-runner v2: Model Runner V2 needs a Triton backend for cpu" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("name", ["GB10", "B200", "H100", "L40S"])
+def test_doctor_reports_the_gpu_its_memory_and_the_ar_forms_kernels(fake_gpu, tmp_path, monkeypatch, name):
+    from argparse import Namespace
+
+    from conftest import write_meminfo
+
+    from yue2_vllm import memory
+    from yue2_vllm.cli.doctor import gpu_report, memory_split
+    from yue2_vllm.quant.schemes import ar_form_kernels
+
+    monkeypatch.delenv("VLLM_DISABLED_KERNELS", raising=False)
+    gpu = fake_gpu(name)
+    monkeypatch.setattr(memory, "MEMINFO", str(write_meminfo(tmp_path / "meminfo", gpu["total"], 100 * 2**30)))
+    report = gpu_report(0)
+    capability = gpu["capability"]
+    assert report["capability"] == f"sm_{capability[0]}{capability[1]}" and report["unified_memory"] == gpu["integrated"]
+    assert report["ar_forms"] == ar_form_kernels(capability) and all(f["runs"] for f in report["ar_forms"].values())
+    int8 = report["ar_forms"]["int8"]
+    assert int8["kernel"] == ("TritonInt8ScaledMMLinearKernel" if capability >= (10, 0)
+                              else "CutlassInt8ScaledMMLinearKernel")
+    split = memory_split(Namespace(model=None, device="cuda", budget=None, concurrency=None, offload_ar=False))
+    assert split["unified_memory"] == gpu["integrated"]
+    if gpu["integrated"]:
+        pool = report["pool"]
+        assert pool["unified_memory"] and pool["mem_available"] == 100 * 2**30 and pool["device_free"] == gpu["free"]
+        assert split["unified"]["pool"] == pool["pool"] == split["budget"]  # the default budget is the pool
+        assert split["host_side"] == 5 * 2**30 and split["problems"] == []
+    else:
+        assert "pool" not in report and split["budget"] == 24 * 2**30 and split["host_side"] == 0

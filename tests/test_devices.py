@@ -131,3 +131,20 @@ def test_importing_devices_pulls_in_no_vllm():
     code = "import sys, yue2_vllm.devices; print([m for m in ('vllm', 'triton') if m in sys.modules])"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
+
+
+def test_unified_memory_is_is_integrated_checked_by_capability(fake_gpu):
+    from yue2_vllm.devices import unified_memory
+
+    fake_gpu("GB10")
+    assert unified_memory("cuda") == (True, "is_integrated=True, sm_121: GB10 (DGX Spark)")
+    for name in ("B200", "H100", "L40S"):
+        fake_gpu(name)
+        unified, why = unified_memory("cuda:0")
+        assert not unified and why.endswith("discrete memory")
+    fake_gpu("GB10", integrated=False)  # the capability alone does not make it unified
+    assert unified_memory(0) == (False, "sm_121 is GB10 (DGX Spark)'s capability, but torch reports "
+                                        "is_integrated=False: planned as discrete")
+    fake_gpu("H100", integrated=True)  # an integrated part we do not know: one pool, the safe side, said so
+    unified, why = unified_memory("cuda")
+    assert unified and "not a known integrated part" in why

@@ -314,3 +314,44 @@ def test_sigterm_stops_the_engine_worker_group_at_once(tiny_model_dir, tiny_vae_
     finally:
         process.kill()
     assert json.loads(state.read_text())["state"] == "cancelled"
+
+
+# ---------------------------------------------------------------- GPU settings on this CPU machine (no engine starts)
+from conftest import write_meminfo  # noqa: E402
+
+from yue2_vllm.engine.backend import engine_env  # noqa: E402
+from yue2_vllm.engine.runner import RunnerChoice  # noqa: E402
+from yue2_vllm.memory import UNIFIED_HOST_BYTES, unified_pool  # noqa: E402
+from yue2_vllm.quant.schemes import CUTLASS_INT8, DISABLED_KERNELS_ENV, form_scheme  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["GB10", "B200", "H100", "L40S"])
+@pytest.mark.parametrize("form", ["bf16", "fp8-row", "int8"])
+def test_worker_environment_carries_the_w8a8_kernel_choice(fake_gpu, derived, monkeypatch, name, form):
+    monkeypatch.delenv(DISABLED_KERNELS_ENV, raising=False)
+    gpu = fake_gpu(name)
+    settings = EngineSettings(ARCheckpoint(derived, "override", form_scheme(form)), device_type="cuda",
+                              cuda_capability=gpu["capability"], cuda_visible_devices="0")
+    # The rule: only int8 W8A8 on sm100+ needs CUTLASS int8 switched off (vLLM then picks Triton int8).
+    wanted = {DISABLED_KERNELS_ENV: CUTLASS_INT8} if form == "int8" and gpu["capability"] >= (10, 0) else {}
+    assert settings.kernel_env() == wanted
+    env = engine_env(RunnerChoice("v1", False, "test"), settings.cuda_visible_devices, None, settings.kernel_env())
+    assert env == {**RunnerChoice("v1", False, "test").env, "CUDA_VISIBLE_DEVICES": "0", **wanted}
+    assert EngineSettings(settings.checkpoint, device_type="cpu").kernel_env() == {}
+
+
+def test_unified_engine_is_refused_before_its_worker_starts(fake_gpu, derived, tmp_path):
+    gpu = fake_gpu("GB10")
+    meminfo = write_meminfo(tmp_path / "meminfo", gpu["total"], 100 * 2**30)
+    pool = unified_pool(meminfo)
+    settings = EngineSettings(ARCheckpoint(derived, "derived", None), device_type="cuda", cuda_capability=(12, 1),
+                              memory_budget_gib=pool.pool / 2**30, unified=pool, meminfo_path=str(meminfo),
+                              max_num_seqs=2)
+    engine = VLLMBackend(TINY_CONFIG, settings)
+    assert engine.plan.unified == pool and engine.plan.host_side == sum(UNIFIED_HOST_BYTES.values())
+    assert engine.plan.gpu_memory_utilization == pytest.approx(engine.plan.engine / gpu["total"])
+    # MemAvailable falls before the engine starts (another process took the memory): refused by us, by name.
+    write_meminfo(meminfo, gpu["total"], engine.plan.engine + UNIFIED_HOST_BYTES["engine_process"] - 2**30)
+    with pytest.raises(EngineError, match=r"unified memory: the engine needs .* MemAvailable is .*--concurrency"):
+        engine.start()
+    assert engine.process is None and not engine.ever_started

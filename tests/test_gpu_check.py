@@ -7,6 +7,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 TORCH_SECTIONS = ("torch.devices", "torch.numerics", "torch.vae", "torch.ar", "torch.fp8", "torch.int8",
                   "torch.memory")
 ENGINE_SECTIONS = ("engine.sampler", "engine.sampler_syncs", "engine.sliced_head", "engine.runners")
+SPARK_SECTIONS = ("spark.kernels", "spark.memory")
 
 
 def test_gpu_check_quick_runs_its_cpu_parts_and_names_every_section(tmp_path):
@@ -14,11 +15,15 @@ def test_gpu_check_quick_runs_its_cpu_parts_and_names_every_section(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(report_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    for name in TORCH_SECTIONS + ENGINE_SECTIONS:
+    for name in TORCH_SECTIONS + ENGINE_SECTIONS + SPARK_SECTIONS:
         assert f"== {name} (" in result.stdout
     report = json.loads(report_path.read_text())
     sections = report["sections"]
-    assert set(TORCH_SECTIONS + ENGINE_SECTIONS) <= set(sections) and not any("error" in s for s in sections.values())
+    assert set(TORCH_SECTIONS + ENGINE_SECTIONS + SPARK_SECTIONS) <= set(sections)
+    assert not any("error" in s for s in sections.values())
+    kernels = {row["row"]: row for row in sections["spark.kernels"]["rows"]}
+    assert kernels["sm121 int8"]["kernel"] == "TritonInt8ScaledMMLinearKernel" and kernels["sm121 int8"]["runs"]
+    assert kernels["sm90 int8"]["kernel"] == "CutlassInt8ScaledMMLinearKernel" and kernels["sm90 int8"]["engine_env"] is None
     assert {row["row"] for row in sections["engine.sampler"]["rows"]} == {
         "bfloat16 cfg=off", "bfloat16 cfg=1.5 legacy", "float32 cfg=off", "float32 cfg=1.5 legacy"}
     assert all(row["ok"] for row in sections["torch.numerics"]["rows"])

@@ -69,3 +69,88 @@ def test_total_memory_of_an_indexed_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=(i + 1) * GIB))
     assert total_memory_bytes("cuda") == GIB and total_memory_bytes("cuda:1") == 2 * GIB
+
+
+# ---------------------------------------------------------------- unified memory (DGX Spark's GB10) vs discrete
+from conftest import GPUS, write_meminfo  # noqa: E402
+
+from yue2_vllm.memory import (UNIFIED_HOST_BYTES, budget_problem, default_budget_gib, device_pool,  # noqa: E402
+                              os_reserve_bytes, read_meminfo)
+
+TYPICAL = row_kv_bytes(FULL, 2048 + 9000, 16)  # one default song's KV on CUDA
+MARGIN = 2 * 16 * 112 * 1024
+
+
+def release_plan(budget_gib, total, **extra):
+    return plan_memory(FULL, device="cuda", budget_gib=budget_gib, engine_weights=AR_BF16, torch_model=MOT, vae=VAE,
+                       total=total, **extra)
+
+
+def test_meminfo_is_read_in_bytes(tmp_path):
+    path = write_meminfo(tmp_path / "meminfo", int(119.7 * GIB), 100 * GIB)
+    info = read_meminfo(path)
+    assert info["MemTotal"] == int(119.7 * GIB) // 1024 * 1024 and info["MemAvailable"] == 100 * GIB
+    assert info["HugePages_Total"] == 0  # a count, not kB
+    assert os_reserve_bytes(16 * GIB) == 8 * GIB and os_reserve_bytes(200 * GIB) == 20 * GIB
+
+
+def test_gb10_plans_one_pool_from_memavailable(fake_gpu, tmp_path):
+    gpu = fake_gpu("GB10")
+    meminfo = write_meminfo(tmp_path / "meminfo", gpu["total"], 100 * GIB)
+    pool = device_pool("cuda", meminfo)
+    mem_total = read_meminfo(meminfo)["MemTotal"]
+    reserve = max(8 * GIB, int(0.10 * mem_total))  # the documented rule: 8 GiB or 10 %, the larger
+    assert (pool.mem_available, pool.reserve, pool.pool) == (100 * GIB, reserve, 100 * GIB - reserve)
+    assert pool.device_free == gpu["free"] < pool.mem_available  # cudaMemGetInfo under-reports: shown, not used
+    assert default_budget_gib(pool) == pool.pool / GIB and default_budget_gib(None) == 24.0
+    plan = release_plan(default_budget_gib(pool), gpu["total"], unified=pool)
+    host = 3 * GIB + 2 * GIB
+    assert plan.host_side == host == sum(UNIFIED_HOST_BYTES.values()) and plan.limit == pool.pool
+    fixed = AR_BF16 + 2 * GIB + MOT + VAE + plan.nar_chunks + 2 * GIB + host
+    rows = min(64, (pool.pool - fixed) // TYPICAL)
+    assert plan.max_num_seqs == rows and plan.kv_cache == rows * TYPICAL + MARGIN
+    assert plan.problems() == [] and plan.engine + plan.torch_side + plan.host_side <= pool.pool
+    assert plan.gpu_memory_utilization == pytest.approx(plan.engine / gpu["total"])
+    described = plan.describe()
+    assert described["unified_memory"] and described["unified"]["pool"] == pool.pool
+    # vLLM's start-up check on an integrated GPU: utilization x total against MemAvailable after its own process.
+    assert plan.startup_problem(100 * GIB) is None
+    short = plan.engine + 3 * GIB - GIB
+    assert "MemAvailable is" in plan.startup_problem(short) and "--concurrency" in plan.startup_problem(short)
+
+
+def test_gb10_refuses_a_budget_above_the_pool_and_a_split_it_cannot_hold(fake_gpu, tmp_path):
+    gpu = fake_gpu("GB10")
+    pool = device_pool("cuda:0", write_meminfo(tmp_path / "meminfo", gpu["total"], 30 * GIB))
+    problem = budget_problem(100, pool)
+    assert f"{pool.pool / GIB:.2f} GiB" in problem and "--budget 100.00 GiB" in problem and "MemAvailable" in problem
+    assert budget_problem(pool.pool / GIB, pool) is None and budget_problem(100, None) is None
+    empty = device_pool("cuda", write_meminfo(tmp_path / "empty", gpu["total"], 8 * GIB))
+    assert empty.pool == 0 and "nothing is left to plan with" in budget_problem(default_budget_gib(empty), empty)
+    refused = release_plan(24, gpu["total"], unified=pool, max_num_seqs=8, kv_cache=8 * kv_cache_bytes(FULL))
+    (problem,) = refused.problems()
+    assert "MemAvailable is 30.00 GiB" in problem and "need" in problem and "--concurrency" in problem
+    with pytest.raises(MemoryError, match="unified memory"):
+        refused.check()
+
+
+@pytest.mark.parametrize("name", ["B200", "H100", "L40S"])
+def test_discrete_gpus_plan_as_before(fake_gpu, tmp_path, name):
+    gpu = fake_gpu(name)
+    assert device_pool("cuda", write_meminfo(tmp_path / "meminfo", 64 * GIB, 10 * GIB)) is None
+    plan = release_plan(24, gpu["total"])
+    assert plan.unified is None and plan.host_side == 0 and plan.startup_problem(0) is None
+    rows = min(64, (min(24 * GIB, gpu["total"]) - (AR_BF16 + 2 * GIB + MOT + VAE + plan.nar_chunks + 2 * GIB))
+               // TYPICAL)
+    assert plan.max_num_seqs == rows and plan.limit == 24 * GIB
+
+
+def test_the_cpu_plan_ignores_unified_memory(tmp_path):
+    from yue2_vllm.memory import unified_pool
+
+    assert device_pool("cpu") is None
+    pool = unified_pool(write_meminfo(tmp_path / "meminfo", 64 * GIB, 10 * GIB))
+    args = dict(device="cpu", budget_gib=24, engine_weights=95 * 2**20, torch_model=100 * 2**20, typical_tokens=2300,
+                total=24 * GIB)
+    plan = plan_memory(TINY_CONFIG, unified=pool, **args)  # host memory is the budget there already
+    assert plan == plan_memory(TINY_CONFIG, **args) and plan.unified is None and plan.host_side == 0

@@ -485,3 +485,49 @@ def test_slow_int8_proxies_are_declined_on_the_record(tiny_model_dir, tiny_vae_d
     else:
         assert pipe.proxy_mode == "int8" and pipe.quantization_status["mode"] == "int8"
         assert "declined" not in pipe.quantization_status
+
+
+def test_unified_memory_split_is_refused_before_any_weights_load(fake_gpu, tiny_model_dir, tiny_vae_dir, tmp_path,
+                                                                  monkeypatch):
+    """On a GB10 the default budget is the pool (MemAvailable less the OS reserve); a split that cannot hold the
+    host sides and a --budget above the pool are both refused before the MoT is read."""
+    from conftest import write_meminfo
+
+    from yue2_vllm import memory, pipeline
+
+    gpu = fake_gpu("GB10")
+    reserve = max(8 * 2**30, int(0.10 * (gpu["total"] // 1024 * 1024)))
+    monkeypatch.setattr(memory, "MEMINFO", str(write_meminfo(tmp_path / "meminfo", gpu["total"], reserve + 3 * 2**30)))
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the split was checked")
+
+    monkeypatch.setattr(pipeline, "load_model", no_loading)
+    with pytest.raises(MemoryError, match=r"unified memory: .* MemAvailable is .* the pool 3\.00 GiB"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device="cuda", backend="vllm")
+    with pytest.raises(ValueError, match=r"--budget 24\.00 GiB is above the unified memory pool of 3\.00 GiB"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device="cuda", backend="torch", memory_budget_gib=24)
+
+
+@pytest.mark.parametrize("name", ["GB10", "H100"])
+def test_the_engine_starts_after_the_mot_loads_on_unified_memory_only(fake_gpu, tiny_model_dir, tiny_vae_dir,
+                                                                       tmp_path, monkeypatch, name):
+    """Beside the MoT load on a discrete GPU (as before); after it on unified memory, so that vLLM's start-up check
+    measures the pool with the MoT already in it."""
+    from conftest import write_meminfo
+
+    from yue2_vllm import memory, pipeline
+
+    gpu = fake_gpu(name)
+    monkeypatch.setattr(memory, "MEMINFO", str(write_meminfo(tmp_path / "meminfo", gpu["total"], 100 * 2**30)))
+    order = []
+
+    def load(*args, **kwargs):
+        order.append("load")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(pipeline, "load_model", load)
+    monkeypatch.setattr(YuE2Pipeline, "_start_engine_in_background", lambda self: order.append("engine"))
+    with pytest.raises(RuntimeError, match="stop here"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device="cuda", backend="vllm", start_engine=True)
+    assert order == (["load"] if gpu["integrated"] else ["engine", "load"])

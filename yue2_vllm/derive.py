@@ -18,7 +18,8 @@ from .checkpoint import (FLOAT_DTYPES, CheckpointError, HashCache, atomic_direct
                          read_json,
                          sha256_file, weight_index, write_json_atomic, write_safetensors_subset)
 from .model.modeling import YuE2Config, ar_tensor_shapes
-from .quant.schemes import QUANT_SUFFIXES, QuantScheme, device_info, parse_quantization, runnable_reason, slow_reason
+from .quant.schemes import (QUANT_SUFFIXES, QuantScheme, device_info, engine_disabled_kernels, parse_quantization,
+                            runnable_reason, slow_reason, w8a8_kernel)
 
 SCHEMA = 1
 DERIVATION_FILE = "derivation.json"
@@ -183,10 +184,13 @@ class ARCheckpoint:
     unservable: str | None = None  # why vLLM cannot run it on this device, if it cannot
     declined: str | None = None  # a requested override that is served as the derived bf16 checkpoint, and why
     slow: str | None = None  # a quantized override served although it is slower than bf16 here (policy "force")
+    kernel: dict | None = None  # CUDA W8A8: the vLLM kernel it runs on (quant.schemes.KernelChoice.to_dict)
 
     def describe(self) -> dict:
         described = {"path": str(self.path), "source": self.source,
                      "quantization": self.quantization.to_dict() if self.quantization else None}
+        if self.kernel:
+            described["kernel"] = self.kernel
         if self.declined:
             described["declined"] = self.declined
         if self.slow:
@@ -239,11 +243,15 @@ def resolve_ar_checkpoint(model_dir: str | os.PathLike, *, override: str | os.Pa
     if not path.is_dir():
         raise DerivationError(f"{OVERRIDE_ENV}/ar_checkpoint {chosen}: not a directory")
     scheme = validate_ar_checkpoint(path, mot)
-    unservable = runnable_reason(scheme, device_type)
-    slow = slow_reason(scheme, device_info(device_type)) if unservable is None else None
+    device = device_info(device_type)
+    capability = device.cuda_capability if device.type == "cuda" else None
+    unservable = runnable_reason(scheme, device_type, capability)
+    slow = slow_reason(scheme, device) if unservable is None else None
+    choice = w8a8_kernel(scheme, capability, engine_disabled_kernels(scheme, capability)) if capability else None
+    kernel = choice.to_dict() if choice is not None else None
     if unservable and quantized_policy == "force":
-        return ARCheckpoint(path, "override", scheme, unservable)
+        return ARCheckpoint(path, "override", scheme, unservable, kernel=kernel)
     if unservable or (slow and quantized_policy == "auto"):
         return derived(declined=f"{path}: {unservable or slow}; serving the bf16 derived checkpoint "
                                 f"(quantized_policy 'force' serves it anyway)")
-    return ARCheckpoint(path, "override", scheme, slow=slow)
+    return ARCheckpoint(path, "override", scheme, slow=slow, kernel=kernel)

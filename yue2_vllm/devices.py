@@ -14,6 +14,8 @@
 * `cuda_room` / `cuda_free_bytes`: what the caching allocator can still hand out on a GPU: the
   cached-but-unallocated blocks plus growth up to the per-process cap and the device's free bytes
   (`mem_get_info` alone ignores both the cap and the cache).
+* `unified_memory`: whether a CUDA device shares the host's memory (an integrated GPU, e.g. DGX Spark's
+  GB10): torch's `is_integrated`, checked against the capabilities of NVIDIA's integrated parts.
 
 Importing this module imports torch only.
 """
@@ -26,6 +28,9 @@ import torch
 
 SUPPORTED = "auto, cpu, cuda, cuda:N or mps"
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: native bf16 tensor-core math
+# NVIDIA's integrated (unified-memory) GPUs by capability: Jetson Xavier, Jetson Orin, Jetson Thor, GB10 (DGX Spark).
+INTEGRATED_CAPABILITIES = {(7, 2): "Jetson Xavier", (8, 7): "Jetson Orin", (11, 0): "Jetson Thor",
+                           (12, 1): "GB10 (DGX Spark)"}
 # Upstream's process-wide numerics (pipeline.py, set in YuE2Pipeline.__init__), as (flag, value).
 UPSTREAM_NUMERICS = (
     ("cudnn.benchmark", False),
@@ -201,3 +206,21 @@ def empty_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
     elif device.type == "mps":
         torch.mps.empty_cache()
+
+
+def unified_memory(device: str | torch.device | int) -> tuple[bool, str]:
+    """`(unified, why)` for a CUDA device: unified when torch reports `is_integrated` (the GPU has no memory of its
+    own; `total_memory` is the host's RAM). The capability confirms it for NVIDIA's known integrated parts; an
+    integrated GPU of another capability is still planned as unified (one pool is the safe side), and says so."""
+    index = cuda_index(device)
+    integrated = bool(getattr(torch.cuda.get_device_properties(index), "is_integrated", False))
+    capability = tuple(torch.cuda.get_device_capability(index))
+    name = f"sm_{capability[0]}{capability[1]}"
+    part = INTEGRATED_CAPABILITIES.get(capability)
+    if not integrated:
+        if part is not None:
+            return False, f"{name} is {part}'s capability, but torch reports is_integrated=False: planned as discrete"
+        return False, f"{name}, is_integrated=False: discrete memory"
+    if part is None:
+        return True, f"is_integrated=True on {name} (not a known integrated part): planned as unified memory"
+    return True, f"is_integrated=True, {name}: {part}"

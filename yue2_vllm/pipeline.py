@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from . import artifacts as art
-from .checkpoint import HashCache, default_hash_cache, identity, model_identity, weights_bytes, write_json_atomic
+from .checkpoint import (HashCache, default_hash_cache, drop_page_cache, identity, model_identity, weights_bytes,
+                         write_json_atomic)
 from .model.loader import load_model
 from .model.modeling import YuE2Config
 from .model.nar import SongInput, offloaded_ar, synthesize_many
@@ -31,7 +32,8 @@ from .derive import OVERRIDE_ENV
 from .hub import resolve_model
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
                       resolve_device, set_upstream_numerics)
-from .memory import PROMPT_ESTIMATE_TOKENS, vae_decode_bytes
+from .memory import (PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, budget_problem, default_budget_gib, device_pool,
+                     vae_decode_bytes)
 from .model.sampling import ARBackend, TorchARBackend
 from .model.torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, proxy_slow_reason, restore_ar
 from .tokenizer import YuE2Tokenizer
@@ -140,9 +142,16 @@ def batch_record(*timings: dict | None) -> dict:
     return {"batch_invariant": invariant} if invariant else {"batch_invariant": False, "batch_note": BATCH_NOTE}
 
 
+def vllm_usable() -> bool:
+    """Whether an installed vLLM can be driven (without importing it)."""
+    from .engine.backend import unsupported_reason, vllm_version
+
+    return unsupported_reason(vllm_version()) is None
+
+
 class YuE2Pipeline:
     def __init__(self, model_dir: str | os.PathLike, vae_dir: str | os.PathLike | None, *, device: str = "auto",
-                 memory_budget_gib: float = 24.0, backend: str = "torch",
+                 memory_budget_gib: float | None = None, backend: str = "torch",
                  generation_config: GenerationConfig | dict | None = None, verify_hashes: bool = False,
                  vae_core_frames: int | None = None, hash_cache: HashCache | None = None,
                  ar_checkpoint: str | os.PathLike | None = None, keep_engine: bool | None = None,
@@ -152,7 +161,7 @@ class YuE2Pipeline:
                  reproducible: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if not memory_budget_gib > 0:
+        if memory_budget_gib is not None and not memory_budget_gib > 0:
             raise ValueError(f"memory_budget_gib must be positive, got {memory_budget_gib!r}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
@@ -169,7 +178,12 @@ class YuE2Pipeline:
         self.device = resolve_device(device)
         check_dtype_support(self.device, DTYPES[dtype])
         self.numerics = set_upstream_numerics()  # process-wide, as upstream sets them at construction
-        self.memory_budget_gib = float(memory_budget_gib)
+        # An integrated GPU (DGX Spark) shares the host's memory: one pool, MemAvailable less an OS reserve.
+        self.unified = device_pool(str(self.device)) if self.device.type == "cuda" else None
+        self.memory_budget_gib = float(memory_budget_gib or default_budget_gib(self.unified))
+        problem = budget_problem(self.memory_budget_gib, self.unified)
+        if problem:
+            raise ValueError(problem)
         self.backend_requested = backend
         if isinstance(generation_config, GenerationConfig):
             self.generation_config = generation_config
@@ -196,10 +210,12 @@ class YuE2Pipeline:
         self._vllm_lock = threading.Lock()
         self._prestart: threading.Thread | None = None
         self._prestart_error: BaseException | None = None
-        if start_engine and backend != "torch":
-            # The worker imports vLLM and starts its engine while this process loads the MoT.
-            self._prestart = threading.Thread(target=self._start_engine_early, name="yue2-engine-start", daemon=True)
-            self._prestart.start()
+        if self.unified is not None and backend != "torch" and vllm_usable():  # refused before anything is loaded
+            self._check_unified_split()
+        if start_engine and backend != "torch" and self.unified is None:
+            # The worker imports vLLM and starts its engine while this process loads the MoT. On unified memory
+            # it starts after the load instead: vLLM's start-up check then sees the MoT already in the pool.
+            self._start_engine_in_background()
         # Load-time proxies without a fast kernel on this device are declined on the record (see quantized_policy).
         declined = proxy_slow_reason(quantization, self.device, DTYPES[dtype]) if quantized_policy != "force" else None
         try:
@@ -209,6 +225,10 @@ class YuE2Pipeline:
         except BaseException:
             self.close()  # no engine outlives a pipeline that failed to start
             raise
+        if self.unified is not None:  # the MoT is in (unified) memory now; its file pages need not be too
+            drop_page_cache(self.model_dir)
+            if start_engine and backend != "torch":
+                self._start_engine_in_background()
         if declined:
             LOG.info("load-time %s proxies declined: %s", quantization, declined)
             self.model.quantization_status = {**self.model.quantization_status, "requested": quantization,
@@ -231,6 +251,8 @@ class YuE2Pipeline:
             if self.vae_dir is None:
                 raise ValueError("this pipeline was built without a VAE directory; it cannot decode audio")
             self._vae = load_vae(self.vae_dir, device="cpu")
+            if self.unified is not None:
+                drop_page_cache(self.vae_dir)
         return self._vae
 
     def close(self) -> None:
@@ -257,6 +279,9 @@ class YuE2Pipeline:
         options = {"typical_tokens": typical, "offload_ar": self.offload_ar, "dtype": self.dtype,
                    "torch_side_bytes": mot_bytes + weights_bytes(self.vae_dir), **self.engine_options}
         options.setdefault("cuda_visible_devices", engine_cuda_env(self.device).get("CUDA_VISIBLE_DEVICES"))
+        if self.device.type == "cuda":
+            options.setdefault("cuda_capability", tuple(torch.cuda.get_device_capability(self.device)))
+            options.setdefault("unified", self.unified)
         if self.reproducible:
             from .engine.runner import batch_invariance
 
@@ -266,6 +291,15 @@ class YuE2Pipeline:
                 options["dtype"] = invariance.dtype
         return EngineSettings(checkpoint, device_type=self.device.type, memory_budget_gib=self.memory_budget_gib,
                               **options)
+
+    def _check_unified_split(self) -> None:
+        """Unified memory: the split the engine would start with, refused (MemoryError naming MemAvailable, the
+        need and what to lower) before any weights are loaded. The AR checkpoint is estimated: the override's
+        files, else the bf16 AR expert the derived checkpoint will hold."""
+        config = YuE2Config.load(self.model_dir)
+        override = Path(self.ar_checkpoint) if self.ar_checkpoint else None
+        weights = weights_bytes(override) if override is not None and override.is_dir() else ar_expert_bytes(config)
+        self.engine_settings(None).plan(config, engine_weights=weights).check()
 
     def _vllm_backend(self):
         """The vLLM backend, or None with the reason it cannot serve (decided once per pipeline)."""
@@ -288,6 +322,10 @@ class YuE2Pipeline:
                 else:
                     self._vllm = VLLMBackend(YuE2Config.load(self.model_dir), self.engine_settings(checkpoint))
             return self._vllm, self._vllm_unavailable
+
+    def _start_engine_in_background(self) -> None:
+        self._prestart = threading.Thread(target=self._start_engine_early, name="yue2-engine-start", daemon=True)
+        self._prestart.start()
 
     def _start_engine_early(self) -> None:
         try:

@@ -23,6 +23,7 @@ def cmd_doctor(args) -> int:
     devices = {"cpu": platform.processor() or platform.machine(), "cuda": []}
     if torch.cuda.is_available():
         devices["cuda"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        devices["gpus"] = [gpu_report(i) for i in range(torch.cuda.device_count())]
     from ..engine.backend import unsupported_reason, vllm_version
 
     reason = unsupported_reason(vllm_version())
@@ -35,6 +36,28 @@ def cmd_doctor(args) -> int:
               "memory": memory_split(args), "cluster": cluster_report(args)}
     print(json.dumps(report, indent=2))
     return 0 if all(versions[name] for name in required) else 1
+
+
+def gpu_report(index: int, meminfo_path: str | None = None) -> dict:
+    """One visible GPU: capability, whether it shares the host's memory (and the pool then), and for each AR form
+    we serve, the vLLM kernel it would run on and whether it runs (quant.schemes.ar_form_kernels)."""
+    import torch
+
+    from ..devices import unified_memory
+    from ..memory import unified_pool
+    from ..quant.schemes import ar_form_kernels
+
+    capability = tuple(torch.cuda.get_device_capability(index))
+    unified, why = unified_memory(index)
+    report = {"index": index, "name": torch.cuda.get_device_name(index),
+              "capability": f"sm_{capability[0]}{capability[1]}",
+              "total_memory": torch.cuda.get_device_properties(index).total_memory,
+              "unified_memory": unified, "unified_memory_reason": why}
+    if unified:
+        free, _ = torch.cuda.mem_get_info(index)
+        report["pool"] = unified_pool(meminfo_path, device_free=int(free)).describe()
+    report["ar_forms"] = ar_form_kernels(capability)
+    return report
 
 
 def memory_split(args, device: str | None = None) -> dict:

@@ -75,8 +75,9 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
     parser.add_argument("--vae-revision", help="--vae's Hub revision (default: main)")
     parser.add_argument("--device", default="auto", help="torch device: auto (CUDA if available, else CPU), cpu, "
                                                          "cuda, cuda:N or mps")
-    parser.add_argument("--budget", type=_positive_float, default=24.0,
-                        help="memory budget in GiB (the vLLM engine must fit it; <= 12 decodes smaller VAE tiles)")
+    parser.add_argument("--budget", type=_positive_float, default=None,
+                        help="memory budget in GiB (the vLLM engine must fit it; <= 12 decodes smaller VAE tiles); "
+                             "default 24, or on unified memory (DGX Spark) MemAvailable less the OS reserve")
     parser.add_argument("--backend", choices=("torch", "vllm", "auto"),
                         help="AR backend: torch, or vllm/auto (vLLM whenever it is installed and can serve the "
                              "phase, else torch, shown on screen and recorded); default: auto, but torch for the "
@@ -234,7 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--revision", help="--model's Hub revision (default: main)")
     doctor.add_argument("--vae-revision", help="--vae's Hub revision (default: main)")
     doctor.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    doctor.add_argument("--budget", type=float, default=24.0, help="memory budget in GiB (default %(default)s)")
+    doctor.add_argument("--budget", type=_positive_float, default=None,
+                        help="memory budget in GiB (default 24, or on unified memory the pool: MemAvailable less the "
+                             "OS reserve)")
     doctor.add_argument("--concurrency", type=_count, help="engine rows (default: sized from the budget)")
     doctor.add_argument("--offload-ar", action="store_true", help="plan for --offload-ar")
     _cluster_flags(doctor)

@@ -134,20 +134,23 @@ def replica_admission(args, device_type: str) -> tuple:
     return rules, backend, rows
 
 
-def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float, *, max_num_seqs: int | None = None,
+def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float | None, *, max_num_seqs: int | None = None,
                 offload_ar: bool = False, generation=None):
     """The engine / torch split (memory.plan_memory) of these weights on `device_type`; with `generation`, rows
-    sized for its songs (a prompt + the larger phase budget) instead of upstream's."""
+    sized for its songs (a prompt + the larger phase budget) instead of upstream's. On this machine's integrated
+    GPU the split is one pool with the host (`budget_gib` None: the pool)."""
     from ..checkpoint import weights_bytes
-    from ..memory import PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, plan_memory
+    from ..memory import PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, default_budget_gib, device_pool, plan_memory
     from ..model.modeling import YuE2Config
 
     config = YuE2Config.load(Path(model_dir))
     typical = {} if generation is None else {
         "typical_tokens": PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)}
+    pool = device_pool(device_type)
+    budget_gib = budget_gib or default_budget_gib(pool)
     return plan_memory(config, device=device_type, budget_gib=budget_gib, engine_weights=ar_expert_bytes(config),
                        torch_model=weights_bytes(model_dir), vae=weights_bytes(vae_dir), max_num_seqs=max_num_seqs,
-                       offload_ar=offload_ar, total=card_bytes(device_type, budget_gib), **typical)
+                       offload_ar=offload_ar, total=card_bytes(device_type, budget_gib), unified=pool, **typical)
 
 
 def card_bytes(device_type: str, budget_gib: float) -> int | None:

@@ -37,9 +37,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-from ..checkpoint import weights_bytes
+from ..checkpoint import drop_page_cache, weights_bytes
 from ..derive import ARCheckpoint
-from ..memory import MemoryPlan, kv_cache_bytes, plan_memory, row_kv_bytes
+from ..memory import MEMINFO, MemoryPlan, UnifiedPool, kv_cache_bytes, plan_memory, read_meminfo, row_kv_bytes
+from ..quant.schemes import engine_kernel_env
 from ..model.modeling import YuE2Config
 from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, check_budget, end_token
 from ..model.sampling import ARResult, Cancelled, OnToken
@@ -129,14 +130,27 @@ class EngineSettings:
     runner: str = "auto"  # vLLM's model runner: "v1", "v2" or "auto" (see engine.runner)
     cuda_visible_devices: str | None = None  # the worker sees only the pipeline's GPU (devices.engine_cuda_env)
     batch_invariance: BatchInvariance | None = None  # set: a seed fixes a song whatever else the engine serves
+    cuda_capability: tuple[int, int] | None = None  # the engine's GPU: decides the W8A8 kernels' environment
+    unified: UnifiedPool | None = None  # the GPU shares the host's memory: one pool (memory.plan_memory)
+    meminfo_path: str | None = None  # MemAvailable is read here just before the engine starts (None: /proc/meminfo)
 
-    def plan(self, config: YuE2Config) -> MemoryPlan:
+    def kernel_env(self) -> dict[str, str]:
+        """What the worker's environment adds for the AR checkpoint's W8A8 kernel on this GPU
+        (`quant.schemes.engine_kernel_env`: CUTLASS int8 disabled on sm100+, so vLLM picks Triton int8)."""
+        if self.device_type != "cuda" or self.checkpoint is None:
+            return {}
+        return engine_kernel_env(self.checkpoint.quantization, self.cuda_capability)
+
+    def plan(self, config: YuE2Config, engine_weights: int | None = None) -> MemoryPlan:
+        """The split; `engine_weights` (default: the checkpoint's file bytes) estimates a checkpoint not yet made."""
+        if engine_weights is None:
+            engine_weights = weights_bytes(self.checkpoint.path)
         return plan_memory(config, device=self.device_type, budget_gib=self.memory_budget_gib,
-                           engine_weights=weights_bytes(self.checkpoint.path), torch_model=self.torch_side_bytes,
+                           engine_weights=engine_weights, torch_model=self.torch_side_bytes,
                            max_num_seqs=self.max_num_seqs, kv_cache=self.kv_cache_bytes,
                            typical_tokens=self.typical_tokens, max_model_len=self.max_model_len,
                            synthesis_batch=self.synthesis_batch, offload_ar=self.offload_ar,
-                           kv_dtype_bytes=4 if self.dtype == "float32" else 2)
+                           kv_dtype_bytes=4 if self.dtype == "float32" else 2, unified=self.unified)
 
     def resolved(self, config: YuE2Config) -> "EngineSettings":
         plan = self.plan(config)
@@ -167,10 +181,10 @@ def worker_env(threads: int | None = None, extra: dict | None = None) -> dict:
 
 
 def engine_env(runner: RunnerChoice, cuda_visible_devices: str | None,
-               invariance: BatchInvariance | None = None) -> dict[str, str]:
-    """What the worker's environment adds for the engine: the model runner, the one GPU it may see, and
-    vLLM's batch-invariant mode where that is how a seed fixes a song."""
-    env = {**runner.env, **(invariance.env if invariance is not None else {})}
+               invariance: BatchInvariance | None = None, kernels: dict[str, str] | None = None) -> dict[str, str]:
+    """What the worker's environment adds for the engine: the model runner, the one GPU it may see,
+    vLLM's batch-invariant mode where that is how a seed fixes a song, and the W8A8 kernel choice."""
+    env = {**runner.env, **(invariance.env if invariance is not None else {}), **(kernels or {})}
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     return env
@@ -454,6 +468,11 @@ class VLLMBackend:
             if reason:
                 raise EngineError(reason)
             self.plan.check()
+            if self.plan.unified is not None:  # refused here rather than by vLLM's own start-up check
+                meminfo = self.settings.meminfo_path
+                problem = self.plan.startup_problem(read_meminfo(meminfo).get("MemAvailable", 0))
+                if problem:
+                    raise EngineError(f"{problem} (MemAvailable from {meminfo or MEMINFO})")
             from .plugin import processor_fqcn
 
             s, runner = self.settings, self.runner
@@ -472,7 +491,8 @@ class VLLMBackend:
 
                 setup["architecture"] = MODEL_ARCHITECTURE
             worker = _Worker(setup, self._streams, self._streams_lock, s.threads,
-                             engine_env(runner, s.cuda_visible_devices, s.batch_invariance), s.progress_timeout_s)
+                             engine_env(runner, s.cuda_visible_devices, s.batch_invariance, s.kernel_env()),
+                             s.progress_timeout_s)
             try:
                 event = worker.ready.get(timeout=s.start_timeout_s)
             except queue.Empty:
@@ -494,6 +514,8 @@ class VLLMBackend:
             self._worker, self._starts, self._fresh = worker, self._starts + 1, True
             self.engine_info = {"vllm_version": event["vllm_version"],
                                 "engine_load_seconds": event["engine_load_seconds"]}
+            if self.plan.unified is not None:  # the engine has read its weights: their cached pages are the pool's
+                drop_page_cache(s.checkpoint.path)
 
     @property
     def gone_for_good(self) -> bool:
@@ -522,9 +544,11 @@ class VLLMBackend:
                 **self.runner_record(), "memory": self.plan.describe()}
 
     def runner_record(self) -> dict:
-        """How the engine runs, as recorded per song: runner (and why), async scheduling, the sliced head."""
+        """How the engine runs, as recorded per song: runner (and why), async scheduling, the sliced head,
+        and the worker's VLLM_DISABLED_KERNELS where our W8A8 kernel choice set it."""
         invariance = self.invariance
-        return {"vllm_runner": self.runner.runner, "vllm_runner_reason": self.runner.reason,
+        return {**self.settings.kernel_env(), "unified_memory": self.plan.unified is not None,
+                "vllm_runner": self.runner.runner, "vllm_runner_reason": self.runner.reason,
                 "async_scheduling": self.runner.async_scheduling, "sliced_head": self.sliced_head,
                 "sliced_head_reason": self.sliced_head_reason, "batch_invariant": invariance is not None,
                 "batch_invariance": invariance.how if invariance is not None else None}
