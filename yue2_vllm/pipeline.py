@@ -271,7 +271,7 @@ class YuE2Pipeline:
         """The vLLM backend, or None with the reason it cannot serve (decided once per pipeline)."""
         with self._vllm_lock:
             if self._vllm is None and self._vllm_unavailable is None:
-                from .derive import resolve_ar_checkpoint
+                from .quant.policy import resolve_ar_checkpoint
                 from .engine.backend import VLLMBackend, unsupported_reason, vllm_version
 
                 reason = unsupported_reason(vllm_version())
