@@ -646,3 +646,60 @@ def test_a_runner_vllm_cannot_run_here_is_refused_before_anything_is_written(tmp
     assert main(["generate", "--backend", "vllm", "--vllm-runner", "v2", "--output", str(tmp_path / "runs")]) == 2
     assert "--vllm-runner v2: Model Runner V2 needs a Triton backend for cpu" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------- upstream's model names
+
+
+@pytest.mark.parametrize("command", [["generate"], ["batch", "--input", "x.jsonl"], ["serve"], ["doctor"]])
+@pytest.mark.parametrize("vae,repo", [("standard", "m-a-p/YuE2-Vae"), ("legacy", "m-a-p/YuE2-Vae-legacy")])
+def test_vae_alone_names_upstreams_model_and_decoder(command, vae, repo):
+    """upstream's test_cli_resolves_public_model_and_decoder, in every command that builds a pipeline."""
+    from yue2_vllm.cli import build_parser
+    from yue2_vllm.cli.setup import model_names
+
+    assert model_names(build_parser().parse_args([*command, "--vae", vae])) == ("m-a-p/YuE2-3B", repo)
+
+
+@pytest.mark.parametrize("flags,names", [
+    ([], None),  # the embedded tiny default: README's first command runs anywhere
+    (["--model", "example/song-model", "--vae", "example/decoder"], ("example/song-model", "example/decoder")),
+    (["--model", "example/song-model"], ("example/song-model", "m-a-p/YuE2-Vae")),
+    (["--model", "./local-model", "--vae", "legacy"], ("./local-model", "m-a-p/YuE2-Vae-legacy")),
+])
+def test_explicit_names_and_the_vae_default(flags, names):
+    from yue2_vllm.cli import build_parser
+    from yue2_vllm.cli.setup import model_names
+
+    assert model_names(build_parser().parse_args(["generate", *flags])) == names
+
+
+def test_commands_that_decode_nothing_take_no_vae_and_derive_defaults_to_upstreams_model():
+    from yue2_vllm.cli import build_parser
+    from yue2_vllm.cli.setup import model_names
+
+    parser = build_parser()
+    assert model_names(parser.parse_args(["calibrate", "--model", "m-a-p/YuE2-3B"]), need_vae=False) == \
+        ("m-a-p/YuE2-3B", None)
+    assert parser.parse_args(["derive"]).model == "m-a-p/YuE2-3B"
+
+
+def test_a_revision_without_a_model_is_refused(tmp_path, capsys):
+    assert main(["generate", "--revision", "v1", "--output", str(tmp_path / "out")]) == 2
+    reason = json.loads(capsys.readouterr().out)["reason"]
+    assert reason.startswith("--revision names a Hub revision of --model / --vae; give --model or --vae")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv,repo", [(["generate", "--vae", "legacy"], "--model m-a-p/YuE2-3B"),
+                                        (["doctor", "--vae", "standard"], "--model m-a-p/YuE2-3B"),
+                                        (["serve", "--model", "m-a-p/YuE2-3B"], "--model m-a-p/YuE2-3B"),
+                                        (["derive"], "derive m-a-p/YuE2-3B")])
+def test_offline_the_error_names_upstreams_repo(argv, repo, tmp_path, monkeypatch, capsys):
+    """Nothing downloaded: with HF_HUB_OFFLINE=1 and an empty cache the one error line names the repo id."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    reason = json.loads(capsys.readouterr().out)["reason"]
+    assert reason.startswith(f"{repo} (revision main): not in the Hugging Face cache {tmp_path / 'empty-cache'}")
