@@ -122,7 +122,8 @@ def test_the_layout_rules_see_the_house():
     assert {"yue2_vllm.derive", "yue2_vllm.quant_scheme", "yue2_vllm.hub", "yue2_vllm.testing",
             *FLOOR_ORCHESTRATORS} <= set(floor_modules())
     assert "yue2_vllm.quant_scheme" in edges["yue2_vllm.derive"]
-    assert "yue2_vllm.derive" in edges["yue2_vllm.quant.export"] and "yue2_vllm.derive" in edges["yue2_vllm.quant.policy"]
+    assert "yue2_vllm.derive" in edges["yue2_vllm.quant.export"]
+    assert "yue2_vllm.derive" in edges["yue2_vllm.quant.policy"]
     assert "yue2_vllm.quant.policy" in edges["yue2_vllm.pipeline"]  # the orchestrator asks quant/ which to serve
     assert inside("yue2_vllm.quant.schemes", ["yue2_vllm.quant"]) and not inside("yue2_vllm.quant_scheme",
                                                                                    ["yue2_vllm.quant"])

@@ -122,7 +122,8 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                         help="vLLM tokens per engine step; longer prompts are prefilled in chunks (default 2048)")
     parser.add_argument("--config", help="generation config JSON: abc / semantic (or abc_sampling / "
                                           "semantic_sampling, as in request files) objects of sampling fields, and "
-                                          "ode_steps; default: upstream's (the tiny model's budgets without --model or --vae)")
+                                          "ode_steps; default: upstream's (the tiny model's budgets without --model "
+                                          "or --vae)")
     parser.add_argument("--verify-hashes", action="store_true", help="re-hash the weights instead of trusting "
                                                                       "the size+mtime cache")
     if runs:
