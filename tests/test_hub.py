@@ -295,3 +295,13 @@ def test_from_pretrained_token_defaults_to_hf_token_and_names_local_files_only(h
                                "local_files_only to download it")
     with pytest.raises(TypeError, match="progress must be True or False"):
         YuE2Pipeline.from_pretrained(progress="no")
+
+
+def test_progress_off_draws_no_bar(capsys):
+    """progress=False hands huggingface_hub a bar class that stays silent, named groups and all."""
+    from yue2_vllm.hub import _silent_bars
+
+    bar = _silent_bars()(total=3, desc="Downloading bytes", unit="B", name="huggingface_hub.snapshot_download")
+    bar.update(3)
+    bar.close()
+    assert bar.disable is True and capsys.readouterr().err == ""
