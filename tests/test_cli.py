@@ -97,7 +97,7 @@ def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config
     for name, kind, line in (("b", "ValueError", 2), ("_row3", "ValueError", 3)):
         failure = json.loads((out / name / "failure.json").read_text())
         assert (failure["status"], failure["type"], failure["line"]) == ("failed", kind, line)
-        assert failure["reason"] == summary["results"][line - 1]["reason"]
+        assert failure == summary["results"][line - 1]  # one record, as upstream keeps it
     final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert final["status"] == "batch" and final["completed"] == 2 and final["concurrency"] == (3 if concurrency else 1)
     assert final["songs_per_s"] > 0 and final["ar_tokens_per_s"] > 0
@@ -461,7 +461,7 @@ def test_version_and_a_fast_help_without_torch():
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip().splitlines()[-1] == f"yue2-vllm {__version__}"
-    assert "--cot {full,melody,off}" in result.stdout and "(default: 24.0)" in result.stdout
+    assert "--cot {full,melody,off}" in result.stdout and "default 24, or on" in result.stdout
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -544,6 +544,8 @@ def test_a_bad_batch_row_records_the_underlying_exception_type(invalid, kind, ti
     assert (summary["complete"], summary["all_attempted"], summary["expected"], summary["failed"]) == \
         (False, True, 2, 1)
     assert [r["status"] for r in summary["results"]] == ["failed", "complete"]
+    # upstream's test_batch_continues_after_request_preflight_failure: the first result is that failure.json
+    assert summary["results"][0] == failure
 
 
 def test_the_status_line_says_which_stages_a_resume_kept(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
@@ -675,3 +677,60 @@ def test_doctor_reports_the_gpu_its_memory_and_the_ar_forms_kernels(fake_gpu, tm
         assert split["host_side"] == 5 * 2**30 and split["problems"] == []
     else:
         assert "pool" not in report and split["budget"] == 24 * 2**30 and split["host_side"] == 0
+
+
+# --------------------------------------------------------------------------- upstream's model names
+
+
+@pytest.mark.parametrize("command", [["generate"], ["batch", "--input", "x.jsonl"], ["serve"], ["doctor"]])
+@pytest.mark.parametrize("vae,repo", [("standard", "m-a-p/YuE2-Vae"), ("legacy", "m-a-p/YuE2-Vae-legacy")])
+def test_vae_alone_names_upstreams_model_and_decoder(command, vae, repo):
+    """upstream's test_cli_resolves_public_model_and_decoder, in every command that builds a pipeline."""
+    from yue2_vllm.cli import build_parser
+    from yue2_vllm.cli.setup import model_names
+
+    assert model_names(build_parser().parse_args([*command, "--vae", vae])) == ("m-a-p/YuE2-3B", repo)
+
+
+@pytest.mark.parametrize("flags,names", [
+    ([], None),  # the embedded tiny default: README's first command runs anywhere
+    (["--model", "example/song-model", "--vae", "example/decoder"], ("example/song-model", "example/decoder")),
+    (["--model", "example/song-model"], ("example/song-model", "m-a-p/YuE2-Vae")),
+    (["--model", "./local-model", "--vae", "legacy"], ("./local-model", "m-a-p/YuE2-Vae-legacy")),
+])
+def test_explicit_names_and_the_vae_default(flags, names):
+    from yue2_vllm.cli import build_parser
+    from yue2_vllm.cli.setup import model_names
+
+    assert model_names(build_parser().parse_args(["generate", *flags])) == names
+
+
+def test_commands_that_decode_nothing_take_no_vae_and_derive_defaults_to_upstreams_model():
+    from yue2_vllm.cli import build_parser
+    from yue2_vllm.cli.setup import model_names
+
+    parser = build_parser()
+    assert model_names(parser.parse_args(["calibrate", "--model", "m-a-p/YuE2-3B"]), need_vae=False) == \
+        ("m-a-p/YuE2-3B", None)
+    assert parser.parse_args(["derive"]).model == "m-a-p/YuE2-3B"
+
+
+def test_a_revision_without_a_model_is_refused(tmp_path, capsys):
+    assert main(["generate", "--revision", "v1", "--output", str(tmp_path / "out")]) == 2
+    reason = json.loads(capsys.readouterr().out)["reason"]
+    assert reason.startswith("--revision names a Hub revision of --model / --vae; give --model or --vae")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv,repo", [(["generate", "--vae", "legacy"], "--model m-a-p/YuE2-3B"),
+                                        (["doctor", "--vae", "standard"], "--model m-a-p/YuE2-3B"),
+                                        (["serve", "--model", "m-a-p/YuE2-3B"], "--model m-a-p/YuE2-3B"),
+                                        (["derive"], "derive m-a-p/YuE2-3B")])
+def test_offline_the_error_names_upstreams_repo(argv, repo, tmp_path, monkeypatch, capsys):
+    """Nothing downloaded: with HF_HUB_OFFLINE=1 and an empty cache the one error line names the repo id."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    reason = json.loads(capsys.readouterr().out)["reason"]
+    assert reason.startswith(f"{repo} (revision main): not in the Hugging Face cache {tmp_path / 'empty-cache'}")

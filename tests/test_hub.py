@@ -193,3 +193,115 @@ def test_local_names_never_import_huggingface_hub(tiny_model_dir):
             "bad = [m for m in ('huggingface_hub', 'vllm', 'triton', 'llmcompressor') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+
+
+# --------------------------------------------------------------------------- upstream's names and from_pretrained
+
+TOKEN = "hf_NotARealTokenButSecret0123456789"
+
+
+@pytest.fixture()
+def hub_calls(monkeypatch):
+    """What reaches huggingface_hub: each snapshot_download call's arguments, the real function answering."""
+    import huggingface_hub
+
+    calls, real = [], huggingface_hub.snapshot_download
+
+    def spy(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return real(repo_id, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)
+    return calls
+
+
+def test_the_cli_takes_upstreams_names_from_the_cache(hub, hub_calls, tmp_path, capsys):
+    from yue2_vllm.cli import build_parser, main
+    from yue2_vllm.cli.setup import _pipeline
+
+    with _pipeline(build_parser().parse_args(["serve", "--vae", "standard", "--backend", "torch"])) as pipe:
+        assert (pipe.model_dir, pipe.vae_dir) == (hub["model"], hub["vae"])
+    with _pipeline(build_parser().parse_args(["generate", "--model", "m-a-p/YuE2-3B", "--quiet"])) as pipe:
+        assert pipe.source_records()["vae"]["repo_id"] == "m-a-p/YuE2-Vae"
+    assert [repo for repo, _ in hub_calls] == ["m-a-p/YuE2-3B", "m-a-p/YuE2-Vae"] * 2
+    # download bars on stderr unless --quiet
+    assert ["tqdm_class" in kwargs for _, kwargs in hub_calls] == [False, False, True, True]
+    assert main(["generate", "--vae", "legacy", "--output", str(tmp_path / "out")]) == 2
+    assert json.loads(capsys.readouterr().out)["reason"].startswith(
+        "--vae m-a-p/YuE2-Vae-legacy (revision main): not in the Hugging Face cache")
+    assert main(["derive", "--out", str(tmp_path / "ar")]) == 0  # upstream's model by default
+    assert Path(json.loads(capsys.readouterr().out)["ar_checkpoint"]).parent == tmp_path / "ar" / "yue2-ar"
+
+
+def test_from_pretrained_defaults_reach_the_hub(hub, hub_calls):
+    """upstream's test_pipeline_defaults_and_explicit_revisions_reach_hub, the defaults half."""
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    pipe = YuE2Pipeline.from_pretrained(generation_config={"ode_steps": 1})
+    assert (pipe.model_dir, pipe.vae_dir) == (hub["model"], hub["vae"])
+    assert [(repo, kwargs["revision"], kwargs["token"]) for repo, kwargs in hub_calls] == [
+        ("m-a-p/YuE2-3B", "main", None), ("m-a-p/YuE2-Vae", "main", None)]
+    assert all(kwargs["cache_dir"] == str(hub["home"] / "hub") and "tqdm_class" not in kwargs
+               for _, kwargs in hub_calls)
+    assert pipe.load_timing["resolve_seconds"] >= 0
+
+
+def test_from_pretrained_explicit_revisions_token_and_cache_dir_reach_the_hub(hub, hub_calls, tiny_model_dir,
+                                                                                 tmp_path, monkeypatch, caplog):
+    """The other half: explicit revisions, the token and the cache dir go to huggingface_hub — and the token
+    to nothing else: no file of the song, no log line, no repr."""
+    import logging
+
+    from yue2_vllm.pipeline import YuE2Pipeline
+    from yue2_vllm.protocol import SongRequest
+
+    add_to_hub_cache(hub["home"], "m-a-p/YuE2-3B", tiny_model_dir, OTHER_COMMIT, ref=None)
+    cache = tmp_path / "elsewhere"
+    shutil.move(hub["home"] / "hub", cache)  # only the cache_dir given holds the repos now
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # local_files_only alone keeps it off the network
+    caplog.set_level(logging.DEBUG)
+    pipe = YuE2Pipeline.from_pretrained(revision=OTHER_COMMIT, vae_revision=COMMIT, token=TOKEN, cache_dir=cache,
+                                        local_files_only=True, progress=False,
+                                        generation_config={"abc": {"max_tokens": 4, "min_tokens": 2}, "ode_steps": 1,
+                                                           "semantic": {"max_tokens": 6, "min_tokens": 4}})
+    assert [(repo, kwargs["revision"]) for repo, kwargs in hub_calls] == [("m-a-p/YuE2-3B", OTHER_COMMIT),
+                                                                          ("m-a-p/YuE2-Vae", COMMIT)]
+    assert all((kwargs["token"], kwargs["cache_dir"], kwargs["local_files_only"]) == (TOKEN, str(cache), True)
+               and "tqdm_class" in kwargs for _, kwargs in hub_calls)
+    assert pipe.source_records()["mot"]["commit"] == OTHER_COMMIT
+    result = pipe.generate_to(tmp_path / "run", SongRequest("pop", "la", id="s", seed=3))
+    assert result["sources"]["mot"] == {"path": str(cache / "models--m-a-p--YuE2-3B" / "snapshots" / OTHER_COMMIT),
+                                        "repo_id": "m-a-p/YuE2-3B", "revision": OTHER_COMMIT,
+                                        "commit": OTHER_COMMIT}
+    written = [path for path in (tmp_path / "run").rglob("*") if path.is_file()]
+    assert written and not [path for path in written if TOKEN.encode() in path.read_bytes()]
+    assert TOKEN not in caplog.text and TOKEN not in repr(pipe.sources) and TOKEN not in json.dumps(result)
+    # token=False (send none) reaches huggingface_hub as it is, as upstream's test checks
+    YuE2Pipeline.from_pretrained(revision=OTHER_COMMIT, vae=None, token=False, cache_dir=cache, local_files_only=True)
+    assert hub_calls[-1][1]["token"] is False
+
+
+def test_from_pretrained_token_defaults_to_hf_token_and_names_local_files_only(hub, hub_calls, monkeypatch):
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(HubError) as info:
+        YuE2Pipeline.from_pretrained(vae="m-a-p/YuE2-Vae-legacy", local_files_only=True)
+    assert [(repo, kwargs["token"]) for repo, kwargs in hub_calls] == [("m-a-p/YuE2-3B", TOKEN),
+                                                                       ("m-a-p/YuE2-Vae-legacy", TOKEN)]
+    assert str(info.value) == (f"vae m-a-p/YuE2-Vae-legacy (revision main): not in the Hugging Face cache "
+                               f"{hub['home'] / 'hub'} and downloads are off (local_files_only); drop "
+                               "local_files_only to download it")
+    with pytest.raises(TypeError, match="progress must be True or False"):
+        YuE2Pipeline.from_pretrained(progress="no")
+
+
+def test_progress_off_draws_no_bar(capsys):
+    """progress=False hands huggingface_hub a bar class that stays silent, named groups and all."""
+    from yue2_vllm.hub import _silent_bars
+
+    bar = _silent_bars()(total=3, desc="Downloading bytes", unit="B", name="huggingface_hub.snapshot_download")
+    bar.update(3)
+    bar.close()
+    assert bar.disable is True and capsys.readouterr().err == ""

@@ -8,15 +8,29 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "yue2_vllm"
 # Above the single-song orchestrator: the only modules that may import `pipeline`.
-ABOVE_PIPELINE = ("yue2_vllm.scheduler", "yue2_vllm.cli", "yue2_vllm.serve", "yue2_vllm.bench",
-                  "yue2_vllm.quant.export")
-# What each room may not import (room -> forbidden prefixes).
+ABOVE_PIPELINE = ("yue2_vllm.scheduler", "yue2_vllm.cli", "yue2_vllm.serve", "yue2_vllm.bench")
+# What each room may not import (room -> forbidden packages/modules, each with everything inside it).
 FORBIDDEN = {
     "yue2_vllm.model": ("yue2_vllm.engine", "yue2_vllm.quant", "yue2_vllm.serve", "yue2_vllm.pipeline",
-                        "yue2_vllm.scheduler", "yue2_vllm.cli"),
-    "yue2_vllm.engine": ("yue2_vllm.serve", "yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.cli"),
-    "yue2_vllm.quant": ("yue2_vllm.serve", "yue2_vllm.scheduler", "yue2_vllm.cli"),
+                        "yue2_vllm.scheduler", "yue2_vllm.bench", "yue2_vllm.cli"),
+    "yue2_vllm.engine": ("yue2_vllm.serve", "yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.bench",
+                         "yue2_vllm.cli"),
+    "yue2_vllm.quant": ("yue2_vllm.serve", "yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.bench",
+                        "yue2_vllm.cli"),
 }
+# The floor (yue2_vllm/*.py) holds two kinds of module. The orchestrators build on the rooms: `pipeline` runs
+# one song on engine/ and model/, `scheduler` many songs over it, `bench` measures them all. Every other floor
+# module is the ground the rooms stand on (protocol, checkpoint, hub, derive, quant_scheme, memory, testing,
+# ...): it may read the torch model's definition in model/ (derive, memory and testing read its YuE2Config and
+# tensor shapes), but never a room built on top of it, nor an orchestrator.
+FLOOR_ORCHESTRATORS = ("yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.bench")
+FLOOR_FORBIDDEN = ("yue2_vllm.engine", "yue2_vllm.quant", "yue2_vllm.serve", "yue2_vllm.cli",
+                   *FLOOR_ORCHESTRATORS)
+
+
+def inside(name: str, packages) -> bool:
+    """`name` is one of `packages` or a module inside one (`yue2_vllm.quant_scheme` is not inside `.quant`)."""
+    return any(name == package or name.startswith(package + ".") for package in packages)
 
 
 def module_name(path: Path) -> str:
@@ -81,11 +95,38 @@ def test_rooms_import_one_way():
     problems = []
     for name, targets in graph().items():
         for room, forbidden in FORBIDDEN.items():
-            if name == room or name.startswith(room + "."):
-                problems += [f"{name} imports {t}" for t in targets if t.startswith(forbidden)]
-        if "yue2_vllm.pipeline" in targets and not name.startswith(ABOVE_PIPELINE):
+            if inside(name, [room]):
+                problems += [f"{name} imports {t}" for t in targets if inside(t, forbidden)]
+        if "yue2_vllm.pipeline" in targets and not inside(name, ABOVE_PIPELINE):
             problems.append(f"{name} imports yue2_vllm.pipeline (only {', '.join(ABOVE_PIPELINE)} may)")
     assert not problems, "\n".join(problems)
+
+
+def floor_modules() -> list[str]:
+    return sorted(name for name, path in modules().items() if path.parent == PACKAGE and name != "yue2_vllm")
+
+
+def test_the_floor_reads_no_room_above_it():
+    """No arrow runs up from the ground floor: derive reads the scheme table from the floor (quant_scheme), not
+    from quant/; quant/ reads derive, never the other way."""
+    edges = graph()
+    problems = [f"{name} imports {target}" for name in floor_modules() if name not in FLOOR_ORCHESTRATORS
+                for target in sorted(edges[name]) if inside(target, FLOOR_FORBIDDEN)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_layout_rules_see_the_house():
+    """The rules above bite on real edges: the floor list is what the drawing says, and the arrows the rules
+    are about exist (so a rename cannot leave them checking nothing)."""
+    edges = graph()
+    assert {"yue2_vllm.derive", "yue2_vllm.quant_scheme", "yue2_vllm.hub", "yue2_vllm.testing",
+            *FLOOR_ORCHESTRATORS} <= set(floor_modules())
+    assert "yue2_vllm.quant_scheme" in edges["yue2_vllm.derive"]
+    assert "yue2_vllm.derive" in edges["yue2_vllm.quant.export"]
+    assert "yue2_vllm.derive" in edges["yue2_vllm.quant.policy"]
+    assert "yue2_vllm.quant.policy" in edges["yue2_vllm.pipeline"]  # the orchestrator asks quant/ which to serve
+    assert inside("yue2_vllm.quant.schemes", ["yue2_vllm.quant"]) and not inside("yue2_vllm.quant_scheme",
+                                                                                   ["yue2_vllm.quant"])
 
 
 def test_the_walker_sees_imports():

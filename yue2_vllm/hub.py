@@ -4,14 +4,15 @@ A name that exists on disk, or that is absolute or starts with `.` or `~`, is a 
 `org/name` is a repo id, fetched with `huggingface_hub.snapshot_download` (imported only then) into
 the Hugging Face cache — only the files yue2-vllm reads (`ALLOW_PATTERNS`). `HF_HUB_CACHE` /
 `HF_HOME`, `HF_HUB_OFFLINE` and `HF_TOKEN` are read when a name is resolved, not when
-huggingface_hub was imported. A partial or corrupt download is left to the checkpoint checks that
-every model directory goes through.
+huggingface_hub was imported; a `token` or `cache_dir` given by the caller wins over them. The token is
+passed to huggingface_hub only: it is in no record, message or log of ours. A partial or corrupt download
+is left to the checkpoint checks that every model directory goes through.
 """
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -19,6 +20,10 @@ from typing import Mapping
 ALLOW_PATTERNS = ("config.json", "model.safetensors", "model.safetensors.index.json",
                   "model-?????-of-?????.safetensors", "weights_manifest.json", "qwen.tiktoken")
 DEFAULT_REVISION = "main"
+# Upstream's names for the released weights: its default model and the two decoders `--vae` names by alias.
+DEFAULT_MODEL = "m-a-p/YuE2-3B"
+VAE_ALIASES = {"standard": "m-a-p/YuE2-Vae", "legacy": "m-a-p/YuE2-Vae-legacy"}
+DEFAULT_VAE = VAE_ALIASES["standard"]
 _REPO_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*/[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _TRUE = {"1", "on", "yes", "true"}
 
@@ -78,8 +83,20 @@ def hub_offline(env: Mapping[str, str] = os.environ) -> bool:
     return _true(env.get("HF_HUB_OFFLINE"))
 
 
+@dataclass(frozen=True)
+class HubOptions:
+    """How repo ids are fetched, as huggingface_hub's keywords mean them: `token` (a string, False for none,
+    None for `$HF_TOKEN` / the saved login), `cache_dir` (None: `hub_cache_dir()`), `local_files_only` (the
+    cache only, as `HF_HUB_OFFLINE=1`), `progress` (huggingface_hub's download bars on stderr)."""
+
+    token: str | bool | None = field(default=None, repr=False)  # never in a repr, a record or a message
+    cache_dir: str | os.PathLike | None = None
+    local_files_only: bool = False
+    progress: bool = True
+
+
 def resolve_model(name: str | os.PathLike | ModelSource, *, revision: str | None = None, what: str = "model",
-                  env: Mapping[str, str] = os.environ) -> ModelSource:
+                  env: Mapping[str, str] = os.environ, hub: HubOptions = HubOptions()) -> ModelSource:
     """A local directory as it is, or a repo id's snapshot; errors name `what` (e.g. `--model`) and the name."""
     if isinstance(name, ModelSource):
         return name
@@ -91,10 +108,29 @@ def resolve_model(name: str | os.PathLike | ModelSource, *, revision: str | None
             raise ValueError(f"{what} {text}: a revision ({revision!r}) applies to Hugging Face repo ids only, "
                              "not to a local directory")
         return ModelSource(Path(text).expanduser())
-    return _snapshot(text, revision, what, env)
+    return _snapshot(text, revision, what, env, hub)
 
 
-def _snapshot(repo_id: str, revision: str | None, what: str, env: Mapping[str, str]) -> ModelSource:
+def _silent_bars():
+    """A tqdm class that never draws (huggingface_hub's bars when `progress` is off)."""
+    from tqdm import tqdm
+
+    class Silent(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("name", None)  # huggingface_hub names its own bar groups; plain tqdm takes no name
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    return Silent
+
+
+def _first_line(exc: BaseException, token) -> str:
+    """The first line of huggingface_hub's message, with the token (should one be echoed) blanked out."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return first.replace(token, "***") if isinstance(token, str) and token else first
+
+
+def _snapshot(repo_id: str, revision: str | None, what: str, env: Mapping[str, str], hub: HubOptions) -> ModelSource:
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub import constants
@@ -103,26 +139,31 @@ def _snapshot(repo_id: str, revision: str | None, what: str, env: Mapping[str, s
     except ImportError as exc:
         raise HubError(f"{what} {repo_id}: resolving a Hugging Face repo id needs huggingface_hub "
                        f"(pip install huggingface_hub): {exc}") from None
-    cache, wanted = hub_cache_dir(env), revision or DEFAULT_REVISION
-    offline = hub_offline(env) or bool(getattr(constants, "HF_HUB_OFFLINE", False))
+    cache = Path(hub.cache_dir).expanduser() if hub.cache_dir is not None else hub_cache_dir(env)
+    wanted = revision or DEFAULT_REVISION
+    offline = hub.local_files_only or hub_offline(env) or bool(getattr(constants, "HF_HUB_OFFLINE", False))
+    token = hub.token if hub.token is not None else (env.get("HF_TOKEN") or None)
     where = f"{what} {repo_id} (revision {wanted})"
     try:
         path = snapshot_download(repo_id, revision=wanted, cache_dir=str(cache), local_files_only=offline,
-                                 token=env.get("HF_TOKEN") or None, allow_patterns=list(ALLOW_PATTERNS))
+                                 token=token, allow_patterns=list(ALLOW_PATTERNS),
+                                 **({} if hub.progress else {"tqdm_class": _silent_bars()}))
     except RevisionNotFoundError:
         raise HubError(f"{where}: the repository has no such revision") from None
     except RepositoryNotFoundError:
         raise HubError(f"{where}: no such repository on the Hugging Face Hub, or it is private or gated "
-                       "(set HF_TOKEN to a token that can read it)") from None
+                       "(set HF_TOKEN, or pass a token, that can read it)") from None
     except LocalEntryNotFoundError as exc:
         if offline:
+            switch = ("local_files_only", "drop local_files_only") if hub.local_files_only and not hub_offline(env) \
+                else ("HF_HUB_OFFLINE", "unset HF_HUB_OFFLINE")
             raise HubError(f"{where}: not in the Hugging Face cache {cache} and downloads are off "
-                           "(HF_HUB_OFFLINE); unset HF_HUB_OFFLINE to download it") from None
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                           f"({switch[0]}); {switch[1]} to download it") from None
+        first = _first_line(exc, token)
         raise HubError(f"{where}: not fully in the Hugging Face cache {cache} and the Hub cannot be reached "
                        f"({first})") from None
     except (HfHubHTTPError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = _first_line(exc, token)
         raise HubError(f"{where}: download into {cache} failed ({first})") from None
     path = Path(path)
     return ModelSource(path, repo_id, wanted, path.name)

@@ -29,7 +29,7 @@ from .model.nar import synthesize as nar_synthesize
 from .protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, Sampling, SongRequest, SongRules, abc_prompt,
                        check_abc_ids, check_token_ids, default_cfg_scale, negative_prompt, semantic_prompt)
 from .derive import OVERRIDE_ENV
-from .hub import resolve_model
+from .hub import DEFAULT_MODEL, DEFAULT_VAE, HubOptions, resolve_model
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
                       resolve_device, set_upstream_numerics)
 from .memory import (PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, budget_problem, default_budget_gib, device_pool,
@@ -244,6 +244,27 @@ class YuE2Pipeline:
         # while they are swapped in, so the same lock then also covers synthesis.
         self.torch_lock = threading.RLock()
 
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike = DEFAULT_MODEL, *, vae: str | os.PathLike | None = DEFAULT_VAE,
+                        revision: str | None = None, vae_revision: str | None = None, token: str | bool | None = None,
+                        cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
+                        progress: bool = True, **kwargs) -> "YuE2Pipeline":
+        """Upstream's entry point: `m-a-p/YuE2-3B` with `m-a-p/YuE2-Vae` unless told otherwise (a repo id or a
+        directory each; `vae=None` for a pipeline that never decodes). `revision` / `vae_revision`, `token`,
+        `cache_dir` and `local_files_only` are huggingface_hub's (the token goes to it alone: no record, message
+        or log of ours holds it); `progress=False` hides its download bars. The other keywords are the
+        constructor's."""
+        if not isinstance(progress, bool):
+            raise TypeError(f"progress must be True or False, got {progress!r}")
+        hub = HubOptions(token=token, cache_dir=cache_dir, local_files_only=local_files_only, progress=progress)
+        start = time.perf_counter()
+        model_source = resolve_model(model, revision=revision, what="model", hub=hub)
+        vae_source = resolve_model(vae, revision=vae_revision, what="vae", hub=hub) if vae is not None else None
+        resolve_seconds = time.perf_counter() - start
+        pipe = cls(model_source, vae_source, **kwargs)
+        pipe.load_timing["resolve_seconds"] = resolve_seconds
+        return pipe
+
     @property
     def vae(self):
         """The fp32 VAE decoder, loaded on first use (a pipeline may only plan or generate tokens)."""
@@ -305,7 +326,7 @@ class YuE2Pipeline:
         """The vLLM backend, or None with the reason it cannot serve (decided once per pipeline)."""
         with self._vllm_lock:
             if self._vllm is None and self._vllm_unavailable is None:
-                from .derive import resolve_ar_checkpoint
+                from .quant.policy import resolve_ar_checkpoint
                 from .engine.backend import VLLMBackend, unsupported_reason, vllm_version
 
                 reason = unsupported_reason(vllm_version())

@@ -96,14 +96,15 @@ def _row_check(pipe):
 
 
 def invalid_row_status(directory: Path, error: RowError) -> dict:
-    """The status line of an invalid batch row; its own failure.json records it too (never over a run)."""
+    """The record of an invalid batch row: its status line, its batch.json result and its own failure.json
+    (never written over a run) are this one record, as upstream's batch keeps them."""
     from ..artifacts import STATE_FILE, RunDirectory
 
     status = {"status": "failed", "id": directory.name, "directory": str(directory), "type": error.type,
-              "reason": error.reason}
+              "reason": error.reason, "line": error.line}
     if not (directory / STATE_FILE).exists():
         directory.mkdir(parents=True, exist_ok=True)
-        RunDirectory(directory).write_failure({**status, "line": error.line})
+        RunDirectory(directory).write_failure(status)
     return status
 
 

@@ -67,7 +67,7 @@ def memory_split(args, device: str | None = None) -> dict:
     from ..testing import tiny_default
     from .setup import memory_plan
 
-    model_dir, vae_dir = model_sources(args) if args.model else tiny_default()
+    model_dir, vae_dir = model_sources(args) or tiny_default()
     model_dir, vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
     plan = memory_plan(model_dir, vae_dir, device or resolve_device(args.device).type, args.budget,
                        max_num_seqs=args.concurrency, offload_ar=args.offload_ar)

@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 
+from ..hub import DEFAULT_MODEL
 from ..request_json import error_type
 from .batch import cmd_batch
 from .doctor import cmd_doctor
@@ -64,13 +65,18 @@ def _port(text: str) -> int:
     return _integer_in(text, 0, 65535, "a port in 0-65535 (0: any free port)")
 
 
+MODEL_HELP = ("YuE2 MoT: a directory (config.json, model.safetensors, qwen.tiktoken) or a Hugging Face repo id "
+              "(downloaded into $HF_HOME; HF_HUB_OFFLINE=1 uses the cache only); default: m-a-p/YuE2-3B once --vae "
+              "is given, else the embedded tiny model (with its tiny VAE)")
+VAE_HELP = ("YuE2 VAE: standard (m-a-p/YuE2-Vae, for listening), legacy (m-a-p/YuE2-Vae-legacy, upstream's paper "
+            "evaluation), a directory or a repo id; default: standard once --model is given, else the embedded "
+            "tiny VAE")
+
+
 def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
     """The flags that build a pipeline; `runs`: also --output / --resume (the commands that write runs)."""
-    parser.add_argument("--model", help="YuE2 MoT: a directory (config.json, model.safetensors, qwen.tiktoken) or a "
-                                        "Hugging Face repo id such as m-a-p/YuE2-3B (downloaded into $HF_HOME; "
-                                        "HF_HUB_OFFLINE=1 uses the cache only); default: the embedded tiny model")
-    parser.add_argument("--vae", help="YuE2 VAE: a directory or a repo id such as m-a-p/YuE2-Vae (needed with "
-                                      "--model; default: the embedded tiny VAE)")
+    parser.add_argument("--model", help=MODEL_HELP)
+    parser.add_argument("--vae", help=VAE_HELP)
     parser.add_argument("--revision", help="--model's Hub revision: a branch, tag or commit (default: main)")
     parser.add_argument("--vae-revision", help="--vae's Hub revision (default: main)")
     parser.add_argument("--device", default="auto", help="torch device: auto (CUDA if available, else CPU), cpu, "
@@ -117,7 +123,8 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                         help="vLLM tokens per engine step; longer prompts are prefilled in chunks (default 2048)")
     parser.add_argument("--config", help="generation config JSON: abc / semantic (or abc_sampling / "
                                           "semantic_sampling, as in request files) objects of sampling fields, and "
-                                          "ode_steps; default: upstream's (the tiny model's budgets without --model)")
+                                          "ode_steps; default: upstream's (the tiny model's budgets without --model "
+                                          "or --vae)")
     parser.add_argument("--verify-hashes", action="store_true", help="re-hash the weights instead of trusting "
                                                                       "the size+mtime cache")
     if runs:
@@ -229,9 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     _cluster_flags(serve)
 
     doctor = command("doctor", "versions, devices, which backends are usable, and the engine / torch memory split")
-    doctor.add_argument("--model", help="YuE2 MoT directory or Hugging Face repo id for the memory split (default: "
-                                        "the embedded tiny model)")
-    doctor.add_argument("--vae", help="YuE2 VAE directory or repo id (with --model)")
+    doctor.add_argument("--model", help=MODEL_HELP + "; for the memory split")
+    doctor.add_argument("--vae", help=VAE_HELP)
     doctor.add_argument("--revision", help="--model's Hub revision (default: main)")
     doctor.add_argument("--vae-revision", help="--vae's Hub revision (default: main)")
     doctor.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
@@ -244,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=cmd_doctor)
 
     derive = command("derive", "write the Qwen3 AR checkpoint vLLM serves (cached by content)")
-    derive.add_argument("model", help="YuE2 MoT directory or Hugging Face repo id (e.g. m-a-p/YuE2-3B)")
+    derive.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help="YuE2 MoT directory or Hugging Face repo id (default: %(default)s, upstream's model)")
     derive.add_argument("--revision", help="the repo id's Hub revision (default: main)")
     derive.add_argument("--out", help="cache directory; default: $YUE2_CACHE, $HF_HOME or ~/.cache/huggingface, "
                                       "then yue2-ar/")

@@ -68,7 +68,7 @@ def print_status(status: dict, stream=None) -> None:
 
 def _models(args, need_vae: bool = True) -> tuple:
     """`(model_dir, vae_dir, generation config, backend)` from the model flags (the embedded tiny default with
-    its 10-second budgets when --model and --vae are both left out)."""
+    its 10-second budgets when --model and --vae are both left out; else upstream's names, see model_names)."""
     from ..pipeline import device_problem
     from ..protocol import GenerationConfig
     from ..testing import TINY_GENERATION, tiny_default
@@ -77,13 +77,12 @@ def _models(args, need_vae: bool = True) -> tuple:
     if problem is not None:
         raise UsageError(f"--device {args.device}: {problem}")
     generation = read_json_file(Path(args.config), "--config") if args.config else None
-    if args.model is None and args.vae is None:
+    sources = model_sources(args, need_vae)
+    if sources is None:
         model_dir, vae_dir = tiny_default()
         generation = generation or TINY_GENERATION  # a 10 s song, so the default run takes seconds
-    elif args.model is None or (args.vae is None and need_vae):
-        raise UsageError("give both --model and --vae, or neither for the embedded tiny default")
     else:
-        model_dir, vae_dir = model_sources(args)
+        model_dir, vae_dir = sources
     backend = args.backend or default_backend(model_dir)
     try:
         generation = GenerationConfig.from_dict(generation)
@@ -177,21 +176,49 @@ def check_runner(runner: str, device: str, backend: str) -> str:
     return runner
 
 
-def model_sources(args) -> tuple:
-    """`--model` / `--vae` (and `--ar-checkpoint`): local directories, or Hugging Face repo ids resolved to
-    their cached snapshots (`--revision` / `--vae-revision`), each error naming its flag."""
-    from ..hub import is_local_name, resolve_model
+def model_names(args, need_vae: bool = True) -> tuple[str, str | None] | None:
+    """`(model, vae)` as upstream's CLI names them, or None for the embedded tiny default (neither flag given).
 
+    `--vae standard` / `legacy` are m-a-p/YuE2-Vae / m-a-p/YuE2-Vae-legacy; `--model` left out is m-a-p/YuE2-3B
+    once `--vae` is given, and `--vae` left out is `standard` once `--model` is (None where the command
+    decodes no audio). A `--revision` / `--vae-revision` without either flag is refused: the tiny default has
+    no Hub revisions, and it is not silently dropped."""
+    from ..hub import DEFAULT_MODEL, VAE_ALIASES
+
+    model, vae = args.model, getattr(args, "vae", None)
+    if model is None and vae is None:
+        given = [flag for flag, name in (("--revision", "revision"), ("--vae-revision", "vae_revision"))
+                 if getattr(args, name, None) is not None]
+        if given:
+            raise UsageError(f"{given[0]} names a Hub revision of --model / --vae; give --model or --vae (e.g. "
+                             "--vae standard for m-a-p/YuE2-3B with m-a-p/YuE2-Vae): the embedded tiny default "
+                             "has no revisions")
+        return None
+    if vae is None and need_vae:
+        vae = "standard"
+    return model or DEFAULT_MODEL, VAE_ALIASES.get(vae, vae)
+
+
+def model_sources(args, need_vae: bool = True) -> tuple | None:
+    """`--model` / `--vae` (and `--ar-checkpoint`) as model_names names them: local directories, or Hugging
+    Face repo ids resolved to their cached snapshots (`--revision` / `--vae-revision`; download bars hidden by
+    `--quiet`), each error naming its flag; None for the embedded tiny default."""
+    from ..hub import HubOptions, is_local_name, resolve_model
+
+    names = model_names(args, need_vae)
+    if names is None:
+        return None
+    hub = HubOptions(progress=not getattr(args, "quiet", False))
     sources = []
-    for flag, name, revision in (("--model", args.model, getattr(args, "revision", None)),
-                                 ("--vae", getattr(args, "vae", None), getattr(args, "vae_revision", None))):
+    for flag, name, revision in (("--model", names[0], getattr(args, "revision", None)),
+                                 ("--vae", names[1], getattr(args, "vae_revision", None))):
         if name is None:
             sources.append(None)
             continue
         if is_local_name(name) and not Path(name).expanduser().is_dir():
             raise UsageError(f"{flag} {name}: " + ("is not a directory" if Path(name).expanduser().exists()
                                                    else "does not exist"))
-        sources.append(resolve_model(name, revision=revision, what=flag))
+        sources.append(resolve_model(name, revision=revision, what=flag, hub=hub))
     checkpoint = getattr(args, "ar_checkpoint", None)
     if checkpoint is not None and not Path(checkpoint).is_dir():
         raise UsageError(f"--ar-checkpoint {checkpoint}: " + ("is not a directory" if Path(checkpoint).exists()
