@@ -1,7 +1,8 @@
 """The device split between the engine and the torch side, at the released YuE2-3B size."""
 import pytest
 
-from yue2_vllm.memory import GIB, ar_expert_bytes, kv_cache_bytes, nar_chunk_bytes, plan_memory, row_kv_bytes
+from yue2_vllm.memory import (GIB, ar_expert_bytes, kv_cache_bytes, nar_chunk_bytes, plan_memory, row_kv_bytes,
+                              torch_decode_bytes)
 from yue2_vllm.model.modeling import YuE2Config
 from yue2_vllm.testing import TINY_CONFIG
 
@@ -20,11 +21,19 @@ def test_kv_arithmetic():
 def test_h200_split_defaults_to_many_rows_and_states_its_share():
     plan = plan_memory(FULL, device="cuda", budget_gib=80, engine_weights=AR_BF16, torch_model=MOT, vae=VAE,
                        total=int(139 * GIB))
-    assert plan.problems() == [] and plan.max_num_seqs == 51
-    assert plan.kv_cache == 51 * row_kv_bytes(FULL, 2048 + 9000, 16) + 2 * 16 * 112 * 1024
+    assert plan.problems() == [] and plan.max_num_seqs == 49
+    assert plan.kv_cache == 49 * row_kv_bytes(FULL, 2048 + 9000, 16) + 2 * 16 * 112 * 1024
+    assert plan.torch_decode == torch_decode_bytes(FULL, 2048 + 9000) and plan.torch_side > plan.torch_decode
     assert plan.engine == AR_BF16 + plan.kv_cache + 2 * GIB
     assert plan.gpu_memory_utilization == pytest.approx(plan.engine / (139 * GIB))
     assert plan.engine + plan.torch_side <= 80 * GIB
+
+
+def test_torch_decode_counts_both_branches_kv_rows_and_one_step():
+    # A CFG pair of 11,048-token rows at 112 KiB a token, plus activations and fp32 sampling rows (< 8 MiB).
+    kv = 2 * 11048 * 112 * 1024
+    assert kv < torch_decode_bytes(FULL, 11048) < kv + 8 * 2**20
+    assert torch_decode_bytes(FULL, 11048, branches=1) < torch_decode_bytes(FULL, 11048) / 1.9
 
 
 def test_24gb_card_needs_offload_and_fp8_or_is_refused_by_name():

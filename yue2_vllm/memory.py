@@ -65,6 +65,14 @@ def nar_chunk_bytes(config: YuE2Config, tokens: int = CONTEXT, offload_ar: bool 
     return kv_bytes_per_token(config) * tokens + activations
 
 
+def torch_decode_bytes(config: YuE2Config, tokens: int, branches: int = 2) -> int:
+    """The torch AR phase's decode buffers: one K/V row of `tokens` (prompt + max_tokens) per CFG branch (what
+    `BranchDecoder` and the eager caches allocate alike), plus the step's activations and fp32 sampling rows
+    (the captured graph's pool holds one step's)."""
+    step = branches * (4 * config.hidden_size + 3 * config.intermediate_size) + (branches + 4) * config.vocab_size
+    return branches * tokens * kv_bytes_per_token(config) + 4 * step
+
+
 VAE_ACTIVATION_COPIES = 4  # live [channels, samples] fp32 tensors in a residual unit: input, snake, conv, sum
 
 
@@ -103,6 +111,7 @@ class MemoryPlan:
     max_num_seqs: int
     kv_block_tokens: int
     kv_dtype_bytes: int = 2
+    torch_decode: int = 0  # the torch AR phase's K/V rows and graph pool (memory.torch_decode_bytes)
 
     @property
     def engine(self) -> int:
@@ -110,7 +119,7 @@ class MemoryPlan:
 
     @property
     def torch_side(self) -> int:
-        return self.torch_model + self.vae + self.nar_chunks + self.torch_reserve
+        return self.torch_model + self.vae + self.nar_chunks + self.torch_reserve + self.torch_decode
 
     @property
     def gpu_memory_utilization(self) -> float | None:
@@ -125,6 +134,7 @@ class MemoryPlan:
         return [f"the engine ({_gib(self.engine_weights)} AR weights + {_gib(self.kv_cache)} KV cache for "
                 f"{self.max_num_seqs} rows + {_gib(self.engine_overhead)} overhead) and the torch side "
                 f"({_gib(self.torch_model)} MoT + {_gib(self.vae)} VAE + {_gib(self.nar_chunks)} NAR buffers + "
+                f"{_gib(self.torch_decode)} torch AR decode + "
                 f"{_gib(self.torch_reserve)} reserve) need {_gib(need)}, but the budget allows {_gib(limit)} "
                 f"(budget {_gib(self.budget)}, {self.device} total {_gib(self.total)}); lower --concurrency or the "
                 "KV cache, use --offload-ar or a quantized AR checkpoint, or raise --budget"]
@@ -166,11 +176,13 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
     budget = int(budget_gib * GIB)
     block = KV_BLOCK_TOKENS[device]
     chunk = nar_chunk_bytes(config, CONTEXT, offload_ar) * max(1, synthesis_batch)
+    decode = torch_decode_bytes(config, min(typical_tokens, max_model_len))  # a torch-backend (fallback) CFG song
     base = dict(device=device, total=total, budget=budget, engine_weights=engine_weights,
                 engine_overhead=ENGINE_OVERHEAD_BYTES[device], torch_model=torch_model, vae=vae, nar_chunks=chunk,
-                torch_reserve=TORCH_RESERVE_BYTES, kv_block_tokens=block, kv_dtype_bytes=kv_dtype_bytes)
+                torch_reserve=TORCH_RESERVE_BYTES, kv_block_tokens=block, kv_dtype_bytes=kv_dtype_bytes,
+                torch_decode=decode)
     free = min(budget, total) - (engine_weights + ENGINE_OVERHEAD_BYTES[device] + torch_model + vae + chunk
-                                 + TORCH_RESERVE_BYTES)
+                                 + TORCH_RESERVE_BYTES + decode)
     margin = KV_MARGIN_BLOCKS * block * kv_bytes_per_token(config, kv_dtype_bytes)
     one_full = row_kv_bytes(config, max_model_len, block, kv_dtype_bytes)
     typical = row_kv_bytes(config, min(typical_tokens, max_model_len), block, kv_dtype_bytes)

@@ -32,7 +32,7 @@ from .hub import resolve_model
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
                       resolve_device, set_upstream_numerics)
 from .memory import PROMPT_ESTIMATE_TOKENS, vae_decode_bytes
-from .model.sampling import ARBackend, TorchARBackend
+from .model.sampling import ARBackend, TorchARBackend, resolve_execution
 from .model.torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, proxy_slow_reason, restore_ar
 from .tokenizer import YuE2Tokenizer
 from .model.vae import check_vae, load_vae
@@ -149,7 +149,7 @@ class YuE2Pipeline:
                  engine_options: dict | None = None, quantization: str = "none", offload_ar: bool = False,
                  dtype: str = "bfloat16", start_engine: bool = False, cfg_engine: str = "vllm",
                  quantized_policy: str = "auto", revision: str | None = None, vae_revision: str | None = None,
-                 reproducible: bool = False):
+                 reproducible: bool = False, torch_execution: str = "auto"):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not memory_budget_gib > 0:
@@ -167,6 +167,7 @@ class YuE2Pipeline:
         self.model_dir = self.sources["mot"].path
         self.vae_dir = self.sources["vae"].path if self.sources["vae"] is not None else None
         self.device = resolve_device(device)
+        resolve_execution(torch_execution, self.device)  # refuse e.g. graph on the CPU before loading anything
         check_dtype_support(self.device, DTYPES[dtype])
         self.numerics = set_upstream_numerics()  # process-wide, as upstream sets them at construction
         self.memory_budget_gib = float(memory_budget_gib)
@@ -219,7 +220,7 @@ class YuE2Pipeline:
         self._vae = None
         self.vae_placement: dict | None = None  # the last accelerator decode's placement decision
         self.load_timing = {"identity_seconds": identity_seconds, "load_seconds": time.perf_counter() - start}
-        self.torch_backend = TorchARBackend(self.model)
+        self.torch_backend = TorchARBackend(self.model, torch_execution)
         # One torch AR song at a time (the "torch lane"); with load-time proxies the NAR must not run
         # while they are swapped in, so the same lock then also covers synthesis.
         self.torch_lock = threading.RLock()
