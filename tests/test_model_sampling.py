@@ -145,3 +145,16 @@ def test_row_sampler_scores_equal_phase_scores_on_the_rows(phase, legacy_off):
         token = int(ids[step * 97 % 7])  # a few repeats, so the window's counts go up and back down
         sampler._count(torch.tensor([token]), step)
         history.append(token)
+
+
+def test_draw_is_multinomials_one_sample_draw_without_its_checks():
+    from yue2_vllm.model.sampling import draw
+
+    source = torch.Generator().manual_seed(9)
+    for seed in range(50):
+        probabilities = torch.rand(1, 4096, generator=source).pow(6)
+        probabilities[0, ::3] = 0
+        probabilities /= probabilities.sum()
+        first, second = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        assert torch.equal(draw(probabilities, first), torch.multinomial(probabilities, 1, generator=second))
+        assert torch.equal(first.get_state(), second.get_state())

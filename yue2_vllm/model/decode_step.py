@@ -170,7 +170,6 @@ class BranchDecoder:
         self.initial_positions = torch.tensor([len(p) for p in self.prefixes], dtype=torch.long, device=device)
         self.positions = self.initial_positions.clone()
         self.tokens = torch.zeros(self.branches, 1, dtype=torch.long, device=device)
-        self.branch_index = torch.arange(self.branches, device=device)
         self.key_positions = torch.arange(self.capacity, device=device)
         self.cu_q = torch.arange(self.branches + 1, dtype=torch.int32, device=device)
         self.cu_k = self.cu_q * self.capacity
@@ -220,12 +219,13 @@ class BranchDecoder:
         if self.attention == "sdpa_masked":
             mask = (self.key_positions[None, :] <= self.positions[:, None])[:, None, None, :]
         used = (self.positions + 1).to(torch.int32)
+        slots = self.positions[:, None, None, None].expand(b, 1, config.num_key_value_heads, config.head_dim)
         x = backbone.embed_tokens(self.tokens)
         for layer, keys, values in zip(backbone.layers, self.keys, self.values):
             attn = layer.self_attn
             q, k, v = attn.project_qkv(layer.input_layernorm(x), cos, sin)
-            keys.index_put_((self.branch_index, self.positions), k[:, 0])
-            values.index_put_((self.branch_index, self.positions), v[:, 0])
+            keys.scatter_(1, slots, k)  # each row's K/V at its own position (no host sync, capturable)
+            values.scatter_(1, slots, v)
             if self.attention == "flash_varlen":
                 out = torch.ops.aten._flash_attention_forward(
                     q[:, 0], keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:]), self.cu_q,
@@ -241,7 +241,7 @@ class BranchDecoder:
 
     def _capture(self) -> None:
         device = self.device
-        allocated = torch.cuda.memory_allocated(device)
+        reserved = torch.cuda.memory_reserved(device)
         start = time.perf_counter()
         with torch.cuda.device(device):
             current = torch.cuda.current_stream(device)
@@ -262,7 +262,7 @@ class BranchDecoder:
             torch.cuda.synchronize(device)
         self.graph, self.output = graph, output
         self.capture_seconds = time.perf_counter() - start
-        self.graph_bytes = max(0, torch.cuda.memory_allocated(device) - allocated)
+        self.graph_bytes = max(0, torch.cuda.memory_reserved(device) - reserved)  # warm-up cache + graph pool
 
     def close(self) -> None:
         """Drop the graph and the buffers (the decoder cannot step afterwards)."""

@@ -102,6 +102,19 @@ def sample(scores: torch.Tensor, temperature: float, generator: torch.Generator)
     return torch.multinomial(probabilities, 1, generator=generator)
 
 
+def draw(probabilities: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One seeded draw `[1, 1]` from `[1, vocab]` probabilities without a host sync.
+
+    `torch.multinomial(p, 1)` draws as `argmax(p / Exponential(1))` with one exponential per entry (the
+    same generator advance), after checking `p` with two host syncs; this is that draw without the checks
+    (`phase_scores` never yields a negative, NaN or all-zero row).
+    """
+    if probabilities.device.type not in ("cpu", "cuda"):  # e.g. MPS: the CPU generator, as `sample` does
+        return torch.multinomial(probabilities.cpu(), 1, generator=generator).to(probabilities.device)
+    noise = torch.empty_like(probabilities).exponential_(1, generator=generator)
+    return (probabilities / noise).argmax(-1, keepdim=True)
+
+
 def mix_cfg(conditional: torch.Tensor, unconditional: torch.Tensor | None, cfg_scale: float) -> torch.Tensor:
     """`uncond + cfg·(cond − uncond)` in the logits' own dtype (bf16), before any upcast."""
     if cfg_scale == 1.0 or unconditional is None:
@@ -118,7 +131,8 @@ class RowSampler:
 
     Same arithmetic as `phase_scores` on the allowed ids (the allow-mask adds 0 there); the scores are
     scattered into a full-vocabulary row of -inf before `sample`, so the softmax and the seeded draw are
-    the very calls of the two-forward path and the generator advances identically.
+    the very calls of the two-forward path and the generator advances identically (`draw` is
+    `torch.multinomial`'s one-sample draw without its host syncs).
     """
 
     def __init__(self, rows: PhaseRows, sampling: Sampling, phase: str, vocab_size: int, device: torch.device,
@@ -145,7 +159,8 @@ class RowSampler:
         """The next vocabulary id `[1, 1]` (on the device), counted into the penalty window."""
         scores = self.scores(logits, step)
         full = torch.full((1, self.vocab_size), -torch.inf, dtype=scores.dtype, device=scores.device)
-        next_id = sample(full.index_copy_(1, self.row_ids, scores), self.sampling.temperature, generator)
+        full.index_copy_(1, self.row_ids, scores)
+        next_id = full.argmax(-1, keepdim=True) if self.sampling.temperature == 0 else draw(full.softmax(-1), generator)
         self._count(next_id.view(1), step)
         return next_id
 
