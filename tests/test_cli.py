@@ -644,3 +644,14 @@ def test_a_runner_vllm_cannot_run_here_is_refused_before_anything_is_written(tmp
     assert main(["generate", "--backend", "vllm", "--vllm-runner", "v2", "--output", str(tmp_path / "runs")]) == 2
     assert "--vllm-runner v2: Model Runner V2 needs a Triton backend for cpu" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_torch_execution_graph_on_the_cpu_is_refused_before_anything_is_written(tmp_path, capsys):
+    from yue2_vllm.cli import build_parser
+
+    for command in ("generate", "serve"):
+        assert build_parser().parse_args([command]).torch_execution == "auto"
+    assert main(["generate", "--backend", "torch", "--torch-execution", "graph", "--output",
+                 str(tmp_path / "runs")]) == 2
+    assert "--torch-execution graph needs a CUDA device; the model is on cpu" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
