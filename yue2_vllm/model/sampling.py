@@ -5,6 +5,10 @@ the same seed and torch version give the same tokens: fp32 cast (bf16 kept for c
 "legacy" sampling), phase allow-mask, end token blocked below `min_tokens`, count-based
 windowed repetition penalty, temperature, top-k (ties kept), top-p (keep ≥ 1, or 3 for
 legacy), softmax and a seeded multinomial. Paired CFG mixes the two branches' bf16 logits.
+
+`TorchARBackend` decodes eagerly (one forward per branch and token: upstream's torch-eager, the
+CPU/MPS default) or, on CUDA by default, through `decode_step.BranchDecoder`: both CFG branches as
+one batch, one captured graph step per token, sampled by `RowSampler` on the phase's rows.
 """
 from __future__ import annotations
 
@@ -204,6 +208,11 @@ def resolve_execution(requested: str, device: torch.device) -> tuple[str, str | 
     return "cuda_graph", None
 
 
+def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A phase's generator, fresh and seeded: on the model's device, the CPU for MPS (as upstream)."""
+    return torch.Generator(device=device if device.type in ("cpu", "cuda") else "cpu").manual_seed(seed)
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -277,8 +286,7 @@ class TorchARBackend:
     def _eager(self, run: "_Phase", reason: str | None) -> ARResult:
         """The two-forward path: one static cache and one forward per branch and token."""
         model, device, sampling, phase = self.model, self.model.device, run.sampling, run.phase
-        end = end_token(phase)
-        generator = torch.Generator(device=device if device.type in ("cpu", "cuda") else "cpu").manual_seed(run.seed)
+        generator = seeded_generator(device, run.seed)
         caches = [model.new_cache(len(ids) + sampling.max_tokens) for ids in run.branches]
 
         _synchronize(device)
@@ -287,24 +295,18 @@ class TorchARBackend:
                   for ids, cache in zip(run.branches, caches)]
         _synchronize(device)
         prefill_seconds = time.perf_counter() - start
-        history: list[int] = []
-        first_token_seconds, ended = None, False
-        for step in range(sampling.max_tokens):
-            run.check_cancelled(step)
+        state = {"logits": logits}
+
+        def pick(step: int, history: list[int]) -> int:
+            if step:
+                state["logits"] = [model.forward_ar(state["next_id"], cache)[:, -1, :] for cache in caches]
+            logits = state["logits"]
             mixed = mix_cfg(logits[0], logits[1] if len(logits) > 1 else None, run.cfg_scale)
-            next_id = sample(phase_scores(mixed, sampling, history, step, phase, run.legacy_off),
-                             sampling.temperature, generator)
-            token = int(next_id.item())
-            if first_token_seconds is None:
-                first_token_seconds = time.perf_counter() - start
-            if run.on_token is not None:
-                run.on_token(phase, token)
-            if token == end:
-                ended = True
-                break
-            history.append(token)
-            if step + 1 < sampling.max_tokens:
-                logits = [model.forward_ar(next_id, cache)[:, -1, :] for cache in caches]
+            state["next_id"] = sample(phase_scores(mixed, sampling, history, step, phase, run.legacy_off),
+                                      sampling.temperature, generator)
+            return int(state["next_id"].item())
+
+        history, first_token_seconds, ended = run.decode(start, pick)
         _synchronize(device)
         timing = run.timing(time.perf_counter() - start, prefill_seconds, first_token_seconds, len(history), ended)
         timing.update(execution="eager", attention="sdpa", graph_fallback_reason=reason)
@@ -313,8 +315,8 @@ class TorchARBackend:
     def _batched(self, run: "_Phase", *, capture: bool, reason: str | None) -> ARResult:
         """Both branches as one batch through `BranchDecoder` (captured on CUDA when `capture`)."""
         model, device, sampling, phase = self.model, self.model.device, run.sampling, run.phase
-        end, rows = end_token(phase), PhaseRows.for_phase(phase)
-        generator = torch.Generator(device=device if device.type in ("cpu", "cuda") else "cpu").manual_seed(run.seed)
+        rows = PhaseRows.for_phase(phase)
+        generator = seeded_generator(device, run.seed)
         sampler = RowSampler(rows, sampling, phase, model.config.vocab_size, device, run.legacy_off)
         host = _HostToken(device)
         _synchronize(device)
@@ -329,24 +331,18 @@ class TorchARBackend:
                 raise _CaptureFailed(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
             _synchronize(device)
             prefill_seconds = time.perf_counter() - start
-            history: list[int] = []
-            first_token_seconds, ended = None, False
-            for step in range(sampling.max_tokens):
-                run.check_cancelled(step)
+            state = {"logits": logits}
+
+            def pick(step: int, history: list[int]) -> int:
+                logits = state["logits"]
                 mixed = mix_cfg(logits[0:1], logits[1:2] if len(logits) > 1 else None, run.cfg_scale)
                 next_id = sampler.sample(mixed, step, generator)
                 host.send(next_id)
                 if step + 1 < sampling.max_tokens:
-                    logits = decoder.step(next_id)  # queued before the host waits for the token
-                token = host.receive()
-                if first_token_seconds is None:
-                    first_token_seconds = time.perf_counter() - start
-                if run.on_token is not None:
-                    run.on_token(phase, token)
-                if token == end:
-                    ended = True
-                    break
-                history.append(token)
+                    state["logits"] = decoder.step(next_id)  # queued before the host waits for the token
+                return host.receive()
+
+            history, first_token_seconds, ended = run.decode(start, pick)
             _synchronize(device)
             timing = run.timing(time.perf_counter() - start, prefill_seconds, first_token_seconds, len(history),
                                 ended)
@@ -379,6 +375,22 @@ class _Phase:
     def check_cancelled(self, step: int) -> None:
         if self.cancelled is not None and self.cancelled():
             raise InterruptedError(f"cancelled during the {self.phase} phase after {step} tokens")
+
+    def decode(self, start: float, pick: Callable[[int, list[int]], int]) -> tuple[list[int], float | None, bool]:
+        """The token loop of both paths: `pick(step, history)` advances the model and samples one id.
+        Returns the content ids, the seconds to the first token, and whether the end token came."""
+        end, history, first_token_seconds = end_token(self.phase), [], None
+        for step in range(self.sampling.max_tokens):
+            self.check_cancelled(step)
+            token = pick(step, history)
+            if first_token_seconds is None:
+                first_token_seconds = time.perf_counter() - start
+            if self.on_token is not None:
+                self.on_token(self.phase, token)
+            if token == end:
+                return history, first_token_seconds, True
+            history.append(token)
+        return history, first_token_seconds, False
 
     def timing(self, seconds: float, prefill_seconds: float, first_token_seconds: float | None, content: int,
                ended: bool) -> dict:
