@@ -405,8 +405,8 @@ def graph_decode_rows(model, prefix, negative, tokens: int, label: str) -> Rows:
             reference = []
             for branch in prefixes:
                 cache = model.new_cache(len(branch) + tokens)
-                steps = [model.forward_ar(torch.tensor([branch], device="cuda"), cache)[0, -1, ids]]
-                steps += [model.forward_ar(torch.tensor([[tok]], device="cuda"), cache)[0, -1, ids]
+                steps = [model.forward_ar(torch.tensor([branch], device=model.device), cache)[0, -1, ids]]
+                steps += [model.forward_ar(torch.tensor([[tok]], device=model.device), cache)[0, -1, ids]
                           for tok in ids_e[:first]]
                 reference.append(torch.stack(steps).float().cpu())
             captured = forced_logits(BranchDecoder(model, prefixes, first + 1, rows=PhaseRows.for_phase("semantic"),
