@@ -133,10 +133,10 @@ class RowSampler:
     """`phase_scores` + `sample` for the batched decode: scores on the phase's own rows, the penalty window
     counted on the device (no host list per token).
 
-    Same arithmetic as `phase_scores` on the allowed ids (the allow-mask adds 0 there); the scores are
-    scattered into a full-vocabulary row of -inf before `sample`, so the softmax and the seeded draw are
-    the very calls of the two-forward path and the generator advances identically (`draw` is
-    `torch.multinomial`'s one-sample draw without its host syncs).
+    Same arithmetic as `phase_scores` on the allowed ids (the allow-mask adds 0 there; only ties at the
+    top-p cut may sort differently); the scores are scattered into a full-vocabulary row of -inf before the
+    softmax, so the softmax and the seeded draw see what the two-forward path's `sample` sees and the
+    generator advances identically (`draw` is `torch.multinomial`'s one-sample draw without its host syncs).
     """
 
     def __init__(self, rows: PhaseRows, sampling: Sampling, phase: str, vocab_size: int, device: torch.device,
