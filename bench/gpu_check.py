@@ -15,6 +15,11 @@ CUDA is skipped, with the reason, on a machine without it; CPU-runnable rows (sm
 * `torch.fp8`: row-wise vs upstream's per-tensor FP8 proxies (our default): error vs bf16, ms per call, M 1/16.
 * `torch.int8`: `_weight_int8pack_mm` availability per device and the proxy policy's verdict.
 * `torch.memory`: `mem_get_info` vs the per-process cap vs what admission counts.
+* `torch.graph`: the torch AR backend's captured batched step (both CFG branches, one shared token) vs its eager
+  two-forward path on the full-size bf16 model: decode tok/s at cfg 1 and a CFG pair, tokens identical or the
+  first divergence and the logit gap there, capture seconds, graph pool and K/V bytes, host syncs and kernels per
+  token; the captured step bit-equal to the same step run eagerly (bf16, FP8 and int8 proxies: graph safety).
+  On the CPU only the capture-free batched step runs (float32 tiny model: tokens identical to the eager path).
 
 DGX Spark / Blackwell sections (so the first run on a GB10 tells what is true; not run on one yet):
 
@@ -409,6 +414,127 @@ def spark_memory(args) -> Rows:
                      "gpu_memory_utilization": plan.gpu_memory_utilization, "summary": plan.describe()["summary"],
                      "problems": plan.problems(),
                      "startup_problem": plan.startup_problem(meminfo.get("MemAvailable", 0))})
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def forced_logits(decoder, tokens: list[int]) -> torch.Tensor:
+    """A BranchDecoder's row logits `[steps, branches, rows]` with `tokens` fed (teacher forcing)."""
+    out = [decoder.prefill().float().cpu()]
+    for token in tokens[:-1]:
+        out.append(decoder.step(torch.tensor([token], device=decoder.device)).float().cpu())
+    return torch.stack(out)
+
+
+def graph_safety_row(model, label: str, prefixes, tokens: list[int]) -> dict:
+    """The captured step against the same step run eagerly, fed the same tokens: graph-safe means bit-equal."""
+    from yue2_vllm.model.decode_step import BranchDecoder, PhaseRows
+
+    rows = PhaseRows.for_phase("semantic")
+    eager = forced_logits(BranchDecoder(model, prefixes, len(tokens), rows=rows), tokens)
+    captured = forced_logits(BranchDecoder(model, prefixes, len(tokens), rows=rows, capture=True), tokens)
+    return {"row": f"{label}: captured step == eager step (forced tokens)", "bit_equal": torch.equal(eager, captured),
+            "max_abs_diff": (eager - captured).abs().max().item(), "steps": len(tokens)}
+
+
+def graph_decode_rows(model, prefix, negative, tokens: int, label: str) -> Rows:
+    """Eager (two forwards) vs graph decode tok/s at cfg 1 and a CFG pair; tokens identical or where they part."""
+    from yue2_vllm.model.decode_step import BranchDecoder, PhaseRows
+    from yue2_vllm.model.sampling import TorchARBackend
+    from yue2_vllm.protocol import Sampling
+
+    sampling, rows = Sampling(min_tokens=tokens, max_tokens=tokens), []
+    eager, graph = TorchARBackend(model, "eager"), TorchARBackend(model, "graph")
+    for cfg in (1.0, 1.5):
+        kwargs = {"negative": negative, "cfg_scale": cfg} if cfg != 1.0 else {}
+        results = {}
+        for name, backend in (("eager", eager), ("graph", graph)):
+            backend.generate(prefix, Sampling(min_tokens=4, max_tokens=4), 7, "semantic", **kwargs)  # warm-up
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            results[name] = backend.generate(prefix, sampling, 7, "semantic", **kwargs)
+            results[name].timing["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+        row = {"row": f"{label} semantic decode cfg {cfg}"}
+        for name, result in results.items():
+            t = result.timing
+            row[f"{name}_tok_s"] = t["output_tokens"] / (t["seconds"] - t["prefill_seconds"])
+            row[f"{name}_peak_extra_gib"] = t["peak_extra_bytes"] / 2**30
+        t = results["graph"].timing
+        row.update(speedup=row["graph_tok_s"] / row["eager_tok_s"], execution=t["execution"],
+                   attention=t["attention"], capture_seconds=t.get("capture_seconds"),
+                   graph_pool_mib=t.get("graph_bytes", 0) / 2**20, kv_mib=t.get("kv_bytes", 0) / 2**20,
+                   fallback=t["graph_fallback_reason"])
+        ids_e, ids_g = results["eager"].ids, results["graph"].ids
+        first = first_divergence(ids_e, ids_g)
+        row["tokens_identical"], row["first_divergence"] = first is None, first
+        if first is not None:  # the logit gap there: both paths' logits with the eager tokens fed
+            prefixes = [prefix] + ([negative] if cfg != 1.0 else [])
+            ids = PhaseRows.for_phase("semantic").ids(model.device)
+            reference = []
+            for branch in prefixes:
+                cache = model.new_cache(len(branch) + tokens)
+                steps = [model.forward_ar(torch.tensor([branch], device=model.device), cache)[0, -1, ids]]
+                steps += [model.forward_ar(torch.tensor([[tok]], device=model.device), cache)[0, -1, ids]
+                          for tok in ids_e[:first]]
+                reference.append(torch.stack(steps).float().cpu())
+            captured = forced_logits(BranchDecoder(model, prefixes, first + 1, rows=PhaseRows.for_phase("semantic"),
+                                                   capture=True), ids_e[:first + 1])
+            row["logit_gap_at_divergence"] = max((captured[first, b] - reference[b][first]).abs().max().item()
+                                                 for b in range(len(prefixes)))
+        row.update({f"graph_{k}": v for k, v in count_syncs_and_kernels(
+            lambda: graph.generate(prefix, Sampling(min_tokens=16, max_tokens=16), 7, "semantic", **kwargs),
+            16).items()})
+        rows.append(row)
+    rows.append({"row": f"{label} CFG pair / single (graph tok/s)",
+                 "ratio": rows[-1]["graph_tok_s"] / rows[-2]["graph_tok_s"], "target": ">= 0.8"})
+    return rows
+
+
+@section("torch.graph")
+def torch_graph(args) -> Rows:
+    """The torch AR backend's captured batched step vs its eager two-forward path (issue 27)."""
+    from yue2_vllm.model.modeling import YuE2Config
+    from yue2_vllm.model.sampling import TorchARBackend
+    from yue2_vllm.protocol import EOD, MUSIC_START, Sampling
+    from yue2_vllm.testing import TINY_CONFIG, random_model
+
+    prefix_len, tokens = (32, 8) if args.quick else (1536, 256)
+    prefix = [EOD] + [(i * 7919) % 150000 for i in range(prefix_len - 1)]
+    negative = prefix[: prefix_len // 4] + [MUSIC_START]
+    rows = []
+    # The capture-free batched step on the CPU (float32): the same tokens as the two-forward path.
+    tiny = random_model(TINY_CONFIG, 0).float()
+    sampling = Sampling(min_tokens=8, max_tokens=8)
+    for cfg in (1.0, 1.5):
+        kwargs = {"negative": negative, "cfg_scale": cfg} if cfg != 1.0 else {}
+        eager = TorchARBackend(tiny, "eager").generate(prefix, sampling, 3, "semantic", **kwargs)
+        batched = TorchARBackend(tiny, "batched").generate(prefix, sampling, 3, "semantic", **kwargs)
+        rows.append({"row": f"cpu float32 tiny cfg {cfg}: batched (capture off) vs eager",
+                     "tokens_identical": batched.ids == eager.ids, "execution": batched.timing["execution"]})
+    if not torch.cuda.is_available():
+        return rows + [skipped("cuda eager vs graph tok/s, token identity, capture time, graph memory, "
+                               "FP8/int8 graph safety", cuda_missing())]
+    del tiny
+    model = random_ar(YuE2Config(), "cuda")
+    rows.append(graph_safety_row(model, "bf16", [prefix, negative], list(range(151853, 151853 + 32))))
+    rows += graph_decode_rows(model, prefix, negative, tokens, "full-size bf16")
+    from yue2_vllm.model.torch_quant import fp8_supported, prepare_ar_proxies, restore_ar
+
+    for mode in ("fp8", "int8"):
+        reason = fp8_supported("cuda") if mode == "fp8" else None
+        if reason:
+            rows.append(skipped(f"{mode} proxies graph safety", reason))
+            continue
+        prepare_ar_proxies(model, mode)
+        try:
+            rows.append(graph_safety_row(model, f"{mode} proxies", [prefix, negative],
+                                         list(range(151853, 151853 + 16))))
+            if mode == "fp8" and not args.quick:
+                rows += graph_decode_rows(model, prefix, negative, min(tokens, 128), "full-size fp8 proxies")
+        finally:
+            restore_ar(model)
     return rows
 
 

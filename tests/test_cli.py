@@ -734,3 +734,14 @@ def test_offline_the_error_names_upstreams_repo(argv, repo, tmp_path, monkeypatc
     assert main(argv) == 2
     reason = json.loads(capsys.readouterr().out)["reason"]
     assert reason.startswith(f"{repo} (revision main): not in the Hugging Face cache {tmp_path / 'empty-cache'}")
+
+
+def test_torch_execution_graph_on_the_cpu_is_refused_before_anything_is_written(tmp_path, capsys):
+    from yue2_vllm.cli import build_parser
+
+    for command in ("generate", "serve"):
+        assert build_parser().parse_args([command]).torch_execution == "auto"
+    assert main(["generate", "--backend", "torch", "--torch-execution", "graph", "--output",
+                 str(tmp_path / "runs")]) == 2
+    assert "--torch-execution graph needs a CUDA device; the model is on cpu" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 TORCH_SECTIONS = ("torch.devices", "torch.numerics", "torch.vae", "torch.ar", "torch.fp8", "torch.int8",
-                  "torch.memory")
+                  "torch.memory", "torch.graph")
 ENGINE_SECTIONS = ("engine.sampler", "engine.sampler_syncs", "engine.sliced_head", "engine.runners")
 SPARK_SECTIONS = ("spark.kernels", "spark.memory")
 
@@ -27,6 +27,10 @@ def test_gpu_check_quick_runs_its_cpu_parts_and_names_every_section(tmp_path):
     assert {row["row"] for row in sections["engine.sampler"]["rows"]} == {
         "bfloat16 cfg=off", "bfloat16 cfg=1.5 legacy", "float32 cfg=off", "float32 cfg=1.5 legacy"}
     assert all(row["ok"] for row in sections["torch.numerics"]["rows"])
+    graph_rows = sections["torch.graph"]["rows"]
+    assert [row["tokens_identical"] for row in graph_rows[:2]] == [True, True]
+    assert {row["execution"] for row in graph_rows[:2]} == {"batched"}
     if report["device"] == "cpu only":
+        assert graph_rows[-1]["skipped"].startswith("CUDA not available")
         assert sections["torch.memory"]["skipped"].startswith("CUDA not available")
         assert "SKIPPED: CUDA not available" in result.stdout

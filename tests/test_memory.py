@@ -1,7 +1,8 @@
 """The device split between the engine and the torch side, at the released YuE2-3B size."""
 import pytest
 
-from yue2_vllm.memory import GIB, ar_expert_bytes, kv_cache_bytes, nar_chunk_bytes, plan_memory, row_kv_bytes
+from yue2_vllm.memory import (GIB, ar_expert_bytes, kv_cache_bytes, nar_chunk_bytes, plan_memory, row_kv_bytes,
+                              torch_decode_bytes)
 from yue2_vllm.model.modeling import YuE2Config
 from yue2_vllm.testing import TINY_CONFIG
 
@@ -20,11 +21,19 @@ def test_kv_arithmetic():
 def test_h200_split_defaults_to_many_rows_and_states_its_share():
     plan = plan_memory(FULL, device="cuda", budget_gib=80, engine_weights=AR_BF16, torch_model=MOT, vae=VAE,
                        total=int(139 * GIB))
-    assert plan.problems() == [] and plan.max_num_seqs == 51
-    assert plan.kv_cache == 51 * row_kv_bytes(FULL, 2048 + 9000, 16) + 2 * 16 * 112 * 1024
+    assert plan.problems() == [] and plan.max_num_seqs == 49
+    assert plan.kv_cache == 49 * row_kv_bytes(FULL, 2048 + 9000, 16) + 2 * 16 * 112 * 1024
+    assert plan.torch_decode == torch_decode_bytes(FULL, 2048 + 9000) and plan.torch_side > plan.torch_decode
     assert plan.engine == AR_BF16 + plan.kv_cache + 2 * GIB
     assert plan.gpu_memory_utilization == pytest.approx(plan.engine / (139 * GIB))
     assert plan.engine + plan.torch_side <= 80 * GIB
+
+
+def test_torch_decode_counts_both_branches_kv_rows_and_one_step():
+    # A CFG pair of 11,048-token rows at 112 KiB a token, plus activations and fp32 sampling rows (< 8 MiB).
+    kv = 2 * 11048 * 112 * 1024
+    assert kv < torch_decode_bytes(FULL, 11048) < kv + 8 * 2**20
+    assert torch_decode_bytes(FULL, 11048, branches=1) < torch_decode_bytes(FULL, 11048) / 1.9
 
 
 def test_24gb_card_needs_offload_and_fp8_or_is_refused_by_name():
@@ -72,7 +81,7 @@ def test_total_memory_of_an_indexed_gpu(monkeypatch):
 
 
 # ---------------------------------------------------------------- unified memory (DGX Spark's GB10) vs discrete
-from conftest import GPUS, write_meminfo  # noqa: E402
+from conftest import write_meminfo  # noqa: E402
 
 from yue2_vllm.memory import (UNIFIED_HOST_BYTES, budget_problem, default_budget_gib, device_pool,  # noqa: E402
                               os_reserve_bytes, read_meminfo)
@@ -106,7 +115,7 @@ def test_gb10_plans_one_pool_from_memavailable(fake_gpu, tmp_path):
     plan = release_plan(default_budget_gib(pool), gpu["total"], unified=pool)
     host = 3 * GIB + 2 * GIB
     assert plan.host_side == host == sum(UNIFIED_HOST_BYTES.values()) and plan.limit == pool.pool
-    fixed = AR_BF16 + 2 * GIB + MOT + VAE + plan.nar_chunks + 2 * GIB + host
+    fixed = AR_BF16 + 2 * GIB + MOT + VAE + plan.nar_chunks + 2 * GIB + host + plan.torch_decode
     rows = min(64, (pool.pool - fixed) // TYPICAL)
     assert plan.max_num_seqs == rows and plan.kv_cache == rows * TYPICAL + MARGIN
     assert plan.problems() == [] and plan.engine + plan.torch_side + plan.host_side <= pool.pool
@@ -140,8 +149,8 @@ def test_discrete_gpus_plan_as_before(fake_gpu, tmp_path, name):
     assert device_pool("cuda", write_meminfo(tmp_path / "meminfo", 64 * GIB, 10 * GIB)) is None
     plan = release_plan(24, gpu["total"])
     assert plan.unified is None and plan.host_side == 0 and plan.startup_problem(0) is None
-    rows = min(64, (min(24 * GIB, gpu["total"]) - (AR_BF16 + 2 * GIB + MOT + VAE + plan.nar_chunks + 2 * GIB))
-               // TYPICAL)
+    rows = min(64, (min(24 * GIB, gpu["total"]) - (AR_BF16 + 2 * GIB + MOT + VAE + plan.nar_chunks + 2 * GIB
+                                                    + plan.torch_decode)) // TYPICAL)
     assert plan.max_num_seqs == rows and plan.limit == 24 * GIB
 
 

@@ -112,3 +112,49 @@ def test_cancellation_stops_within_one_step(backend):
         backend.generate(PREFIX, Sampling(min_tokens=0, max_tokens=50), 0, "semantic",
                          on_token=lambda p, t: emitted.append(t), cancelled=lambda: len(emitted) >= 3)
     assert len(emitted) == 3
+
+
+def test_default_on_the_cpu_is_eager_and_says_why(backend):
+    result = backend.generate(PREFIX, Sampling(min_tokens=0, max_tokens=3), 0, "semantic")
+    assert result.timing["execution"] == "eager" and result.timing["attention"] == "sdpa"
+    assert result.timing["graph_fallback_reason"].startswith("non_cuda_device: CUDA graphs are captured on CUDA only")
+
+
+@pytest.mark.parametrize("phase,legacy_off", [("semantic", False), ("abc", False), ("semantic", True)])
+def test_row_sampler_scores_equal_phase_scores_on_the_rows(phase, legacy_off):
+    from yue2_vllm.model.decode_step import PhaseRows
+    from yue2_vllm.model.sampling import RowSampler
+
+    rows = PhaseRows.for_phase(phase)
+    ids = rows.ids()
+    sampling = Sampling(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.3, penalty_window=3,
+                        min_tokens=4, max_tokens=12)
+    generator = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if legacy_off else torch.float32
+    sampler, history = RowSampler(rows, sampling, phase, 184704, torch.device("cpu"), legacy_off), []
+    for step in range(8):
+        logits = (torch.randn(1, 184704, generator=generator) * 3).to(dtype)
+        want = phase_scores(logits, sampling, history, step, phase, legacy_off)
+        got = sampler.scores(logits[:, ids], step)
+        want = want[:, ids]
+        assert got.dtype == want.dtype
+        if legacy_off:  # bf16 ties at the top-p cut: the unstable sort may keep the other of two equal scores
+            assert sorted(got[got.isfinite()].tolist()) == sorted(want[want.isfinite()].tolist())
+        else:
+            assert torch.equal(got, want)
+        token = int(ids[step * 97 % 7])  # a few repeats, so the window's counts go up and back down
+        sampler._count(torch.tensor([token]), step)
+        history.append(token)
+
+
+def test_draw_is_multinomials_one_sample_draw_without_its_checks():
+    from yue2_vllm.model.sampling import draw
+
+    source = torch.Generator().manual_seed(9)
+    for seed in range(50):
+        probabilities = torch.rand(1, 4096, generator=source).pow(6)
+        probabilities[0, ::3] = 0
+        probabilities /= probabilities.sum()
+        first, second = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        assert torch.equal(draw(probabilities, first), torch.multinomial(probabilities, 1, generator=second))
+        assert torch.equal(first.get_state(), second.get_state())

@@ -155,6 +155,26 @@ def test_plan_stage_only(pipe, tmp_path):
     assert pipe.generate_to(tmp_path / "s", REQUEST, resume=True)["status"] == "complete"
 
 
+def test_torch_execution_is_recorded_per_phase_and_batched_gives_the_same_song(tiny_model_dir, tiny_vae_dir,
+                                                                              tmp_path):
+    with pytest.raises(ValueError, match="--torch-execution graph needs a CUDA device; the model is on cpu"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, torch_execution="graph", hash_cache=HashCache(tmp_path / "c"))
+    songs = {}
+    for execution in ("auto", "batched"):
+        pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, dtype="float32",
+                            torch_execution=execution, hash_cache=HashCache(tmp_path / "cache.json"))
+        plan = pipe.plan(REQUEST)
+        songs[execution] = (plan, pipe.generate_semantic(plan))
+    (plan, semantic), (batched_plan, batched) = songs["auto"], songs["batched"]
+    assert batched_plan.abc_ids == plan.abc_ids and batched.tokens == semantic.tokens
+    for timing in (plan.timing, semantic.timing):
+        assert timing["execution"] == "eager" and timing["attention"] == "sdpa"
+        assert timing["graph_fallback_reason"].startswith("non_cuda_device:")
+    for timing in (batched_plan.timing, batched.timing):
+        assert timing["execution"] == "batched" and timing["attention"] == "sdpa_masked"
+        assert timing["kv_bytes"] > 0 and timing["capture_seconds"] == 0.0
+
+
 def test_weight_identity_is_cached(tiny_model_dir, tiny_vae_dir, tmp_path):
     cache = HashCache(tmp_path / "c.json")
     from yue2_vllm.checkpoint import model_identity

@@ -159,6 +159,14 @@ def nar_chunk_bytes(config: YuE2Config, tokens: int = CONTEXT, offload_ar: bool 
     return kv_bytes_per_token(config) * tokens + activations
 
 
+def torch_decode_bytes(config: YuE2Config, tokens: int, branches: int = 2) -> int:
+    """The torch AR phase's decode buffers: one K/V row of `tokens` (prompt + max_tokens) per CFG branch (what
+    `BranchDecoder` and the eager caches allocate alike), plus the step's activations and fp32 sampling rows
+    (the captured graph's pool holds one step's)."""
+    step = branches * (4 * config.hidden_size + 3 * config.intermediate_size) + (branches + 4) * config.vocab_size
+    return branches * tokens * kv_bytes_per_token(config) + 4 * step
+
+
 VAE_ACTIVATION_COPIES = 4  # live [channels, samples] fp32 tensors in a residual unit: input, snake, conv, sum
 
 
@@ -199,6 +207,7 @@ class MemoryPlan:
     kv_dtype_bytes: int = 2
     host_side: int = 0  # unified memory: the engine process's and our host bytes, from the same pool
     unified: UnifiedPool | None = None
+    torch_decode: int = 0  # the torch AR phase's K/V rows and graph pool (memory.torch_decode_bytes)
 
     @property
     def limit(self) -> int:
@@ -212,7 +221,7 @@ class MemoryPlan:
 
     @property
     def torch_side(self) -> int:
-        return self.torch_model + self.vae + self.nar_chunks + self.torch_reserve
+        return self.torch_model + self.vae + self.nar_chunks + self.torch_reserve + self.torch_decode
 
     @property
     def gpu_memory_utilization(self) -> float | None:
@@ -238,6 +247,7 @@ class MemoryPlan:
         return [f"the engine ({_gib(self.engine_weights)} AR weights + {_gib(self.kv_cache)} KV cache for "
                 f"{self.max_num_seqs} rows + {_gib(self.engine_overhead)} overhead) and the torch side "
                 f"({_gib(self.torch_model)} MoT + {_gib(self.vae)} VAE + {_gib(self.nar_chunks)} NAR buffers + "
+                f"{_gib(self.torch_decode)} torch AR decode + "
                 f"{_gib(self.torch_reserve)} reserve) need {_gib(need)}, but the budget allows {_gib(limit)} "
                 f"(budget {_gib(self.budget)}, {self.device} total {_gib(self.total)}); lower --concurrency or the "
                 "KV cache, use --offload-ar or a quantized AR checkpoint, or raise --budget"]
@@ -304,13 +314,14 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
     chunk = nar_chunk_bytes(config, CONTEXT, offload_ar) * max(1, synthesis_batch)
     unified = unified if device == "cuda" else None
     host = sum(UNIFIED_HOST_BYTES.values()) if unified is not None else 0
+    decode = torch_decode_bytes(config, min(typical_tokens, max_model_len))  # a torch-backend (fallback) CFG song
     base = dict(device=device, total=total, budget=budget, engine_weights=engine_weights,
                 engine_overhead=ENGINE_OVERHEAD_BYTES[device], torch_model=torch_model, vae=vae, nar_chunks=chunk,
                 torch_reserve=TORCH_RESERVE_BYTES, kv_block_tokens=block, kv_dtype_bytes=kv_dtype_bytes,
-                host_side=host, unified=unified)
+                host_side=host, unified=unified, torch_decode=decode)
     limit = min(budget, total, unified.pool) if unified is not None else min(budget, total)
     free = limit - (engine_weights + ENGINE_OVERHEAD_BYTES[device] + torch_model + vae + chunk
-                    + TORCH_RESERVE_BYTES + host)
+                    + TORCH_RESERVE_BYTES + host + decode)
     margin = KV_MARGIN_BLOCKS * block * kv_bytes_per_token(config, kv_dtype_bytes)
     one_full = row_kv_bytes(config, max_model_len, block, kv_dtype_bytes)
     typical = row_kv_bytes(config, min(typical_tokens, max_model_len), block, kv_dtype_bytes)

@@ -34,7 +34,7 @@ from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empt
                       resolve_device, set_upstream_numerics)
 from .memory import (PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, budget_problem, default_budget_gib, device_pool,
                      vae_decode_bytes)
-from .model.sampling import ARBackend, TorchARBackend
+from .model.sampling import ARBackend, TorchARBackend, resolve_execution
 from .model.torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, proxy_slow_reason, restore_ar
 from .tokenizer import YuE2Tokenizer
 from .model.vae import check_vae, load_vae
@@ -158,7 +158,7 @@ class YuE2Pipeline:
                  engine_options: dict | None = None, quantization: str = "none", offload_ar: bool = False,
                  dtype: str = "bfloat16", start_engine: bool = False, cfg_engine: str = "vllm",
                  quantized_policy: str = "auto", revision: str | None = None, vae_revision: str | None = None,
-                 reproducible: bool = False):
+                 reproducible: bool = False, torch_execution: str = "auto"):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if memory_budget_gib is not None and not memory_budget_gib > 0:
@@ -176,6 +176,7 @@ class YuE2Pipeline:
         self.model_dir = self.sources["mot"].path
         self.vae_dir = self.sources["vae"].path if self.sources["vae"] is not None else None
         self.device = resolve_device(device)
+        resolve_execution(torch_execution, self.device)  # refuse e.g. graph on the CPU before loading anything
         check_dtype_support(self.device, DTYPES[dtype])
         self.numerics = set_upstream_numerics()  # process-wide, as upstream sets them at construction
         # An integrated GPU (DGX Spark) shares the host's memory: one pool, MemAvailable less an OS reserve.
@@ -239,7 +240,7 @@ class YuE2Pipeline:
         self._vae = None
         self.vae_placement: dict | None = None  # the last accelerator decode's placement decision
         self.load_timing = {"identity_seconds": identity_seconds, "load_seconds": time.perf_counter() - start}
-        self.torch_backend = TorchARBackend(self.model)
+        self.torch_backend = TorchARBackend(self.model, torch_execution)
         # One torch AR song at a time (the "torch lane"); with load-time proxies the NAR must not run
         # while they are swapped in, so the same lock then also covers synthesis.
         self.torch_lock = threading.RLock()

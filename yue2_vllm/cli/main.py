@@ -111,6 +111,11 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                         help="vLLM's model runner for our engine: v2 (Model Runner V2, async scheduling on CUDA), v1, "
                              "or auto = what vLLM would choose (v2 on CUDA with vLLM >= 0.31, v1 on CPU); recorded "
                              "per song (default: auto)")
+    parser.add_argument("--torch-execution", choices=("auto", "graph", "eager"), default="auto",
+                        help="how the torch AR backend decodes: graph (both CFG branches as one batch, one captured "
+                             "CUDA graph step per token; CUDA only), eager (one forward per branch and token), or "
+                             "auto = graph on CUDA, eager on CPU/MPS; a failed capture decodes that phase eagerly. "
+                             "Recorded per phase (execution, attention, graph_fallback_reason). Default: auto")
     parser.add_argument("--cfg-engine", choices=("vllm", "torch"), default="vllm",
                         help="where songs with cfg_scale != 1 (cot=off included) run when --backend is vllm/auto: as "
                              "paired rows on the engine, or on the torch backend (default: vllm)")

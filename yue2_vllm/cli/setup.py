@@ -107,7 +107,8 @@ def _pipeline(args, need_vae: bool = True):
                         generation_config=generation, verify_hashes=args.verify_hashes,
                         ar_checkpoint=args.ar_checkpoint, quantization=args.quantization, offload_ar=args.offload_ar,
                         dtype=args.dtype, engine_options=engine_options, start_engine=True, cfg_engine=args.cfg_engine,
-                        quantized_policy=args.quantized_policy, reproducible=getattr(args, "reproducible", False))
+                        quantized_policy=args.quantized_policy, reproducible=getattr(args, "reproducible", False),
+                        torch_execution=getattr(args, "torch_execution", "auto"))
     note = torch_ar_note(backend, pipe.device.type, vllm_installed())
     if note is not None:
         import logging

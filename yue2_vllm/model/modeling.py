@@ -316,6 +316,15 @@ class StaticKVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
 
+    @classmethod
+    def over(cls, keys: list[torch.Tensor], values: list[torch.Tensor]) -> "StaticKVCache":
+        """A cache that appends into given per-layer `[B, KVH, capacity, D]` tensors (views of a larger
+        buffer are written through; nothing is allocated)."""
+        cache = cls.__new__(cls)
+        cache.num_layers, cache.capacity, cache.length = len(keys), keys[0].shape[2], 0
+        cache.keys, cache.values = list(keys), list(values)
+        return cache
+
     def reset(self) -> None:
         """Forget every position so the same buffers serve a new sequence (nothing is reallocated;
         stale entries beyond `length` are never read)."""
@@ -367,6 +376,12 @@ class YuE2Model(nn.Module):
         Without a cache this is a plain causal forward; with one it is a prefill (empty cache),
         a chunked prefill (bottom-right causal mask) or a one-token decode.
         """
+        return self.lm_head(self.hidden_ar(input_ids, cache, logits_to_keep))
+
+    @torch.inference_mode()
+    def hidden_ar(self, input_ids: torch.Tensor, cache: StaticKVCache | None = None,
+                  keep: int = 1) -> torch.Tensor:
+        """`forward_ar` before the lm_head: the final-normed hidden states `[B, keep, hidden]` (0 = all)."""
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must be [batch, tokens] with tokens >= 1, got {list(input_ids.shape)}")
         past, count = (cache.length if cache is not None else 0), input_ids.shape[1]
@@ -380,7 +395,7 @@ class YuE2Model(nn.Module):
         for index, layer in enumerate(self.model.layers):
             x = layer.forward_ar(x, cos, sin, cache, index, mask)
         hidden = self.model.norm(x)
-        return self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        return hidden[:, -keep:] if keep else hidden
 
     def shifted_timestep(self, raw_t: float) -> torch.Tensor:
         """`sigmoid(raw_t)` in the model dtype, then the timestep shift (identity at 1.0)."""
