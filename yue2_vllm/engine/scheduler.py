@@ -13,8 +13,10 @@ by bench/vllm_source_check.py, section 4):
   num_waiting_for_streaming_input < max_num_running_reqs`.
 * 0.31+: admission drains `kv_holding_waiting` before `waiting` (only the former while new requests are
   paused) while `len(running) + num_waiting_for_streaming_input < max_num_active_reqs`.
-The hold walks the queues in that order and counts every single request ahead of a pair as taking a slot
-(a request the scan skips takes none: the hold errs towards holding, never towards splitting).
+The hold walks the queues in that order; a pair starts only if the free slots cover both rows and every
+request admission meets between them (the two rows may sit in different queues), and each single request
+ahead counts as taking a slot (one the scan skips takes none: the hold errs towards holding, never
+towards splitting). Token budget and KV allocation are not ganged: our parent-side admission sizes both.
 
 Two classes share the hold: `PairScheduler` (sync scheduling, the V1 runner) and `PairAsyncScheduler`
 (over vLLM's `AsyncScheduler`, for Model Runner V2 with async scheduling on). vLLM warns that a custom
@@ -82,19 +84,23 @@ class _HoldsUnstartablePairs:
                     members.setdefault(pair, []).append(request)
         if not members:
             return []
-        admissible = {id(request) for queue in drained for request in queue}
+        order = in_admission_order(self, drained)
+        position = {id(request): index for index, request in enumerate(order)}
         free, held_pairs, seen = free_slots(self), set(), set()
-        for request in in_admission_order(self, drained):
+        for request in order:
             pair = pair_of(request)
             if pair is None:
                 free -= 1  # a single request ahead takes a slot first
             elif pair not in seen:
                 seen.add(pair)
-                whole = len(members[pair]) == 2 and all(id(r) in admissible for r in members[pair])
-                if whole and free >= 2:
-                    free -= 2
-                else:
-                    held_pairs.add(pair)
+                rows = members[pair]
+                if len(rows) == 2 and all(id(row) in position for row in rows):
+                    # what admission meets between the two rows may take slots first: count all of it
+                    between = abs(position[id(rows[0])] - position[id(rows[1])]) - 1
+                    if free >= 2 + between:
+                        free -= 2
+                        continue
+                held_pairs.add(pair)
         held = []
         for queue in everywhere:
             requests = [request for request in queue if pair_of(request) in held_pairs]
