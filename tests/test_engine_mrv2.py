@@ -298,3 +298,14 @@ def test_sliced_head_on_mrv2_computes_each_rows_phase_once_per_step(mrv2_model):
     pending = model.slot_phases.pending[1]
     assert set(pending) == {es.PHASE_INDEX["semantic"], es.PHASE_INDEX["abc"]}
     assert pending[es.PHASE_INDEX["abc"]].tolist() == [2]
+
+
+@needs_vllm
+def test_head_rates_times_both_heads_as_the_bench_reports_them(mrv2_model, tiny_model_dir, tmp_path):
+    from yue2_vllm.derive import derive_ar_checkpoint
+    from yue2_vllm.engine.mrv2_step import head_rates
+
+    rates = head_rates(derive_ar_checkpoint(tiny_model_dir, tmp_path), "bfloat16", (1, 3), steps=3, repeats=1)
+    assert set(rates) == {"semantic_tok_s_x1", "semantic_tok_s_x3", "sliced_over_full_x1", "sliced_over_full_x3"}
+    assert all(rate > 0 for key in ("semantic_tok_s_x1", "semantic_tok_s_x3") for rate in rates[key].values())
+    assert rates["sliced_over_full_x3"] == rates["semantic_tok_s_x3"]["sliced"] / rates["semantic_tok_s_x3"]["full"]

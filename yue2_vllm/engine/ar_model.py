@@ -28,14 +28,12 @@ Importing this module imports vLLM: only the engine worker (through the registry
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
-from . import sampling as es
 from .mrv2 import SlotPhases, model_state_class
-from .plugin import phase_rows
+from .plugin import phase_rows, sliced_logits
 
 
 class YuE2ARForCausalLM(Qwen3ForCausalLM):
@@ -71,11 +69,6 @@ class YuE2ARForCausalLM(Qwen3ForCausalLM):
         if phases is None or not self._head_is_plain():
             type(self).widest_row = max(type(self).widest_row, self.config.vocab_size)
             return super().compute_logits(hidden_states)
-        weight = self.lm_head.weight
-        logits = torch.full((len(hidden_states), self.config.vocab_size), float("-inf"), dtype=hidden_states.dtype,
-                            device=hidden_states.device)
-        for phase, index in phases.items():  # index tensors cached per batch layout: no per-step copy
-            columns = slice(0, self.config.vocab_size) if phase is None else es.phase_slice(phase)
-            logits[index, columns] = F.linear(hidden_states[index], weight[columns])
-            type(self).widest_row = max(type(self).widest_row, columns.stop - columns.start)
+        logits, widest = sliced_logits(hidden_states, self.lm_head.weight, phases, self.config.vocab_size)
+        type(self).widest_row = max(type(self).widest_row, widest)
         return logits
