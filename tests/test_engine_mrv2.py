@@ -306,6 +306,7 @@ def test_head_rates_times_both_heads_as_the_bench_reports_them(mrv2_model, tiny_
     from yue2_vllm.engine.mrv2_step import head_rates
 
     rates = head_rates(derive_ar_checkpoint(tiny_model_dir, tmp_path), "bfloat16", (1, 3), steps=3, repeats=1)
-    assert set(rates) == {"semantic_tok_s_x1", "semantic_tok_s_x3", "sliced_over_full_x1", "sliced_over_full_x3"}
+    assert set(rates) == {"threads", "semantic_tok_s_x1", "semantic_tok_s_x3", "sliced_over_full_x1",
+                          "sliced_over_full_x3"}
     assert all(rate > 0 for key in ("semantic_tok_s_x1", "semantic_tok_s_x3") for rate in rates[key].values())
     assert rates["sliced_over_full_x3"] == rates["semantic_tok_s_x3"]["sliced"] / rates["semantic_tok_s_x3"]["full"]

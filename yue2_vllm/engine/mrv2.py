@@ -16,9 +16,14 @@ the V1 adapter's own. vLLM loads the class by FQCN (`plugin.FQCNS`). Per-slot hi
 `non_blocking` copies from pinned memory in `apply_staged_writes`.
 
 Speculative decoding (several logits rows per request) is not served: our engine never enables it.
+
+The sliced lm_head's side of MRV2 lives here too: `SlotPhases` (each slot's phase and each step's rows, on
+the host) and `YuE2ModelState`, vLLM's default model state that feeds it (`model_state_class`, named by
+`ar_model.YuE2ARForCausalLM.get_model_state_cls`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -227,14 +232,10 @@ def _build_model_state_class():
     return YuE2ModelState
 
 
-_built_states: list = []
-
-
+@functools.cache
 def model_state_class():
     """`YuE2ModelState`, built on first use (importing this module does not import vLLM)."""
-    if not _built_states:
-        _built_states.append(_build_model_state_class())
-    return _built_states[0]
+    return _build_model_state_class()
 
 
 def _build_class():

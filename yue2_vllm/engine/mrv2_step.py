@@ -121,35 +121,44 @@ class SlotRunner:
 
 def head_rates(checkpoint: Path, dtype: str, rows: tuple[int, ...], steps: int, repeats: int) -> dict:
     """Semantic decode steps of `rows` YuE2 rows through MRV2's model state, head and sampler (no forward: the
-    hidden states are random): tok/s with the sliced and the full head, medians of `repeats`, and their ratio."""
+    hidden states are random): tok/s with the sliced and the full head, medians of `repeats`, and their ratio.
+    Torch runs on the engine worker's share of the cores (`backend.cpu_split`), as an engine here would: with
+    every core, each parallel op waits at its barrier for the core the other side holds."""
+    from .backend import cpu_split
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cpu_split()[0])
+    try:
+        result: dict = {"threads": torch.get_num_threads()}
+        with standalone_model(checkpoint, dtype) as (model, state):
+            for count in rows:
+                rates = {kind: statistics.median(_step_rate(model, state, getattr(torch, dtype), count, steps,
+                                                            kind == "sliced", repeat) for repeat in range(repeats))
+                         for kind in ("sliced", "full")}
+                result[f"semantic_tok_s_x{count}"] = rates
+                result[f"sliced_over_full_x{count}"] = rates["sliced"] / rates["full"]
+        return result
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _step_rate(model, state, dtype: torch.dtype, count: int, steps: int, sliced: bool, seed: int) -> float:
+    """tok/s of `steps` semantic decode steps of `count` fresh rows (model state, head, sampler, commit)."""
     from vllm import SamplingParams
 
     from ..protocol import MUSIC_START, Sampling
     from .mrv2 import YuE2SamplerV2
     from .plugin import row_args
 
-    torch_dtype = getattr(torch, dtype)
-    result: dict = {}
-    with standalone_model(checkpoint, dtype) as (model, state):
-        for count in rows:
-            rates = {}
-            for sliced in (True, False):
-                runs = []
-                for repeat in range(repeats):
-                    runner = SlotRunner(YuE2SamplerV2, model, state, torch_dtype, count, 32 + steps)
-                    params = [SamplingParams(temperature=0, max_tokens=steps, extra_args=row_args(
-                        "semantic", Sampling(min_tokens=steps, max_tokens=steps), 100 + i)) for i in range(count)]
-                    slots = [runner.add([1, 2, MUSIC_START], p) for p in params]
-                    generator = torch.Generator().manual_seed(repeat)
-                    hidden = [torch.randn(count, model.config.hidden_size, generator=generator).to(torch_dtype)
-                              for _ in range(4)]
-                    start = time.perf_counter()
-                    for step in range(steps):
-                        tokens = runner.step(runner.logits(hidden[step % 4], slots, sliced), slots).argmax(dim=1)
-                        for slot, token in zip(slots, tokens.tolist()):
-                            runner.commit(slot, token)
-                    runs.append(count * steps / (time.perf_counter() - start))
-                rates["sliced" if sliced else "full"] = statistics.median(runs)
-            result[f"semantic_tok_s_x{count}"] = rates
-            result[f"sliced_over_full_x{count}"] = rates["sliced"] / rates["full"]
-    return result
+    runner = SlotRunner(YuE2SamplerV2, model, state, dtype, count, 32 + steps)
+    sampling = Sampling(min_tokens=steps, max_tokens=steps)
+    slots = [runner.add([1, 2, MUSIC_START], SamplingParams(temperature=0, max_tokens=steps, extra_args=row_args(
+        "semantic", sampling, 100 + i))) for i in range(count)]
+    generator = torch.Generator().manual_seed(seed)
+    hidden = [torch.randn(count, model.config.hidden_size, generator=generator).to(dtype) for _ in range(4)]
+    start = time.perf_counter()
+    for step in range(steps):
+        tokens = runner.step(runner.logits(hidden[step % 4], slots, sliced), slots).argmax(dim=1)
+        for slot, token in zip(slots, tokens.tolist()):
+            runner.commit(slot, token)
+    return count * steps / (time.perf_counter() - start)

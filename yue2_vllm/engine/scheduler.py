@@ -8,7 +8,7 @@ Preemption is not ganged: a preempted row's partner goes on alone, gets the sent
 resubmits the pair (our parent-side KV admission keeps preemption rare).
 
 What "free" and "waiting" mean is read from the release's own `Scheduler.schedule()` (checked per release
-by bench/vllm_source_check.py, section 4):
+by bench/vllm_source_check.py, sections 4 and 10):
 * 0.28–0.30: admission drains `skipped_waiting` before `waiting` (FCFS) while `len(running) +
   num_waiting_for_streaming_input < max_num_running_reqs`.
 * 0.31+: admission drains `kv_holding_waiting` before `waiting` (only the former while new requests are
