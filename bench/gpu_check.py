@@ -36,6 +36,8 @@ the GPU machines of this project do not have, so it is skipped there with the re
 * `engine.sampler_syncs`: host syncs per sampler step (`torch.cuda.set_sync_debug_mode`), V1 and MRV2 adapters.
 * `engine.sliced_head`: the phase-sliced vs the full lm_head in bf16 at 2048 x 184,704, M 1/8/64 (max |Δ|,
   argmax agreement, ms per call).
+* `engine.mrv2_sliced_head`: Model Runner V2's sliced head (model state layout + `plugin.sliced_logits`) vs the
+  full head in bf16 at 2048 x 184,704, M 1/8/64, semantic-only and half-abc batches (ms, ratio, host syncs).
 * `engine.runners`: the engine on each model runner with the tiny checkpoint (runner, async scheduling,
   a float32 song's tokens equal across runners).
 """
@@ -698,6 +700,55 @@ def engine_sliced_head(args) -> Rows:
             agree = (full[:, columns].argmax(-1) == sliced.argmax(-1)).float().mean().item()
             rows.append({"row": f"{name} M={m}", "max_abs_delta": delta, "argmax_agreement": agree,
                          "full_ms": full_s * 1e3, "sliced_ms": sliced_s * 1e3})
+    return rows
+
+
+@section("engine.mrv2_sliced_head", needs="cuda")
+def engine_mrv2_sliced_head(args) -> Rows:
+    """Model Runner V2's sliced head (issue 28) in bf16 at 2048 x 184,704, M 1/8/64: what `compute_logits` runs
+    after our model state's `prepare_inputs` (`mrv2.SlotPhases` -> `plugin.sliced_logits`) vs the full head, for
+    semantic-only and half-abc batches: ms per step, ratio, host syncs of a step with a cached layout, argmax
+    agreement on each row's phase slice."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch.nn.functional as F
+
+    from yue2_vllm.engine import sampling as es
+    from yue2_vllm.engine.mrv2 import SlotPhases
+    from yue2_vllm.engine.plugin import row_args, sliced_logits
+    from yue2_vllm.protocol import VOCAB_SIZE, Sampling
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(VOCAB_SIZE, 2048, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
+    rows = []
+    for m in (1, 8, 64):
+        for mix in ("semantic", "half abc"):
+            if mix == "half abc" and m == 1:
+                continue
+            phases = SlotPhases("cuda")
+            slots = list(range(m))[::-1]  # rows map to slots in another order, as MRV2's idx_mapping does
+            for slot in slots:
+                phase = "abc" if mix == "half abc" and slot % 2 else "semantic"
+                phases.add_request(slot, SimpleNamespace(extra_args=row_args(phase, Sampling(), slot)))
+            idx_mapping_np = np.array(slots, dtype=np.intp)
+            phases.prepare(idx_mapping_np)  # the first step of a layout builds it (non-blocking copies)
+            phases.take(m)
+            hidden = torch.randn(m, 2048, device="cuda", generator=generator).to(torch.bfloat16)
+
+            def sliced():
+                phases.prepare(idx_mapping_np)
+                return sliced_logits(hidden, weight, phases.take(m), VOCAB_SIZE)[0]
+
+            full_s, full = timed(lambda: F.linear(hidden, weight), 7)
+            sliced_s, out = timed(sliced, 7)
+            agree = []
+            for row, slot in enumerate(slots):
+                columns = es.phase_slice(phases.phases[slot])
+                agree.append(bool(full[row, columns].argmax() == out[row, columns].argmax()))
+            rows.append({"row": f"{mix} M={m}", "full_ms": full_s * 1e3, "sliced_ms": sliced_s * 1e3,
+                         "full_over_sliced": full_s / sliced_s, "host_syncs": count_syncs(sliced),
+                         "argmax_agreement": sum(agree) / len(agree)})
     return rows
 
 

@@ -151,6 +151,8 @@ SCHED = M + "v1/core/sched/scheduler.py"
 KL = M + "model_executor/kernels/linear/__init__.py"
 KL_MM = M + "model_executor/kernels/linear/scaled_mm/"
 CT = M + "model_executor/layers/quantization/compressed_tensors/schemes/"
+MS = M + "v1/worker/gpu/model_states/"
+MRV2 = M + "v1/worker/gpu/model_runner.py"
 CHECKS: list[tuple[str, str | None, str, str, str]] = [
     # 1. V1 logits-processor interface
     ("0.28.0", None, LP_V1, r"^class LogitsProcessor\(ABC\)", "V1 LogitsProcessor base class"),
@@ -332,6 +334,37 @@ CHECKS: list[tuple[str, str | None, str, str, str]] = [
      r"\s+self\.free_memory = psutil\.virtual_memory\(\)\.available", "integrated GPU: free = psutil available"),
     ("0.28.0", None, M + "platforms/cuda.py", r"def is_integrated_gpu\(cls, device_id: int = 0\) -> bool:\s+return bool\("
      r"torch\.cuda\.get_device_properties\(device_id\)\.is_integrated\)", "is_integrated_gpu = props.is_integrated"),
+    # 9. the sliced lm_head on Model Runner V2 (issue 28): our model state tells compute_logits each step's rows
+    ("0.28.0", None, MS + "__init__.py", r'if hasattr\(model, "get_model_state_cls"\):\s+(cls = |return )model\.get_model_state_cls\(\)',
+     "MRV2: a model names its ModelState"),
+    ("0.28.0", None, MS + "__init__.py", r"cls\(vllm_config, model, encoder_cache, device\)", "ModelState(vllm_config, model, cache, device)"),
+    ("0.28.0", None, MS + "default.py", r"^class DefaultModelState\(ModelState\)", "DefaultModelState (Qwen3's)"),
+    ("0.28.0", None, MS + "default.py", r"def add_request\(self, req_index: int, new_req_data: NewRequestData\) -> None",
+     "ModelState.add_request(slot, new_req_data)"),
+    ("0.28.0", None, MS + "default.py", r"def prepare_inputs\(\s*self, input_batch: InputBatch, req_states: RequestState\s*\)",
+     "ModelState.prepare_inputs(input_batch, req_states)"),
+    ("0.28.0", None, MRV2, r"self\.model_state\.add_request\(req_index, new_req_data\)", "runner: model_state.add_request per new request"),
+    ("0.28.0", None, MRV2, r"\*\*self\.model_state\.prepare_inputs\(input_batch, self\.req_states\)[\s\S]*?run_fullgraph\(",
+     "prepare_inputs runs before a FULL graph replay"),
+    ("0.28.0", None, MRV2, r"idx_mapping_np = np\.fromiter\(idx_mapping_iter, dtype=np\.intp, count=num_reqs\)",
+     "idx_mapping_np: one slot per request, on the host"),
+    ("0.28.0", None, MRV2, r"sample_hidden_states = hidden_states\[input_batch\.logits_indices\]\s+logits = self\.model\.compute_logits\(sample_hidden_states\)",
+     "sample(): compute_logits(hidden[logits_indices]), eager"),
+    ("0.28.0", None, MRV2, r"self\.sample\(\s*hidden_states, input_batch[^)]*\)[\s\S]*?compute_prompt_logprobs\(\s*self\.model\.compute_logits",
+     "prompt logprobs call compute_logits after sample()"),
+    ("0.28.0", None, M + "v1/worker/gpu/input_batch.py", r"^\s+idx_mapping_np: np\.ndarray", "InputBatch.idx_mapping_np"),
+    ("0.28.0", None, M + "v1/worker/gpu/input_batch.py", r"^\s+logits_indices: torch\.Tensor", "InputBatch.logits_indices"),
+    # 10. admission as PairScheduler reads it (issue 28)
+    ("0.28.0", "0.30.0", SCHED, r"return self\.skipped_waiting or self\.waiting or None", "FCFS: skipped_waiting drained first (<=0.30)"),
+    ("0.28.0", "0.30.0", SCHED, r"num_running = len\(self\.running\) \+ self\.num_waiting_for_streaming_input\s+if num_running >= self\.max_num_running_reqs:",
+     "admission limit: running + streaming < max_num_running_reqs (<=0.30)"),
+    ("0.31.0", "0.31.0", SCHED, r"request_queue = self\.kv_holding_waiting or self\.waiting", "kv_holding_waiting drained first (0.31)"),
+    ("0.32.0", None, SCHED, r"request_queue = self\.kv_holding_waiting\s+if not request_queue and self\._pause_state == PauseState\.UNPAUSED:\s+request_queue = self\.waiting",
+     "kv_holding_waiting first; waiting only unpaused (0.32+)"),
+    ("0.31.0", None, SCHED, r"num_running = len\(self\.running\) \+ self\.num_waiting_for_streaming_input\s+if num_running >= self\.max_num_active_reqs:",
+     "admission limit: running + streaming < max_num_active_reqs (0.31+)"),
+    ("0.31.0", None, SCHED, r"self\.max_num_active_reqs = \(\s+self\.scheduler_config\.max_num_active_seqs", "max_num_active_reqs from max_num_active_seqs"),
+    ("0.31.0", None, M + "config/scheduler.py", r"max_num_active_seqs: int \| None = ", "SchedulerConfig.max_num_active_seqs"),
 ]
 
 

@@ -14,6 +14,7 @@ import torch
 
 from yue2_vllm.engine import sampling as es
 from yue2_vllm.engine import mrv2
+from yue2_vllm.engine.mrv2_step import SlotRunner
 from yue2_vllm.protocol import ABC_END, CODEC_OFFSET, MUSIC_END, MUSIC_START, Sampling, VOCAB_SIZE
 from yue2_vllm.engine.backend import vllm_version
 from yue2_vllm.engine.plugin import FQCNS, Pairing, parse_row, row_args, sample_rows, step_layout
@@ -22,51 +23,12 @@ needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vllm is not inst
 MAX_REQS, MAX_LEN = 12, 160
 
 
-class Runner:
+class Runner(SlotRunner):
     """The V2 runner's bookkeeping for a processor: slots from a free list, history on the 'device'."""
 
     def __init__(self, processor_cls):
-        self.tokens = torch.zeros(MAX_REQS, MAX_LEN, dtype=torch.int32)
-        self.prompt_len = torch.zeros(MAX_REQS, dtype=torch.int32)
-        self.total_len = torch.zeros(MAX_REQS, dtype=torch.int32)
-        states = self.req_states()
-        self.processor = processor_cls(SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16)), states)
-        self.free = list(range(MAX_REQS))
-        random.Random(5).shuffle(self.free)  # slots are recycled in no particular order
-
-    def req_states(self):
-        from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
-
-        def buffer(tensor):
-            return SimpleNamespace(gpu=tensor, np=tensor.numpy())
-
-        return LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=MAX_REQS, vocab_size=VOCAB_SIZE,
-                                      all_token_ids=buffer(self.tokens), prompt_len=buffer(self.prompt_len),
-                                      prefill_len=buffer(self.prompt_len), total_len=buffer(self.total_len))
-
-    def add(self, prompt, params) -> int:
-        slot = self.free.pop()
-        self.tokens[slot].zero_()
-        self.tokens[slot, :len(prompt)] = torch.tensor(prompt)
-        self.prompt_len[slot] = self.total_len[slot] = len(prompt)
-        self.processor.add_request(slot, params)
-        return slot
-
-    def step(self, logits, slots):
-        from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
-
-        self.processor.apply_staged_writes()
-        index = torch.tensor(slots, dtype=torch.long)
-        pos = (self.total_len[index] - 1).long()
-        ctx = LogitsContext(expanded_idx_mapping=index, idx_mapping=index, idx_mapping_np=np.array(slots),
-                            expanded_local_pos=torch.zeros(len(slots), dtype=torch.long),
-                            input_ids=self.tokens[index, pos], pos=pos,
-                            seq_lens_upper_bound_np=(pos + 1).numpy())
-        return self.processor.apply(logits, ctx)
-
-    def commit(self, slot, token):
-        self.tokens[slot, self.total_len[slot]] = token
-        self.total_len[slot] += 1
+        super().__init__(processor_cls, SimpleNamespace(config=SimpleNamespace(vocab_size=VOCAB_SIZE)), None,
+                         torch.bfloat16, MAX_REQS, MAX_LEN)
 
 
 def params_of(args):
@@ -230,3 +192,119 @@ def test_a_plain_vllm_engine_starts_beside_us(tmp_path, monkeypatch):
         assert not llm.llm_engine.vllm_config.model_config.logits_processors
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+# --------------------------------------------------------------------------- the sliced lm_head on MRV2
+
+
+@pytest.fixture(scope="module")
+def mrv2_model(tiny_model_dir, tmp_path_factory):
+    """The real `YuE2ARForCausalLM` (float32, the tiny derived checkpoint, vLLM's own loader) and the model state
+    MRV2 builds for it (`get_model_state_cls`), on the CPU: MRV2's forward needs Triton, its head does not."""
+    from yue2_vllm.derive import derive_ar_checkpoint
+    from yue2_vllm.engine.mrv2_step import standalone_model
+
+    with standalone_model(derive_ar_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("arcache-mrv2"))) as pieces:
+        yield pieces
+
+
+def head_runner(model, state):
+    """`Runner`'s bookkeeping plus the model side of a step as MRV2 runs it (`mrv2_step.SlotRunner`)."""
+    from yue2_vllm.engine.mrv2 import YuE2SamplerV2
+    from yue2_vllm.engine.mrv2_step import SlotRunner
+
+    return SlotRunner(YuE2SamplerV2, model, state, torch.bfloat16, MAX_REQS, MAX_LEN)
+
+
+@needs_vllm
+def test_sliced_head_on_mrv2_draws_the_full_heads_tokens(mrv2_model):
+    """Plain rows, CFG pairs and abc/semantic rows in one step, rows reordered every step: every token drawn
+    from the sliced head (through MRV2's model state) is the full head's, for the same seeds (float32)."""
+    from yue2_vllm.engine.mrv2 import model_state_class
+
+    model, state = mrv2_model
+    assert type(state) is model_state_class() and state.slot_phases is model.slot_phases
+    rng = random.Random(3)
+    requests = song_rows(rng)
+    runners = {sliced: head_runner(model, state) for sliced in (True, False)}
+    slots, live = {}, list(range(len(requests)))
+    for index, request in enumerate(requests):
+        for runner in runners.values():
+            slots[index] = runner.add(request["prompt"], params_of(request["args"]))  # same free lists: same slots
+    generator = torch.Generator().manual_seed(4)
+    steps = mixed = guided = 0
+    while live and steps < 60:
+        order = live[:]
+        rng.shuffle(order)
+        phases = {requests[i]["phase"] for i in order if requests[i]["args"] is not None}
+        mixed += phases == {"abc", "semantic"}
+        hidden = torch.randn(len(order), model.config.hidden_size, generator=generator) * 3
+        tokens = {}
+        for sliced, runner in runners.items():
+            logits = runner.logits(hidden, [slots[i] for i in order], sliced)
+            tokens[sliced] = [int(t) for t in runner.step(logits, [slots[i] for i in order]).argmax(dim=1)]
+        assert tokens[True] == tokens[False], steps
+        if 3 in order and 4 in order:  # the CFG pair: one guided token forced into both rows
+            pair = {tokens[True][order.index(3)], tokens[True][order.index(4)]}
+            guided += len(pair) == 1 and es.PAIR_SENTINEL not in pair
+        for row, index in enumerate(order):
+            for runner in runners.values():
+                runner.commit(slots[index], tokens[True][row])
+            args = requests[index]["args"]
+            end = (ABC_END if requests[index].get("phase") == "abc" else MUSIC_END) if args else None
+            if tokens[True][row] in (es.PAIR_SENTINEL, end) or runners[True].total_len[slots[index]] >= MAX_LEN - 1:
+                live.remove(index)
+        steps += 1
+    assert steps > 10 and mixed > 5 and guided > 3
+
+
+@needs_vllm
+def test_sliced_head_on_mrv2_computes_each_rows_phase_once_per_step(mrv2_model):
+    from yue2_vllm.engine.ar_model import YuE2ARForCausalLM
+
+    model, state = mrv2_model
+    runner = head_runner(model, state)
+    semantic = [runner.add([1, 2, MUSIC_START], params_of(row_args("semantic", Sampling(), 7 + i))) for i in range(3)]
+    abc = runner.add([1, 2, 3], params_of(row_args("abc", Sampling(), 9)))
+    plain = runner.add([1, 2, 3], params_of(None))
+    hidden = torch.randn(5, model.config.hidden_size)
+    full = runner.logits(hidden, semantic + [abc, plain], sliced=False)
+    YuE2ARForCausalLM.widest_row = 0
+    sliced = runner.logits(hidden, semantic + [abc, plain], sliced=True)
+    assert YuE2ARForCausalLM.widest_row == VOCAB_SIZE  # the plain row: the full head
+    low, high = es.PHASE_SLICES[es.PHASE_INDEX["semantic"]]
+    assert torch.isinf(sliced[:3, :low]).all() and torch.isinf(sliced[:3, high:]).all()
+    assert torch.allclose(sliced[:3, low:high], full[:3, low:high], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(sliced[4], full[4], rtol=1e-5, atol=1e-5)
+    layout = model.slot_phases.layouts[np.array(semantic + [abc, plain], dtype=np.intp).tobytes()]
+    state.prepare_inputs(SimpleNamespace(idx_mapping_np=np.array(semantic + [abc, plain], dtype=np.intp)), None)
+    assert model.slot_phases.layouts[np.array(semantic + [abc, plain], dtype=np.intp).tobytes()] is layout  # cached
+    model.slot_phases.take(5)
+    YuE2ARForCausalLM.widest_row = 0
+    model.compute_logits(hidden)  # a second call in the step (prompt logprobs): the full head
+    assert YuE2ARForCausalLM.widest_row == VOCAB_SIZE
+    state.prepare_inputs(SimpleNamespace(idx_mapping_np=np.array(semantic, dtype=np.intp)), None)
+    YuE2ARForCausalLM.widest_row = 0
+    model.compute_logits(hidden)  # 5 logits rows for 3 requests (speculative rows): the full head
+    assert YuE2ARForCausalLM.widest_row == VOCAB_SIZE
+    state.prepare_inputs(SimpleNamespace(idx_mapping_np=np.array(semantic[::-1], dtype=np.intp)), None)
+    assert model.slot_phases.pending[1] == {es.PHASE_INDEX["semantic"]: slice(None)}  # one phase: no gather
+    runner.free.append(semantic[0])
+    runner.free.sort(key=lambda s: s == semantic[0])
+    assert runner.add([4, 5], params_of(row_args("abc", Sampling(), 1))) == semantic[0]  # a recycled slot
+    state.prepare_inputs(SimpleNamespace(idx_mapping_np=np.array(semantic[::-1], dtype=np.intp)), None)
+    pending = model.slot_phases.pending[1]
+    assert set(pending) == {es.PHASE_INDEX["semantic"], es.PHASE_INDEX["abc"]}
+    assert pending[es.PHASE_INDEX["abc"]].tolist() == [2]
+
+
+@needs_vllm
+def test_head_rates_times_both_heads_as_the_bench_reports_them(mrv2_model, tiny_model_dir, tmp_path):
+    from yue2_vllm.derive import derive_ar_checkpoint
+    from yue2_vllm.engine.mrv2_step import head_rates
+
+    rates = head_rates(derive_ar_checkpoint(tiny_model_dir, tmp_path), "bfloat16", (1, 3), steps=3, repeats=1)
+    assert set(rates) == {"threads", "semantic_tok_s_x1", "semantic_tok_s_x3", "sliced_over_full_x1",
+                          "sliced_over_full_x3"}
+    assert all(rate > 0 for key in ("semantic_tok_s_x1", "semantic_tok_s_x3") for rate in rates[key].values())
+    assert rates["sliced_over_full_x3"] == rates["semantic_tok_s_x3"]["sliced"] / rates["semantic_tok_s_x3"]["full"]

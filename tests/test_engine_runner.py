@@ -38,3 +38,35 @@ def test_the_worker_is_pinned_to_the_pipelines_gpu_and_runner():
     assert engine_env(resolve_runner("v1", "cpu", "0.32.0", environ={}), None) == {RUNNER_ENV: "0"}
     env = worker_env(2, engine_env(v2, "3"))
     assert env["CUDA_VISIBLE_DEVICES"] == "3" and env[RUNNER_ENV] == "1" and env["OMP_NUM_THREADS"] == "2"
+
+
+def test_the_sliced_head_is_recorded_on_both_runners(monkeypatch, tmp_path):
+    """Semantic steps record `sliced_head: true` on V1 and on Model Runner V2 (vLLM 0.31+: our model state tells
+    compute_logits each step's rows); a GPU is faked (torch.cuda and Triton), the engine is not started."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from yue2_vllm.derive import ARCheckpoint
+    from yue2_vllm.engine import backend as backend_module, runner as runner_module
+    from yue2_vllm.engine.backend import EngineSettings, VLLMBackend
+    from yue2_vllm.engine.runner import sliced_head_blocker
+    from yue2_vllm.testing import TINY_CONFIG
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(runner_module, "triton_for", lambda device_type: True)
+    monkeypatch.setattr(backend_module, "vllm_version", lambda: "0.32.0")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1024)
+    records = {}
+    for runner in ("v1", "v2"):
+        settings = EngineSettings(ARCheckpoint(tmp_path, "derived", None), device_type="cuda", runner=runner)
+        records[runner] = VLLMBackend(TINY_CONFIG, settings).runner_record()
+    assert records["v2"]["vllm_runner"] == "v2" and records["v2"]["async_scheduling"] is True
+    assert all(records[r]["sliced_head"] is True and records[r]["sliced_head_reason"] is None for r in records)
+    off = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(tmp_path, "derived", None), device_type="cuda",
+                                                  runner="v2", sliced_head=False)).runner_record()
+    assert (off["sliced_head"], off["sliced_head_reason"]) == (False, "switched off")
+    assert sliced_head_blocker("v2", "0.27.1").startswith("vllm 0.27.1's Model Runner V2 lets no model name")
+    assert sliced_head_blocker("v1", "0.27.1") is None and sliced_head_blocker("v2", "0.33.0") is None

