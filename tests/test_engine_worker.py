@@ -69,6 +69,7 @@ def at_once(count, work):
     return results
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_vllm
 def test_sixteen_threads_of_32kb_commands_do_not_tear(derived):
     """48 requests of ~32 KB each, 16 threads writing at once: every one completes with its own tokens
@@ -126,6 +127,7 @@ def test_a_torn_frame_is_fatal_and_named_to_every_request(stalling):
     assert len(again.ids) == 4 and stalling.restarts == restarts + 1
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_vllm
 def test_a_stalled_engine_fails_its_requests_and_is_restarted(stalling):
     stalling.start()
@@ -186,6 +188,7 @@ def gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_vllm
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_worker_dies_within_seconds_of_a_kill_9_of_its_parent(derived):

@@ -321,7 +321,7 @@ def test_quantization_record(exports, derived, tiny_model_dir):
 
 @needs_quant_env
 @needs_vllm
-@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+@pytest.mark.parametrize("scheme", ["fp8", pytest.param("int8", marks=pytest.mark.slow)])  # int8: -m slow
 def test_song_from_the_export_on_vllm(exports, scheme, tiny_model_dir, tiny_vae_dir, monkeypatch):
     """Forced, the export is served; under the default policy it is served only where it is faster than
     bf16 — on a CPU neither is (measured) — else the bf16 derived checkpoint is, on the record."""
@@ -373,6 +373,7 @@ LOGPROB_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_quant_env
 @needs_vllm
 def test_quantized_prompt_logprobs_stay_close_to_bf16(exports, derived, tmp_path):

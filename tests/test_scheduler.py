@@ -102,6 +102,7 @@ def test_failures_and_cancellations_stay_with_their_song(pipe, tmp_path):
     assert kinds[0] == "state" and kinds[-1] == "complete" and "score" in kinds and "nar" in kinds
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_vllm
 def test_killed_engine_fails_songs_in_flight_then_restarts_and_they_resume(pipe, tmp_path):
     long = {"semantic": {"min_tokens": 400, "max_tokens": 400}}
@@ -211,6 +212,7 @@ def test_under_the_switch_a_seed_fixes_the_song_whatever_else_the_engine_serves(
     assert max(shared) > 4  # the songs really shared the engine with the others
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_vllm
 def test_without_the_switch_result_json_says_the_tokens_may_depend_on_the_batch(tiny_model_dir, tiny_vae_dir, tmp_path):
     with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION) as pipe:

@@ -575,6 +575,7 @@ def test_kill_9_mid_song_then_restart_completes_every_job_without_redoing_verifi
 # --------------------------------------------------------------------------- the vLLM engine
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_vllm
 def test_on_the_vllm_engine_a_killed_worker_is_restarted_and_its_songs_retried(tiny_model_dir, tiny_vae_dir,
                                                                                 tmp_path):

@@ -157,6 +157,7 @@ def test_deletes_racing_the_ends_of_songs_remove_every_job_and_keep_the_server_h
             server.kill()
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 def test_a_job_that_kills_the_server_twice_is_failed_not_looped(tmp_path):
     args = server_args(tmp_path, "--backend", "torch")
     server = ProcessServer(args, log=tmp_path / "serve.log")
@@ -194,6 +195,7 @@ def test_sigterm_requeues_running_jobs_as_a_shutdown_not_a_death(tmp_path):
         server.kill()
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_vllm
 def test_the_engine_worker_dies_with_a_killed_server(tmp_path):
     server = ProcessServer(server_args(tmp_path, "--backend", "vllm"), log=tmp_path / "serve.log")
@@ -262,6 +264,7 @@ def test_health_is_503_while_songs_in_flight_make_no_progress(tiny_model_dir, ti
         pipe.close()
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_vllm
 def test_sixteen_long_lyric_songs_at_once_on_the_engine(tiny_model_dir, tiny_vae_dir, tmp_path):
     """16 songs with ~10k-character lyrics (prompts over 2,048 tokens, ~30 KB engine commands) at once."""
