@@ -127,3 +127,25 @@ def test_the_readme_api_table_is_the_openapi_contract(openapi):
     assert set(table) == set(documented), (sorted(set(table) ^ set(documented)))
     for operation, statuses in table.items():
         assert statuses <= documented[operation], (operation, statuses - documented[operation])
+
+
+def test_non_blank_means_what_the_cli_check_means_in_every_regex_engine():
+    """A text field's pattern accepts exactly what `str.strip()` leaves non-empty: JSON Schema's `\\S` (ECMA),
+    pydantic's (Rust) and Python's disagree on U+001C–U+001F, U+0085 and U+FEFF, so the pattern spells its class
+    out (hypothesis once sent `abc: "\\x1f"`, valid by `\\S` in the schema and blank to the CLI's check)."""
+    from pydantic import ValidationError
+
+    from yue2_vllm.serve.contract import NON_BLANK, SongBody
+
+    assert "\\s" not in NON_BLANK and "\\S" not in NON_BLANK
+    for code in [*range(0x3001), 0xFEFF, 0x10FFFF]:
+        if 0xD800 <= code < 0xE000:
+            continue
+        char = chr(code)
+        assert (re.search(NON_BLANK, char) is not None) == bool(char.strip()), hex(code)
+        try:
+            SongBody(lyrics=char, style="pop")
+            accepted = True
+        except ValidationError:
+            accepted = False
+        assert accepted == bool(char.strip()), hex(code)

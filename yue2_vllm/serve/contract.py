@@ -12,7 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..protocol import CONTEXT, DEFAULT_SEED, MAX_CFG_SCALE, MAX_SEED
 
-NON_BLANK = r"\S"  # at least one character that is not white space
+# At least one character that is not white space as Python's str.strip() (the CLI's check) counts it, spelled out:
+# JSON Schema's \S (ECMA), pydantic's (Rust regex) and Python's disagree on U+001C-U+001F, U+0085 and U+FEFF.
+NON_BLANK = r"[^\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
 SONG_ID = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,179}$"
 IDEMPOTENCY_KEY = r"^[\x21-\x7e]{1,255}$"
 STATUSES = ("queued", "planning", "generating", "synthesizing", "decoding", "complete", "failed", "cancelled")
