@@ -285,6 +285,7 @@ def test_cli_real_length_lyrics_on_vllm(tiny_model_dir, tiny_vae_dir, tmp_path):
     assert timing["abc"]["prefix_tokens"] > prompt_tokens > 2048
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 def test_sigterm_stops_the_engine_worker_group_at_once(tiny_model_dir, tiny_vae_dir, tmp_path):
     """SIGTERM mid-song on --backend vllm: exit 143, state cancelled, and no worker process left behind."""
     import subprocess

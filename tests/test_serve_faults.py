@@ -212,6 +212,7 @@ def test_the_engine_worker_dies_with_a_killed_server(tmp_path):
     assert not any(alive(pid) for pid in workers), "the engine worker outlived its server by 5 s"
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_vllm
 def test_while_the_engine_is_down_for_good_queued_jobs_stay_queued(tiny_model_dir, tiny_vae_dir, tmp_path):
     pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
