@@ -226,8 +226,10 @@ def test_tiled_equals_full_real_size():
     latent = torch.randn(1, 64, 40, generator=torch.Generator().manual_seed(3))
     full = model.decode(latent)
     assert 0.01 < full.std() < 1
-    for core, halo in ((8, 12), (16, 16)):  # measured max difference 3.8e-7
-        assert (model.decode_tiled(latent, core, halo) - full).abs().max() <= 1e-6
+    # fp32 rounding only: the convolutions sum in another order per tile length (max difference measured 3.8e-7 on
+    # an AVX-512 CPU, 4.5e-6 on an AVX2 one); a halo one frame short is off by orders of magnitude more.
+    for core, halo in ((8, 12), (16, 16)):
+        assert (model.decode_tiled(latent, core, halo) - full).abs().max() <= 2e-5
 
 
 def test_required_halo_is_tight(vae, latent, monkeypatch):
