@@ -114,6 +114,7 @@ def test_batch_records_failures_and_goes_on(tiny_model_dir, tiny_vae_dir, config
 
 @pytest.mark.skipif(__import__("yue2_vllm.engine.backend", fromlist=["x"]).vllm_version() is None,
                     reason="vllm is not installed")
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 def test_batch_concurrency_on_vllm(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
     from yue2_vllm.artifacts import verify_result
 

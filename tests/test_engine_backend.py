@@ -196,6 +196,7 @@ def test_stop_token_engine_death_and_bounded_restarts(ending_checkpoint):
         engine.close()
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 def test_log_directory_is_removed_on_close(derived):
     engine = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(derived, "derived", None), max_num_seqs=1,
                                                      max_model_len=512))
@@ -232,6 +233,7 @@ def test_song_on_vllm_and_recorded_fallbacks(vllm_pipe, monkeypatch):
     assert vllm_pipe._vllm.running  # resident across songs on CPU
 
 
+@pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 def test_override_from_environment_serves_a_song(tiny_model_dir, tiny_vae_dir, derived, tmp_path, monkeypatch):
     copy = tmp_path / "elsewhere"
     shutil.copytree(derived, copy)
