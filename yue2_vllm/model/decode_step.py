@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .modeling import StaticKVCache, YuE2Model, rope_angles, sdpa
-from ..protocol import ABC_END, CODEC_OFFSET, CODEC_SIZE, EOD, MUSIC_END
+from ..protocol import allowed_token_ids
 
 GRAPH_WARMUP_RUNS = 3  # eager runs on the side stream before capture (cuBLAS / allocator settle)
 ATTENTION_KINDS = ("auto", "flash_varlen", "sdpa_masked")
@@ -42,13 +42,16 @@ class PhaseRows:
 
     @classmethod
     def for_phase(cls, phase: str) -> "PhaseRows":
-        if phase == "abc":
-            return cls(((0, EOD), (ABC_END, ABC_END + 1)))
-        if phase == "semantic":
-            if MUSIC_END + 1 == CODEC_OFFSET:
-                return cls(((MUSIC_END, CODEC_OFFSET + CODEC_SIZE),))
-            return cls(tuple(sorted(((MUSIC_END, MUSIC_END + 1), (CODEC_OFFSET, CODEC_OFFSET + CODEC_SIZE)))))
-        raise ValueError(f"phase must be 'abc' or 'semantic', got {phase!r}")
+        """`protocol.allowed_token_ids(phase)` as runs of consecutive ids."""
+        if phase not in ("abc", "semantic"):
+            raise ValueError(f"phase must be 'abc' or 'semantic', got {phase!r}")
+        ranges: list[list[int]] = []
+        for token in sorted(allowed_token_ids(phase)):
+            if ranges and ranges[-1][1] == token:
+                ranges[-1][1] = token + 1
+            else:
+                ranges.append([token, token + 1])
+        return cls(tuple((start, stop) for start, stop in ranges))
 
     @property
     def size(self) -> int:
