@@ -122,6 +122,11 @@ def device_pool(device: str, meminfo_path: str | os.PathLike | None = None) -> U
     return unified_pool(meminfo_path, device_free=int(free))
 
 
+def split_limit(budget: int, total: int, unified: UnifiedPool | None) -> int:
+    """What a split may use: the budget, within the device (and on unified memory, within the pool)."""
+    return min(budget, total, unified.pool) if unified is not None else min(budget, total)
+
+
 def default_budget_gib(pool: UnifiedPool | None) -> float:
     """--budget when none is given: the unified pool on an integrated GPU, else DEFAULT_BUDGET_GIB."""
     return DEFAULT_BUDGET_GIB if pool is None else pool.pool / GIB
@@ -212,8 +217,7 @@ class MemoryPlan:
     @property
     def limit(self) -> int:
         """What the split may use: the budget, within the device (and on unified memory, within the pool)."""
-        limit = min(self.budget, self.total)
-        return min(limit, self.unified.pool) if self.unified is not None else limit
+        return split_limit(self.budget, self.total, self.unified)
 
     @property
     def engine(self) -> int:
@@ -319,8 +323,7 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
                 engine_overhead=ENGINE_OVERHEAD_BYTES[device], torch_model=torch_model, vae=vae, nar_chunks=chunk,
                 torch_reserve=TORCH_RESERVE_BYTES, kv_block_tokens=block, kv_dtype_bytes=kv_dtype_bytes,
                 host_side=host, unified=unified, torch_decode=decode)
-    limit = min(budget, total, unified.pool) if unified is not None else min(budget, total)
-    free = limit - (engine_weights + ENGINE_OVERHEAD_BYTES[device] + torch_model + vae + chunk
+    free = split_limit(budget, total, unified) - (engine_weights + ENGINE_OVERHEAD_BYTES[device] + torch_model + vae + chunk
                     + TORCH_RESERVE_BYTES + host + decode)
     margin = KV_MARGIN_BLOCKS * block * kv_bytes_per_token(config, kv_dtype_bytes)
     one_full = row_kv_bytes(config, max_model_len, block, kv_dtype_bytes)
