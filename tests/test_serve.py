@@ -178,6 +178,22 @@ def test_events_come_in_order_after_a_snapshot(serve):
     assert final(client, first["id"])["status"] == "complete"
 
 
+def test_songs_past_one_nar_chunk_through_the_server_report_one_nar_total(tiny_model_dir, tiny_vae_dir, tmp_path):
+    """A 98-token NAR context behind ~79-token prefixes: 12 frames in two chunks: 2 steps x 2 chunk-steps."""
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config={**GENERATION, "context": 98}) as chunked:
+        server = ThreadServer(SongService(chunked, ServeConfig(tmp_path / "data", concurrency=1)))
+        try:
+            first = submit(server.client, seed=1)
+            job = submit(server.client, seed=2)  # queued behind the first: its events stream from the start
+            nar = [d for k, d, _ in read_events(server.client, job["id"]) if k == "nar"]
+            assert nar and nar[-1] == {"done": 4, "total": 4} and {d["total"] for d in nar} == {4}
+            for job in (first, job):
+                doc = final(server.client, job["id"])
+                assert doc["status"] == "complete" and doc["stages"]["audio"]["samples"] == 12 * 1920 - 64
+        finally:
+            server.stop()
+
+
 # --------------------------------------------------------------------------- refusals
 
 
