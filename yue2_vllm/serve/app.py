@@ -332,7 +332,8 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
                                                           "processed", "headers": RETRY_AFTER},
         429: {"model": contract.ErrorBody, "description": "the queue is full", "headers": RETRY_AFTER},
         503: {"model": contract.ErrorBody, "description": "the engine is down for good", "headers": RETRY_AFTER},
-        507: {"model": contract.ErrorBody, "description": "the data dir is under its free-disk bound"}})
+        507: {"model": contract.ErrorBody, "description": "the free disk cannot hold what the song may write beside "
+                                                          "the admitted songs", "headers": RETRY_AFTER}})
     async def create_song(request: Request, idempotency_key: str | None = Header(
             None, pattern=contract.IDEMPOTENCY_KEY, max_length=255,
             description="the same key and body again → the same job (200); another body → 422")):
@@ -394,7 +395,9 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
 
     requeue = {202: {"model": contract.Song, "description": "queued again"},
                **_errors(*denied, 403, 404, 409), 429: {"model": contract.ErrorBody, "description": "the queue is "
-                                                                                      "full", "headers": RETRY_AFTER}}
+                                                                                      "full", "headers": RETRY_AFTER},
+               507: {"model": contract.ErrorBody, "description": "the free disk cannot hold what the song may still "
+                                                                 "write", "headers": RETRY_AFTER}}
 
     @v1.post("/songs/{job_id}/resume", status_code=202, summary="Resume a failed or cancelled job",
              responses=requeue)
