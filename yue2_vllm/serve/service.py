@@ -12,6 +12,7 @@ its `replica`), `down_for_good()` (why no song can be served, else None) and `he
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -29,10 +30,12 @@ from pathlib import Path
 
 from ..protocol import PHASES, SongRequest
 from ..scheduler import FINAL_STATES, STAGE_STATES, STATES, SongEvent
+from ..checkpoint import write_json_atomic
 from .disk import RETENTION_SECONDS, DiskLedger, request_bytes, written_bytes
 from .errors import Conflict, InsufficientStorage, NotFound, RequestInvalid, TooManyJobs, Unavailable
 from .events import EventHub, Throttle
 from .metrics import Registry, RateWindow
+from .picture import PICTURE_VERSION, song_picture
 from .store import IdempotencyConflict, JobRecord, JobStore, NewJob, QueueFull  # noqa: F401 (re-exported)
 from .submission import check_idempotency_key, new_job_id, parse_submission, valid_job_id
 from .worker import ENGINE_DOWN, SongOrder, SongWorker
@@ -41,6 +44,7 @@ LOG = logging.getLogger("yue2_vllm.serve")
 STAGE_OF_STATE = {state: stage for stage, state in STAGE_STATES.items()}
 STAGES = tuple(STAGE_STATES)  # plan, semantic, synthesis, audio
 UNFINISHED = tuple(state for state in STATES if state not in FINAL_STATES)
+PICTURE_CACHE = "page-cache/picture.json"  # a directory: never among a run's artifacts
 
 
 def iso(timestamp: float | None) -> str | None:
@@ -129,6 +133,7 @@ class SongService:
         config.jobs.mkdir(parents=True, exist_ok=True)
         self.store = JobStore(config.database)
         self.disk = DiskLedger(config.jobs, lambda path: shutil.disk_usage(path).free)
+        self._picture_lock = threading.Lock()
         self.hub = EventHub()
         self.throttle = Throttle(config.event_interval)
         self._live: dict[str, LiveJob] = {}
@@ -516,6 +521,25 @@ class SongService:
         if path.is_symlink() or not path.is_file():
             raise Conflict(f"{name} is missing from the job's directory")
         return path
+
+    def picture(self, job_id: str) -> dict:
+        """The song's peaks and spectrogram (`serve.picture`), computed from its FLAC once and cached beside it
+        (`page-cache/picture.json`, written atomically; redone if the FLAC changed or the format did)."""
+        path = self.file(job_id, "audio.flac")
+        stat = path.stat()
+        source = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        cache = path.parent / PICTURE_CACHE
+        with self._picture_lock:  # one computation per song, whoever asks meanwhile
+            try:
+                cached = json.loads(cache.read_text())
+                if cached.get("source") == source and cached.get("version") == PICTURE_VERSION:
+                    return cached
+            except (OSError, ValueError):
+                pass
+            document = {**song_picture(path), "source": source}
+            cache.parent.mkdir(exist_ok=True)
+            write_json_atomic(cache, document)
+            return document
 
     def subscribe(self, job_id: str, loop):
         record = self.get_record(job_id)
