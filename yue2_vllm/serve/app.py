@@ -44,8 +44,9 @@ HEARTBEAT_SECONDS = 15.0
 MAX_SSE_CLIENTS = 256
 LOOPBACK_NAMES = ("localhost", "localhost.")
 STATIC = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
-# The page loads nothing from elsewhere; audio may come from a blob: URL (fetched with the API key).
-PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; media-src 'self' blob:; connect-src 'self' blob:; "
+# The page loads nothing from elsewhere; audio streams from the server (a signed URL when there is an API key),
+# result.json may come from a blob: URL (fetched with the key).
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; media-src 'self'; connect-src 'self' blob:; "
                                            "img-src 'self' data:; "
                                            "object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
                 "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
