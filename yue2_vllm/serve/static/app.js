@@ -234,8 +234,8 @@ function pictureFrom(answer) {
   return { lanes, buckets: answer.buckets, spectrogram: image, duration: answer.duration };
 }
 
-// A song's picture for `view` (an object the caller replaces when another song is shown): null when the view
-// moved on meanwhile, so a late answer never lands under another song.
+// A song's picture (pictureFrom), or null when `stillShown()` says the view moved on to another song meanwhile,
+// so a late answer never lands under it.
 async function fetchPicture(doc, stillShown) {
   const answer = await api(`${doc.urls.self}/peaks`);
   return stillShown() ? pictureFrom(answer) : null;
@@ -250,8 +250,13 @@ function heat(v) {  // dark blue → purple → orange → pale yellow
 function drawPicture() {
   const picture = current && current.picture;
   if (!picture) return;
+  drawPictureInto(picture, $("waveform"), $("spectrogram"));
+  movePlayhead();
+}
+
+// A picture (pictureFrom) into two canvases: both channels' peaks per pixel, and the spectrogram.
+function drawPictureInto(picture, wave, spectrum) {
   const ratio = window.devicePixelRatio || 1;
-  const wave = $("waveform");
   const width = Math.max(1, Math.round(wave.clientWidth * ratio)), height = Math.round(wave.clientHeight * ratio);
   wave.width = width;
   wave.height = height;
@@ -276,14 +281,12 @@ function drawPicture() {
       context.fillRect(x, top, 1, Math.max(1, bottom - top));
     }
   });
-  const spectrum = $("spectrogram");
   if (picture.spectrogram) {
     spectrum.hidden = false;
     spectrum.width = picture.spectrogram.width;
     spectrum.height = picture.spectrogram.height;
     spectrum.getContext("2d").putImageData(picture.spectrogram, 0, 0);
   } else spectrum.hidden = true;
-  movePlayhead();
 }
 
 function movePlayhead() {
