@@ -111,13 +111,17 @@ def test_batched_songs_equal_their_single_synthesis(tiny_model):
     """Songs of different lengths and prefixes (one of them in three chunks) in one lockstep batch."""
     songs = [SongInput(PREFIX + [300 + i] * i, list(range(i * 7, i * 7 + 20 + 3 * i)), seed=i) for i in range(3)]
     songs.append(SongInput(PREFIX, list(range(0, 3000, 100)), seed=9))
-    progress = []
+    progress, chunked = [], []
     songs[1].on_progress = lambda done, total: progress.append((done, total))
+    songs[3].on_progress = lambda done, total: chunked.append((done, total))
     batched = synthesize_many(tiny_model, songs, steps=3, context=40)
+    single_totals = set()
     for song, latents in zip(songs, batched):
-        single = synthesize(tiny_model, song.prefix, song.codec, song.seed, steps=3, context=40)
+        single = synthesize(tiny_model, song.prefix, song.codec, song.seed, steps=3, context=40,
+                            on_progress=lambda done, total: single_totals.add(total) if song is songs[3] else None)
         assert latents.shape == single.shape and torch.allclose(latents, single, rtol=2 ** -7, atol=2 ** -7)
-    assert progress == [(1, 3), (2, 3), (3, 3)]
+    assert progress == [(2, 6), (4, 6), (6, 6)]  # two chunks
+    assert chunked == [(3, 9), (6, 9), (9, 9)] and single_totals == {9}  # one total: 3 chunks x 3 steps
 
 
 def test_batch_failures_and_cancellation_stay_with_their_song(tiny_model):

@@ -551,3 +551,31 @@ def test_the_engine_starts_after_the_mot_loads_on_unified_memory_only(fake_gpu, 
     with pytest.raises(RuntimeError, match="stop here"):
         YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device="cuda", backend="vllm", start_engine=True)
     assert order == (["load"] if gpu["integrated"] else ["engine", "load"])
+
+
+CHUNKED = {**GENERATION, "context": 126}  # the tiny song's ~83-token prefix + 2 x 20 + 3: 30 frames in two chunks
+
+
+@pytest.fixture(scope="module")
+def chunked_pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
+    cache = HashCache(tmp_path_factory.mktemp("hashes") / "cache.json")
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=CHUNKED, hash_cache=cache)
+
+
+def test_a_song_past_one_nar_chunk_runs_through_the_pipeline(chunked_pipe, pipe, tmp_path):
+    from yue2_vllm.protocol import chunk_ranges
+
+    progress = []
+    document = chunked_pipe.generate_to(tmp_path / "s", REQUEST,
+                                        on_progress=lambda stage, done, total: progress.append((stage, done, total)))
+    prefix = np.load(tmp_path / "s" / "prefix.npy")
+    assert len(chunk_ranges(30, len(prefix), 126)) == 2
+    assert [(d, n) for s, d, n in progress if s == "nar"] == [(i, 8) for i in range(1, 9)]  # 4 steps x 2 chunks
+    latents = np.load(tmp_path / "s" / "latent.npy")
+    assert latents.shape == (30, 64) and document["audio_seconds"] == (1920 * 30 - 64) / 48000
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert config["generation"]["context"] == 126 and "context" in config["overrides"]
+    one_chunk = pipe(REQUEST)  # the same tokens; each chunk sees only its own frames, so other latents
+    assert np.load(tmp_path / "s" / "semantic.npy").tolist() == one_chunk.semantic.tokens
+    assert not np.allclose(latents, one_chunk.latents)
+    assert verify_result(tmp_path / "s", document["identity"]) == document

@@ -187,3 +187,45 @@ def test_generation_config_takes_the_request_file_spelling():
         GenerationConfig.from_dict({"semantic_sampling": {"top_k": "5"}})
     with pytest.raises(ValueError, match="GenerationConfig must be an object, got list"):
         GenerationConfig.from_dict([])
+
+
+def _prompt_of(tokens: int, cot: str = "full") -> SongRequest:
+    """A request whose abc prompt (or, for cot off, semantic prompt) is exactly `tokens` ids long."""
+    short = SongRequest("pop", "x", cot=cot)
+    built = (abc_prompt if cot != "off" else semantic_prompt)(short, ENC)
+    return SongRequest("pop", "x" * (1 + tokens - len(built)), cot=cot)
+
+
+def test_long_song_admission_counts_the_scores_budget_at_the_real_context():
+    rules = p.SongRules(GenerationConfig(), ENC)
+    request = _prompt_of(2000)
+    assert len(abc_prompt(request, ENC)) == 2000
+    # 2,000 + a 4,096-token score + </abc> MUSIC_START + 20,000 = 26,098: refused before anything runs
+    with pytest.raises(ValueError, match=r"the request is too long: semantic prompt \(with a score of up to abc "
+                                         r"max_tokens 4096\) of 6098 tokens \+ max_tokens 20000 = 26098 exceeds"):
+        rules.check_request(request, semantic_sampling={"max_tokens": 20000})
+    rules.check_request(request, semantic_sampling={"max_tokens": 24576 - 2000 - 4096 - 2})  # exactly the context
+    with pytest.raises(ValueError, match="24577 exceeds"):
+        rules.check_request(request, semantic_sampling={"max_tokens": 24576 - 2000 - 4096 - 1})
+    rules.check_request(request, {"max_tokens": 2574}, {"max_tokens": 20000})  # a shorter score makes room
+    # an external score or cot off: the semantic prompt is known, nothing more is added
+    off = _prompt_of(4576, cot="off")
+    rules.check_request(off, semantic_sampling={"max_tokens": 20000})
+    with pytest.raises(ValueError, match="24577 exceeds"):
+        rules.check_request(off, semantic_sampling={"max_tokens": 20001})
+
+
+def test_long_songs_nar_chunks_at_the_real_context():
+    steps = GenerationConfig().ode_steps
+    # the default 6-minute budget (9,000 frames) is one chunk behind a prefix of up to 6,573 tokens
+    assert chunk_ranges(9000, 6573) == [(0, 9000)] and len(chunk_ranges(9000, 6574)) == 2
+    # the longest admitted song behind 2,000 + 2,574 + 2 prompt tokens: 20,000 frames in chunks of 9,998
+    assert chunk_ranges(20000, 4576) == [(0, 9998), (9998, 19996), (19996, 20000)]
+    assert steps * len(chunk_ranges(20000, 4576)) == 96  # its one progress total (single-song and batched)
+
+
+@pytest.mark.parametrize("context", [24577, 0, 12.5, True])
+def test_generation_config_context_is_within_the_model(context):
+    assert GenerationConfig(context=40).context == 40  # a tiny model's chunked NAR
+    with pytest.raises(ValueError, match=r"GenerationConfig.context must be an integer in \[1, 24576\]"):
+        GenerationConfig(context=context)

@@ -219,3 +219,35 @@ def test_without_the_switch_result_json_says_the_tokens_may_depend_on_the_batch(
         document = pipe.generate_to(tmp_path / "bf16", SongRequest("pop", "la", seed=3, id="b1"))
     assert document["batch_invariant"] is False and "may depend on the other songs" in document["batch_note"]
     assert document["timing"]["semantic"]["batch_invariant"] is False
+
+
+def test_the_batched_lane_runs_songs_past_one_nar_chunk_with_the_single_songs_progress(tiny_model_dir, tiny_vae_dir):
+    """Two songs of 24 frames behind ~82-token prefixes, in a 117-token NAR context: two chunks each, batched."""
+    import threading
+
+    from yue2_vllm.protocol import chunk_ranges
+    from yue2_vllm.scheduler import SynthesisLane
+
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config={**GENERATION, "context": 117})
+    semantics = [pipe.generate_semantic(pipe.plan(request)) for request in songs(2, prefix="c")]
+    assert all(len(chunk_ranges(24, len(s.plan.prefix), 117)) == 2 for s in semantics)
+    lane = SynthesisLane(pipe, batch=2, expecting=lambda: 1)  # wait for the second song
+    progress, latents = {0: [], 1: []}, {}
+
+    def run(index):
+        latents[index] = lane.synthesize(semantics[index], on_progress=lambda s, d, n: progress[index].append((d, n)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        lane.close()
+    assert lane.batches == [2] and progress == {0: [(2, 4), (4, 4)], 1: [(2, 4), (4, 4)]}
+    for index, semantic in enumerate(semantics):
+        alone = []
+        single = pipe.synthesize(semantic, on_progress=lambda s, d, n: alone.append((d, n)))
+        assert alone == [(1, 4), (2, 4), (3, 4), (4, 4)]  # the same total, one chunk-step at a time
+        assert np.allclose(latents[index], single, rtol=2 ** -7, atol=2 ** -7)

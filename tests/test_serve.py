@@ -178,6 +178,22 @@ def test_events_come_in_order_after_a_snapshot(serve):
     assert final(client, first["id"])["status"] == "complete"
 
 
+def test_songs_past_one_nar_chunk_through_the_server_report_one_nar_total(tiny_model_dir, tiny_vae_dir, tmp_path):
+    """A 98-token NAR context behind ~79-token prefixes: 12 frames in two chunks: 2 steps x 2 chunk-steps."""
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config={**GENERATION, "context": 98}) as chunked:
+        server = ThreadServer(SongService(chunked, ServeConfig(tmp_path / "data", concurrency=1)))
+        try:
+            first = submit(server.client, seed=1)
+            job = submit(server.client, seed=2)  # queued behind the first: its events stream from the start
+            nar = [d for k, d, _ in read_events(server.client, job["id"]) if k == "nar"]
+            assert nar and nar[-1] == {"done": 4, "total": 4} and {d["total"] for d in nar} == {4}
+            for job in (first, job):
+                doc = final(server.client, job["id"])
+                assert doc["status"] == "complete" and doc["stages"]["audio"]["samples"] == 12 * 1920 - 64
+        finally:
+            server.stop()
+
+
 # --------------------------------------------------------------------------- refusals
 
 
@@ -414,6 +430,56 @@ def test_an_api_key_guards_v1_and_metrics_but_not_health(serve):
     assert client.get("/metrics", headers=good).status_code == 200
     job = submit(client, headers=good, stage="plan")
     assert final(client.__class__(base_url=client.base_url, headers=good), job["id"])["status"] == "complete"
+
+
+def test_a_signed_audio_url_plays_without_the_key_and_the_picture_is_computed_once(serve, tmp_path):
+    import base64
+    import time
+
+    import httpx
+
+    from yue2_vllm.serve.signed import signed_audio_query, signing_key
+
+    key = "s3cret-key-0123456789"
+    server = serve(api_key=key)
+    client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    job = submit(client)
+    queued = client.get(f"/v1/songs/{job['id']}/audio-url")
+    assert queued.status_code == 409  # nothing to play yet
+    assert final(client, job["id"])["status"] == "complete"
+    signed = client.get(f"/v1/songs/{job['id']}/audio-url").json()
+    assert signed["url"].startswith(f"/v1/songs/{job['id']}/audio?expires=") and signed["expires_in"] == 900
+    assert abs(signed["expires"] - 900 - time.time()) < 5
+    flac = (tmp_path / "data" / "jobs" / job["id"] / "audio.flac").read_bytes()
+    anyone = server.client  # no key
+    assert anyone.get(job["urls"]["audio"]).status_code == 401
+    whole = anyone.get(signed["url"])
+    assert whole.status_code == 200 and whole.content == flac
+    part = anyone.get(signed["url"], headers={"Range": "bytes=10-19"})
+    assert part.status_code == 206 and part.content == flac[10:20]  # the player streams: Range requests
+    other = submit(client, stage="plan")["id"]
+    for url, words in ((signed["url"].replace(job["id"], other), "signature is wrong"),
+                       (signed["url"][:-1] + ("0" if signed["url"][-1] != "0" else "1"), "signature is wrong"),
+                       (f"{job['urls']['audio']}?" + signed_audio_query(signing_key(key), job["id"], time.time() - 1000)[0],
+                        "expired"),
+                       (f"{job['urls']['audio']}?" + signed_audio_query(signing_key(key), job["id"], time.time(),
+                                                                         lifetime=86400)[0], "later than")):
+        refused = anyone.get(url)
+        assert refused.status_code == 401 and words in refused.json()["error"]["message"], (url, refused.text)
+    assert anyone.get(f"/v1/songs/{job['id']}/peaks").status_code == 401
+    assert anyone.get(f"/v1/songs/{job['id']}/audio-url").status_code == 401
+
+    picture = client.get(f"/v1/songs/{job['id']}/peaks")
+    assert picture.status_code == 200 and len(picture.content) < 120_000  # for a song of any length
+    document = picture.json()
+    assert document["duration"] == (12 * 1920 - 64) / 48000 and len(document["peaks"]) == 2
+    assert len(base64.b64decode(document["spectrogram"])) == document["columns"] * document["rows"]
+    cache = tmp_path / "data" / "jobs" / job["id"] / "page-cache" / "picture.json"
+    written = cache.stat().st_mtime_ns
+    assert client.get(f"/v1/songs/{job['id']}/peaks").json() == document and cache.stat().st_mtime_ns == written
+    assert "page-cache" not in verify_result(tmp_path / "data" / "jobs" / job["id"])["artifacts"]
+    assert client.get(f"/v1/songs/{other}/peaks").status_code == 409  # a plan-only job has no audio
+    client.close()
 
 
 def test_the_list_is_newest_first_with_filters_and_cursors(serve):

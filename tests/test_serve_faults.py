@@ -341,7 +341,7 @@ def test_delete_retention_and_the_free_disk_bound(tiny_model_dir, tiny_vae_dir, 
         # Under the free-disk bound, admission is 507 and nothing is queued.
         monkeypatch.setattr(service.config, "min_free_bytes", 1 << 62)
         full = client.post("/v1/songs", json=SONG)
-        assert full.status_code == 507 and "GiB free" in full.json()["error"]["message"]
+        assert full.status_code == 507 and "MB kept free (--min-free-disk)" in full.json()["error"]["message"]
         assert service.store.queued() == 0
     finally:
         server.stop()

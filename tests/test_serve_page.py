@@ -60,6 +60,9 @@ def test_make_a_song_with_the_form_and_hear_it(server, tmp_path):
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
         page = browser.new_page(viewport={"width": 1200, "height": 900})
         page.on("request", lambda request: requests.append(request.url))
+        ranges = []  # the player's requests for the audio: (url, its Range header)
+        page.on("request", lambda request: "/audio?" in request.url
+                and ranges.append((request.url, request.headers.get("range"))))
         statuses = []
         page.on("response", lambda response: statuses.append((response.status, response.url)))
         page.on("console", lambda message: message.type == "error" and problems.append(message.text))
@@ -108,7 +111,9 @@ def test_make_a_song_with_the_form_and_hear_it(server, tmp_path):
         assert abs(duration - doc["result"]["audio_seconds"]) < 0.05, (duration, doc["result"])
         assert page.inner_text("#current-status") == "complete"
         assert page.inner_text("#score") == server.client.get(f"/v1/songs/{job_id}/score").text
-        assert page.get_attribute("#download", "href").startswith("blob:")  # fetched with the key
+        signed = page.get_attribute("#download", "href")  # a signed URL: the key stays in the page
+        assert signed.startswith(f"/v1/songs/{job_id}/audio?expires=") and "signature=" in signed
+        assert page.evaluate("document.getElementById('audio').src") == server.url + signed
         result_href = page.get_attribute("#result-link", "href")
         assert result_href.startswith("blob:")
         result = page.evaluate("(url) => fetch(url).then((r) => r.json())", result_href)
@@ -118,11 +123,16 @@ def test_make_a_song_with_the_form_and_hear_it(server, tmp_path):
         row.wait_for()
         assert "complete" in row.inner_text()
         page.locator("#jobs-empty").wait_for(state="hidden")
-        # The song's picture, drawn from the FLAC the player fetched (once): both channels' peaks, a spectrogram.
+        # The song's picture, from the server's peaks answer (asked once): both channels' peaks, a spectrogram.
         page.locator("#picture").wait_for(state="visible", timeout=30_000)
         page.wait_for_function("document.getElementById('spectrogram').width === 720 && "
                                "!document.getElementById('spectrogram').hidden", timeout=30_000)
-        assert [url for url in requests if "/audio" in url] == [f"{server.url}/v1/songs/{job_id}/audio"]
+        assert [url for url in requests if "/peaks" in url] == [f"{server.url}/v1/songs/{job_id}/peaks"]
+        # The player streams: it asks for the audio itself, by Range, at the signed URL (never a fetch of it all).
+        assert [url for url in requests if "/audio" in url and "/audio?" not in url] == [
+            f"{server.url}/v1/songs/{job_id}/audio-url"]
+        assert ranges and all(url == server.url + signed and rng and rng.startswith("bytes=")
+                              for url, rng in ranges), ranges
         for lane in ("#waveform", "#spectrogram"):
             share, colours = drawn(page.locator(lane).screenshot())
             assert share > 0.02 and colours > 8, (lane, share, colours)
@@ -161,3 +171,54 @@ def test_make_a_song_with_the_form_and_hear_it(server, tmp_path):
     assert all(url.startswith(ours) for url in requests), [u for u in requests if not u.startswith(ours)]
     assert not [p for p in problems if "status of 422" not in p], problems
     assert not [s for s in statuses if s[0] == 401], statuses
+
+
+def test_a_stale_download_never_lands_under_another_song(server):
+    """Open song A, then B while A's audio URL (then A's peaks) are still on their way: B's view keeps B's."""
+    client = server.client
+    jobs = {}
+    for name, frames in (("a", 12), ("b", 30)):  # songs of different lengths: their pictures differ
+        job = client.post("/v1/songs", json={"style": "pop", "lyrics": f"[verse]\n{name}\n",
+                                             "semantic_sampling": {"min_tokens": frames, "max_tokens": frames}})
+        assert job.status_code == 202, job.text
+        jobs[name] = job.json()["id"]
+    docs = {name: wait_for(lambda: client.get(f"/v1/songs/{job_id}").json(), lambda d: d["status"] == "complete",
+                           300) for name, job_id in jobs.items()}
+    a, b = jobs["a"], jobs["b"]
+    problems = []
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.on("pageerror", lambda error: problems.append(str(error)))
+        page.add_init_script(f"sessionStorage.setItem('yue2-api-key', {KEY!r})")
+        page.goto(server.url + "/")
+        page.locator(f"#jobs tr[data-id='{b}']").wait_for()
+
+        def shows_b():
+            wait_for(lambda: page.evaluate("[document.getElementById('picture').dataset.song, "
+                                           "document.getElementById('picture').hidden]"),
+                     lambda shown: shown == [b, False], timeout=30)
+            wait_for(lambda: page.evaluate("document.getElementById('audio').duration"),
+                     lambda value: value and abs(value - docs["b"]["result"]["audio_seconds"]) < 0.05, timeout=30)
+
+        for held_path in ("audio-url", "peaks"):
+            held = []
+            pattern = f"**/v1/songs/{a}/{held_path}"
+            page.route(pattern, lambda route: held.append(route))  # A's answer waits until released below
+            page.click(f"#jobs tr[data-id='{a}'] [data-open]")
+            wait_for(lambda: page.wait_for_timeout(50) or held, lambda seen: seen, timeout=30)  # events need a call
+            page.click(f"#jobs tr[data-id='{b}'] [data-open]")
+            shows_b()
+            held[0].continue_()  # A's late answer arrives while B is shown
+            page.wait_for_timeout(1000)
+            page.unroute(pattern)
+            assert page.evaluate("location.hash") == f"#{b}"
+            assert page.evaluate("document.getElementById('audio').dataset.song") == b
+            assert f"/v1/songs/{b}/audio?" in page.evaluate("document.getElementById('audio').src")
+            assert f"/v1/songs/{b}/audio?" in page.get_attribute("#download", "href")
+            assert page.evaluate("document.getElementById('picture').dataset.song") == b
+            assert page.evaluate("current.picture.duration") == docs["b"]["result"]["audio_seconds"]
+            assert abs(page.evaluate("document.getElementById('audio').duration")
+                       - docs["b"]["result"]["audio_seconds"]) < 0.05
+        browser.close()
+    assert not problems, problems

@@ -432,7 +432,7 @@ class YuE2Pipeline:
         defaults = GenerationConfig().to_dict()
         overrides = sorted(f"{phase}.{key}" for phase in ("abc", "semantic")
                            for key, value in generation.to_dict()[phase].items() if defaults[phase][key] != value)
-        overrides += sorted(key for key in ("ode_steps",) if getattr(generation, key) != defaults[key])
+        overrides += sorted(key for key in ("ode_steps", "context") if getattr(generation, key) != defaults[key])
         if request.guidance != default_cfg_scale(request.cot):
             overrides.append("cfg_scale")
         return {

@@ -248,6 +248,9 @@ class GenerationConfig:
     semantic: Sampling = field(default_factory=lambda: SEMANTIC_DEFAULTS)
     ode_steps: int = 32
     ode_method: str = "midpoint"
+    # The NAR's chunk context: a song whose prefix + 2·frames + 3 exceeds it runs in several chunks. The AR
+    # phases always have the model's 24,576 positions; a smaller value only exercises the chunked NAR on a
+    # tiny model (the real model's songs reach a second chunk only past ~(24,576 - prefix) / 2 frames).
     context: int = CONTEXT
     version: str = PROTOCOL_VERSION
 
@@ -256,8 +259,8 @@ class GenerationConfig:
             raise ValueError(f"GenerationConfig.ode_steps must be a positive integer, got {self.ode_steps!r}")
         if self.ode_method != "midpoint":
             raise ValueError(f"GenerationConfig.ode_method must be 'midpoint', got {self.ode_method!r}")
-        if self.context != CONTEXT:
-            raise ValueError(f"GenerationConfig.context must be {CONTEXT}, got {self.context!r}")
+        if not _is_int(self.context) or not 1 <= self.context <= CONTEXT:
+            raise ValueError(f"GenerationConfig.context must be an integer in [1, {CONTEXT}], got {self.context!r}")
         if self.version != PROTOCOL_VERSION:
             raise ValueError(f"GenerationConfig.version must be {PROTOCOL_VERSION!r}, got {self.version!r}")
 
@@ -378,12 +381,15 @@ class SongRules:
                              "semantic prompt")
             else:
                 prompt = abc_prompt(request, self.tokenizer)
-                check_budget(prompt, sampling["abc"].max_tokens, "abc prompt")
-                check_budget(prompt + [ABC_END, MUSIC_START], sampling["semantic"].max_tokens,
-                             "semantic prompt (before any score token)")
+                score = sampling["abc"].max_tokens
+                check_budget(prompt, score, "abc prompt")
+                # As upstream, nothing is truncated: the semantic prompt will hold the generated score, so it is
+                # admitted only if a score of the abc phase's whole budget leaves the semantic budget room.
+                check_budget(prompt + [0] * score + [ABC_END, MUSIC_START], sampling["semantic"].max_tokens,
+                             f"semantic prompt (with a score of up to abc max_tokens {score})")
         except ValueError as exc:
             raise ValueError(f"the request is too long: {exc}; shorten the lyrics, style or score, or lower "
-                             "max_tokens") from None
+                             "max_tokens (abc_sampling's or semantic_sampling's)") from None
 
 def chunk_ranges(frames: int, prefix_tokens: int, context: int = CONTEXT) -> list[tuple[int, int]]:
     """NAR chunks `[a, b)` over the codec frames so that prefix + n + 1 AR and n + 2 NAR fit the context."""

@@ -8,6 +8,7 @@ import sys
 
 from ..hub import DEFAULT_MODEL
 from ..request_json import error_type
+from ..serve.disk import RETENTION_SECONDS
 from .batch import cmd_batch
 from .doctor import cmd_doctor
 from .generate import cmd_generate
@@ -44,6 +45,11 @@ def _positive_float(text: str) -> float:
 
 def _positive_seconds(text: str) -> float:
     return _positive(text, "seconds")
+
+
+def _retention(text: str) -> float | None:
+    """Seconds, or `forever` (None: finished jobs are never purged)."""
+    return None if text == "forever" else _positive_seconds(text)
 
 
 def _integer_in(text: str, low: int, high: int | None, words: str) -> int:
@@ -234,10 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stall-seconds", type=_positive_seconds, default=300.0,
                        help="songs in flight but none progressed for this long: /health answers 503 (default "
                             "%(default)s)")
-    serve.add_argument("--retention", type=_positive_seconds, metavar="SECONDS",
-                       help="purge finished jobs (files and row) this long after they finished (default: keep them)")
+    serve.add_argument("--retention", type=_retention, default=RETENTION_SECONDS, metavar="SECONDS",
+                       help="purge finished jobs (files and row) this long after they finished; 'forever' keeps "
+                            "them (default %(default)g: a week)")
     serve.add_argument("--min-free-disk", type=_positive_float, default=1.0, metavar="GIB",
-                       help="POST answers 507 while the data dir has less free disk than this (default %(default)s)")
+                       help="free disk kept beyond what every admitted song may still write (its FLAC, arrays and "
+                            "records at its token budgets); POST answers 507 past it (default %(default)s)")
     _cluster_flags(serve)
 
     doctor = command("doctor", "versions, devices, which backends are usable, and the engine / torch memory split")

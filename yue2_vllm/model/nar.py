@@ -104,6 +104,7 @@ def synthesize(model: YuE2Model, prefix: Sequence[int], codec: Sequence[int], se
                on_progress: ProgressFn | None = None, query_block: int | None = None,
                offload_ar: bool = False) -> torch.Tensor:
     """Latents `[len(codec), 64]` (CPU fp32), chunk after chunk; each chunk's prefix cache is freed after use.
+    Progress counts chunk-steps: `steps × chunks` in all (as `synthesize_many`, which runs the chunks at once).
 
     This is upstream's one-song path, bit for bit; `synthesize_many` batches songs.
     """
@@ -148,11 +149,15 @@ def synthesize_many(model: YuE2Model, songs: Sequence[SongInput], *, steps: int 
     """
     results: list[torch.Tensor | BaseException | None] = [None] * len(songs)
     items: list[tuple[int, NARChunk]] = []
+    chunk_counts = [0] * len(songs)
     for index, song in enumerate(songs):
         try:
-            items += [(index, chunk) for chunk in song_chunks(song.prefix, song.codec, song.seed, context)]
+            chunks = song_chunks(song.prefix, song.codec, song.seed, context)
         except ValueError as exc:
             results[index] = exc
+            continue
+        items += [(index, chunk) for chunk in chunks]
+        chunk_counts[index] = len(chunks)
     if steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps}")
     nars: list[CachedNAR] = []
@@ -181,9 +186,9 @@ def synthesize_many(model: YuE2Model, songs: Sequence[SongInput], *, steps: int 
                     states[i] = states[i] - velocity * dt
                 if not live:
                     break
-                for index, song in enumerate(songs):
+                for index, song in enumerate(songs):  # chunk-steps, as `synthesize` counts them
                     if results[index] is None and song.on_progress is not None:
-                        song.on_progress(step + 1, steps)
+                        song.on_progress((step + 1) * chunk_counts[index], steps * chunk_counts[index])
     finally:
         for nar in nars:
             nar.close()

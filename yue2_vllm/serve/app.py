@@ -14,6 +14,7 @@ import ipaddress
 import json
 import os
 import re
+import time
 from contextlib import asynccontextmanager
 from importlib import resources
 from urllib.parse import urlsplit
@@ -36,14 +37,16 @@ from .errors import Conflict, RequestInvalid, ServiceError, TooLarge, Unauthoriz
 from .events import event_json
 from .metrics import CONTENT_TYPE
 from .service import FINAL_STATES, SongService, urls
+from .signed import AUDIO_URL_SECONDS, SIGNATURE_PATTERN, signature_problem, signed_audio_query, signing_key
 
 MAX_BODY_BYTES = 256 * 1024
 HEARTBEAT_SECONDS = 15.0
 MAX_SSE_CLIENTS = 256
 LOOPBACK_NAMES = ("localhost", "localhost.")
 STATIC = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
-# The page loads nothing from elsewhere; audio may come from a blob: URL (fetched with the API key).
-PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; media-src 'self' blob:; connect-src 'self' blob:; "
+# The page loads nothing from elsewhere; audio streams from the server (a signed URL when there is an API key),
+# result.json may come from a blob: URL (fetched with the key).
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; media-src 'self'; connect-src 'self' blob:; "
                                            "img-src 'self' data:; "
                                            "object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
                 "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
@@ -332,7 +335,8 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
                                                           "processed", "headers": RETRY_AFTER},
         429: {"model": contract.ErrorBody, "description": "the queue is full", "headers": RETRY_AFTER},
         503: {"model": contract.ErrorBody, "description": "the engine is down for good", "headers": RETRY_AFTER},
-        507: {"model": contract.ErrorBody, "description": "the data dir is under its free-disk bound"}})
+        507: {"model": contract.ErrorBody, "description": "the free disk cannot hold what the song may write beside "
+                                                          "the admitted songs", "headers": RETRY_AFTER}})
     async def create_song(request: Request, idempotency_key: str | None = Header(
             None, pattern=contract.IDEMPOTENCY_KEY, max_length=255,
             description="the same key and body again → the same job (200); another body → 422")):
@@ -394,7 +398,9 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
 
     requeue = {202: {"model": contract.Song, "description": "queued again"},
                **_errors(*denied, 403, 404, 409), 429: {"model": contract.ErrorBody, "description": "the queue is "
-                                                                                      "full", "headers": RETRY_AFTER}}
+                                                                                      "full", "headers": RETRY_AFTER},
+               507: {"model": contract.ErrorBody, "description": "the free disk cannot hold what the song may still "
+                                                                 "write", "headers": RETRY_AFTER}}
 
     @v1.post("/songs/{job_id}/resume", status_code=202, summary="Resume a failed or cancelled job",
              responses=requeue)
@@ -420,14 +426,40 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
             service.get_record(job_id)
             raise Conflict(f"{name} is missing from the job's directory") from None
 
-    def audio(job_id: str):
+    audio_key = signing_key(api_key) if guarded else None
+
+    def audio(request: Request, job_id: str, _=Depends(bearer),
+              expires: int | None = Query(None, ge=0, le=2 ** 53, description="a signed URL's expiry (audio-url)"),
+              signature: str | None = Query(None, pattern=SIGNATURE_PATTERN, description="a signed URL's signature")):
+        if guarded and not trusted(request):  # the key, or a signed URL the <audio> element can use directly
+            problem = signature_problem(audio_key, job_id, expires, signature, time.time())
+            if problem is not None:
+                raise Unauthorized(problem, headers={"WWW-Authenticate": 'Bearer realm="yue2-vllm"'})
         label = service.get_record(job_id).label or job_id
         return OpenFileResponse(opened(job_id, "audio.flac"), media_type="audio/flac", filename=f"{label}.flac",
-                                content_disposition_type="inline")
+                                content_disposition_type="inline", headers={"Cache-Control": "private, no-cache"})
 
+    signed = APIRouter(prefix="/v1")  # the audio route checks the key itself: a signed URL stands in for it
     for method in ("GET", "HEAD"):
-        v1.add_api_route("/songs/{job_id}/audio", audio, methods=[method], summary="The song (FLAC)",
-                         responses=audio_answers, operation_id=f"song_audio_{method.lower()}")
+        signed.add_api_route("/songs/{job_id}/audio", audio, methods=[method], summary="The song (FLAC)",
+                             description="Range requests answer 206. With an API key: the key, or the signed URL "
+                                         "of GET /v1/songs/{id}/audio-url.",
+                             responses=audio_answers, operation_id=f"song_audio_{method.lower()}")
+
+    @v1.get("/songs/{job_id}/audio-url", summary="A short-lived URL that plays the song without the key",
+            response_model=contract.AudioUrl, responses=files)
+    def audio_url(job_id: str):
+        service.file(job_id, "audio.flac")  # 404 / 409 now, not when the player asks
+        path = urls(job_id)["audio"]
+        if not guarded:
+            return {"url": path, "expires": None, "expires_in": None}
+        query, expires = signed_audio_query(audio_key, job_id, time.time())
+        return {"url": f"{path}?{query}", "expires": expires, "expires_in": AUDIO_URL_SECONDS}
+
+    @v1.get("/songs/{job_id}/peaks", summary="The song's peaks and spectrogram, to draw it",
+            response_model=contract.Picture, responses=files)
+    async def peaks(job_id: str):
+        return await run_in_threadpool(service.picture, job_id)
 
     @v1.get("/songs/{job_id}/score", summary="The ABC score", responses={
         200: _media("text/vnd.abc", "the score as planned"), **files})
@@ -488,6 +520,7 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     app.include_router(v1)
+    app.include_router(signed)
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -123,6 +123,30 @@ class SongList(BaseModel):
     next_cursor: str | None = Field(..., description="pass as cursor for the next page (null: the last page)")
 
 
+class AudioUrl(BaseModel):
+    """A URL that plays the song's audio without the API key (Range requests and all), until it expires."""
+
+    url: str = Field(..., description="the audio route, signed when the server has an API key")
+    expires: int | None = Field(..., description="when it stops working (Unix seconds; null: never, no key)")
+    expires_in: int | None = Field(..., description="seconds from now until then (null: never)")
+
+
+class Picture(BaseModel):
+    """A song's peaks and spectrogram for drawing (see serve/picture.py)."""
+
+    model_config = ConfigDict(extra="allow")
+    version: int
+    duration: float = Field(..., description="seconds of audio")
+    sample_rate: int
+    buckets: int = Field(..., description="(min, max) pairs per channel")
+    peaks: list[str] = Field(..., description="per channel (2): base64 of int8 min, max pairs (×127)")
+    columns: int
+    rows: int
+    low_hz: float
+    dynamic_db: float
+    spectrogram: str = Field(..., description="base64 of uint8 levels, column after column, lowest band first")
+
+
 class Health(BaseModel):
     model_config = ConfigDict(extra="allow")
     status: Literal["ok", "unavailable"]

@@ -12,6 +12,7 @@ its `replica`), `down_for_good()` (why no song can be served, else None) and `he
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -23,15 +24,18 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..protocol import PHASES
+from ..protocol import PHASES, SongRequest
 from ..scheduler import FINAL_STATES, STAGE_STATES, STATES, SongEvent
+from ..checkpoint import write_json_atomic
+from .disk import RETENTION_SECONDS, DiskLedger, request_bytes, written_bytes
 from .errors import Conflict, InsufficientStorage, NotFound, RequestInvalid, TooManyJobs, Unavailable
 from .events import EventHub, Throttle
 from .metrics import Registry, RateWindow
+from .picture import PICTURE_VERSION, song_picture
 from .store import IdempotencyConflict, JobRecord, JobStore, NewJob, QueueFull  # noqa: F401 (re-exported)
 from .submission import check_idempotency_key, new_job_id, parse_submission, valid_job_id
 from .worker import ENGINE_DOWN, SongOrder, SongWorker
@@ -40,6 +44,7 @@ LOG = logging.getLogger("yue2_vllm.serve")
 STAGE_OF_STATE = {state: stage for stage, state in STAGE_STATES.items()}
 STAGES = tuple(STAGE_STATES)  # plan, semantic, synthesis, audio
 UNFINISHED = tuple(state for state in STATES if state not in FINAL_STATES)
+PICTURE_CACHE = "page-cache/picture.json"  # a directory: never among a run's artifacts
 
 
 def iso(timestamp: float | None) -> str | None:
@@ -75,8 +80,8 @@ class ServeConfig:
     max_interrupted_runs: int = 2  # a job running when the process died this many times is failed, not requeued
     stall_seconds: float = 300.0  # songs in flight but none progressed for this long: /health says wedged
     shutdown_seconds: float = 20.0  # how long close() waits for songs to reach a boundary
-    retention_seconds: float | None = None  # finished jobs older than this are purged (None: kept)
-    min_free_bytes: int = 1 << 30  # admission answers 507 below this much free disk in the data dir
+    retention_seconds: float | None = RETENTION_SECONDS  # finished jobs older than this are purged (None: kept)
+    min_free_bytes: int = 1 << 30  # kept free beyond what every admitted song may still write (else 507)
     owner_timeout: float = 30.0  # an HTTP call waits this long for the job owner, then answers 503
 
     def __post_init__(self):
@@ -127,6 +132,8 @@ class SongService:
         self.rules = workers.rules
         config.jobs.mkdir(parents=True, exist_ok=True)
         self.store = JobStore(config.database)
+        self.disk = DiskLedger(config.jobs, lambda path: shutil.disk_usage(path).free)
+        self._picture_lock = threading.Lock()
         self.hub = EventHub()
         self.throttle = Throttle(config.event_interval)
         self._live: dict[str, LiveJob] = {}
@@ -250,24 +257,40 @@ class SongService:
         down = self.workers.down_for_good()
         if down is not None:
             raise Unavailable(f"no song can be served now: {down}", headers={"Retry-After": "60"})
-        free = shutil.disk_usage(self.config.jobs).free
-        if free < self.config.min_free_bytes:
-            raise InsufficientStorage(f"the data dir has {free / 2**30:.2f} GiB free, under the "
-                                      f"{self.config.min_free_bytes / 2**30:.2f} GiB a new song may take")
         job_id = new_job_id()
         song = parse_submission(self.rules, body, job_id)
         stages = {stage: {"state": "pending"} for stage in (STAGES if song.stage == "audio" else ("plan",))}
         job = NewJob(job_id, song.label, song.stage, song.request.to_dict(), song.overrides, song.body_sha256, key,
                      stages)
-        try:
-            record, created = self.store.admit(job, self.config.queue_size)
-        except IdempotencyConflict as exc:
-            raise Conflict(str(exc), field="Idempotency-Key") from None
-        except QueueFull as exc:
-            raise self._too_many(exc) from None
+        need = request_bytes(self.rules, song.request, song.overrides, song.stage).total
+        with self.disk.lock:  # the check and the queueing together: two songs never take the same room
+            self._check_disk(need)
+            try:
+                record, created = self.store.admit(job, self.config.queue_size)
+            except IdempotencyConflict as exc:
+                raise Conflict(str(exc), field="Idempotency-Key") from None
+            except QueueFull as exc:
+                raise self._too_many(exc) from None
         if created:
             self._call(self._launch, record)
         return record, created
+
+    def _record_bytes(self, record: JobRecord) -> int:
+        return request_bytes(self.rules, SongRequest(**record.request), record.overrides, record.stage).total
+
+    def _check_disk(self, need: int) -> None:
+        """507 unless `need` more bytes fit in the free disk beside what every unfinished job may still write and
+        the `min_free_bytes` kept free (the caller holds `disk.lock`)."""
+        unfinished = self.store.unfinished()
+        pending = self.disk.outstanding((r.id, r.stage, lambda r=r: self._record_bytes(r)) for r in unfinished)
+        fits, free = self.disk.room(need, pending, self.config.min_free_bytes)
+        if not fits:
+            raise InsufficientStorage(
+                f"the song may write up to {need / 1e6:.1f} MB (its token budgets' FLAC, arrays and records); the "
+                f"data dir has {free / 1e6:.1f} MB free, {pending / 1e6:.1f} MB of it promised to {len(unfinished)} "
+                f"unfinished job(s) and {self.config.min_free_bytes / 1e6:.1f} MB kept free (--min-free-disk); "
+                "lower semantic_sampling.max_tokens, or retry once songs finish or are deleted",
+                headers={"Retry-After": str(self.retry_after())})
 
     def _too_many(self, full: QueueFull) -> TooManyJobs:
         return TooManyJobs(f"{full}; retry later", headers={"Retry-After": str(self.retry_after())})
@@ -318,14 +341,18 @@ class SongService:
         live = self._live.get(job_id)
         if live is not None and not live.handle.done:
             raise Conflict("the job is still stopping; try again in a moment", headers={"Retry-After": "1"})
-        try:
-            record = self.store.requeue(job_id, self.config.queue_size, kind="render" if render else "resume",
-                                        reason="render requested" if render else "resume requested",
-                                        stage="audio" if render else None)
-        except QueueFull as exc:
-            raise self._too_many(exc) from None
-        except LookupError:
-            raise Conflict("the job changed meanwhile; read it again") from None
+        record = self.get_record(job_id)
+        bound = self._record_bytes(replace(record, stage="audio") if render else record)
+        with self.disk.lock:
+            self._check_disk(max(0, bound - written_bytes(self.directory(job_id))))
+            try:
+                record = self.store.requeue(job_id, self.config.queue_size, kind="render" if render else "resume",
+                                            reason="render requested" if render else "resume requested",
+                                            stage="audio" if render else None)
+            except QueueFull as exc:
+                raise self._too_many(exc) from None
+            except LookupError:
+                raise Conflict("the job changed meanwhile; read it again") from None
         if render:
             stages = {**record.stages, **{s: {"state": "pending"} for s in STAGES[1:]}}
             self.store.update(job_id, stages=stages)
@@ -494,6 +521,25 @@ class SongService:
         if path.is_symlink() or not path.is_file():
             raise Conflict(f"{name} is missing from the job's directory")
         return path
+
+    def picture(self, job_id: str) -> dict:
+        """The song's peaks and spectrogram (`serve.picture`), computed from its FLAC once and cached beside it
+        (`page-cache/picture.json`, written atomically; redone if the FLAC changed or the format did)."""
+        path = self.file(job_id, "audio.flac")
+        stat = path.stat()
+        source = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        cache = path.parent / PICTURE_CACHE
+        with self._picture_lock:  # one computation per song, whoever asks meanwhile
+            try:
+                cached = json.loads(cache.read_text())
+                if cached.get("source") == source and cached.get("version") == PICTURE_VERSION:
+                    return cached
+            except (OSError, ValueError):
+                pass
+            document = {**song_picture(path), "source": source}
+            cache.parent.mkdir(exist_ok=True)
+            write_json_atomic(cache, document)
+            return document
 
     def subscribe(self, job_id: str, loop):
         record = self.get_record(job_id)

@@ -15,7 +15,7 @@ const FIELDS = {  // an error's field -> the control to mark
 };
 
 let apiKey = sessionStorage.getItem("yue2-api-key") || "";
-let current = null;  // {id, doc, score, stream: AbortController, audioUrl, resultUrl, picture}
+let current = null;  // {id, doc, score, stream: AbortController, resultUrl, picture, audioAsked}
 let pendingKey = null;  // {body, key}: reused only when the last attempt got no answer at all
 let listed = "";  // the list as last drawn (redrawn only when it changed, so keyboard focus stays put)
 let keyRequired = false;  // /health says whether /v1 needs a key: none is asked for (no 401) before one is typed
@@ -207,94 +207,38 @@ function renderBars(doc) {
 
 // ------------------------------------------------------------------ the song's picture
 
-const PEAK_BUCKETS = 4096;  // min/max per channel kept per song; each pixel takes the extremes of its buckets
-const SPECTRUM = { size: 2048, columns: 720, rows: 96, low: 40 };  // FFT size, image size, lowest Hz
-
-// Per channel, PEAK_BUCKETS (min, max) pairs over equal spans of the song.
-function peaksOf(buffer) {
-  const lanes = [];
-  for (let c = 0; c < Math.min(2, buffer.numberOfChannels); c++) {
-    const data = buffer.getChannelData(c);
-    const peaks = new Float32Array(PEAK_BUCKETS * 2);
-    for (let b = 0; b < PEAK_BUCKETS; b++) {
-      const start = Math.floor(b * data.length / PEAK_BUCKETS);
-      const end = Math.max(start + 1, Math.floor((b + 1) * data.length / PEAK_BUCKETS));
-      let low = 0, high = 0;
-      for (let i = start; i < end && i < data.length; i++) {
-        const v = data[i];
-        if (v < low) low = v;
-        if (v > high) high = v;
-      }
-      peaks[2 * b] = low;
-      peaks[2 * b + 1] = high;
-    }
-    lanes.push(peaks);
-  }
-  if (lanes.length === 1) lanes.push(lanes[0]);  // a mono file: the same in both lanes
-  return lanes;
+// The server's picture of a song (GET …/peaks, computed once from its FLAC): per channel (min, max) int8 pairs,
+// and a log-frequency spectrogram as uint8 levels, column after column, lowest band first.
+function bytesOf(base64) {
+  const text = atob(base64);
+  const bytes = new Uint8Array(text.length);
+  for (let i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
+  return bytes;
 }
 
-function fft(re, im) {  // in place, radix 2 (length a power of two)
-  const n = re.length;
-  for (let i = 1, j = 0; i < n; i++) {
-    let bit = n >> 1;
-    for (; j & bit; bit >>= 1) j ^= bit;
-    j ^= bit;
-    if (i < j) { [re[i], re[j]] = [re[j], re[i]]; [im[i], im[j]] = [im[j], im[i]]; }
-  }
-  for (let len = 2; len <= n; len <<= 1) {
-    const angle = -2 * Math.PI / len, wr = Math.cos(angle), wi = Math.sin(angle);
-    for (let i = 0; i < n; i += len) {
-      let ur = 1, ui = 0;
-      for (let k = 0; k < len / 2; k++) {
-        const a = i + k, b = a + len / 2;
-        const tr = re[b] * ur - im[b] * ui, ti = re[b] * ui + im[b] * ur;
-        re[b] = re[a] - tr; im[b] = im[a] - ti;
-        re[a] += tr; im[a] += ti;
-        [ur, ui] = [ur * wr - ui * wi, ur * wi + ui * wr];
-      }
-    }
-  }
-}
-
-// A log-frequency spectrogram of the channels' mean: SPECTRUM.columns Hann-windowed FFTs, dB over 80 dB.
-function spectrogramOf(buffer) {
-  const { size, columns, rows, low } = SPECTRUM;
-  const left = buffer.getChannelData(0);
-  const right = buffer.getChannelData(Math.min(1, buffer.numberOfChannels - 1));
-  const high = buffer.sampleRate / 2, binHz = buffer.sampleRate / size;
-  const window = Float32Array.from({ length: size }, (_, i) => 0.5 - 0.5 * Math.cos(2 * Math.PI * i / (size - 1)));
-  const edges = Array.from({ length: rows + 1 }, (_, r) => low * Math.pow(high / low, r / rows) / binHz);
-  const levels = new Float32Array(columns * rows);
-  const re = new Float32Array(size), im = new Float32Array(size);
-  let loudest = -Infinity;
-  for (let x = 0; x < columns; x++) {
-    const center = Math.floor((x + 0.5) * left.length / columns);
-    for (let i = 0; i < size; i++) {
-      const at = center - size / 2 + i;
-      re[i] = at >= 0 && at < left.length ? window[i] * (left[at] + right[at]) / 2 : 0;
-      im[i] = 0;
-    }
-    fft(re, im);
-    for (let r = 0; r < rows; r++) {  // row r (0: lowest) is the loudest bin between its two edges
-      let power = 0;
-      const first = Math.floor(edges[r]), last = Math.max(first, Math.floor(edges[r + 1]));
-      for (let k = first; k <= last && k < size / 2; k++) power = Math.max(power, re[k] * re[k] + im[k] * im[k]);
-      const level = 10 * Math.log10(power + 1e-12);
-      levels[x * rows + r] = level;
-      if (level > loudest) loudest = level;
-    }
-  }
+function pictureFrom(answer) {
+  const lanes = answer.peaks.slice(0, 2).map((lane) => {
+    const pairs = new Int8Array(bytesOf(lane).buffer);
+    return Float32Array.from(pairs, (v) => v / 127);
+  });
+  const levels = bytesOf(answer.spectrogram);
+  const { columns, rows } = answer;
   const image = new ImageData(columns, rows);
   for (let x = 0; x < columns; x++) {
     for (let r = 0; r < rows; r++) {
-      const v = Math.max(0, Math.min(1, (levels[x * rows + r] - loudest + 80) / 80));
-      const [red, green, blue] = heat(v);
+      const [red, green, blue] = heat(levels[x * rows + r] / 255);
       const at = ((rows - 1 - r) * columns + x) * 4;
       image.data[at] = red; image.data[at + 1] = green; image.data[at + 2] = blue; image.data[at + 3] = 255;
     }
   }
-  return image;
+  return { lanes, buckets: answer.buckets, spectrogram: image, duration: answer.duration };
+}
+
+// A song's picture (pictureFrom), or null when `stillShown()` says the view moved on to another song meanwhile,
+// so a late answer never lands under it.
+async function fetchPicture(doc, stillShown) {
+  const answer = await api(`${doc.urls.self}/peaks`);
+  return stillShown() ? pictureFrom(answer) : null;
 }
 
 function heat(v) {  // dark blue → purple → orange → pale yellow
@@ -306,8 +250,13 @@ function heat(v) {  // dark blue → purple → orange → pale yellow
 function drawPicture() {
   const picture = current && current.picture;
   if (!picture) return;
+  drawPictureInto(picture, $("waveform"), $("spectrogram"));
+  movePlayhead();
+}
+
+// A picture (pictureFrom) into two canvases: both channels' peaks per pixel, and the spectrogram.
+function drawPictureInto(picture, wave, spectrum) {
   const ratio = window.devicePixelRatio || 1;
-  const wave = $("waveform");
   const width = Math.max(1, Math.round(wave.clientWidth * ratio)), height = Math.round(wave.clientHeight * ratio);
   wave.width = width;
   wave.height = height;
@@ -321,8 +270,8 @@ function drawPicture() {
     context.fillRect(0, Math.round(middle), width, Math.max(1, Math.round(ratio / 2)));
     context.fillStyle = style.getPropertyValue("--accent");
     for (let x = 0; x < width; x++) {  // this pixel's extremes: over every bucket it covers
-      const first = Math.floor(x * PEAK_BUCKETS / width);
-      const last = Math.max(first + 1, Math.floor((x + 1) * PEAK_BUCKETS / width));
+      const first = Math.floor(x * picture.buckets / width);
+      const last = Math.max(first + 1, Math.floor((x + 1) * picture.buckets / width));
       let low = 0, high = 0;
       for (let b = first; b < last; b++) {
         if (peaks[2 * b] < low) low = peaks[2 * b];
@@ -332,14 +281,12 @@ function drawPicture() {
       context.fillRect(x, top, 1, Math.max(1, bottom - top));
     }
   });
-  const spectrum = $("spectrogram");
   if (picture.spectrogram) {
     spectrum.hidden = false;
-    spectrum.width = SPECTRUM.columns;
-    spectrum.height = SPECTRUM.rows;
+    spectrum.width = picture.spectrogram.width;
+    spectrum.height = picture.spectrogram.height;
     spectrum.getContext("2d").putImageData(picture.spectrogram, 0, 0);
   } else spectrum.hidden = true;
-  movePlayhead();
 }
 
 function movePlayhead() {
@@ -356,41 +303,61 @@ function seekTo(fraction) {
   movePlayhead();
 }
 
-async function showPicture(bytes, id) {
-  const context = new OfflineAudioContext(2, 1, 48000);
-  const buffer = await context.decodeAudioData(bytes);
-  if (!current || current.id !== id) return;
-  current.picture = { lanes: peaksOf(buffer), spectrogram: null, duration: buffer.duration };
-  $("picture").hidden = false;
-  drawPicture();
-  await new Promise((resolve) => setTimeout(resolve, 0));  // the waveform first, then the spectrum
-  if (!current || current.id !== id) return;
-  current.picture.spectrogram = spectrogramOf(buffer);
-  drawPicture();
+// ------------------------------------------------------------------ the streaming player
+
+// A URL the <audio> element plays directly (Range requests: it starts before the download ends). With an API key
+// it is a short-lived signed URL (GET …/audio-url), since the element cannot send the key.
+async function playableUrl(doc) {
+  return (await api(`${doc.urls.self}/audio-url`)).url;
+}
+
+// Play `doc`'s audio in `audio` while `stillShown()`; a signed URL that expired mid-song is renewed where it was.
+async function streamInto(audio, doc, stillShown) {
+  const url = await playableUrl(doc);
+  if (!stillShown()) return null;
+  let renewed = 0;
+  audio.onerror = async () => {
+    if (!stillShown() || !audio.error || Date.now() - renewed < 5000) return;
+    renewed = Date.now();
+    const at = audio.currentTime, playing = !audio.paused;
+    try {
+      const fresh = await playableUrl(doc);
+      if (!stillShown()) return;
+      audio.src = fresh;
+      audio.currentTime = at;
+      if (playing) audio.play().catch(() => {});
+    } catch (error) { console.warn(`the song's audio: ${error.message}`); }
+  };
+  audio.dataset.song = doc.id;
+  audio.src = url;
+  return url;
 }
 
 async function showAudio(doc) {
-  const url = doc.urls.audio;
+  const shown = current;
+  const stillShown = () => current === shown;
+  const audioUrl = await streamInto($("audio"), doc, stillShown);
+  if (audioUrl === null) return;
   let result = doc.urls.result;
-  // The FLAC is fetched once (with the key, if any): the player plays it, the page draws it.
-  const response = await fetch(url, { headers: headers() });
-  if (!response.ok) throw new Error(`audio: ${response.status}`);
-  const bytes = await response.arrayBuffer();
-  const source = URL.createObjectURL(new Blob([bytes], { type: "audio/flac" }));
-  current.audioUrl = source;
-  if (apiKey) {  // a link cannot send the key: a blob of the result too
+  $("download").href = audioUrl;  // the signed URL (or the plain one) downloads too: no blob of the whole song
+  $("download").download = `${doc.label || doc.id}.flac`;
+  $("player").hidden = false;
+  if (apiKey) {  // a link cannot send the key: a blob of the (small) result
     result = await blobOf(doc.urls.result);
+    if (!stillShown()) { URL.revokeObjectURL(result); return; }
     current.resultUrl = result;
   }
-  $("audio").src = source;
-  $("download").href = apiKey ? source : url;
-  $("download").download = `${doc.label || doc.id}.flac`;
   $("result-link").href = result;
   $("result-link").download = apiKey ? `${doc.label || doc.id}.result.json` : "";
   if (!apiKey) $("result-link").removeAttribute("download");
-  $("player").hidden = false;
-  showPicture(bytes, doc.id).catch((error) => {  // the song still plays without its picture
-    $("picture").hidden = true;
+  fetchPicture(doc, stillShown).then((picture) => {
+    if (picture === null || !stillShown()) return;
+    current.picture = picture;
+    $("picture").dataset.song = doc.id;
+    $("picture").hidden = false;
+    drawPicture();
+  }).catch((error) => {  // the song still plays without its picture
+    if (stillShown()) $("picture").hidden = true;
     console.warn(`the song's picture: ${error.message}`);
   });
 }
@@ -420,8 +387,10 @@ function render() {
   }
   $("score-box").hidden = !current.score;
   $("score").textContent = current.score || "";
-  if (doc.status === "complete" && doc.stage === "audio" && $("player").hidden) {
-    showAudio(doc).catch((error) => show($("current-error"), describeError(error)));
+  if (doc.status === "complete" && doc.stage === "audio" && $("player").hidden && !current.audioAsked) {
+    current.audioAsked = true;
+    const shown = current;
+    showAudio(doc).catch((error) => { if (current === shown) show($("current-error"), describeError(error)); });
   }
 }
 
@@ -489,24 +458,37 @@ async function follow(id, signal) {
   }
 }
 
+function clearPlayer() {  // nothing of the song shown before stays in the view
+  const audio = $("audio");
+  audio.onerror = null;
+  audio.removeAttribute("src");
+  delete audio.dataset.song;
+  audio.load();
+  $("player").hidden = true;
+  $("picture").hidden = true;
+  delete $("picture").dataset.song;
+}
+
 function forget() {  // the shown song was deleted
   if (current.stream) current.stream.abort();
-  for (const url of [current.audioUrl, current.resultUrl]) if (url) URL.revokeObjectURL(url);
-  $("audio").removeAttribute("src");
+  if (current.resultUrl) URL.revokeObjectURL(current.resultUrl);
+  clearPlayer();
   current = null;
   $("current").hidden = true;
   history.replaceState(null, "", location.pathname);
 }
 
+let selecting = 0;  // the latest select(): an earlier one still waiting for its song gives way
+
 async function select(id) {
   if (current && current.stream) current.stream.abort();
-  if (current && current.audioUrl) URL.revokeObjectURL(current.audioUrl);
   if (current && current.resultUrl) URL.revokeObjectURL(current.resultUrl);
-  $("player").hidden = true;
-  $("picture").hidden = true;
-  $("audio").removeAttribute("src");
+  current = null;  // from here on, nothing an earlier song's requests bring back is shown
+  clearPlayer();
+  const mine = ++selecting;
   const doc = await api(`/v1/songs/${id}`);
-  current = { id, doc, score: null, stream: new AbortController(), audioUrl: null, resultUrl: null, picture: null };
+  if (mine !== selecting) return;
+  current = { id, doc, score: null, stream: new AbortController(), resultUrl: null, picture: null, audioAsked: false };
   history.replaceState(null, "", `#${id}`);
   render();
   for (const row of document.querySelectorAll("#jobs tr")) row.classList.toggle("selected", row.dataset.id === id);
