@@ -19,11 +19,19 @@ def test_kv_arithmetic():
 
 
 def test_h200_split_defaults_to_many_rows_and_states_its_share():
+    from yue2_vllm.memory import ar_host_bytes, nar_song_bytes
+
     plan = plan_memory(FULL, device="cuda", budget_gib=80, engine_weights=AR_BF16, torch_model=MOT, vae=VAE,
                        total=int(139 * GIB))
-    assert plan.problems() == [] and plan.max_num_seqs == 49
-    assert plan.kv_cache == 49 * row_kv_bytes(FULL, 2048 + 9000, 16) + 2 * 16 * 112 * 1024
-    assert plan.torch_decode == torch_decode_bytes(FULL, 2048 + 9000) and plan.torch_side > plan.torch_decode
+    # One AR copy on the card (the engine's): ours waits in host memory; room for one song's buffers, no
+    # reserved torch-backend K/V (a torch song is admitted into the room when it starts).
+    assert not plan.ar_on_device and plan.ar_host == ar_host_bytes(FULL) and plan.torch_model == MOT - plan.ar_host
+    assert plan.song_room == nar_song_bytes(FULL, [2048 + 9000], streamed=True) and plan.torch_decode == 0
+    fixed = AR_BF16 + 2 * GIB + plan.torch_model + VAE + plan.song_room + 2 * GIB
+    rows = (80 * GIB - fixed) // row_kv_bytes(FULL, 2048 + 9000, 16)
+    assert plan.problems() == [] and plan.max_num_seqs == rows == 56
+    assert plan.kv_cache == 56 * row_kv_bytes(FULL, 2048 + 9000, 16) + 2 * 16 * 112 * 1024
+    assert plan.resident + plan.song_room <= plan.limit and plan.room >= plan.song_room
     assert plan.engine == AR_BF16 + plan.kv_cache + 2 * GIB
     assert plan.gpu_memory_utilization == pytest.approx(plan.engine / (139 * GIB))
     assert plan.engine + plan.torch_side <= 80 * GIB
@@ -36,17 +44,18 @@ def test_torch_decode_counts_both_branches_kv_rows_and_one_step():
     assert torch_decode_bytes(FULL, 11048, branches=1) < torch_decode_bytes(FULL, 11048) / 1.9
 
 
-def test_24gb_card_needs_offload_and_fp8_or_is_refused_by_name():
+def test_24gb_card_is_refused_by_name_when_asked_for_too_many_full_rows():
     explicit = dict(device="cuda", budget_gib=24, torch_model=MOT, vae=VAE, total=24 * GIB, max_num_seqs=8,
                     kv_cache=8 * kv_cache_bytes(FULL))
     refused = plan_memory(FULL, engine_weights=AR_BF16, **explicit)
     (problem,) = refused.problems()
-    assert "KV cache for 8 rows" in problem and "--concurrency" in problem and "--offload-ar" in problem
+    assert "KV cache for 8 rows" in problem and "--concurrency" in problem and "FP8" in problem
+    assert "--offload-ar" not in problem and "host memory" in problem  # the AR expert is off the card already
     with pytest.raises(MemoryError, match="the budget allows 24.00 GiB"):
         refused.check()
-    fitted = plan_memory(FULL, device="cuda", budget_gib=24, engine_weights=AR_FP8, torch_model=MOT, vae=VAE,
-                         total=24 * GIB, offload_ar=True)
-    assert fitted.problems() == [] and 1 <= fitted.max_num_seqs < 8
+    fitted = plan_memory(FULL, device="cuda", budget_gib=24, engine_weights=AR_BF16, torch_model=MOT, vae=VAE,
+                         total=24 * GIB)
+    assert fitted.problems() == [] and fitted.max_num_seqs >= 4
     assert nar_chunk_bytes(FULL, offload_ar=True) < nar_chunk_bytes(FULL)
 
 
@@ -144,14 +153,24 @@ def test_gb10_refuses_a_budget_above_the_pool_and_a_split_it_cannot_hold(fake_gp
 
 
 @pytest.mark.parametrize("name", ["B200", "H100", "L40S"])
-def test_discrete_gpus_plan_as_before(fake_gpu, tmp_path, name):
+def test_discrete_gpus_plan_against_their_card(fake_gpu, tmp_path, name):
+    from yue2_vllm.memory import DEVICE_RESERVE_FRACTION, total_memory_bytes
+
     gpu = fake_gpu(name)
     assert device_pool("cuda", write_meminfo(tmp_path / "meminfo", 64 * GIB, 10 * GIB)) is None
-    plan = release_plan(24, gpu["total"])
+    card = total_memory_bytes("cuda")
+    assert card == gpu["total"] and default_budget_gib(None, card) == pytest.approx(0.9 * card / GIB)
+    assert DEVICE_RESERVE_FRACTION == 0.10 and default_budget_gib(None) == 24.0  # the CPU keeps its rule
+    plan = release_plan(default_budget_gib(None, card), gpu["total"])
     assert plan.unified is None and plan.host_side == 0 and plan.startup_problem(0) is None
-    rows = min(64, (min(24 * GIB, gpu["total"]) - (AR_BF16 + 2 * GIB + MOT + VAE + plan.nar_chunks + 2 * GIB
-                                                    + plan.torch_decode)) // TYPICAL)
-    assert plan.max_num_seqs == rows and plan.limit == 24 * GIB
+    fixed = AR_BF16 + 2 * GIB + plan.torch_model + VAE + plan.song_room + 2 * GIB
+    rows = min(64, (int(0.9 * card) - fixed) // TYPICAL)
+    assert plan.max_num_seqs == rows and plan.limit == int(0.9 * card) and plan.problems() == []
+    # A budget caps; one above the card is refused naming both figures and what to lower.
+    assert release_plan(24, gpu["total"]).limit == 24 * GIB
+    problem = budget_problem(card / GIB + 1, None, card)
+    assert f"above this GPU's {card / GIB:.2f} GiB" in problem and "lower --budget" in problem
+    assert budget_problem(card / GIB, None, card) is None
 
 
 def test_the_cpu_plan_ignores_unified_memory(tmp_path):

@@ -450,7 +450,7 @@ class YuE2Pipeline:
         chunk's prefix K/V and activations, and one streamed AR layer when the AR expert is in host memory."""
         from .protocol import chunk_ranges
 
-        chunks = [len(s.plan.prefix) + (b - a) + 1 for s in semantics
+        chunks = [len(s.plan.prefix) + (b - a) + 3 for s in semantics  # prefix, codec, end, 2 latent slots
                   for a, b in chunk_ranges(len(s.tokens), len(s.plan.prefix), self.generation_config.context)]
         return nar_song_bytes(self.model.config, chunks, streamed=not self.ar_on_device)
 
