@@ -182,3 +182,125 @@ def test_the_cpu_plan_ignores_unified_memory(tmp_path):
                 total=24 * GIB)
     plan = plan_memory(TINY_CONFIG, unified=pool, **args)  # host memory is the budget there already
     assert plan == plan_memory(TINY_CONFIG, **args) and plan.unified is None and plan.host_side == 0
+
+
+# ---------------------------------------------------------------- real weights on the cards users have (issue 32)
+import json  # noqa: E402
+import math  # noqa: E402
+
+from yue2_vllm.memory import (CARDS_MIB, card_table, card_table_markdown, vae_decode_bytes,  # noqa: E402
+                              w8a8_ar_bytes)
+from yue2_vllm.model.modeling import tensor_shapes  # noqa: E402
+from yue2_vllm.model.vae import VAEConfig, decoder_bytes  # noqa: E402
+
+REAL_MOT = 2 * sum(math.prod(shape) for shape in tensor_shapes(FULL).values())  # all bf16, as released
+REAL_VAE_FILE = int(0.494 * GIB)  # the released VAE file: encoder + decoder, fp32
+GOAL = {"RTX 4080/5080 16 GB": {"FP8": 2}, "L4 24 GB": {"bf16": 4}, "RTX 4090 24 GB": {"bf16": 4},
+        "RTX 5090 32 GB": {"bf16": 8}, "L40S 48 GB": {"bf16": 16}, "H100 80 GB": {"bf16": 40},
+        "H200 141 GB": {"bf16": 64}, "GB10 (DGX Spark), MemAvailable 110 GiB": {"bf16": 32}}
+
+
+def real_table():
+    return card_table(FULL, mot_bytes=REAL_MOT, vae_bytes=decoder_bytes(VAEConfig()),
+                      vae_tile=vae_decode_bytes(VAEConfig(), 1024, 16),
+                      ar_forms={"bf16": ar_expert_bytes(FULL), "FP8": w8a8_ar_bytes(FULL)})
+
+
+def test_the_fp8_checkpoint_size_is_the_published_layouts():
+    from yue2_vllm.quant.export import expected_layout
+
+    sizes = {"BF16": 2, "F8_E4M3": 1}
+    layout = expected_layout(FULL, "F8_E4M3")
+    assert w8a8_ar_bytes(FULL) == sum(sizes[d] * math.prod(s) for d, s in layout.values()) == 2_923_776_000
+
+
+def test_card_table_meets_the_goal_and_every_plan_adds_up_within_its_card():
+    rows = real_table()
+    by = {(row["card"], row["ar"]): row for row in rows}
+    for card, goals in GOAL.items():
+        for form, least in goals.items():
+            assert by[card, form]["rows"] >= least, (card, form, by[card, form]["rows"])
+    assert by["H200 141 GB", "bf16"]["rows"] == 64  # the row cap
+    for row in rows:
+        plan = row["plan"]
+        parts = (plan.engine_weights + plan.kv_cache + plan.engine_overhead + plan.torch_model + plan.vae
+                 + plan.nar_chunks + plan.torch_decode + plan.song_room + plan.torch_reserve + plan.host_side)
+        card = plan.total if plan.unified is None else plan.unified.pool
+        if row["rows"]:
+            assert parts == row["need"] <= plan.limit <= card, row["card"]
+            assert plan.kv_cache >= kv_cache_bytes(FULL)  # any single full-context request can be admitted
+            if plan.unified is None:
+                assert plan.limit == int(0.9 * plan.total) and plan.room >= plan.song_room
+    # 16 GB with the bf16 AR: refused, truthfully. One AR copy, one full context of KV, one song's room:
+    short = by["RTX 4080/5080 16 GB", "bf16"]
+    assert short["rows"] == 0 and 1.1 * GIB < short["need"] - short["limit"] < 1.25 * GIB
+    # GB10 keeps its one-pool rules: the AR expert stays resident there (one pool: host memory is the device).
+    assert by["GB10 (DGX Spark), MemAvailable 110 GiB", "bf16"]["plan"].ar_on_device
+
+
+def test_readme_table_is_the_plan_codes():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert card_table_markdown(real_table()) in readme
+
+
+def test_resident_bytes_per_placement_counted_on_the_meta_device():
+    import torch
+
+    from yue2_vllm.model.modeling import YuE2Model
+    from yue2_vllm.model.placement import weight_homes
+    from yue2_vllm.model.vae import OobleckDecoder, _decoder_kwargs
+
+    with torch.device("meta"):
+        model = YuE2Model(FULL)
+        decoder = OobleckDecoder(**_decoder_kwargs(VAEConfig()))
+    homes = weight_homes(FULL, ar_on_device=False)
+    counted = {"host": 0, "device": 0}
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        counted[homes.get(name, "device")] += tensor.numel() * 2  # bf16, as released and loaded
+    plan = real_table()[2]["plan"]  # L4, bf16
+    assert counted["host"] + counted["device"] >= REAL_MOT
+    assert plan.ar_host == counted["host"] and plan.torch_model == REAL_MOT - counted["host"]
+    assert counted["device"] - plan.torch_model < 2**20  # the rest: buffers (RoPE-free model: tiny) only
+    assert plan.vae == sum(t.numel() * 4 for t in decoder.parameters()) < REAL_VAE_FILE
+
+
+def sparse_release(tmp_path):
+    """The released directories' config files with sparse weight files of the real sizes (the plan reads sizes)."""
+    from dataclasses import asdict
+
+    model, vae = tmp_path / "YuE2-3B", tmp_path / "YuE2-Vae"
+    for directory, config, size in ((model, asdict(FULL), REAL_MOT), (vae, VAEConfig().to_dict(), REAL_VAE_FILE)):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+        with open(directory / "model.safetensors", "wb") as handle:
+            handle.truncate(size)
+    return model, vae
+
+
+@pytest.mark.parametrize("card", list(CARDS_MIB))
+def test_patched_cards_plan_the_release_as_the_table_says(fake_gpu, tmp_path, monkeypatch, card):
+    from yue2_vllm.cli.setup import memory_plan
+
+    fake_gpu("H100", total=CARDS_MIB[card] * 2**20)
+    monkeypatch.setattr("yue2_vllm.memory.MEMINFO", str(write_meminfo(tmp_path / "meminfo", 64 * GIB, 60 * GIB)))
+    model, vae = sparse_release(tmp_path)
+    plan = memory_plan(model, vae, "cuda", None)
+    row = next(r for r in real_table() if r["card"] == card and r["ar"] == "bf16")
+    assert plan == row["plan"] and plan.engine + plan.torch_side <= plan.total
+
+
+def test_a_patched_gb10_plans_the_release_in_its_pool(fake_gpu, tmp_path, monkeypatch):
+    from yue2_vllm.cli.setup import memory_plan
+    from yue2_vllm.memory import GB10_MEMINFO
+
+    gpu = fake_gpu("GB10", total=GB10_MEMINFO["MemTotal"])
+    meminfo = write_meminfo(tmp_path / "meminfo", GB10_MEMINFO["MemTotal"], GB10_MEMINFO["MemAvailable"])
+    monkeypatch.setattr("yue2_vllm.memory.MEMINFO", str(meminfo))
+    model, vae = sparse_release(tmp_path)
+    plan = memory_plan(model, vae, "cuda", None)
+    row = real_table()[-2]
+    assert row["card"].startswith("GB10") and plan.max_num_seqs == row["rows"] >= 32
+    assert plan.unified.pool == row["plan"].unified.pool and plan.total == gpu["total"]
+    assert plan.engine + plan.torch_side + plan.host_side <= plan.unified.pool

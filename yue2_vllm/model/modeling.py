@@ -461,7 +461,8 @@ class CachedNAR:
     prefix while `latent_pos_embed` counts from 0, attending bidirectionally over AR + NAR keys.
     """
 
-    def __init__(self, model: YuE2Model, ar_tokens: Sequence[int], frames: int, *, query_block: int | None = None):
+    def __init__(self, model: YuE2Model, ar_tokens: Sequence[int], frames: int, *, query_block: int | None = None,
+                 stream: bool | None = None):
         config = model.config
         if not ar_tokens or min(ar_tokens) < 0 or max(ar_tokens) >= config.vocab_size:
             raise ValueError("NAR prefix must be non-empty token ids inside the vocabulary")
@@ -478,17 +479,17 @@ class CachedNAR:
         local = torch.arange(self.slots, device=device).clamp(max=config.max_latent_frames - 1)
         self.pos_emb = model.latent_pos_embed.pe[local][None]
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._prefill(torch.tensor([list(ar_tokens)], dtype=torch.long, device=device))
+        self._prefill(torch.tensor([list(ar_tokens)], dtype=torch.long, device=device), stream)
 
     @torch.inference_mode()
-    def _prefill(self, ids: torch.Tensor) -> None:
+    def _prefill(self, ids: torch.Tensor, stream: bool | None = None) -> None:
         """The AR expert over the prefix, resident or (its weights in host memory: `placement`) streamed to the
         device one layer at a time; the embedding rows are gathered where the table lives (exact either way).
-        `prefill_weights` and `streamed_bytes` say which."""
+        `prefill_weights` and `streamed_bytes` say which; `stream` None decides by where the weights are."""
         backbone, config = self.model.model, self.model.config
         cos, sin = rope_angles(torch.arange(ids.shape[1], device=ids.device)[None], config.head_dim, config.rope_theta)
         table = backbone.embed_tokens.weight.device
-        streamed = next(backbone.layers[0].mlp.parameters()).device != ids.device
+        streamed = next(backbone.layers[0].mlp.parameters()).device != ids.device if stream is None else stream
         self.prefill_weights, self.streamed_bytes = ("streamed" if streamed else "resident"), 0
         x = backbone.embed_tokens(ids.to(table)).to(ids.device)
         for resident in backbone.layers:
