@@ -424,7 +424,7 @@ def w8a8_ar_bytes(config: YuE2Config) -> int:
 # The cards of the README's table: total memory as the driver reports it (MiB), and a DGX Spark's GB10.
 CARDS_MIB = {"RTX 4080/5080 16 GB": 16376, "L4 24 GB": 23034, "RTX 4090 24 GB": 24564, "RTX 5090 32 GB": 32607,
              "L40S 48 GB": 46068, "H100 80 GB": 81559, "H200 141 GB": 143771}
-GB10_MEMINFO = {"MemTotal": int(119.7 * GIB) // 1024 * 1024, "MemAvailable": 110 * GIB}  # in whole kB  # a DGX Spark with 110 GiB available
+GB10_MEMINFO = {"MemTotal": int(119.7 * GIB) // 1024 * 1024, "MemAvailable": 110 * GIB}  # a DGX Spark, kB-exact
 
 
 def card_table(config: YuE2Config, *, mot_bytes: int, vae_bytes: int, vae_tile: int,

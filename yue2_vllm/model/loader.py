@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import FLOAT_DTYPES, Expected, check_tensors, load_tensors, model_file, read_json, weight_index
-from .placement import ARPlacement, weight_homes
 from .modeling import CONFIG_FILE, YuE2Config, YuE2Model, assign_tensor, checkpoint_layout, tensor_shapes
+from .placement import ARPlacement, weight_homes
 from .torch_quant import (INT8_AR_METHOD, LOAD_MODES, check_proxy_device, checkpoint_method, checkpoint_status,
                           install_int8_modules, int8_ar_layout, none_status, prepare_ar_proxies)
 
@@ -73,13 +73,14 @@ def load_model(model_dir: str | os.PathLike, *, device: str | torch.device = "cp
     stored = {name for name, want in layout.items() if want.dtypes != FLOAT_DTYPES}  # int8 weights, bf16 scales
     cast = [info for name, info in infos.items() if name not in stored]
     kept = [infos[name] for name in stored]
-    pinned = torch.device(device).type == "cuda"
-    host = {name for name, home in weight_homes(config, ar_on_device or not pinned or method is not None).items()
+    kind = torch.device(device).type  # the AR expert goes to host memory only from an accelerator (bf16 weights)
+    pinned = kind == "cuda"
+    host = {name for name, home in weight_homes(config, ar_on_device or kind == "cpu" or method is not None).items()
             if home == "host"}
     for name, tensor in load_tensors([info for info in cast if info.name not in host], device=device, dtype=dtype):
         assign_tensor(model, name, tensor)
     for name, tensor in load_tensors([info for info in cast if info.name in host], device="cpu", dtype=dtype):
-        assign_tensor(model, name, tensor.pin_memory())
+        assign_tensor(model, name, tensor.pin_memory() if pinned else tensor)
     for name, tensor in load_tensors(kept, device=device):
         assign_tensor(model, name, tensor)
     model = model.eval().requires_grad_(False)

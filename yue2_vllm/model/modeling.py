@@ -489,7 +489,7 @@ class CachedNAR:
         backbone, config = self.model.model, self.model.config
         cos, sin = rope_angles(torch.arange(ids.shape[1], device=ids.device)[None], config.head_dim, config.rope_theta)
         table = backbone.embed_tokens.weight.device
-        streamed = next(backbone.layers[0].mlp.parameters()).device != ids.device if stream is None else stream
+        streamed = backbone.layers[0].post_attention_layernorm.weight.device != ids.device if stream is None else stream
         self.prefill_weights, self.streamed_bytes = ("streamed" if streamed else "resident"), 0
         x = backbone.embed_tokens(ids.to(table)).to(ids.device)
         for resident in backbone.layers:
@@ -498,7 +498,8 @@ class CachedNAR:
                 layer = SimpleNamespace(**{name: staged(getattr(resident, name), ids.device)
                                            for name in AR_EXPERT_MODULES})
                 self.streamed_bytes += sum(t.numel() * t.element_size() for name in AR_EXPERT_MODULES
-                                           for t in getattr(resident, name).parameters())
+                                           for t in (*getattr(resident, name).parameters(),
+                                                     *getattr(resident, name).buffers()))
             q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), cos, sin)
             self.kv.append((k[0], v[0]))
             h = attend(q[0], k[0], v[0], causal=True, query_block=self.query_block)

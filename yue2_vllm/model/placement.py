@@ -37,10 +37,6 @@ def ar_modules(model: nn.Module) -> list[nn.Module]:
                                                         for name in AR_EXPERT_MODULES]
 
 
-def module_device(module: nn.Module) -> torch.device:
-    return next(module.parameters()).device
-
-
 def tensor_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
@@ -57,7 +53,7 @@ class ARPlacement:
         self.moves: list[dict] = []
         self._holders: dict[str, int] = {}
         self._cond = threading.Condition()
-        self._host: dict[tuple[int, str], torch.Tensor] = {}  # pinned host copies kept while the weights are on the device
+        self._host: dict[tuple[int, str, str], torch.Tensor] = {}  # pinned host copies kept while the weights are on the device
 
     @property
     def holders(self) -> dict[str, int]:
@@ -96,16 +92,21 @@ class ARPlacement:
         start, moved = time.perf_counter(), 0
         for module in ar_modules(self.model):
             for owner in module.modules():
-                for name, param in owner._parameters.items():
-                    if param is None:
-                        continue
-                    if place == "device":
-                        self._host[id(owner), name] = param.data
-                        param.data = param.data.to(self.device, non_blocking=True)
-                    else:  # back to the pinned copy when there is one, else a fresh host copy
-                        kept = self._host.pop((id(owner), name), None)
-                        param.data = kept if kept is not None else param.data.to("cpu")
-                    moved += param.numel() * param.element_size()
+                for kind in ("_parameters", "_buffers"):  # int8 AR linears keep their weights as buffers
+                    for name, tensor in getattr(owner, kind).items():
+                        if tensor is None:
+                            continue
+                        key = (id(owner), kind, name)
+                        if place == "device":
+                            if self.home == "host":  # the pinned copy stays for the way back
+                                self._host[key] = tensor.data
+                            moved_to = tensor.data.to(self.device, non_blocking=True)
+                        else:  # back to the pinned copy when there is one, else a fresh host copy
+                            kept = self._host.pop(key, None)
+                            moved_to = kept if kept is not None else tensor.data.to("cpu")
+                        getattr(owner, kind)[name] = (nn.Parameter(moved_to, requires_grad=False)
+                                                      if kind == "_parameters" else moved_to)
+                        moved += tensor.numel() * tensor.element_size()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -121,6 +122,6 @@ def placement_of(model: nn.Module) -> ARPlacement:
     """The model's placement owner (made on first use: the AR expert's home is where it was loaded)."""
     owner = getattr(model, "ar_placement", None)
     if owner is None:
-        home = "device" if module_device(model.model.layers[0].mlp) == model.device else "host"
+        home = "device" if model.model.layers[0].post_attention_layernorm.weight.device == model.device else "host"
         owner = model.ar_placement = ARPlacement(model, home)
     return owner
