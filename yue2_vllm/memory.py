@@ -455,3 +455,15 @@ def card_table_markdown(rows: list[dict]) -> str:
         lines.append(f"| {row['card']} | {row['ar']} | {row['rows'] or 'refused'} | {row['need'] / GIB:.2f} | "
                      f"{row['limit'] / GIB:.2f} |")
     return "\n".join(lines)
+
+
+def release_sizes(config: YuE2Config | None = None, vae_core_frames: int = 1024) -> dict:
+    """The released weights' sizes, from their shapes (no file is read): the bf16 MoT, the fp32 VAE decoder
+    we keep, one VAE tile's working set, and the AR checkpoint per form (bf16, FP8 W8A8)."""
+    from .model.modeling import tensor_shapes
+    from .model.vae import VAEConfig, decoder_bytes
+
+    config = config or YuE2Config()
+    return {"mot_bytes": 2 * sum(math.prod(shape) for shape in tensor_shapes(config).values()),
+            "vae_bytes": decoder_bytes(VAEConfig()), "vae_tile": vae_decode_bytes(VAEConfig(), vae_core_frames, 16),
+            "ar_forms": {"bf16": ar_expert_bytes(config), "FP8": w8a8_ar_bytes(config)}}
