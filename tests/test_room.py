@@ -101,3 +101,23 @@ def test_a_budget_above_the_card_or_too_small_for_one_song_is_refused_before_any
     with pytest.raises(MemoryError, match=r"need .* but the budget allows 3.00 GiB .*--concurrency.*FP8"):
         YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device="cuda", backend="vllm", memory_budget_gib=3)
     assert loads == []
+
+
+def test_on_unified_memory_the_decoders_room_is_the_pool_not_mem_get_info(pipe, fake_gpu, tmp_path, monkeypatch):
+    import torch
+    from conftest import write_meminfo
+
+    import yue2_vllm.memory as memory
+    from yue2_vllm.memory import GIB, unified_pool
+
+    gpu = fake_gpu("GB10")
+    meminfo = write_meminfo(tmp_path / "meminfo", gpu["total"], 40 * GIB)
+    monkeypatch.setattr(memory, "MEMINFO", str(meminfo))
+    pool = unified_pool(meminfo)
+    monkeypatch.setattr(pipe, "device", torch.device("cuda", 0))
+    monkeypatch.setattr(pipe, "unified", pool)
+    assert pipe._device_room() == pool.pool == 40 * GIB - pool.reserve != gpu["free"]
+    room = DeviceRoom(3 * GIB)
+    monkeypatch.setattr(pipe, "_room", room)  # beside the engine: the plan's room
+    with room.admit(GIB, "vae tile"):
+        assert pipe._device_room() == 2 * GIB

@@ -407,6 +407,7 @@ class YuE2Pipeline:
                     raise
                 with self._vllm_lock:  # the reason without the log tail (the log is kept and named in it)
                     self._vllm, self._vllm_unavailable = None, f"vLLM engine could not start: {str(exc).split('; log tail')[0]}"
+                    self._room = None  # no engine beside us: the card is the torch side's (admission by free bytes)
                 vllm.close()
                 vllm, reason = None, self._vllm_unavailable
         return (vllm, None) if vllm is not None else (self.torch_backend, reason)
