@@ -219,7 +219,9 @@ class YuE2Pipeline:
         self._prestart_error: BaseException | None = None
         self._room: DeviceRoom | None = None  # songs' buffers on a discrete GPU beside the engine (room.py)
         # Beside the engine on a discrete GPU the torch side holds the AR expert in host memory (placement.py).
-        self.ar_on_device = not (card is not None and backend != "torch" and vllm_usable())
+        # (Load-time AR proxies serve torch-backend songs from the device: there the AR expert stays resident.)
+        self.ar_on_device = not (card is not None and backend != "torch" and vllm_usable()
+                                 and quantization in ("none", "auto"))
         if self.device.type == "cuda" and backend != "torch" and vllm_usable():  # refused before anything loads
             self._check_split()
         if start_engine and backend != "torch" and self.unified is None:
@@ -310,7 +312,8 @@ class YuE2Pipeline:
         vae_bytes = decoder_bytes(self.vae_config) if self.vae_config is not None else 0
         tile = vae_decode_bytes(self.vae_config, self.vae_core_frames, VAE_HALO_FRAMES) if self.vae_config else 0
         options = {"typical_tokens": typical, "offload_ar": self.offload_ar, "dtype": self.dtype,
-                   "torch_side_bytes": mot_bytes + vae_bytes, "vae_tile_bytes": tile, **self.engine_options}
+                   "torch_side_bytes": mot_bytes + vae_bytes, "vae_tile_bytes": tile,
+                   "torch_ar_on_device": self.ar_on_device, **self.engine_options}
         options.setdefault("cuda_visible_devices", engine_cuda_env(self.device).get("CUDA_VISIBLE_DEVICES"))
         if self.device.type == "cuda":
             options.setdefault("cuda_capability", tuple(torch.cuda.get_device_capability(self.device)))

@@ -122,6 +122,7 @@ class EngineSettings:
     restart_window_s: float = 600.0
     torch_side_bytes: int = 0  # the MoT + VAE the pipeline keeps beside the engine
     vae_tile_bytes: int = 0  # one VAE tile's working set (memory.vae_decode_bytes), a song's buffer
+    torch_ar_on_device: bool | None = None  # our AR expert on the device (None: not on a discrete GPU, see memory)
     typical_tokens: int = 2048 + 9000  # one song's prompt + semantic budget, for default sizing
     synthesis_batch: int = 1
     offload_ar: bool = False
@@ -152,7 +153,7 @@ class EngineSettings:
                            typical_tokens=self.typical_tokens, max_model_len=self.max_model_len,
                            synthesis_batch=self.synthesis_batch, offload_ar=self.offload_ar,
                            kv_dtype_bytes=4 if self.dtype == "float32" else 2, unified=self.unified,
-                           vae_tile=self.vae_tile_bytes)
+                           vae_tile=self.vae_tile_bytes, ar_on_device=self.torch_ar_on_device)
 
     def resolved(self, config: YuE2Config) -> "EngineSettings":
         plan = self.plan(config)

@@ -75,8 +75,8 @@ def load_model(model_dir: str | os.PathLike, *, device: str | torch.device = "cp
     kept = [infos[name] for name in stored]
     kind = torch.device(device).type  # the AR expert goes to host memory only from an accelerator (bf16 weights)
     pinned = kind == "cuda"
-    host = {name for name, home in weight_homes(config, ar_on_device or kind == "cpu" or method is not None).items()
-            if home == "host"}
+    resident = ar_on_device or kind == "cpu" or method is not None or quantization in ("int8", "fp8")  # proxies
+    host = {name for name, home in weight_homes(config, resident).items() if home == "host"}
     for name, tensor in load_tensors([info for info in cast if info.name not in host], device=device, dtype=dtype):
         assign_tensor(model, name, tensor)
     for name, tensor in load_tensors([info for info in cast if info.name in host], device="cpu", dtype=dtype):

@@ -443,8 +443,8 @@ def staged(module: nn.Module, device: torch.device) -> nn.Module:
     """A shallow clone of `module` whose parameters and buffers are device copies (from pinned memory, without
     blocking); the module itself is not touched, so another stage never sees it change."""
     clone = copy.copy(module)
-    clone._parameters = {name: None if p is None else nn.Parameter(p.to(device, non_blocking=True),
-                                                                   requires_grad=False)
+    # Plain tensors (the prefill runs under inference_mode, whose tensors are not made Parameters).
+    clone._parameters = {name: None if p is None else p.detach().to(device, non_blocking=True)
                          for name, p in module._parameters.items()}
     clone._buffers = {name: None if b is None else b.to(device, non_blocking=True)
                       for name, b in module._buffers.items()}
