@@ -440,7 +440,7 @@ class YuE2Pipeline:
         placement = placement_of(self.model)
         if placement.home == "host":
             need += ar_host_bytes(self.model.config, self.model.dtype.itemsize)
-        with self._admitted(need, f"{phase} phase on the torch backend", None, kwargs.get("cancelled")), \
+        with self._admitted(need, f"{phase} phase on the torch backend", (), kwargs.get("cancelled")), \
                 placement.hold("device", f"{phase} phase (torch backend)"):
             yield
 
@@ -459,9 +459,9 @@ class YuE2Pipeline:
         return nar_song_bytes(self.model.config, chunks, streamed=not self.ar_on_device)
 
     @contextlib.contextmanager
-    def _admitted(self, need: int, what: str, on_progress: "OnProgress | None" = None,
+    def _admitted(self, need: int, what: str, on_progress: "Sequence[OnProgress | None]" = (),
                   cancelled: Cancelled | None = None, records: Sequence[dict] = ()):
-        """Hold `need` bytes of the room for a stage (a no-op without one); a wait is reported to the song as
+        """Hold `need` bytes of the room for a stage (a no-op without one); a wait is reported to its songs as
         progress of stage `<stage>_wait` (need, free bytes) and recorded."""
         room = self.room
         if room is None:
@@ -470,8 +470,9 @@ class YuE2Pipeline:
         stage = what.split()[0]
 
         def waiting(need_bytes: int, free: int) -> None:
-            if on_progress is not None:
-                on_progress(f"{stage}_wait", need_bytes, free)
+            for report in on_progress:
+                if report is not None:
+                    report(f"{stage}_wait", need_bytes, free)
 
         start = time.perf_counter()
         with room.admit(need, what, on_wait=waiting, cancelled=cancelled):
@@ -578,7 +579,7 @@ class YuE2Pipeline:
         check_semantic(semantic)
         progress = (lambda done, total: on_progress("nar", done, total)) if on_progress else None
         record = semantic.synthesis
-        with self._admitted(self.nar_need([semantic]), "nar of 1 song", on_progress, cancelled, [record]), \
+        with self._admitted(self.nar_need([semantic]), "nar of 1 song", [on_progress], cancelled, [record]), \
                 self.torch_lock if self.proxy_mode else contextlib.nullcontext():
             self._prepare_nar()
             latents = nar_synthesize(self.model, semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
@@ -606,8 +607,8 @@ class YuE2Pipeline:
                                    semantic.synthesis))
             batched.append(index)
         chosen = [semantics[i] for i in batched]
-        first = on_progress[batched[0]] if batched and batched[0] < len(on_progress) else None
-        with self._admitted(self.nar_need(chosen), f"nar of {len(chosen)} songs", first, None,
+        reports = [on_progress[i] for i in batched if i < len(on_progress)]
+        with self._admitted(self.nar_need(chosen), f"nar of {len(chosen)} songs", reports, None,
                             [s.synthesis for s in chosen]), \
                 self.torch_lock if self.proxy_mode else contextlib.nullcontext():
             self._prepare_nar()
@@ -625,7 +626,7 @@ class YuE2Pipeline:
             raise ValueError(f"latents must be [frames, {self.vae.config.latent_dim}], got {list(latents.shape)}")
         progress = (lambda done, total: on_progress("vae", done, total)) if on_progress else None
         tile = vae_decode_bytes(self.vae.config, self.vae_core_frames, VAE_HALO_FRAMES)
-        with self._admitted(tile, "vae tile", on_progress, cancelled), self._vae_on_device() as vae:
+        with self._admitted(tile, "vae tile", [on_progress], cancelled), self._vae_on_device() as vae:
             audio = vae.decode_tiled(latents.T[None], core_frames=self.vae_core_frames,
                                      halo_frames=VAE_HALO_FRAMES, on_progress=progress, cancelled=cancelled)[0]
         if not torch.isfinite(audio).all():
