@@ -362,7 +362,7 @@ def random_split_model(config, device: str, ar_home: str):
     """A random bf16 MoT laid out as the pipeline loads it beside the engine: the AR expert in pinned host memory
     (`ar_home="host"`), everything else on `device`; owned by an `ARPlacement` like a loaded one."""
     from yue2_vllm.model.modeling import YuE2Model, ar_streamed_shapes, assign_tensor
-    from yue2_vllm.model.placement import ARPlacement
+    from yue2_vllm.model.placement import placement_of
 
     with torch.device("meta"):
         model = YuE2Model(config)
@@ -376,7 +376,7 @@ def random_split_model(config, device: str, ar_home: str):
         value = value.pin_memory() if on_host and device == "cuda" else value.to("cpu" if on_host else device)
         assign_tensor(model, name, value)
     model = model.eval().requires_grad_(False)
-    model.ar_placement = ARPlacement(model, ar_home if device != "cpu" else "device")
+    placement_of(model)  # home: where the AR expert was just put
     return model
 
 
@@ -390,6 +390,7 @@ def torch_release_song(args) -> Rows:
                                   total_memory_bytes, vae_decode_bytes)
     from yue2_vllm.model.modeling import YuE2Config
     from yue2_vllm.model.nar import synthesize
+    from yue2_vllm.model.placement import placement_of
     from yue2_vllm.protocol import CODEC_OFFSET, chunk_ranges
     from yue2_vllm.testing import TINY_CONFIG
 
@@ -412,7 +413,7 @@ def torch_release_song(args) -> Rows:
     row = {"row": f"{'release' if cuda else 'tiny (CPU)'} song NAR, AR expert in host memory",
            "device": device, "prefix": prefix_len, "frames": frames, "ode_steps": steps, "seconds": seconds,
            "prefill_weights": record.get("prefill_weights"), "streamed_bytes": record.get("streamed_bytes"),
-           "ar_moves": len(model.ar_placement.moves), "plan_nar_bytes": need, "finite": bool(latents.isfinite().all())}
+           "ar_moves": len(placement_of(model).moves), "plan_nar_bytes": need, "finite": bool(latents.isfinite().all())}
     rows = [row]
     if not cuda:
         return rows + [skipped("release song peaks vs the plan", cuda_missing() or "--quick")]

@@ -12,7 +12,7 @@ import torch
 
 from ..checkpoint import FLOAT_DTYPES, Expected, check_tensors, load_tensors, model_file, read_json, weight_index
 from .modeling import CONFIG_FILE, YuE2Config, YuE2Model, assign_tensor, checkpoint_layout, tensor_shapes
-from .placement import ARPlacement, weight_homes
+from .placement import placement_of, weight_homes
 from .torch_quant import (INT8_AR_METHOD, LOAD_MODES, check_proxy_device, checkpoint_method, checkpoint_status,
                           install_int8_modules, int8_ar_layout, none_status, prepare_ar_proxies)
 
@@ -42,7 +42,7 @@ def load_model(model_dir: str | os.PathLike, *, device: str | torch.device = "cp
     `model.quantization_status` records what is active.
     `ar_on_device=False` (a bf16 checkpoint on a GPU beside the engine, which holds the AR weights): the AR
     expert (`placement.weight_homes`) is loaded into pinned host memory instead, once; the rest on `device`.
-    `model.ar_placement` owns where it lives from then on.
+    `placement.placement_of(model)` owns where it lives from then on.
     """
     if quantization not in LOAD_MODES:
         raise ValueError(f"quantization must be one of {LOAD_MODES}, got {quantization!r}")
@@ -84,7 +84,7 @@ def load_model(model_dir: str | os.PathLike, *, device: str | torch.device = "cp
     for name, tensor in load_tensors(kept, device=device):
         assign_tensor(model, name, tensor)
     model = model.eval().requires_grad_(False)
-    model.ar_placement = ARPlacement(model, "host" if host else "device")
+    placement_of(model)  # its owner from now on: the AR expert's home is where it was just put
     if method is not None:
         model.quantization_status = checkpoint_status(model, raw["quantization_config"])
     elif quantization in ("int8", "fp8"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from typing import Iterator
 
 import torch
@@ -47,7 +48,7 @@ class ARPlacement:
     def __init__(self, model: nn.Module, home: str):
         if home not in ("device", "host"):
             raise ValueError(f"home must be 'device' or 'host', got {home!r}")
-        self.model, self.home = model, home
+        self._model, self.home = weakref.ref(model), home  # weak: the owner lives as long as its model
         self.device = model.device  # where the rest of the model lives
         self.where = home
         self.moves: list[dict] = []
@@ -90,7 +91,7 @@ class ARPlacement:
     def _move(self, place: str, why: str) -> None:
         """Move every AR-expert tensor to `place` (the caller holds the lock and nobody holds the weights)."""
         start, moved = time.perf_counter(), 0
-        for module in ar_modules(self.model):
+        for module in ar_modules(self._model()):
             for owner in module.modules():
                 for kind in ("_parameters", "_buffers"):  # int8 AR linears keep their weights as buffers
                     for name, tensor in getattr(owner, kind).items():
@@ -118,10 +119,16 @@ class ARPlacement:
                 "moved_bytes": sum(move["bytes"] for move in self.moves), "holders": self.holders}
 
 
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, ARPlacement]" = weakref.WeakKeyDictionary()
+_OWNERS_LOCK = threading.Lock()
+
+
 def placement_of(model: nn.Module) -> ARPlacement:
-    """The model's placement owner (made on first use: the AR expert's home is where it was loaded)."""
-    owner = getattr(model, "ar_placement", None)
-    if owner is None:
-        home = "device" if model.model.layers[0].post_attention_layernorm.weight.device == model.device else "host"
-        owner = model.ar_placement = ARPlacement(model, home)
-    return owner
+    """The model's placement owner, one per model (made on first use: the AR expert's home is where it was
+    loaded). Kept beside the model, not on it, so a copy of the model gets an owner of its own."""
+    with _OWNERS_LOCK:
+        owner = _OWNERS.get(model)
+        if owner is None:
+            on_device = model.model.layers[0].post_attention_layernorm.weight.device == model.device
+            owner = _OWNERS[model] = ARPlacement(model, "device" if on_device else "host")
+        return owner
