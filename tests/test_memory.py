@@ -262,6 +262,10 @@ def test_resident_bytes_per_placement_counted_on_the_meta_device():
     plan = real_table()[2]["plan"]  # L4, bf16
     assert counted["host"] + counted["device"] >= REAL_MOT
     assert plan.ar_host == counted["host"] and plan.torch_model == REAL_MOT - counted["host"]
+    assert counted["host"] == ar_expert_bytes(FULL) - 2 * 2048  # all of the AR expert but the final norm
+    from yue2_vllm.memory import ar_layer_bytes
+
+    assert ar_layer_bytes(FULL) == 2 * (2 * 2048 * 2048 + 2 * 1024 * 2048 + 3 * 6144 * 2048 + 2 * 2048 + 2 * 128)
     assert counted["device"] - plan.torch_model < 2**20  # the rest: buffers (RoPE-free model: tiny) only
     assert plan.vae == sum(t.numel() * 4 for t in decoder.parameters()) < REAL_VAE_FILE
 

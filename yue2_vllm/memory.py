@@ -172,7 +172,7 @@ def ar_expert_bytes(config: YuE2Config) -> int:
 
 
 def ar_host_bytes(config: YuE2Config, dtype_bytes: int = 2) -> int:
-    """Bytes of `ar_streamed_shapes` (3.98 GiB bf16 at YuE2-3B's size)."""
+    """Bytes of `ar_streamed_shapes` (4.03 GiB bf16 at YuE2-3B's size)."""
     return dtype_bytes * sum(math.prod(shape) for shape in ar_streamed_shapes(config).values())
 
 
