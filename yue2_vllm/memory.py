@@ -2,9 +2,9 @@
 
 The engine holds the AR checkpoint and the KV cache for its rows; on the CPU and on unified memory the
 torch side holds the whole bf16 MoT (the NAR's prefix prefill runs the AR expert), the fp32 VAE, and one
-NAR chunk's buffers per song the synthesis lane runs at once (a discrete GPU: below). `plan_memory` sizes the engine's rows and KV
-cache from what is left of the budget, and `MemoryPlan.check` refuses, naming every part, a
-split that cannot fit. On CUDA the engine's share becomes its `gpu_memory_utilization` and
+NAR chunk's buffers per song the synthesis lane runs at once (a discrete GPU: below). `plan_memory` sizes
+the engine's rows and KV cache from what is left of the budget, and `MemoryPlan.check` refuses, naming
+every part, a split that cannot fit. On CUDA the engine's share becomes its `gpu_memory_utilization` and
 `kv_cache_memory_bytes`; on the CPU both sides live in host memory under the same budget.
 
 On a discrete GPU (the engine serves the AR half) the torch side holds the AR expert once: the engine's copy

@@ -2,7 +2,8 @@
 
 On a discrete GPU whose AR phases run on the vLLM engine, the engine holds the AR weights on the card; our
 copy of the AR expert (embeddings, lm_head, each layer's AR half: `modeling.ar_streamed_shapes`) stays in
-pinned host memory, and the NAR's prefix prefill streams it to the device one layer at a time (`staged`),
+pinned host memory, and the NAR's prefix prefill streams it to the device one layer at a time
+(`modeling.staged`),
 with the same bf16 weights and kernels, so the same numerics. Everything else lives on the device.
 
 `ARPlacement` is the only code that moves these weights. A stage that reads them holds them (`hold`) with the
@@ -22,7 +23,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .modeling import AR_EXPERT_MODULES, YuE2Config, ar_streamed_shapes, staged  # noqa: F401 (staged: re-export)
+from .modeling import AR_EXPERT_MODULES, YuE2Config, ar_streamed_shapes
 
 PLACES = ("any", "device", "host")
 
@@ -38,10 +39,6 @@ def ar_modules(model: nn.Module) -> list[nn.Module]:
                                                         for name in AR_EXPERT_MODULES]
 
 
-def tensor_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-
-
 class ARPlacement:
     """The owner of the AR expert's placement for one model (see the module docstring)."""
 
@@ -54,7 +51,7 @@ class ARPlacement:
         self.moves: list[dict] = []
         self._holders: dict[str, int] = {}
         self._cond = threading.Condition()
-        self._host: dict[tuple[int, str, str], torch.Tensor] = {}  # pinned host copies kept while the weights are on the device
+        self._host: dict[tuple[int, str, str], torch.Tensor] = {}  # pinned copies kept while on the device
 
     @property
     def holders(self) -> dict[str, int]:
