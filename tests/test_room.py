@@ -121,3 +121,32 @@ def test_on_unified_memory_the_decoders_room_is_the_pool_not_mem_get_info(pipe, 
     monkeypatch.setattr(pipe, "_room", room)  # beside the engine: the plan's room
     with room.admit(GIB, "vae tile"):
         assert pipe._device_room() == 2 * GIB
+
+
+def test_a_torch_backend_phase_is_admitted_into_the_same_room(pipe, monkeypatch):
+    from yue2_vllm.memory import torch_decode_bytes
+
+    prompt = pipe.plan  # the abc phase runs on the torch backend here
+    tiny = DeviceRoom(1, "cpu")
+    monkeypatch.setattr(pipe, "_room", tiny)
+    need = torch_decode_bytes(pipe.model.config, 1, 1)  # at least one row's K/V: far above a 1-byte room
+    with pytest.raises(MemoryError, match=r"abc phase on the torch backend needs .* the memory plan leaves"):
+        prompt(REQUEST)
+    assert need > tiny.capacity and tiny.used == 0
+    roomy = DeviceRoom(2**40, "cpu")
+    monkeypatch.setattr(pipe, "_room", roomy)
+    holders = []
+    original = roomy.admit
+
+    def watched(need_bytes, what, **kwargs):
+        holders.append((what, need_bytes))
+        return original(need_bytes, what, **kwargs)
+
+    monkeypatch.setattr(roomy, "admit", watched)
+    plan = prompt(REQUEST)
+    (what, admitted), = holders
+    assert what == "abc phase on the torch backend" and roomy.used == 0 and plan.abc_ids
+    from yue2_vllm.protocol import abc_prompt
+
+    tokens = len(abc_prompt(REQUEST, pipe.tokenizer)) + pipe.sampling_for(None, "abc").max_tokens
+    assert admitted == torch_decode_bytes(pipe.model.config, tokens, 1)  # the AR expert is resident on the CPU
