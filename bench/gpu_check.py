@@ -15,6 +15,9 @@ CUDA is skipped, with the reason, on a machine without it; CPU-runnable rows (sm
 * `torch.fp8`: row-wise vs upstream's per-tensor FP8 proxies (our default): error vs bf16, ms per call, M 1/16.
 * `torch.int8`: `_weight_int8pack_mm` availability per device and the proxy policy's verdict.
 * `torch.memory`: `mem_get_info` vs the per-process cap vs what admission counts.
+* `torch.release_song`: one real-size song's NAR beside the engine (the full-size random MoT with its AR expert in
+  pinned host memory, streamed to the prefill; a 2,048-token prefix + 9,000 codec tokens) and one 1,024-frame VAE
+  tile: `torch.cuda.max_memory_allocated` above the resident weights vs the plan's NAR and tile figures.
 * `torch.graph`: the torch AR backend's captured batched step (both CFG branches, one shared token) vs its eager
   two-forward path on the full-size bf16 model: decode tok/s at cfg 1 and a CFG pair, tokens identical or the
   first divergence and the logit gap there, capture seconds, graph pool and K/V bytes, host syncs and kernels per
@@ -353,6 +356,96 @@ def torch_memory(args) -> Rows:
     return [{"row": "after a 24 GiB cap and 1 GiB cached", "mem_get_info_free": free, "total": total,
              "cap": cap, "process_cap_bytes": process_cap_bytes("cuda"), "reserved": torch.cuda.memory_reserved(),
              "admission_room": cuda_free_bytes("cuda")}]
+
+
+def random_split_model(config, device: str, ar_home: str):
+    """A random bf16 MoT laid out as the pipeline loads it beside the engine: the AR expert in pinned host memory
+    (`ar_home="host"`), everything else on `device`; owned by an `ARPlacement` like a loaded one."""
+    from yue2_vllm.model.modeling import YuE2Model, ar_streamed_shapes, assign_tensor
+    from yue2_vllm.model.placement import placement_of
+
+    with torch.device("meta"):
+        model = YuE2Model(config)
+    host = set(ar_streamed_shapes(config)) if ar_home == "host" else set()
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        value = (torch.randn(tensor.shape, generator=generator) * 0.02).to(torch.bfloat16)
+        if name.endswith("norm.weight"):
+            value = torch.ones(tensor.shape, dtype=torch.bfloat16)
+        on_host = name in host
+        value = value.pin_memory() if on_host and device == "cuda" else value.to("cpu" if on_host else device)
+        assign_tensor(model, name, value)
+    model = model.eval().requires_grad_(False)
+    placement_of(model)  # home: where the AR expert was just put
+    return model
+
+
+@section("torch.release_song")
+def torch_release_song(args) -> Rows:
+    """One real-size song's NAR beside the engine: the full-size random MoT with its AR expert in pinned host
+    memory (streamed to the prefill), a 2,048-token prefix + 9,000 codec tokens (a 6-minute song), and one
+    1,024-frame VAE tile; peaks (`torch.cuda.max_memory_allocated` above what is resident) vs the plan's
+    figures for this card. `--quick` / no CUDA: the tiny model on the CPU (the code path only; no peaks)."""
+    from yue2_vllm.memory import (GIB, default_budget_gib, nar_song_bytes, plan_memory, release_sizes,
+                                  total_memory_bytes, vae_decode_bytes)
+    from yue2_vllm.model.modeling import YuE2Config
+    from yue2_vllm.model.nar import synthesize
+    from yue2_vllm.model.placement import placement_of
+    from yue2_vllm.protocol import CODEC_OFFSET, chunk_ranges
+    from yue2_vllm.testing import TINY_CONFIG
+
+    cuda = torch.cuda.is_available() and not args.quick
+    device, config = ("cuda", YuE2Config()) if cuda else ("cpu", TINY_CONFIG)
+    prefix_len, frames, steps = (2048, 9000, 2) if cuda else (24, 20, 2)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    model = random_split_model(config, device, "host")
+    generator = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, CODEC_OFFSET, (prefix_len,), generator=generator).tolist()
+    codec = torch.randint(0, 32768, (frames,), generator=generator).tolist()
+    chunks = [prefix_len + (b - a) + 3 for a, b in chunk_ranges(frames, prefix_len)]
+    need = nar_song_bytes(config, chunks, streamed=device == "cuda")
+    resident = torch.cuda.memory_allocated() if cuda else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    record: dict = {}
+    seconds, latents = timed(lambda: synthesize(model, prefix, codec, seed=0, steps=steps, record=record), repeats=1)
+    row = {"row": f"{'release' if cuda else 'tiny (CPU)'} song NAR, AR expert in host memory",
+           "device": device, "prefix": prefix_len, "frames": frames, "ode_steps": steps, "seconds": seconds,
+           "prefill_weights": record.get("prefill_weights"), "streamed_bytes": record.get("streamed_bytes"),
+           "ar_moves": len(placement_of(model).moves), "plan_nar_bytes": need, "finite": bool(latents.isfinite().all())}
+    rows = [row]
+    if not cuda:
+        return rows + [skipped("release song peaks vs the plan", cuda_missing() or "--quick")]
+    peak = torch.cuda.max_memory_allocated() - resident
+    sizes = release_sizes()
+    card = total_memory_bytes("cuda")
+    plan = plan_memory(config, device="cuda", budget_gib=default_budget_gib(None, card),
+                       engine_weights=sizes["ar_forms"]["bf16"], torch_model=sizes["mot_bytes"],
+                       vae=sizes["vae_bytes"], vae_tile=sizes["vae_tile"], total=card)
+    row.update({"resident_bytes": resident, "plan_torch_model_bytes": plan.torch_model, "nar_peak_bytes": peak,
+                "peak_over_plan": peak / need, "within_plan": peak <= need,
+                "plan_song_room_bytes": plan.song_room, "plan_rows": plan.max_num_seqs})
+    del model, latents
+    torch.cuda.empty_cache()
+    from yue2_vllm.model.vae import VAEConfig, random_vae
+
+    vae = random_vae(VAEConfig(), 0, decoder_only=True).to("cuda")
+    latents = torch.randn(1, 64, 1024 + 32, device="cuda")
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        vae.decode_tiled(latents, core_frames=1024, halo_frames=16)
+    tile_peak = torch.cuda.max_memory_allocated() - base
+    tile = vae_decode_bytes(VAEConfig(), 1024, 16)
+    rows.append({"row": "release VAE tile (1,024 frames)", "tile_peak_bytes": tile_peak, "plan_tile_bytes": tile,
+                 "peak_over_plan": tile_peak / tile, "within_plan": tile_peak <= tile,
+                 "plan_summary": plan.describe()["summary"], "card_gib": card / GIB})
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # the engine's own report needs vLLM on this machine
+        rows.append(skipped("engine peak vs the plan's engine share", f"vllm not importable ({exc})"))
+    return rows
 
 
 # --------------------------------------------------------------------------- DGX Spark / Blackwell sections

@@ -676,8 +676,15 @@ def test_doctor_reports_the_gpu_its_memory_and_the_ar_forms_kernels(fake_gpu, tm
         assert pool["unified_memory"] and pool["mem_available"] == 100 * 2**30 and pool["device_free"] == gpu["free"]
         assert split["unified"]["pool"] == pool["pool"] == split["budget"]  # the default budget is the pool
         assert split["host_side"] == 5 * 2**30 and split["problems"] == []
-    else:
-        assert "pool" not in report and split["budget"] == 24 * 2**30 and split["host_side"] == 0
+    else:  # a discrete card is the default budget, less the documented tenth
+        assert "pool" not in report and split["budget"] == int(0.9 * gpu["total"]) and split["host_side"] == 0
+    # This machine's split for the released weights, per AR form (sizes from their shapes: nothing downloaded).
+    from yue2_vllm.cli.doctor import release_split
+
+    release = release_split(Namespace(device="cuda", budget=None, concurrency=None))
+    bf16 = release["forms"]["bf16"]
+    assert bf16["rows"] >= 16 and bf16["problems"] == [] and bf16["room_bytes"] >= bf16["song_room_bytes"]
+    assert bf16["ar_expert"] == ("device" if gpu["integrated"] else "pinned host memory (streamed to the prefill)")
 
 
 # --------------------------------------------------------------------------- upstream's model names

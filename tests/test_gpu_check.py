@@ -5,7 +5,7 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 TORCH_SECTIONS = ("torch.devices", "torch.numerics", "torch.vae", "torch.ar", "torch.fp8", "torch.int8",
-                  "torch.memory", "torch.graph")
+                  "torch.memory", "torch.graph", "torch.release_song")
 ENGINE_SECTIONS = ("engine.sampler", "engine.sampler_syncs", "engine.sliced_head", "engine.mrv2_sliced_head",
                    "engine.runners")
 SPARK_SECTIONS = ("spark.kernels", "spark.memory")
@@ -28,6 +28,8 @@ def test_gpu_check_quick_runs_its_cpu_parts_and_names_every_section(tmp_path):
     assert {row["row"] for row in sections["engine.sampler"]["rows"]} == {
         "bfloat16 cfg=off", "bfloat16 cfg=1.5 legacy", "float32 cfg=off", "float32 cfg=1.5 legacy"}
     assert all(row["ok"] for row in sections["torch.numerics"]["rows"])
+    song = sections["torch.release_song"]["rows"][0]  # the code path of the release row, on the tiny model
+    assert song["finite"] and song["ar_moves"] == 0 and song["prefill_weights"] in ("resident", "streamed")
     graph_rows = sections["torch.graph"]["rows"]
     assert [row["tokens_identical"] for row in graph_rows[:2]] == [True, True]
     assert {row["execution"] for row in graph_rows[:2]} == {"batched"}

@@ -19,11 +19,19 @@ def test_kv_arithmetic():
 
 
 def test_h200_split_defaults_to_many_rows_and_states_its_share():
+    from yue2_vllm.memory import ar_host_bytes, nar_song_bytes
+
     plan = plan_memory(FULL, device="cuda", budget_gib=80, engine_weights=AR_BF16, torch_model=MOT, vae=VAE,
                        total=int(139 * GIB))
-    assert plan.problems() == [] and plan.max_num_seqs == 49
-    assert plan.kv_cache == 49 * row_kv_bytes(FULL, 2048 + 9000, 16) + 2 * 16 * 112 * 1024
-    assert plan.torch_decode == torch_decode_bytes(FULL, 2048 + 9000) and plan.torch_side > plan.torch_decode
+    # One AR copy on the card (the engine's): ours waits in host memory; room for one song's buffers, no
+    # reserved torch-backend K/V (a torch song is admitted into the room when it starts).
+    assert not plan.ar_on_device and plan.ar_host == ar_host_bytes(FULL) and plan.torch_model == MOT - plan.ar_host
+    assert plan.song_room == nar_song_bytes(FULL, [2048 + 9000], streamed=True) and plan.torch_decode == 0
+    fixed = AR_BF16 + 2 * GIB + plan.torch_model + VAE + plan.song_room + 2 * GIB
+    rows = (80 * GIB - fixed) // row_kv_bytes(FULL, 2048 + 9000, 16)
+    assert plan.problems() == [] and plan.max_num_seqs == rows == 56
+    assert plan.kv_cache == 56 * row_kv_bytes(FULL, 2048 + 9000, 16) + 2 * 16 * 112 * 1024
+    assert plan.resident + plan.song_room <= plan.limit and plan.room >= plan.song_room
     assert plan.engine == AR_BF16 + plan.kv_cache + 2 * GIB
     assert plan.gpu_memory_utilization == pytest.approx(plan.engine / (139 * GIB))
     assert plan.engine + plan.torch_side <= 80 * GIB
@@ -36,17 +44,18 @@ def test_torch_decode_counts_both_branches_kv_rows_and_one_step():
     assert torch_decode_bytes(FULL, 11048, branches=1) < torch_decode_bytes(FULL, 11048) / 1.9
 
 
-def test_24gb_card_needs_offload_and_fp8_or_is_refused_by_name():
+def test_24gb_card_is_refused_by_name_when_asked_for_too_many_full_rows():
     explicit = dict(device="cuda", budget_gib=24, torch_model=MOT, vae=VAE, total=24 * GIB, max_num_seqs=8,
                     kv_cache=8 * kv_cache_bytes(FULL))
     refused = plan_memory(FULL, engine_weights=AR_BF16, **explicit)
     (problem,) = refused.problems()
-    assert "KV cache for 8 rows" in problem and "--concurrency" in problem and "--offload-ar" in problem
+    assert "KV cache for 8 rows" in problem and "--concurrency" in problem and "FP8" in problem
+    assert "--offload-ar" not in problem and "host memory" in problem  # the AR expert is off the card already
     with pytest.raises(MemoryError, match="the budget allows 24.00 GiB"):
         refused.check()
-    fitted = plan_memory(FULL, device="cuda", budget_gib=24, engine_weights=AR_FP8, torch_model=MOT, vae=VAE,
-                         total=24 * GIB, offload_ar=True)
-    assert fitted.problems() == [] and 1 <= fitted.max_num_seqs < 8
+    fitted = plan_memory(FULL, device="cuda", budget_gib=24, engine_weights=AR_BF16, torch_model=MOT, vae=VAE,
+                         total=24 * GIB)
+    assert fitted.problems() == [] and fitted.max_num_seqs >= 4
     assert nar_chunk_bytes(FULL, offload_ar=True) < nar_chunk_bytes(FULL)
 
 
@@ -144,14 +153,24 @@ def test_gb10_refuses_a_budget_above_the_pool_and_a_split_it_cannot_hold(fake_gp
 
 
 @pytest.mark.parametrize("name", ["B200", "H100", "L40S"])
-def test_discrete_gpus_plan_as_before(fake_gpu, tmp_path, name):
+def test_discrete_gpus_plan_against_their_card(fake_gpu, tmp_path, name):
+    from yue2_vllm.memory import DEVICE_RESERVE_FRACTION, total_memory_bytes
+
     gpu = fake_gpu(name)
     assert device_pool("cuda", write_meminfo(tmp_path / "meminfo", 64 * GIB, 10 * GIB)) is None
-    plan = release_plan(24, gpu["total"])
+    card = total_memory_bytes("cuda")
+    assert card == gpu["total"] and default_budget_gib(None, card) == pytest.approx(0.9 * card / GIB)
+    assert DEVICE_RESERVE_FRACTION == 0.10 and default_budget_gib(None) == 24.0  # the CPU keeps its rule
+    plan = release_plan(default_budget_gib(None, card), gpu["total"])
     assert plan.unified is None and plan.host_side == 0 and plan.startup_problem(0) is None
-    rows = min(64, (min(24 * GIB, gpu["total"]) - (AR_BF16 + 2 * GIB + MOT + VAE + plan.nar_chunks + 2 * GIB
-                                                    + plan.torch_decode)) // TYPICAL)
-    assert plan.max_num_seqs == rows and plan.limit == 24 * GIB
+    fixed = AR_BF16 + 2 * GIB + plan.torch_model + VAE + plan.song_room + 2 * GIB
+    rows = min(64, (int(0.9 * card) - fixed) // TYPICAL)
+    assert plan.max_num_seqs == rows and plan.limit == int(0.9 * card) and plan.problems() == []
+    # A budget caps; one above the card is refused naming both figures and what to lower.
+    assert release_plan(24, gpu["total"]).limit == 24 * GIB
+    problem = budget_problem(card / GIB + 1, None, card)
+    assert f"above this GPU's {card / GIB:.2f} GiB" in problem and "lower --budget" in problem
+    assert budget_problem(card / GIB, None, card) is None
 
 
 def test_the_cpu_plan_ignores_unified_memory(tmp_path):
@@ -163,3 +182,129 @@ def test_the_cpu_plan_ignores_unified_memory(tmp_path):
                 total=24 * GIB)
     plan = plan_memory(TINY_CONFIG, unified=pool, **args)  # host memory is the budget there already
     assert plan == plan_memory(TINY_CONFIG, **args) and plan.unified is None and plan.host_side == 0
+
+
+# ---------------------------------------------------------------- real weights on the cards users have (issue 32)
+import json  # noqa: E402
+import math  # noqa: E402
+
+from yue2_vllm.memory import (CARDS_MIB, card_table, card_table_markdown, vae_decode_bytes,  # noqa: E402
+                              w8a8_ar_bytes)
+from yue2_vllm.model.modeling import tensor_shapes  # noqa: E402
+from yue2_vllm.model.vae import VAEConfig, decoder_bytes  # noqa: E402
+
+REAL_MOT = 2 * sum(math.prod(shape) for shape in tensor_shapes(FULL).values())  # all bf16, as released
+REAL_VAE_FILE = int(0.494 * GIB)  # the released VAE file: encoder + decoder, fp32
+GOAL = {"RTX 4080/5080 16 GB": {"FP8": 2}, "L4 24 GB": {"bf16": 4}, "RTX 4090 24 GB": {"bf16": 4},
+        "RTX 5090 32 GB": {"bf16": 8}, "L40S 48 GB": {"bf16": 16}, "H100 80 GB": {"bf16": 40},
+        "H200 141 GB": {"bf16": 64}, "GB10 (DGX Spark), MemAvailable 110 GiB": {"bf16": 32}}
+
+
+def real_table():
+    return card_table(FULL, mot_bytes=REAL_MOT, vae_bytes=decoder_bytes(VAEConfig()),
+                      vae_tile=vae_decode_bytes(VAEConfig(), 1024, 16),
+                      ar_forms={"bf16": ar_expert_bytes(FULL), "FP8": w8a8_ar_bytes(FULL)})
+
+
+def test_the_fp8_checkpoint_size_is_the_published_layouts():
+    from yue2_vllm.quant.export import expected_layout
+
+    sizes = {"BF16": 2, "F8_E4M3": 1}
+    layout = expected_layout(FULL, "F8_E4M3")
+    assert w8a8_ar_bytes(FULL) == sum(sizes[d] * math.prod(s) for d, s in layout.values()) == 2_923_776_000
+
+
+def test_card_table_meets_the_goal_and_every_plan_adds_up_within_its_card():
+    rows = real_table()
+    by = {(row["card"], row["ar"]): row for row in rows}
+    for card, goals in GOAL.items():
+        for form, least in goals.items():
+            assert by[card, form]["rows"] >= least, (card, form, by[card, form]["rows"])
+    assert by["H200 141 GB", "bf16"]["rows"] == 64  # the row cap
+    for row in rows:
+        plan = row["plan"]
+        parts = (plan.engine_weights + plan.kv_cache + plan.engine_overhead + plan.torch_model + plan.vae
+                 + plan.nar_chunks + plan.torch_decode + plan.song_room + plan.torch_reserve + plan.host_side)
+        card = plan.total if plan.unified is None else plan.unified.pool
+        if row["rows"]:
+            assert parts == row["need"] <= plan.limit <= card, row["card"]
+            assert plan.kv_cache >= kv_cache_bytes(FULL)  # any single full-context request can be admitted
+            if plan.unified is None:
+                assert plan.limit == int(0.9 * plan.total) and plan.room >= plan.song_room
+    # 16 GB with the bf16 AR: refused, truthfully. One AR copy, one full context of KV, one song's room:
+    short = by["RTX 4080/5080 16 GB", "bf16"]
+    assert short["rows"] == 0 and 1.1 * GIB < short["need"] - short["limit"] < 1.25 * GIB
+    # GB10 keeps its one-pool rules: the AR expert stays resident there (one pool: host memory is the device).
+    assert by["GB10 (DGX Spark), MemAvailable 110 GiB", "bf16"]["plan"].ar_on_device
+
+
+def test_readme_table_is_the_plan_codes():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert card_table_markdown(real_table()) in readme
+
+
+def test_resident_bytes_per_placement_counted_on_the_meta_device():
+    import torch
+
+    from yue2_vllm.model.modeling import YuE2Model
+    from yue2_vllm.model.placement import weight_homes
+    from yue2_vllm.model.vae import OobleckDecoder, _decoder_kwargs
+
+    with torch.device("meta"):
+        model = YuE2Model(FULL)
+        decoder = OobleckDecoder(**_decoder_kwargs(VAEConfig()))
+    homes = weight_homes(FULL, ar_on_device=False)
+    counted = {"host": 0, "device": 0}
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        counted[homes.get(name, "device")] += tensor.numel() * 2  # bf16, as released and loaded
+    plan = real_table()[2]["plan"]  # L4, bf16
+    assert counted["host"] + counted["device"] >= REAL_MOT
+    assert plan.ar_host == counted["host"] and plan.torch_model == REAL_MOT - counted["host"]
+    assert counted["host"] == ar_expert_bytes(FULL) - 2 * 2048  # all of the AR expert but the final norm
+    from yue2_vllm.memory import ar_layer_bytes
+
+    assert ar_layer_bytes(FULL) == 2 * (2 * 2048 * 2048 + 2 * 1024 * 2048 + 3 * 6144 * 2048 + 2 * 2048 + 2 * 128)
+    assert counted["device"] - plan.torch_model < 2**20  # the rest: buffers (RoPE-free model: tiny) only
+    assert plan.vae == sum(t.numel() * 4 for t in decoder.parameters()) < REAL_VAE_FILE
+
+
+def sparse_release(tmp_path):
+    """The released directories' config files with sparse weight files of the real sizes (the plan reads sizes)."""
+    from dataclasses import asdict
+
+    model, vae = tmp_path / "YuE2-3B", tmp_path / "YuE2-Vae"
+    for directory, config, size in ((model, asdict(FULL), REAL_MOT), (vae, VAEConfig().to_dict(), REAL_VAE_FILE)):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+        with open(directory / "model.safetensors", "wb") as handle:
+            handle.truncate(size)
+    return model, vae
+
+
+@pytest.mark.parametrize("card", list(CARDS_MIB))
+def test_patched_cards_plan_the_release_as_the_table_says(fake_gpu, tmp_path, monkeypatch, card):
+    from yue2_vllm.cli.setup import memory_plan
+
+    fake_gpu("H100", total=CARDS_MIB[card] * 2**20)
+    monkeypatch.setattr("yue2_vllm.memory.MEMINFO", str(write_meminfo(tmp_path / "meminfo", 64 * GIB, 60 * GIB)))
+    model, vae = sparse_release(tmp_path)
+    plan = memory_plan(model, vae, "cuda", None)
+    row = next(r for r in real_table() if r["card"] == card and r["ar"] == "bf16")
+    assert plan == row["plan"] and plan.engine + plan.torch_side <= plan.total
+
+
+def test_a_patched_gb10_plans_the_release_in_its_pool(fake_gpu, tmp_path, monkeypatch):
+    from yue2_vllm.cli.setup import memory_plan
+    from yue2_vllm.memory import GB10_MEMINFO
+
+    gpu = fake_gpu("GB10", total=GB10_MEMINFO["MemTotal"])
+    meminfo = write_meminfo(tmp_path / "meminfo", GB10_MEMINFO["MemTotal"], GB10_MEMINFO["MemAvailable"])
+    monkeypatch.setattr("yue2_vllm.memory.MEMINFO", str(meminfo))
+    model, vae = sparse_release(tmp_path)
+    plan = memory_plan(model, vae, "cuda", None)
+    row = real_table()[-2]
+    assert row["card"].startswith("GB10") and plan.max_num_seqs == row["rows"] >= 32
+    assert plan.unified.pool == row["plan"].unified.pool and plan.total == gpu["total"]
+    assert plan.engine + plan.torch_side + plan.host_side <= plan.unified.pool

@@ -184,6 +184,35 @@ def test_cuda_nar_admission_counts_the_cap_and_the_cache_not_mem_get_info(monkey
     assert admitted == jobs[:2] and lane._queues["nar"].get_nowait() is jobs[2]
 
 
+def test_on_unified_memory_nar_admission_reads_the_pool_the_plan_reads(fake_gpu, tmp_path, monkeypatch):
+    import queue
+    from types import SimpleNamespace
+
+    import torch
+
+    from conftest import write_meminfo
+
+    import yue2_vllm.memory as memory
+    from yue2_vllm.memory import GIB, nar_chunk_bytes, unified_pool
+    from yue2_vllm.model.modeling import YuE2Config
+    from yue2_vllm.scheduler import SynthesisLane, _LaneJob
+
+    gpu = fake_gpu("GB10")  # mem_get_info's free figure: 80 GiB, under-reported
+    config = YuE2Config()
+    one = nar_chunk_bytes(config, 2000)
+    pool = unified_pool(write_meminfo(tmp_path / "m", gpu["total"], 0))
+    available = pool.reserve + 2 * one + one // 2  # room for two chunks beyond the OS reserve
+    monkeypatch.setattr(memory, "MEMINFO", str(write_meminfo(tmp_path / "meminfo", gpu["total"], available)))
+    plan = SimpleNamespace(prefix=[0] * 997)
+    jobs = [_LaneJob("nar", SimpleNamespace(plan=plan, tokens=[0] * 1000), None, None) for _ in range(3)]
+    lane = SimpleNamespace(pipe=SimpleNamespace(device=torch.device("cuda", 0), model=SimpleNamespace(config=config),
+                                                unified=pool, room=None, ar_on_device=True),
+                           _queues={"nar": queue.Queue()})
+    assert gpu["free"] > 60 * GIB > 3 * one  # mem_get_info would admit all three
+    admitted = SynthesisLane._admit(lane, jobs)
+    assert admitted == jobs[:2] and lane._queues["nar"].get_nowait() is jobs[2]
+
+
 @pytest.fixture(scope="module")
 def reproducible_pipe(tiny_model_dir, tiny_vae_dir):
     """The default bf16 numerics with --reproducible: the engine becomes batch-invariant (float32 on vLLM-CPU)."""

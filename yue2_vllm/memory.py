@@ -1,11 +1,20 @@
 """The memory budget: how one device is split between the vLLM engine and the torch side.
 
-The engine holds the AR checkpoint and the KV cache for its rows; the torch side holds the
-whole bf16 MoT (the NAR's prefix prefill runs the AR expert), the fp32 VAE, and one NAR chunk's
-buffers per song the synthesis lane runs at once. `plan_memory` sizes the engine's rows and KV
-cache from what is left of the budget, and `MemoryPlan.check` refuses, naming every part, a
-split that cannot fit. On CUDA the engine's share becomes its `gpu_memory_utilization` and
+The engine holds the AR checkpoint and the KV cache for its rows; on the CPU and on unified memory the
+torch side holds the whole bf16 MoT (the NAR's prefix prefill runs the AR expert), the fp32 VAE, and one
+NAR chunk's buffers per song the synthesis lane runs at once (a discrete GPU: below). `plan_memory` sizes
+the engine's rows and KV cache from what is left of the budget, and `MemoryPlan.check` refuses, naming
+every part, a split that cannot fit. On CUDA the engine's share becomes its `gpu_memory_utilization` and
 `kv_cache_memory_bytes`; on the CPU both sides live in host memory under the same budget.
+
+On a discrete GPU (the engine serves the AR half) the torch side holds the AR expert once: the engine's copy
+serves the AR phases, ours stays in pinned host memory (`ar_on_device` False) and the NAR's prefix prefill
+streams it to the device one layer at a time (`model.placement`); the device keeps the NAR expert, the
+shared tensors and the VAE. Per-song buffers are not reserved for every row: the plan keeps `song_room` for
+the buffers of one song (its NAR prefix K/V and activations, or one VAE tile), which the synthesis lane and
+the decoder admit against (`room.DeviceRoom`); a torch-backend song there gets the AR expert and its K/V from
+the same room when it starts. The default budget is the card less `DEVICE_RESERVE_FRACTION` (vLLM's
+`gpu_memory_utilization` default of 0.9 leaves the same tenth).
 
 On unified memory (an integrated GPU such as DGX Spark's GB10: CPU and GPU share one LPDDR pool, and
 `total_memory` is the machine's RAM) the plan is one budget for host and device: the pool is
@@ -19,7 +28,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-from .model.modeling import YuE2Config, ar_tensor_shapes
+from .model.modeling import YuE2Config, ar_streamed_shapes, ar_tensor_shapes
 from .protocol import CONTEXT
 
 GIB = 2**30
@@ -31,7 +40,8 @@ KV_BLOCK_TOKENS = {"cpu": 32, "cuda": 16}
 KV_MARGIN_BLOCKS = 2  # vLLM keeps a block back; allot two beyond what the rows need
 ROW_CAP = {"cpu": 16, "cuda": 64}  # default rows: more do not pay on 2–16 CPU cores
 PROMPT_ESTIMATE_TOKENS = 2048  # a song's prompt (text + ABC) for default sizing; admission uses the real one
-DEFAULT_BUDGET_GIB = 24.0  # --budget when none is given, except on unified memory (the pool, see unified_pool)
+DEFAULT_BUDGET_GIB = 24.0  # --budget when none is given on the CPU (a GPU: its card or its pool)
+DEVICE_RESERVE_FRACTION = 0.10  # a discrete GPU's default budget is the card less this (vLLM's 0.9 default)
 MEMINFO = "/proc/meminfo"
 OS_RESERVE_MIN_BYTES = 8 * GIB  # unified memory: kept for the OS, page cache and other processes ...
 OS_RESERVE_FRACTION = 0.10  # ... or 10 % of MemTotal, whichever is larger
@@ -127,14 +137,24 @@ def split_limit(budget: int, total: int, unified: UnifiedPool | None) -> int:
     return min(budget, total, unified.pool) if unified is not None else min(budget, total)
 
 
-def default_budget_gib(pool: UnifiedPool | None) -> float:
-    """--budget when none is given: the unified pool on an integrated GPU, else DEFAULT_BUDGET_GIB."""
-    return DEFAULT_BUDGET_GIB if pool is None else pool.pool / GIB
+def default_budget_gib(pool: UnifiedPool | None, card: int | None = None) -> float:
+    """--budget when none is given: the unified pool on an integrated GPU, a discrete GPU's `card` bytes less
+    DEVICE_RESERVE_FRACTION, else (the CPU) DEFAULT_BUDGET_GIB."""
+    if pool is not None:
+        return pool.pool / GIB
+    if card is not None:
+        return card * (1 - DEVICE_RESERVE_FRACTION) / GIB
+    return DEFAULT_BUDGET_GIB
 
 
-def budget_problem(budget_gib: float, pool: UnifiedPool | None) -> str | None:
-    """Why a --budget cannot be had on unified memory (above the pool), naming both figures; None when it can."""
+def budget_problem(budget_gib: float, pool: UnifiedPool | None, card: int | None = None) -> str | None:
+    """Why a --budget cannot be had: above the unified pool, or above a discrete GPU's `card` bytes, naming the
+    figures; None when it can."""
     if pool is None:
+        if card is not None and budget_gib * GIB > card:
+            return (f"--budget {budget_gib:.2f} GiB is above this GPU's {_gib(card)}: lower --budget to "
+                    f"{card / GIB:.2f} or less, or leave it out (default: the card less "
+                    f"{DEVICE_RESERVE_FRACTION:.0%}, {card * (1 - DEVICE_RESERVE_FRACTION) / GIB:.2f} GiB)")
         return None
     if pool.pool <= 0:
         return (f"unified memory: MemAvailable {_gib(pool.mem_available)} is within the OS reserve of "
@@ -149,6 +169,24 @@ def budget_problem(budget_gib: float, pool: UnifiedPool | None) -> str | None:
 def ar_expert_bytes(config: YuE2Config) -> int:
     """bf16 bytes of the MoT's AR expert (embeddings, lm_head, the AR half of every layer)."""
     return 2 * sum(math.prod(shape) for shape in ar_tensor_shapes(config).values())
+
+
+def ar_host_bytes(config: YuE2Config, dtype_bytes: int = 2) -> int:
+    """Bytes of `ar_streamed_shapes` (4.03 GiB bf16 at YuE2-3B's size)."""
+    return dtype_bytes * sum(math.prod(shape) for shape in ar_streamed_shapes(config).values())
+
+
+def ar_layer_bytes(config: YuE2Config, dtype_bytes: int = 2) -> int:
+    """One layer's AR half, the most a streamed prefill holds on the device at once (96 MiB bf16 at full size)."""
+    shapes = ar_streamed_shapes(config)
+    return dtype_bytes * sum(math.prod(shape) for name, shape in shapes.items() if name.startswith("model.layers.0."))
+
+
+def nar_song_bytes(config: YuE2Config, chunk_tokens: list[int], streamed: bool = False) -> int:
+    """Device bytes a NAR run of these chunks takes beyond the resident weights: every chunk's prefix K/V and
+    activations (a batch prefills all its chunks before the ODE steps) and, streamed, one AR layer."""
+    return sum(nar_chunk_bytes(config, tokens) for tokens in chunk_tokens) + (ar_layer_bytes(config) if streamed
+                                                                               else 0)
 
 
 def nar_chunk_bytes(config: YuE2Config, tokens: int = CONTEXT, offload_ar: bool = False) -> int:
@@ -213,6 +251,9 @@ class MemoryPlan:
     host_side: int = 0  # unified memory: the engine process's and our host bytes, from the same pool
     unified: UnifiedPool | None = None
     torch_decode: int = 0  # the torch AR phase's K/V rows and graph pool (memory.torch_decode_bytes)
+    ar_on_device: bool = True  # False: the torch side's AR expert lives in pinned host memory (discrete GPU)
+    ar_host: int = 0  # those host bytes (not counted against the device)
+    song_room: int = 0  # discrete GPU: room one song's buffers are admitted into (NAR or one VAE tile)
 
     @property
     def limit(self) -> int:
@@ -225,8 +266,18 @@ class MemoryPlan:
 
     @property
     def torch_side(self) -> int:
-        return self.torch_model + self.vae + self.nar_chunks + self.torch_reserve + self.torch_decode
+        return self.torch_model + self.vae + self.nar_chunks + self.torch_reserve + self.torch_decode + self.song_room
 
+    @property
+    def resident(self) -> int:
+        """What stays on the device whatever the songs do: the engine, our weights and the reserve."""
+        return self.engine + self.torch_model + self.vae + self.torch_reserve + self.host_side
+
+    @property
+    def room(self) -> int:
+        """What songs' buffers may be admitted into: the limit less everything resident (>= song_room when the
+        plan fits)."""
+        return max(0, self.limit - self.resident)
     @property
     def gpu_memory_utilization(self) -> float | None:
         """The engine's share of the device, for vLLM (None off CUDA)."""
@@ -244,10 +295,19 @@ class MemoryPlan:
                     f"({_gib(self.host_side)}) need {_gib(need)}, but MemAvailable is "
                     f"{_gib(self.unified.mem_available)} and, less the OS reserve of {_gib(self.unified.reserve)}, "
                     f"the pool {_gib(self.unified.pool)} "
-                    f"(budget {_gib(self.budget)}); lower --concurrency or the KV cache, use --offload-ar or a "
-                    "quantized AR checkpoint (FP8), or free host memory"]
+                    f"(budget {_gib(self.budget)}); lower --concurrency or the KV cache, use a quantized AR "
+                    "checkpoint (FP8), or free host memory"]
         if need <= limit:
             return []
+        if not self.ar_on_device:
+            return [f"the engine ({_gib(self.engine_weights)} AR weights + {_gib(self.kv_cache)} KV cache for "
+                    f"{self.max_num_seqs} rows + {_gib(self.engine_overhead)} overhead) and the torch side "
+                    f"({_gib(self.torch_model)} MoT without its AR expert, which waits in host memory + "
+                    f"{_gib(self.vae)} VAE + {_gib(self.song_room)} room for one song's buffers + "
+                    f"{_gib(self.torch_reserve)} reserve) need {_gib(need)}, but the budget allows {_gib(limit)} "
+                    f"(budget {_gib(self.budget)}, {self.device} total {_gib(self.total)}); lower --concurrency "
+                    "(rows) or the KV cache, use the FP8 AR checkpoint (--quantization fp8), or raise --budget up "
+                    f"to the card's {_gib(self.total)}"]
         return [f"the engine ({_gib(self.engine_weights)} AR weights + {_gib(self.kv_cache)} KV cache for "
                 f"{self.max_num_seqs} rows + {_gib(self.engine_overhead)} overhead) and the torch side "
                 f"({_gib(self.torch_model)} MoT + {_gib(self.vae)} VAE + {_gib(self.nar_chunks)} NAR buffers + "
@@ -275,7 +335,7 @@ class MemoryPlan:
         return (f"unified memory: the engine needs {_gib(requested)} (gpu_memory_utilization "
                 f"{self.gpu_memory_utilization:.4f} of {_gib(self.total)}) plus {_gib(worker_host)} for its process, "
                 f"but MemAvailable is {_gib(mem_available)} now; vLLM's start-up check would refuse it. Lower "
-                "--concurrency or the KV cache, use --offload-ar or an FP8 AR checkpoint, or free host memory")
+                "--concurrency or the KV cache, use an FP8 AR checkpoint, or free host memory")
 
     def describe(self) -> dict:
         described = {**asdict(self), "engine_bytes": self.engine, "torch_bytes": self.torch_side,
@@ -283,7 +343,10 @@ class MemoryPlan:
                      "summary": f"engine {_gib(self.engine)} (weights {_gib(self.engine_weights)}, KV "
                                 f"{_gib(self.kv_cache)} for {self.max_num_seqs} rows) + torch {_gib(self.torch_side)}"
                                 + (f" + host {_gib(self.host_side)}" if self.unified is not None else "")
-                                + f" of {_gib(self.limit)}"}
+                                + f" of {_gib(self.limit)}"
+                                + ("" if self.ar_on_device else f"; AR expert {_gib(self.ar_host)} in host memory, "
+                                   f"streamed to the NAR prefill; room for songs {_gib(self.room)}"),
+                     "resident_bytes": self.resident, "room_bytes": self.room}
         if self.unified is not None:
             described["unified"] = self.unified.describe()
         return described
@@ -302,7 +365,8 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
                 vae: int = 0, max_num_seqs: int | None = None, kv_cache: int | None = None,
                 typical_tokens: int = PROMPT_ESTIMATE_TOKENS + 9000, max_model_len: int = CONTEXT,
                 synthesis_batch: int = 1, offload_ar: bool = False, total: int | None = None,
-                kv_dtype_bytes: int = 2, unified: UnifiedPool | None = None) -> MemoryPlan:
+                kv_dtype_bytes: int = 2, unified: UnifiedPool | None = None, vae_tile: int = 0,
+                ar_on_device: bool | None = None) -> MemoryPlan:
     """Size the engine's rows and KV cache from the budget left after the torch side and the AR weights.
 
     Defaults: as many rows as fit a typical song (`typical_tokens` of KV each), capped per device;
@@ -310,6 +374,10 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
     single request can be admitted. Explicit `max_num_seqs` / `kv_cache` are taken as given.
     `unified`: the device shares the host's memory (an integrated GPU): the split also counts both processes'
     host side and stays within the pool (MemAvailable less the OS reserve).
+    A discrete GPU (`ar_on_device` None: CUDA without `unified`) holds the AR expert once (the engine's copy;
+    ours `ar_host` bytes in host memory) and keeps `song_room` for one typical song's NAR buffers (streamed
+    prefill included) or one VAE tile (`vae_tile`), whichever is larger, instead of reserving NAR chunks of a
+    full context per synthesis batch and a torch-backend song's K/V; songs are admitted into what is left.
     """
     device = "cuda" if device.startswith("cuda") else "cpu"
     total = total if total is not None else total_memory_bytes(device)
@@ -319,12 +387,20 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
     unified = unified if device == "cuda" else None
     host = sum(UNIFIED_HOST_BYTES.values()) if unified is not None else 0
     decode = torch_decode_bytes(config, min(typical_tokens, max_model_len))  # a torch-backend (fallback) CFG song
+    if ar_on_device is None:
+        ar_on_device = not (device == "cuda" and unified is None)
+    ar_host, song = 0, 0
+    if not ar_on_device:  # one AR copy on the device (the engine's); songs' buffers admitted, not reserved
+        ar_host = min(torch_model, ar_host_bytes(config, kv_dtype_bytes))
+        song = max(nar_song_bytes(config, [min(typical_tokens, max_model_len)], streamed=True), vae_tile)
+        chunk, decode = 0, 0
     base = dict(device=device, total=total, budget=budget, engine_weights=engine_weights,
-                engine_overhead=ENGINE_OVERHEAD_BYTES[device], torch_model=torch_model, vae=vae, nar_chunks=chunk,
-                torch_reserve=TORCH_RESERVE_BYTES, kv_block_tokens=block, kv_dtype_bytes=kv_dtype_bytes,
-                host_side=host, unified=unified, torch_decode=decode)
-    free = split_limit(budget, total, unified) - (engine_weights + ENGINE_OVERHEAD_BYTES[device] + torch_model + vae + chunk
-                    + TORCH_RESERVE_BYTES + host + decode)
+                engine_overhead=ENGINE_OVERHEAD_BYTES[device], torch_model=torch_model - ar_host, vae=vae,
+                nar_chunks=chunk, torch_reserve=TORCH_RESERVE_BYTES, kv_block_tokens=block,
+                kv_dtype_bytes=kv_dtype_bytes, host_side=host, unified=unified, torch_decode=decode,
+                ar_on_device=ar_on_device, ar_host=ar_host, song_room=song)
+    free = split_limit(budget, total, unified) - (engine_weights + ENGINE_OVERHEAD_BYTES[device] + torch_model
+                                                  - ar_host + vae + chunk + TORCH_RESERVE_BYTES + host + decode + song)
     margin = KV_MARGIN_BLOCKS * block * kv_bytes_per_token(config, kv_dtype_bytes)
     one_full = row_kv_bytes(config, max_model_len, block, kv_dtype_bytes)
     typical = row_kv_bytes(config, min(typical_tokens, max_model_len), block, kv_dtype_bytes)
@@ -333,3 +409,61 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
     if kv_cache is None:
         kv_cache = max(one_full, min(max(free, 0), max_num_seqs * typical)) + margin
     return MemoryPlan(kv_cache=int(kv_cache), max_num_seqs=int(max_num_seqs), **base)
+
+
+def w8a8_ar_bytes(config: YuE2Config) -> int:
+    """Payload bytes of a W8A8 AR checkpoint (FP8 or int8): the 7·layers linears at one byte a weight plus a bf16
+    `[out, 1]` scale each, everything else bf16 (2,923,776,000 for YuE2-3B, as published)."""
+    total = 0
+    for name, shape in ar_tensor_shapes(config).items():
+        count = math.prod(shape)
+        total += count + 2 * shape[0] if name.endswith("_proj.weight") else 2 * count
+    return total
+
+
+# The cards of the README's table: total memory as the driver reports it (MiB), and a DGX Spark's GB10.
+CARDS_MIB = {"RTX 4080/5080 16 GB": 16376, "L4 24 GB": 23034, "RTX 4090 24 GB": 24564, "RTX 5090 32 GB": 32607,
+             "L40S 48 GB": 46068, "H100 80 GB": 81559, "H200 141 GB": 143771}
+GB10_MEMINFO = {"MemTotal": int(119.7 * GIB) // 1024 * 1024, "MemAvailable": 110 * GIB}  # a DGX Spark, kB-exact
+
+
+def card_table(config: YuE2Config, *, mot_bytes: int, vae_bytes: int, vae_tile: int,
+               ar_forms: dict[str, int], typical_tokens: int = PROMPT_ESTIMATE_TOKENS + 9000) -> list[dict]:
+    """Rows per card and AR form with default flags (each card's default budget): what the split needs, what
+    it may use, and the engine rows (0: refused). The README's table is this function's output."""
+    cards = [(name, mib * 2**20, None) for name, mib in CARDS_MIB.items()]
+    info = GB10_MEMINFO
+    cards.append(("GB10 (DGX Spark), MemAvailable 110 GiB", int(info["MemTotal"]),
+                  UnifiedPool(info["MemTotal"], info["MemAvailable"], os_reserve_bytes(info["MemTotal"]))))
+    rows = []
+    for name, total, pool in cards:
+        for form, weights in ar_forms.items():
+            plan = plan_memory(config, device="cuda", budget_gib=default_budget_gib(pool, total if pool is None
+                                                                                     else None),
+                               engine_weights=weights, torch_model=mot_bytes, vae=vae_bytes, vae_tile=vae_tile,
+                               total=total, unified=pool, typical_tokens=typical_tokens)
+            need = plan.engine + plan.torch_side + plan.host_side
+            rows.append({"card": name, "ar": form, "rows": 0 if plan.problems() else plan.max_num_seqs,
+                         "need": need, "limit": plan.limit, "plan": plan})
+    return rows
+
+
+def card_table_markdown(rows: list[dict]) -> str:
+    """`card_table` as the README's markdown table."""
+    lines = ["| card | AR form | engine rows | the split needs (GiB) | it may use (GiB) |", "|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['card']} | {row['ar']} | {row['rows'] or 'refused'} | {row['need'] / GIB:.2f} | "
+                     f"{row['limit'] / GIB:.2f} |")
+    return "\n".join(lines)
+
+
+def release_sizes(config: YuE2Config | None = None, vae_core_frames: int = 1024) -> dict:
+    """The released weights' sizes, from their shapes (no file is read): the bf16 MoT, the fp32 VAE decoder
+    we keep, one VAE tile's working set, and the AR checkpoint per form (bf16, FP8 W8A8)."""
+    from .model.modeling import tensor_shapes
+    from .model.vae import VAEConfig, decoder_bytes
+
+    config = config or YuE2Config()
+    return {"mot_bytes": 2 * sum(math.prod(shape) for shape in tensor_shapes(config).values()),
+            "vae_bytes": decoder_bytes(VAEConfig()), "vae_tile": vae_decode_bytes(VAEConfig(), vae_core_frames, 16),
+            "ar_forms": {"bf16": ar_expert_bytes(config), "FP8": w8a8_ar_bytes(config)}}

@@ -32,12 +32,15 @@ from .derive import OVERRIDE_ENV
 from .hub import DEFAULT_MODEL, DEFAULT_VAE, HubOptions, resolve_model
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
                       resolve_device, set_upstream_numerics)
-from .memory import (PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, budget_problem, default_budget_gib, device_pool,
+from .memory import (PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, ar_host_bytes, budget_problem, default_budget_gib,
+                     device_pool, nar_song_bytes, torch_decode_bytes, total_memory_bytes, unified_pool,
                      vae_decode_bytes)
 from .model.sampling import ARBackend, TorchARBackend, resolve_execution
 from .model.torch_quant import apply_memory_cap, module_bytes, prepare_ar_proxies, proxy_slow_reason, restore_ar
 from .tokenizer import YuE2Tokenizer
-from .model.vae import check_vae, load_vae
+from .model.vae import check_vae, decoder_bytes, load_vae
+from .model.placement import placement_of
+from .room import DeviceRoom
 
 LOG = logging.getLogger(__name__)
 SAMPLE_RATE = 48000
@@ -81,6 +84,7 @@ class SemanticResult:
     tokens: list[int]  # codec indices 0..32767 (token id − CODEC_OFFSET)
     timing: dict = field(default_factory=dict)
     truncated: bool = False
+    synthesis: dict = field(default_factory=dict)  # the NAR's record: prefill weights, room admitted/waited
 
 
 @dataclass
@@ -181,8 +185,10 @@ class YuE2Pipeline:
         self.numerics = set_upstream_numerics()  # process-wide, as upstream sets them at construction
         # An integrated GPU (DGX Spark) shares the host's memory: one pool, MemAvailable less an OS reserve.
         self.unified = device_pool(str(self.device)) if self.device.type == "cuda" else None
-        self.memory_budget_gib = float(memory_budget_gib or default_budget_gib(self.unified))
-        problem = budget_problem(self.memory_budget_gib, self.unified)
+        # A discrete GPU: the card is the default budget (less memory.DEVICE_RESERVE_FRACTION) and the cap.
+        card = total_memory_bytes(str(self.device)) if self.device.type == "cuda" and self.unified is None else None
+        self.memory_budget_gib = float(memory_budget_gib or default_budget_gib(self.unified, card))
+        problem = budget_problem(self.memory_budget_gib, self.unified, card)
         if problem:
             raise ValueError(problem)
         self.backend_requested = backend
@@ -211,8 +217,13 @@ class YuE2Pipeline:
         self._vllm_lock = threading.Lock()
         self._prestart: threading.Thread | None = None
         self._prestart_error: BaseException | None = None
-        if self.unified is not None and backend != "torch" and vllm_usable():  # refused before anything is loaded
-            self._check_unified_split()
+        self._room: DeviceRoom | None = None  # songs' buffers on a discrete GPU beside the engine (room.py)
+        # Beside the engine on a discrete GPU the torch side holds the AR expert in host memory (placement.py).
+        # (Load-time AR proxies serve torch-backend songs from the device: there the AR expert stays resident.)
+        self.ar_on_device = not (card is not None and backend != "torch" and vllm_usable()
+                                 and quantization in ("none", "auto"))
+        if self.device.type == "cuda" and backend != "torch" and vllm_usable():  # refused before anything loads
+            self._check_split()
         if start_engine and backend != "torch" and self.unified is None:
             # The worker imports vLLM and starts its engine while this process loads the MoT. On unified memory
             # it starts after the load instead: vLLM's start-up check then sees the MoT already in the pool.
@@ -221,7 +232,7 @@ class YuE2Pipeline:
         declined = proxy_slow_reason(quantization, self.device, DTYPES[dtype]) if quantized_policy != "force" else None
         try:
             self.model = load_model(self.model_dir, device=self.device, dtype=DTYPES[dtype],
-                                    quantization="none" if declined else quantization)
+                                    quantization="none" if declined else quantization, ar_on_device=self.ar_on_device)
             self.memory_cap_bytes = apply_memory_cap(self.device, self.memory_budget_gib, module_bytes(self.model))
         except BaseException:
             self.close()  # no engine outlives a pipeline that failed to start
@@ -298,8 +309,11 @@ class YuE2Pipeline:
         generation = self.generation_config
         typical = PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)
         mot_bytes = weights_bytes(self.model_dir) * DTYPES[self.dtype].itemsize // 2  # stored bf16
+        vae_bytes = decoder_bytes(self.vae_config) if self.vae_config is not None else 0
+        tile = vae_decode_bytes(self.vae_config, self.vae_core_frames, VAE_HALO_FRAMES) if self.vae_config else 0
         options = {"typical_tokens": typical, "offload_ar": self.offload_ar, "dtype": self.dtype,
-                   "torch_side_bytes": mot_bytes + weights_bytes(self.vae_dir), **self.engine_options}
+                   "torch_side_bytes": mot_bytes + vae_bytes, "vae_tile_bytes": tile,
+                   "torch_ar_on_device": self.ar_on_device, **self.engine_options}
         options.setdefault("cuda_visible_devices", engine_cuda_env(self.device).get("CUDA_VISIBLE_DEVICES"))
         if self.device.type == "cuda":
             options.setdefault("cuda_capability", tuple(torch.cuda.get_device_capability(self.device)))
@@ -314,10 +328,10 @@ class YuE2Pipeline:
         return EngineSettings(checkpoint, device_type=self.device.type, memory_budget_gib=self.memory_budget_gib,
                               **options)
 
-    def _check_unified_split(self) -> None:
-        """Unified memory: the split the engine would start with, refused (MemoryError naming MemAvailable, the
-        need and what to lower) before any weights are loaded. The AR checkpoint is estimated: the override's
-        files, else the bf16 AR expert the derived checkpoint will hold."""
+    def _check_split(self) -> None:
+        """On a GPU, the split the engine would start with, refused (MemoryError naming the need, the limit and
+        what to lower; on unified memory MemAvailable) before any weights are loaded. The AR checkpoint is
+        estimated: the override's files, else the bf16 AR expert the derived checkpoint will hold."""
         config = YuE2Config.load(self.model_dir)
         override = Path(self.ar_checkpoint) if self.ar_checkpoint else None
         weights = weights_bytes(override) if override is not None and override.is_dir() else ar_expert_bytes(config)
@@ -343,6 +357,8 @@ class YuE2Pipeline:
                     self._vllm_unavailable = reason
                 else:
                     self._vllm = VLLMBackend(YuE2Config.load(self.model_dir), self.engine_settings(checkpoint))
+                    if not self._vllm.plan.ar_on_device and self._room is None:
+                        self._room = DeviceRoom(self._vllm.plan.room, str(self.device))
             return self._vllm, self._vllm_unavailable
 
     def _start_engine_in_background(self) -> None:
@@ -394,6 +410,7 @@ class YuE2Pipeline:
                     raise
                 with self._vllm_lock:  # the reason without the log tail (the log is kept and named in it)
                     self._vllm, self._vllm_unavailable = None, f"vLLM engine could not start: {str(exc).split('; log tail')[0]}"
+                    self._room = None  # no engine beside us: the card is the torch side's (admission by free bytes)
                 vllm.close()
                 vllm, reason = None, self._vllm_unavailable
         return (vllm, None) if vllm is not None else (self.torch_backend, reason)
@@ -403,7 +420,7 @@ class YuE2Pipeline:
         if reason is not None:
             LOG.info("%s phase: torch backend (%s)", phase, reason)
         if backend is self.torch_backend:
-            with self.torch_lock:
+            with self.torch_lock, self._torch_ar_admitted(prefix, sampling, phase, kwargs):
                 if self.proxy_mode:
                     prepare_ar_proxies(self.model, self.proxy_mode)  # idempotent; undone before each NAR stage
                 ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
@@ -412,6 +429,56 @@ class YuE2Pipeline:
         timing = {**timing, "backend_requested": self.backend_requested, "fallback_reason": reason}
         timing.setdefault("batch_invariant", True)  # the torch backend serves one song per forward pass
         return ids, timing, truncated
+
+    @contextlib.contextmanager
+    def _torch_ar_admitted(self, prefix, sampling: Sampling, phase: str, kwargs: dict):
+        """A torch-backend AR phase holds the AR expert on the device (placement owner; moved from host memory,
+        counted, when it lives there) and, beside the engine, is admitted into the room for those weights and
+        its CFG branches' K/V first."""
+        branches = 2 if kwargs.get("cfg_scale", 1.0) != 1.0 or kwargs.get("legacy_off") else 1
+        need = torch_decode_bytes(self.model.config, len(prefix) + sampling.max_tokens, branches)
+        placement = placement_of(self.model)
+        if placement.home == "host":
+            need += ar_host_bytes(self.model.config, self.model.dtype.itemsize)
+        with self._admitted(need, f"{phase} phase on the torch backend", (), kwargs.get("cancelled")), \
+                placement.hold("device", f"{phase} phase (torch backend)"):
+            yield
+
+    @property
+    def room(self) -> DeviceRoom | None:
+        """Where songs' buffers are admitted (a discrete GPU beside the engine; None: nothing to admit into)."""
+        return self._room
+
+    def nar_need(self, semantics: Sequence[SemanticResult]) -> int:
+        """Device bytes a NAR run of these songs takes beyond the resident weights (memory.nar_song_bytes): every
+        chunk's prefix K/V and activations, and one streamed AR layer when the AR expert is in host memory."""
+        from .protocol import chunk_ranges
+
+        chunks = [len(s.plan.prefix) + (b - a) + 3 for s in semantics  # prefix, codec, end, 2 latent slots
+                  for a, b in chunk_ranges(len(s.tokens), len(s.plan.prefix), self.generation_config.context)]
+        return nar_song_bytes(self.model.config, chunks, streamed=not self.ar_on_device)
+
+    @contextlib.contextmanager
+    def _admitted(self, need: int, what: str, on_progress: "Sequence[OnProgress | None]" = (),
+                  cancelled: Cancelled | None = None, records: Sequence[dict] = ()):
+        """Hold `need` bytes of the room for a stage (a no-op without one); a wait is reported to its songs as
+        progress of stage `<stage>_wait` (need, free bytes) and recorded."""
+        room = self.room
+        if room is None:
+            yield
+            return
+        stage = what.split()[0]
+
+        def waiting(need_bytes: int, free: int) -> None:
+            for report in on_progress:
+                if report is not None:
+                    report(f"{stage}_wait", need_bytes, free)
+
+        start = time.perf_counter()
+        with room.admit(need, what, on_wait=waiting, cancelled=cancelled):
+            for record in records:
+                record.update({"room_need_bytes": need, "room_wait_seconds": time.perf_counter() - start})
+            yield
 
     def _release_engine_for_nar(self) -> None:
         """Keep the engine across the NAR when the memory split fits (always on the CPU), else stop it."""
@@ -511,11 +578,14 @@ class YuE2Pipeline:
         """One song's latents `[T, 64]`: upstream's one-song path, bit for bit."""
         check_semantic(semantic)
         progress = (lambda done, total: on_progress("nar", done, total)) if on_progress else None
-        with self.torch_lock if self.proxy_mode else contextlib.nullcontext():
+        record = semantic.synthesis
+        with self._admitted(self.nar_need([semantic]), "nar of 1 song", [on_progress], cancelled, [record]), \
+                self.torch_lock if self.proxy_mode else contextlib.nullcontext():
             self._prepare_nar()
             latents = nar_synthesize(self.model, semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
                                      steps=self.generation_config.ode_steps, context=self.generation_config.context,
-                                     cancelled=cancelled, on_progress=progress, offload_ar=self.offload_ar)
+                                     cancelled=cancelled, on_progress=progress, offload_ar=self.offload_ar,
+                                     record=record)
         return latents.numpy()
 
     def synthesize_many(self, semantics: Sequence[SemanticResult], *, cancelled: Sequence[Cancelled | None] = (),
@@ -533,9 +603,14 @@ class YuE2Pipeline:
             report = on_progress[index] if index < len(on_progress) else None
             songs.append(SongInput(semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
                                    cancelled[index] if index < len(cancelled) else None,
-                                   (lambda done, total, r=report: r("nar", done, total)) if report else None))
+                                   (lambda done, total, r=report: r("nar", done, total)) if report else None,
+                                   semantic.synthesis))
             batched.append(index)
-        with self.torch_lock if self.proxy_mode else contextlib.nullcontext():
+        chosen = [semantics[i] for i in batched]
+        reports = [on_progress[i] for i in batched if i < len(on_progress)]
+        with self._admitted(self.nar_need(chosen), f"nar of {len(chosen)} songs", reports, None,
+                            [s.synthesis for s in chosen]), \
+                self.torch_lock if self.proxy_mode else contextlib.nullcontext():
             self._prepare_nar()
             latents = synthesize_many(self.model, songs, steps=self.generation_config.ode_steps,
                                       context=self.generation_config.context, offload_ar=self.offload_ar)
@@ -550,7 +625,8 @@ class YuE2Pipeline:
         if latents.ndim != 2 or latents.shape[1] != self.vae.config.latent_dim:
             raise ValueError(f"latents must be [frames, {self.vae.config.latent_dim}], got {list(latents.shape)}")
         progress = (lambda done, total: on_progress("vae", done, total)) if on_progress else None
-        with self._vae_on_device() as vae:
+        tile = vae_decode_bytes(self.vae.config, self.vae_core_frames, VAE_HALO_FRAMES)
+        with self._admitted(tile, "vae tile", [on_progress], cancelled), self._vae_on_device() as vae:
             audio = vae.decode_tiled(latents.T[None], core_frames=self.vae_core_frames,
                                      halo_frames=VAE_HALO_FRAMES, on_progress=progress, cancelled=cancelled)[0]
         if not torch.isfinite(audio).all():
@@ -558,17 +634,27 @@ class YuE2Pipeline:
         return audio.clamp(-1, 1).T.contiguous().numpy()
 
     def _device_room(self) -> int | None:
-        """Bytes this process can still allocate on its accelerator (None where that is not known)."""
-        return cuda_free_bytes(self.device) if self.device.type == "cuda" else None
+        """Bytes songs' buffers may still take on the accelerator (None on the CPU): the room's free bytes
+        beside the engine on a discrete GPU, the unified pool now (MemAvailable less the OS reserve, what the
+        plan reads; cudaMemGetInfo under-reports there), else what this process can still allocate."""
+        if self.device.type != "cuda":
+            return None
+        if self.room is not None:
+            return self.room.free
+        if self.unified is not None:
+            return unified_pool().pool
+        return cuda_free_bytes(self.device)
 
     @contextlib.contextmanager
     def _vae_on_device(self):
         """The fp32 VAE on the pipeline's device for one decode (on the CPU nothing moves).
 
-        It stays there afterwards, as the memory plan budgets it beside the MoT. When the device
-        cannot hold one tile's working set (`memory.vae_decode_bytes`) plus the VAE, the AR expert
-        leaves it for the decode (under the torch AR lock) and the VAE goes back to the CPU before the
-        AR returns, also on errors and cancellation; allocator caches are emptied around it.
+        It stays there afterwards, as the memory plan budgets it beside the MoT. On a discrete GPU without the
+        engine, when the device cannot hold one tile's working set (`memory.vae_decode_bytes`) plus the VAE,
+        the AR expert leaves it for the decode (held on the host by its placement owner, which waits for any
+        stage using it and brings it back after) and the VAE goes back to the CPU, also on errors and
+        cancellation; allocator caches are emptied around it. Beside the engine the tile is admitted into the
+        room and nothing moves; on unified memory nothing moves either (one pool).
         """
         vae = self.vae
         if self.device.type == "cpu":
@@ -578,9 +664,12 @@ class YuE2Pipeline:
         need = vae_decode_bytes(vae.config, self.vae_core_frames, VAE_HALO_FRAMES) + (0 if resident else
                                                                                       module_bytes(vae))
         room = self._device_room()
-        move_ar = room is not None and need > room
+        # Beside the engine the tile was admitted into the room and the AR expert is in host memory already; on
+        # unified memory a move to the host frees nothing (one pool): only a discrete GPU without an engine moves.
+        movable = self.room is None and self.unified is None and placement_of(self.model).home == "device"
+        move_ar = movable and room is not None and need > room
         self.vae_placement = {"device": str(self.device), "need_bytes": need, "room_bytes": room, "ar_moved": move_ar}
-        with self.torch_lock if move_ar else contextlib.nullcontext(), offloaded_ar(self.model, move_ar):
+        with offloaded_ar(self.model, move_ar):
             try:
                 if move_ar:
                     empty_cache(self.device)
@@ -683,7 +772,8 @@ class YuE2Pipeline:
             latents = (synthesizer or self.synthesize)(semantic, cancelled=cancelled, on_progress=on_progress)
             return {"latent.npy": art.npy_bytes(latents)}, {"nar_seconds": time.perf_counter() - start,
                                                             "offload_ar": self.offload_ar,
-                                                            "peak_memory_bytes": peak_memory_bytes(self.device)}
+                                                            "peak_memory_bytes": peak_memory_bytes(self.device),
+                                                            **semantic.synthesis}
 
         def compute_audio():
             start = time.perf_counter()

@@ -38,8 +38,8 @@ COALESCE_SECONDS = 0.25  # how long the lane waits for songs about to finish the
 
 @dataclass
 class SongEvent:
-    """What happened to a song: `state`, `tokens` (per phase), `stage_done`, `score`, `nar`, `vae`, or a final
-    state (`complete`, `failed`, `cancelled`)."""
+    """What happened to a song: `state`, `tokens` (per phase), `stage_done`, `score`, `nar`, `vae`, `waiting`
+    (a stage waits for room on the device), or a final state (`complete`, `failed`, `cancelled`)."""
 
     song: "SongHandle"
     kind: str
@@ -59,6 +59,7 @@ class SongHandle:
         self.state = "queued"
         self.tokens = {"abc": 0, "semantic": 0}
         self.progress: dict[str, tuple[int, int]] = {}
+        self.waiting: dict | None = None  # a stage waiting for room on the device, and since when
         self.document: dict | None = None
         self.error: BaseException | None = None
         self.submitted = time.time()
@@ -106,6 +107,13 @@ class SongHandle:
         self._emit("tokens", phase=phase, count=self.tokens[phase])
 
     def on_progress(self, stage: str, done: int, total: int) -> None:
+        if stage.endswith("_wait"):  # the stage waits for room on the device (pipeline._admitted): need, free
+            self.waiting = {"stage": stage[:-len("_wait")], "need_bytes": done, "free_bytes": total,
+                            "since": time.time()}
+            self._emit("waiting", **self.waiting)
+            return
+        if self.waiting is not None and self.waiting["stage"] == stage:
+            self.waiting = None
         self.progress[stage] = (done, total)
         self._emit(stage, done=done, total=total)
 
@@ -296,18 +304,35 @@ class SynthesisLane:
                 job.future.set_result(result)
 
     def _admit(self, jobs: list[_LaneJob]) -> list[_LaneJob]:
-        """On CUDA keep only as many songs as this process can still allocate NAR buffers for (its cached
-        blocks plus growth up to the per-process cap and the device's free bytes); requeue the rest."""
-        if len(jobs) == 1 or self.pipe.device.type != "cuda":
+        """Keep only as many songs as there is room for now, requeue the rest: beside the engine on a discrete
+        GPU the plan's room (`room.DeviceRoom`, where the pipeline then admits the batch: the first song waits
+        there when even it does not fit); on unified memory the pool the plan reads (MemAvailable less the OS
+        reserve); otherwise on CUDA what this process can still allocate (its cached blocks plus growth up to
+        the per-process cap and the device's free bytes)."""
+        room = getattr(self.pipe, "room", None)
+        if len(jobs) == 1 or (room is None and self.pipe.device.type != "cuda"):
             return jobs
-        from .devices import cuda_free_bytes
-        from .memory import nar_chunk_bytes
+        from .memory import nar_song_bytes
+        from .protocol import chunk_ranges
 
-        free = cuda_free_bytes(self.pipe.device)
+        if room is not None:
+            free = room.free
+        elif getattr(self.pipe, "unified", None) is not None:
+            from .memory import unified_pool
+
+            free = unified_pool().pool
+        else:
+            from .devices import cuda_free_bytes
+
+            free = cuda_free_bytes(self.pipe.device)
+        streamed = not getattr(self.pipe, "ar_on_device", True)
+        config = self.pipe.model.config
         admitted, need = [], 0
         for job in jobs:
             semantic = job.payload
-            need += nar_chunk_bytes(self.pipe.model.config, len(semantic.plan.prefix) + len(semantic.tokens) + 3)
+            prefix = len(semantic.plan.prefix)
+            chunks = [prefix + (b - a) + 3 for a, b in chunk_ranges(len(semantic.tokens), prefix)]
+            need += nar_song_bytes(config, chunks, streamed=streamed and not admitted)
             if admitted and need > free:
                 self._queues["nar"].put(job)
             else:

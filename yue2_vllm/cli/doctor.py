@@ -33,7 +33,7 @@ def cmd_doctor(args) -> int:
     required = ("torch", "numpy", "safetensors", "tiktoken", "soundfile", "tqdm")
     report = {"python": platform.python_version(), "versions": versions, "devices": devices, "backends": backends,
               "default_cot": "full", "default_cfg": {"full": 1.0, "melody": 1.0, "off": 1.01},
-              "memory": memory_split(args), "cluster": cluster_report(args)}
+              "memory": memory_split(args), "memory_release": release_split(args), "cluster": cluster_report(args)}
     print(json.dumps(report, indent=2))
     return 0 if all(versions[name] for name in required) else 1
 
@@ -72,6 +72,34 @@ def memory_split(args, device: str | None = None) -> dict:
     plan = memory_plan(model_dir, vae_dir, device or resolve_device(args.device).type, args.budget,
                        max_num_seqs=args.concurrency, offload_ar=args.offload_ar)
     return {"model": str(model_dir), **plan.describe(), "problems": plan.problems()}
+
+
+def release_split(args, device: str | None = None) -> dict:
+    """This machine's split for the released weights (m-a-p/YuE2-3B + m-a-p/YuE2-Vae, sizes from their shapes:
+    nothing is downloaded), per AR form, with default flags or --budget / --concurrency: what is resident on the
+    device, what is left for songs' buffers, and where our AR expert lives."""
+    import torch
+
+    from ..memory import default_budget_gib, device_pool, plan_memory, release_sizes, total_memory_bytes
+    from ..model.modeling import YuE2Config
+    from ..pipeline import default_vae_core_frames, resolve_device
+
+    device = device or resolve_device(args.device).type
+    pool = device_pool(device)
+    card = total_memory_bytes(device) if device == "cuda" and pool is None and torch.cuda.is_available() else None
+    budget = args.budget or default_budget_gib(pool, card)
+    sizes = release_sizes(vae_core_frames=default_vae_core_frames(budget))
+    forms = {}
+    for form, weights in sizes["ar_forms"].items():
+        plan = plan_memory(YuE2Config(), device=device, budget_gib=budget, engine_weights=weights,
+                           torch_model=sizes["mot_bytes"], vae=sizes["vae_bytes"], vae_tile=sizes["vae_tile"],
+                           max_num_seqs=args.concurrency, unified=pool,
+                           total=None if device != "cuda" or torch.cuda.is_available() else int(budget * 2**30))
+        forms[form] = {"rows": 0 if plan.problems() else plan.max_num_seqs, "summary": plan.describe()["summary"],
+                       "resident_bytes": plan.resident, "room_bytes": plan.room, "song_room_bytes": plan.song_room,
+                       "ar_expert": "device" if plan.ar_on_device else "pinned host memory (streamed to the prefill)",
+                       "problems": plan.problems()}
+    return {"device": device, "budget_gib": round(budget, 2), "forms": forms}
 
 
 def cluster_report(args) -> dict:

@@ -89,7 +89,8 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                                                          "cuda, cuda:N or mps")
     parser.add_argument("--budget", type=_positive_float, default=None,
                         help="memory budget in GiB (the vLLM engine must fit it; <= 12 decodes smaller VAE tiles); "
-                             "default 24, or on unified memory (DGX Spark) MemAvailable less the OS reserve")
+                             "default: a discrete GPU's memory less 10 %%, on unified memory (DGX Spark) MemAvailable "
+                             "less the OS reserve, on the CPU 24; above the card is refused")
     parser.add_argument("--backend", choices=("torch", "vllm", "auto"),
                         help="AR backend: torch, or vllm/auto (vLLM whenever it is installed and can serve the "
                              "phase, else torch, shown on screen and recorded); default: auto, but torch for the "
@@ -255,8 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--vae-revision", help="--vae's Hub revision (default: main)")
     doctor.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     doctor.add_argument("--budget", type=_positive_float, default=None,
-                        help="memory budget in GiB (default 24, or on unified memory the pool: MemAvailable less the "
-                             "OS reserve)")
+                        help="memory budget in GiB (default: a discrete GPU's memory less 10 %%, on unified memory "
+                             "the pool: MemAvailable less the OS reserve, on the CPU 24)")
     doctor.add_argument("--concurrency", type=_count, help="engine rows (default: sized from the budget)")
     doctor.add_argument("--offload-ar", action="store_true", help="plan for --offload-ar")
     _cluster_flags(doctor)

@@ -139,17 +139,29 @@ def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float | None, 
     """The engine / torch split (memory.plan_memory) of these weights on `device_type`; with `generation`, rows
     sized for its songs (a prompt + the larger phase budget) instead of upstream's. On this machine's integrated
     GPU the split is one pool with the host (`budget_gib` None: the pool)."""
-    from ..checkpoint import weights_bytes
-    from ..memory import PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, default_budget_gib, device_pool, plan_memory
+    from ..checkpoint import read_json, weights_bytes
+    from ..memory import (PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, default_budget_gib, device_pool, plan_memory,
+                          total_memory_bytes, vae_decode_bytes)
     from ..model.modeling import YuE2Config
+    from ..model.vae import VAEConfig, decoder_bytes
+    from ..pipeline import VAE_HALO_FRAMES, default_vae_core_frames
 
     config = YuE2Config.load(Path(model_dir))
     typical = {} if generation is None else {
         "typical_tokens": PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)}
     pool = device_pool(device_type)
-    budget_gib = budget_gib or default_budget_gib(pool)
+    import torch
+
+    card = (total_memory_bytes(device_type) if device_type.startswith("cuda") and pool is None
+            and torch.cuda.is_available() else None)
+    budget_gib = budget_gib or default_budget_gib(pool, card)
+    vae, tile = weights_bytes(vae_dir), 0
+    if vae_dir is not None and (Path(vae_dir) / "config.json").is_file():  # the decoder we keep, by its config
+        vae_config = VAEConfig.from_dict(read_json(Path(vae_dir) / "config.json"))
+        vae = decoder_bytes(vae_config)
+        tile = vae_decode_bytes(vae_config, default_vae_core_frames(budget_gib), VAE_HALO_FRAMES)
     return plan_memory(config, device=device_type, budget_gib=budget_gib, engine_weights=ar_expert_bytes(config),
-                       torch_model=weights_bytes(model_dir), vae=weights_bytes(vae_dir), max_num_seqs=max_num_seqs,
+                       torch_model=weights_bytes(model_dir), vae=vae, vae_tile=tile, max_num_seqs=max_num_seqs,
                        offload_ar=offload_ar, total=card_bytes(device_type, budget_gib), unified=pool, **typical)
 
 

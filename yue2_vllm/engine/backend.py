@@ -109,7 +109,7 @@ class EngineSettings:
 
     checkpoint: ARCheckpoint
     device_type: str = "cpu"
-    memory_budget_gib: float = 24.0
+    memory_budget_gib: float = 24.0  # the pipeline passes its own (a GPU: the card or the pool by default)
     max_model_len: int = CONTEXT
     max_num_seqs: int | None = None
     kv_cache_bytes: int | None = None
@@ -121,6 +121,8 @@ class EngineSettings:
     max_restarts: int = 3  # engine restarts allowed within restart_window_s (a long-lived server keeps going)
     restart_window_s: float = 600.0
     torch_side_bytes: int = 0  # the MoT + VAE the pipeline keeps beside the engine
+    vae_tile_bytes: int = 0  # one VAE tile's working set (memory.vae_decode_bytes), a song's buffer
+    torch_ar_on_device: bool | None = None  # our AR expert on the device (None: not on a discrete GPU, see memory)
     typical_tokens: int = 2048 + 9000  # one song's prompt + semantic budget, for default sizing
     synthesis_batch: int = 1
     offload_ar: bool = False
@@ -150,7 +152,8 @@ class EngineSettings:
                            max_num_seqs=self.max_num_seqs, kv_cache=self.kv_cache_bytes,
                            typical_tokens=self.typical_tokens, max_model_len=self.max_model_len,
                            synthesis_batch=self.synthesis_batch, offload_ar=self.offload_ar,
-                           kv_dtype_bytes=4 if self.dtype == "float32" else 2, unified=self.unified)
+                           kv_dtype_bytes=4 if self.dtype == "float32" else 2, unified=self.unified,
+                           vae_tile=self.vae_tile_bytes, ar_on_device=self.torch_ar_on_device)
 
     def resolved(self, config: YuE2Config) -> "EngineSettings":
         plan = self.plan(config)

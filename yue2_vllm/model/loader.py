@@ -12,6 +12,7 @@ import torch
 
 from ..checkpoint import FLOAT_DTYPES, Expected, check_tensors, load_tensors, model_file, read_json, weight_index
 from .modeling import CONFIG_FILE, YuE2Config, YuE2Model, assign_tensor, checkpoint_layout, tensor_shapes
+from .placement import placement_of, weight_homes
 from .torch_quant import (INT8_AR_METHOD, LOAD_MODES, check_proxy_device, checkpoint_method, checkpoint_status,
                           install_int8_modules, int8_ar_layout, none_status, prepare_ar_proxies)
 
@@ -27,7 +28,8 @@ def expected_layout(config: YuE2Config, quantization: str | None = None) -> dict
 
 
 def load_model(model_dir: str | os.PathLike, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.bfloat16, quantization: str = "auto") -> YuE2Model:
+               dtype: torch.dtype = torch.bfloat16, quantization: str = "auto",
+               ar_on_device: bool = True) -> YuE2Model:
     """Load a YuE2 MoT directory (config.json + safetensors). Headers are validated first.
 
     `quant.schemes`:
@@ -38,6 +40,9 @@ def load_model(model_dir: str | os.PathLike, *, device: str | torch.device = "cp
     * `yue2-int8-ar` checkpoint: "auto"/"int8" build `Int8Linear` for the AR linears (the int8
       weights and bf16 scales are kept as stored, whatever `dtype`); "none"/"fp8" raise ValueError.
     `model.quantization_status` records what is active.
+    `ar_on_device=False` (a bf16 checkpoint on a GPU beside the engine, which holds the AR weights): the AR
+    expert (`placement.weight_homes`) is loaded into pinned host memory instead, once; the rest on `device`.
+    `placement.placement_of(model)` owns where it lives from then on.
     """
     if quantization not in LOAD_MODES:
         raise ValueError(f"quantization must be one of {LOAD_MODES}, got {quantization!r}")
@@ -68,11 +73,18 @@ def load_model(model_dir: str | os.PathLike, *, device: str | torch.device = "cp
     stored = {name for name, want in layout.items() if want.dtypes != FLOAT_DTYPES}  # int8 weights, bf16 scales
     cast = [info for name, info in infos.items() if name not in stored]
     kept = [infos[name] for name in stored]
-    for name, tensor in load_tensors(cast, device=device, dtype=dtype):
+    kind = torch.device(device).type  # the AR expert goes to host memory only from an accelerator (bf16 weights)
+    pinned = kind == "cuda"
+    resident = ar_on_device or kind == "cpu" or method is not None or quantization in ("int8", "fp8")  # proxies
+    host = {name for name, home in weight_homes(config, resident).items() if home == "host"}
+    for name, tensor in load_tensors([info for info in cast if info.name not in host], device=device, dtype=dtype):
         assign_tensor(model, name, tensor)
+    for name, tensor in load_tensors([info for info in cast if info.name in host], device="cpu", dtype=dtype):
+        assign_tensor(model, name, tensor.pin_memory() if pinned else tensor)
     for name, tensor in load_tensors(kept, device=device):
         assign_tensor(model, name, tensor)
     model = model.eval().requires_grad_(False)
+    placement_of(model)  # its owner from now on: the AR expert's home is where it was just put
     if method is not None:
         model.quantization_status = checkpoint_status(model, raw["quantization_config"])
     elif quantization in ("int8", "fp8"):

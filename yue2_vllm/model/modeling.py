@@ -10,11 +10,13 @@ unscaled t, and attention goes through SDPA with the same shapes and masks.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -122,6 +124,12 @@ def ar_tensor_shapes(config: YuE2Config) -> dict[str, tuple[int, ...]]:
     for layer in range(config.num_hidden_layers):
         shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in per_layer.items()})
     return shapes
+
+
+def ar_streamed_shapes(config: YuE2Config) -> dict[str, tuple[int, ...]]:
+    """The AR-expert tensors a discrete GPU's torch side keeps in pinned host memory (`model.placement`): all
+    of `ar_tensor_shapes` but the final norm, which the NAR's velocity runs too."""
+    return {name: shape for name, shape in ar_tensor_shapes(config).items() if name != "model.norm.weight"}
 
 
 def tensor_shapes(config: YuE2Config) -> dict[str, tuple[int, ...]]:
@@ -428,6 +436,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = 
     return torch.cat(outputs, dim=-2)[0].transpose(0, 1)
 
 
+AR_EXPERT_MODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # a layer's AR half
+
+
+def staged(module: nn.Module, device: torch.device) -> nn.Module:
+    """A shallow clone of `module` whose parameters and buffers are device copies (from pinned memory, without
+    blocking); the module itself is not touched, so another stage never sees it change."""
+    clone = copy.copy(module)
+    # Plain tensors (the prefill runs under inference_mode, whose tensors are not made Parameters).
+    clone._parameters = {name: None if p is None else p.detach().to(device, non_blocking=True)
+                         for name, p in module._parameters.items()}
+    clone._buffers = {name: None if b is None else b.to(device, non_blocking=True)
+                      for name, b in module._buffers.items()}
+    clone._modules = {name: None if m is None else staged(m, device) for name, m in module._modules.items()}
+    return clone
+
+
 class CachedNAR:
     """Velocity of one NAR chunk, reusing the AR expert's keys/values of its token prefix.
 
@@ -437,7 +461,8 @@ class CachedNAR:
     prefix while `latent_pos_embed` counts from 0, attending bidirectionally over AR + NAR keys.
     """
 
-    def __init__(self, model: YuE2Model, ar_tokens: Sequence[int], frames: int, *, query_block: int | None = None):
+    def __init__(self, model: YuE2Model, ar_tokens: Sequence[int], frames: int, *, query_block: int | None = None,
+                 stream: bool | None = None):
         config = model.config
         if not ar_tokens or min(ar_tokens) < 0 or max(ar_tokens) >= config.vocab_size:
             raise ValueError("NAR prefix must be non-empty token ids inside the vocabulary")
@@ -454,14 +479,27 @@ class CachedNAR:
         local = torch.arange(self.slots, device=device).clamp(max=config.max_latent_frames - 1)
         self.pos_emb = model.latent_pos_embed.pe[local][None]
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._prefill(torch.tensor([list(ar_tokens)], dtype=torch.long, device=device))
+        self._prefill(torch.tensor([list(ar_tokens)], dtype=torch.long, device=device), stream)
 
     @torch.inference_mode()
-    def _prefill(self, ids: torch.Tensor) -> None:
+    def _prefill(self, ids: torch.Tensor, stream: bool | None = None) -> None:
+        """The AR expert over the prefix, resident or (its weights in host memory: `placement`) streamed to the
+        device one layer at a time; the embedding rows are gathered where the table lives (exact either way).
+        `prefill_weights` and `streamed_bytes` say which; `stream` None decides by where the weights are."""
         backbone, config = self.model.model, self.model.config
         cos, sin = rope_angles(torch.arange(ids.shape[1], device=ids.device)[None], config.head_dim, config.rope_theta)
-        x = backbone.embed_tokens(ids)
-        for layer in backbone.layers:
+        table = backbone.embed_tokens.weight.device
+        streamed = backbone.layers[0].post_attention_layernorm.weight.device != ids.device if stream is None else stream
+        self.prefill_weights, self.streamed_bytes = ("streamed" if streamed else "resident"), 0
+        x = backbone.embed_tokens(ids.to(table)).to(ids.device)
+        for resident in backbone.layers:
+            layer = resident
+            if streamed:  # this layer's AR half on the device for its step only
+                layer = SimpleNamespace(**{name: staged(getattr(resident, name), ids.device)
+                                           for name in AR_EXPERT_MODULES})
+                self.streamed_bytes += sum(t.numel() * t.element_size() for name in AR_EXPERT_MODULES
+                                           for t in (*getattr(resident, name).parameters(),
+                                                     *getattr(resident, name).buffers()))
             q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), cos, sin)
             self.kv.append((k[0], v[0]))
             h = attend(q[0], k[0], v[0], causal=True, query_block=self.query_block)

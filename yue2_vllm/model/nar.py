@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from .modeling import CachedNAR, YuE2Model, batched_velocities
+from .placement import placement_of
 from ..protocol import CODEC_OFFSET, CODEC_SIZE, CONTEXT, MUSIC_END, check_seed, check_token_ids, chunk_ranges
 
 ProgressFn = Callable[[int, int], None]
@@ -74,39 +75,28 @@ def solve(velocity: Callable[[torch.Tensor, float], torch.Tensor], noise: torch.
     return result
 
 
-AR_EXPERT_MODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-
-
 @contextlib.contextmanager
 def offloaded_ar(model: YuE2Model, enabled: bool = True):
-    """Move the AR expert (embeddings, lm_head, each layer's AR half) off the accelerator for the
-    ODE steps, which only need the prefix K/V it left; it comes back afterwards, also on errors or
-    cancellation. A no-op on the CPU."""
-    home = model.device
-    if not enabled or home.type == "cpu":
+    """The AR expert off the accelerator for the ODE steps, which only need the prefix K/V it left
+    (`--offload-ar`): held on the host through the model's placement owner (`placement.ARPlacement`), which
+    brings it back afterwards, also on errors or cancellation. A no-op on the CPU, and where the AR expert
+    lives on the host anyway (a discrete GPU beside the engine)."""
+    if not enabled or model.device.type == "cpu":
         yield
         return
-    modules = [model.model.embed_tokens, model.lm_head] + [getattr(layer, name) for layer in model.model.layers
-                                                            for name in AR_EXPERT_MODULES]
-    try:
-        for module in modules:
-            module.to("cpu")
-        if home.type == "cuda":
-            torch.cuda.empty_cache()
+    with placement_of(model).hold("host", "nar ode steps (--offload-ar)"):
         yield
-    finally:
-        for module in modules:
-            module.to(home)
 
 
 def synthesize(model: YuE2Model, prefix: Sequence[int], codec: Sequence[int], seed: int, *, steps: int = 32,
                context: int = CONTEXT, cancelled: Callable[[], bool] | None = None,
                on_progress: ProgressFn | None = None, query_block: int | None = None,
-               offload_ar: bool = False) -> torch.Tensor:
+               offload_ar: bool = False, record: dict | None = None) -> torch.Tensor:
     """Latents `[len(codec), 64]` (CPU fp32), chunk after chunk; each chunk's prefix cache is freed after use.
     Progress counts chunk-steps: `steps × chunks` in all (as `synthesize_many`, which runs the chunks at once).
 
-    This is upstream's one-song path, bit for bit; `synthesize_many` batches songs.
+    This is upstream's one-song path, bit for bit; `synthesize_many` batches songs. `record` (a dict) gets how
+    the prefix prefill got its AR weights ("resident" or "streamed", and the bytes streamed).
     """
     chunks = song_chunks(prefix, codec, seed, context)
     total = steps * len(chunks)
@@ -114,7 +104,7 @@ def synthesize(model: YuE2Model, prefix: Sequence[int], codec: Sequence[int], se
     for index, chunk in enumerate(chunks):
         if cancelled is not None and cancelled():
             raise InterruptedError("cancelled before a flow-matching chunk")
-        nar = CachedNAR(model, chunk.tokens, len(chunk.noise), query_block=query_block)
+        nar = prefilled(model, chunk.tokens, len(chunk.noise), query_block, record)
         try:
             def on_step(done: int, _: int, offset: int = index * steps) -> None:
                 if on_progress is not None:
@@ -137,6 +127,18 @@ class SongInput:
     seed: int
     cancelled: Callable[[], bool] | None = None
     on_progress: ProgressFn | None = None
+    record: dict | None = None  # filled as `synthesize`'s
+
+
+def prefilled(model: YuE2Model, tokens: list[int], frames: int, query_block: int | None,
+              record: dict | None) -> CachedNAR:
+    """One chunk's prefix prefill, holding the AR expert where it is (no move can happen under it)."""
+    with placement_of(model).hold("any", "nar prefix prefill"):
+        nar = CachedNAR(model, tokens, frames, query_block=query_block)
+    if record is not None:
+        record["prefill_weights"] = nar.prefill_weights
+        record["streamed_bytes"] = record.get("streamed_bytes", 0) + nar.streamed_bytes
+    return nar
 
 
 def synthesize_many(model: YuE2Model, songs: Sequence[SongInput], *, steps: int = 32, context: int = CONTEXT,
@@ -162,8 +164,8 @@ def synthesize_many(model: YuE2Model, songs: Sequence[SongInput], *, steps: int 
         raise ValueError(f"steps must be a positive integer, got {steps}")
     nars: list[CachedNAR] = []
     try:
-        for _, chunk in items:
-            nars.append(CachedNAR(model, chunk.tokens, len(chunk.noise), query_block=query_block))
+        for owner, chunk in items:
+            nars.append(prefilled(model, chunk.tokens, len(chunk.noise), query_block, songs[owner].record))
         with offloaded_ar(model, offload_ar):
             states = [chunk.noise.to(device=model.device, dtype=model.dtype) for _, chunk in items]
             live = list(range(len(items)))

@@ -615,3 +615,10 @@ def random_vae(config: VAEConfig, seed: int, *, decoder_only: bool = False) -> Y
             # Residual branches start small so 18 stacked units do not blow the scale up.
             _init_conv(module, generator, gains.get(id(module), 1.0))
     return model
+
+
+def decoder_bytes(config: VAEConfig) -> int:
+    """fp32 bytes of the decoder `load_vae` keeps (counted on the meta device: no memory is used)."""
+    with torch.device("meta"):
+        decoder = OobleckDecoder(**_decoder_kwargs(config))
+    return sum(t.numel() * 4 for t in (*decoder.parameters(), *decoder.buffers()))

@@ -207,8 +207,8 @@ def _media(media_type: str, description: str, schema: dict | None = None) -> dic
     return {"description": description, "content": {media_type: {"schema": schema or {"type": "string"}}}}
 
 
-EVENT_KINDS = ("status", "state", "tokens", "stage", "score", "nar", "vae", "retry", "complete", "failed",
-               "cancelled")
+EVENT_KINDS = ("status", "state", "tokens", "stage", "score", "waiting", "nar", "vae", "retry", "complete",
+               "failed", "cancelled")
 # One event (OpenAPI 3.2's itemSchema for a sequential media type): its data is always one line of JSON.
 SSE_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
     "event": {"type": "string", "enum": list(EVENT_KINDS)},

@@ -111,6 +111,7 @@ class LiveJob:
     record_stages: dict
     tokens: dict = field(default_factory=lambda: {phase: 0 for phase in PHASES})
     progress: dict = field(default_factory=dict)
+    waiting: dict | None = None  # a stage waiting for room on the device (scheduler's `waiting` event)
     cancel_requested: bool = False
     finalized: bool = False
 
@@ -462,6 +463,10 @@ class SongService:
         if running:
             for stage, (done, total) in list(live.progress.items()):
                 progress[stage] = {"done": done, "total": total}
+            waiting = live.waiting
+            if waiting is not None and waiting["stage"] not in live.progress:
+                progress[waiting["stage"]] = {"waiting_for_room": {"need_bytes": waiting["need_bytes"],
+                                                                   "free_bytes": waiting["free_bytes"]}}
         for stage, entry in stages.items():
             stages[stage] = {k: (iso(v) if k in ("started", "finished") else v) for k, v in entry.items()}
         document = {
@@ -580,6 +585,9 @@ class SongService:
             if self.throttle.ready((job_id, "ar")):
                 self.hub.publish(job_id, "tokens", {"phase": data["phase"], "count": data["count"],
                                                     "max_tokens": live.budgets[data["phase"]]})
+        elif kind == "waiting":
+            live.waiting = dict(data)
+            self.hub.publish(job_id, "waiting", dict(data))
         elif kind in ("nar", "vae"):
             live.progress[kind] = (data["done"], data["total"])
             if self.throttle.ready((job_id, "synthesis"), force=data["done"] in (1, data["total"])):
