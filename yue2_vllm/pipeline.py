@@ -28,7 +28,8 @@ from .model.nar import SongInput, offloaded_ar, synthesize_many
 from .model.nar import synthesize as nar_synthesize
 from .protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, Sampling, SongRequest, SongRules, abc_prompt,
                        check_abc_ids, check_token_ids, default_cfg_scale, negative_prompt, semantic_prompt)
-from .derive import OVERRIDE_ENV
+from .derive import OVERRIDE_ENV, derivation_bytes
+from .startup import STARTUP, StartRetry, StepAborted, block_counter
 from .hub import DEFAULT_MODEL, DEFAULT_VAE, HubOptions, resolve_model
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
                       resolve_device, set_upstream_numerics)
@@ -42,6 +43,7 @@ from .model.vae import check_vae, load_vae
 LOG = logging.getLogger(__name__)
 SAMPLE_RATE = 48000
 VAE_HALO_FRAMES = 16
+CLOSE_TIMEOUT_S = 10.0  # close() waits this long at most for a background engine start to stop
 BACKENDS = ("torch", "vllm", "auto")
 CFG_ENGINES = ("vllm", "torch")  # where cfg_scale != 1 and cot=off songs run when the backend is vllm/auto
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # float32: verification runs of both AR backends
@@ -194,9 +196,8 @@ class YuE2Pipeline:
         start = time.perf_counter()
         self.hashes = hash_cache if hash_cache is not None else default_hash_cache()
         self.verify_hashes = verify_hashes
-        self.weights = {"mot": model_identity(self.model_dir, hashes=self.hashes, verify=verify_hashes),
-                        "vae": model_identity(self.vae_dir, hashes=self.hashes, verify=verify_hashes)
-                        if self.vae_dir is not None else None}
+        self.weights = {"mot": self._hashed(self.model_dir, "model"),
+                        "vae": self._hashed(self.vae_dir, "vae") if self.vae_dir is not None else None}
         # Checked now (config, names, shapes, float32), not after the AR and NAR stages have run.
         self.vae_config = check_vae(self.vae_dir) if self.vae_dir is not None else None
         identity_seconds = time.perf_counter() - start
@@ -211,6 +212,8 @@ class YuE2Pipeline:
         self._vllm_lock = threading.Lock()
         self._prestart: threading.Thread | None = None
         self._prestart_error: BaseException | None = None
+        self._closing = threading.Event()  # close() in progress: start-up steps (derive, engine start) stop
+        self.start_retry = StartRetry()  # a failed engine start, and when it is tried again
         if self.unified is not None and backend != "torch" and vllm_usable():  # refused before anything is loaded
             self._check_unified_split()
         if start_engine and backend != "torch" and self.unified is None:
@@ -220,8 +223,9 @@ class YuE2Pipeline:
         # Load-time proxies without a fast kernel on this device are declined on the record (see quantized_policy).
         declined = proxy_slow_reason(quantization, self.device, DTYPES[dtype]) if quantized_policy != "force" else None
         try:
-            self.model = load_model(self.model_dir, device=self.device, dtype=DTYPES[dtype],
-                                    quantization="none" if declined else quantization)
+            with STARTUP.step("loading", "model", weights_bytes(self.model_dir)):
+                self.model = load_model(self.model_dir, device=self.device, dtype=DTYPES[dtype],
+                                        quantization="none" if declined else quantization)
             self.memory_cap_bytes = apply_memory_cap(self.device, self.memory_budget_gib, module_bytes(self.model))
         except BaseException:
             self.close()  # no engine outlives a pipeline that failed to start
@@ -277,11 +281,26 @@ class YuE2Pipeline:
                 drop_page_cache(self.vae_dir)
         return self._vae
 
-    def close(self) -> None:
-        """Stop the vLLM engine worker, if one runs (the torch models stay loaded)."""
-        self._join_prestart()
-        if self._vllm is not None:
-            self._vllm.close()
+    def _hashed(self, directory: Path, what: str) -> dict:
+        """The weights' identity, the hashing recorded as a start-up step (bytes read; 0 on hash-cache hits)."""
+        with STARTUP.step("hashing", what, weights_bytes(directory)) as step:
+            return model_identity(directory, hashes=self.hashes, verify=self.verify_hashes,
+                                  on_block=block_counter(step))
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the vLLM engine worker, if one runs (the torch models stay loaded), and any start of it in
+        progress: a derivation stops at its next block (its temp removed), a starting worker is killed. Waits at
+        most `timeout` seconds for the background start to end (it is a daemon thread)."""
+        from .engine.backend import EngineStartAborted
+
+        self._closing.set()
+        try:
+            if isinstance(self._join_prestart(timeout, abort=True), (StepAborted, EngineStartAborted)):
+                self._prestart_error = None  # stopped by this close, not failed: a later start goes ahead
+            if self._vllm is not None:
+                self._vllm.close()
+        finally:
+            self._closing.clear()  # a later song may start the engine again (as after the NAR's release)
 
     def __enter__(self):
         return self
@@ -324,7 +343,8 @@ class YuE2Pipeline:
         self.engine_settings(None).plan(config, engine_weights=weights).check()
 
     def _vllm_backend(self):
-        """The vLLM backend, or None with the reason it cannot serve (decided once per pipeline)."""
+        """The vLLM backend, or None with the reason it cannot serve (decided once per pipeline, but for a failed
+        start, which `select_ar_backend` tries again with `start_retry`'s backoff)."""
         with self._vllm_lock:
             if self._vllm is None and self._vllm_unavailable is None:
                 from .quant.policy import resolve_ar_checkpoint
@@ -332,10 +352,14 @@ class YuE2Pipeline:
 
                 reason = unsupported_reason(vllm_version())
                 if reason is None:
-                    checkpoint = resolve_ar_checkpoint(self.model_dir, override=self.ar_checkpoint,
-                                                       device_type=self.device.type, hashes=self.hashes,
-                                                       verify=self.verify_hashes,
-                                                       quantized_policy=self.quantized_policy)
+                    derived = not (self.ar_checkpoint or os.environ.get(OVERRIDE_ENV))
+                    with STARTUP.step("deriving", "AR checkpoint",
+                                      derivation_bytes(self.model_dir) if derived else None) as step:
+                        checkpoint = resolve_ar_checkpoint(self.model_dir, override=self.ar_checkpoint,
+                                                           device_type=self.device.type, hashes=self.hashes,
+                                                           verify=self.verify_hashes,
+                                                           quantized_policy=self.quantized_policy,
+                                                           on_block=block_counter(step, self._closing))
                     if checkpoint.declined:
                         LOG.info("AR checkpoint: %s", checkpoint.declined)
                     reason = checkpoint.unservable
@@ -346,21 +370,34 @@ class YuE2Pipeline:
             return self._vllm, self._vllm_unavailable
 
     def _start_engine_in_background(self) -> None:
+        self._prestart_error = None
         self._prestart = threading.Thread(target=self._start_engine_early, name="yue2-engine-start", daemon=True)
         self._prestart.start()
 
     def _start_engine_early(self) -> None:
         try:
             vllm, _ = self._vllm_backend()
-            if vllm is not None:
-                vllm.start()
+            if vllm is not None and not self._closing.is_set():
+                self._start_engine(vllm)
         except BaseException as exc:  # raised, or recorded as the fallback, when the first song asks
             self._prestart_error = exc
 
-    def _join_prestart(self) -> BaseException | None:
+    def _start_engine(self, vllm) -> None:
+        with STARTUP.step("starting_engine", "vLLM engine"):
+            vllm.start()
+
+    def _join_prestart(self, timeout: float | None = None, abort: bool = False) -> BaseException | None:
+        """Wait for the background engine start (at most `timeout` s); with `abort`, stop it meanwhile."""
         thread = self._prestart
         if thread is not None:
-            thread.join()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while thread.is_alive() and (deadline is None or time.monotonic() < deadline):
+                if abort and self._vllm is not None:
+                    self._vllm.abort_start()  # again each round: the backend may appear after a derivation
+                thread.join(0.1 if abort or deadline is not None else None)
+            if thread.is_alive():
+                LOG.warning("the background engine start did not stop within %.0f s; leaving it", timeout)
+                return self._prestart_error
             self._prestart = None
         return self._prestart_error
 
@@ -382,20 +419,36 @@ class YuE2Pipeline:
             return self.torch_backend, f"{what}: paired CFG on vLLM is switched off (--cfg-engine torch)"
         from .engine.backend import EngineError
 
+        retry = self.start_retry
+        with self._vllm_lock:
+            if retry.retrying and self._prestart is not None and self._prestart.is_alive():
+                return self.torch_backend, f"{retry.reason}; a new start is under way"
+            if retry.due():  # a failed start is tried again in the background; songs keep to torch meanwhile
+                retry.retrying, self._vllm_unavailable = True, None
+                LOG.warning("retrying the vLLM engine start (failed %d time(s): %s)", retry.failures, retry.reason)
+                self._start_engine_in_background()
+                return self.torch_backend, f"{retry.reason}; a new start is under way"
         early = self._join_prestart()
         vllm, reason = self._vllm_backend()
         if vllm is not None and not vllm.running:
             try:
                 if isinstance(early, (EngineError, MemoryError)) and not vllm.ever_started:
                     raise early  # the early start failed already: do not pay for a second try
-                vllm.start()
+                self._start_engine(vllm)
             except (EngineError, MemoryError) as exc:
                 if vllm.ever_started:
                     raise
                 with self._vllm_lock:  # the reason without the log tail (the log is kept and named in it)
-                    self._vllm, self._vllm_unavailable = None, f"vLLM engine could not start: {str(exc).split('; log tail')[0]}"
+                    reason = f"vLLM engine could not start: {str(exc).split('; log tail')[0]}"
+                    self._vllm, self._vllm_unavailable = None, reason
+                    self._prestart_error = None
+                    self.start_retry.failed(reason)
                 vllm.close()
-                vllm, reason = None, self._vllm_unavailable
+                vllm = None
+                LOG.warning("%s; songs run on the torch backend, the start is tried again in %.0f s", reason,
+                            self.start_retry.backoff_s)
+        if vllm is not None and vllm.running and self.start_retry.failures:
+            self.start_retry.succeeded()
         return (vllm, None) if vllm is not None else (self.torch_backend, reason)
 
     def _generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, **kwargs):

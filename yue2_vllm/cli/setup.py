@@ -101,6 +101,8 @@ def _pipeline(args, need_vae: bool = True):
         engine_options["sliced_head"] = False
     if getattr(args, "vllm_runner", "auto") != "auto":
         engine_options["runner"] = check_runner(args.vllm_runner, args.device, backend)
+    if getattr(args, "engine_start_timeout", None) is not None:
+        engine_options["start_timeout_s"] = args.engine_start_timeout
     if getattr(args, "concurrency", None) and "max_num_seqs" not in engine_options:
         engine_options["max_num_seqs"] = args.concurrency  # one engine row per song in flight
     pipe = YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=backend,
@@ -269,6 +271,18 @@ def _signal_name(exc: KeyboardInterrupt) -> str:
 
 
 def _interrupt(signum, frame):
-    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not break the cleanup
-        signal.signal(sig, signal.SIG_IGN)
+    """The first SIGINT / SIGTERM unwinds the program (the engine worker is killed, a derivation stops and removes
+    its temp, the song is recorded as cancelled); a later one, arriving during that cleanup, ends the process at
+    once (the engine worker dies with it, PR_SET_PDEATHSIG; a derivation's temp is removed by the next start)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_now)
     raise Interrupted(signum)
+
+
+def _exit_now(signum, frame):
+    import os
+
+    try:
+        os.write(2, f"yue2-vllm: {signal.Signals(signum).name} again: exiting now\n".encode())
+    finally:
+        os._exit(128 + signum)
