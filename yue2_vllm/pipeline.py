@@ -371,16 +371,21 @@ class YuE2Pipeline:
 
     def _start_engine_in_background(self) -> None:
         self._prestart_error = None
-        self._prestart = threading.Thread(target=self._start_engine_early, name="yue2-engine-start", daemon=True)
+        done = threading.Event()
+        self._prestart = threading.Thread(target=self._start_engine_early, args=(done,), name="yue2-engine-start",
+                                          daemon=True)
+        self._prestart.done = done
         self._prestart.start()
 
-    def _start_engine_early(self) -> None:
+    def _start_engine_early(self, done: threading.Event) -> None:
         try:
             vllm, _ = self._vllm_backend()
             if vllm is not None and not self._closing.is_set():
                 self._start_engine(vllm)
         except BaseException as exc:  # raised, or recorded as the fallback, when the first song asks
             self._prestart_error = exc
+        finally:
+            done.set()
 
     def _start_engine(self, vllm) -> None:
         with STARTUP.step("starting_engine", "vLLM engine"):
@@ -390,12 +395,14 @@ class YuE2Pipeline:
         """Wait for the background engine start (at most `timeout` s); with `abort`, stop it meanwhile."""
         thread = self._prestart
         if thread is not None:
+            # Waited on an Event, never Thread.join: a join that a signal interrupts (KeyboardInterrupt) marks a
+            # live thread as ended in CPython 3.11 (it releases the thread's own lock), and close() would go on.
             deadline = None if timeout is None else time.monotonic() + timeout
-            while thread.is_alive() and (deadline is None or time.monotonic() < deadline):
+            while not thread.done.is_set() and (deadline is None or time.monotonic() < deadline):
                 if abort and self._vllm is not None:
                     self._vllm.abort_start()  # again each round: the backend may appear after a derivation
-                thread.join(0.1 if abort or deadline is not None else None)
-            if thread.is_alive():
+                thread.done.wait(0.1)
+            if not thread.done.is_set():
                 LOG.warning("the background engine start did not stop within %.0f s; leaving it", timeout)
                 return self._prestart_error
             self._prestart = None
@@ -421,7 +428,7 @@ class YuE2Pipeline:
 
         retry = self.start_retry
         with self._vllm_lock:
-            if retry.retrying and self._prestart is not None and self._prestart.is_alive():
+            if retry.retrying and self._prestart is not None and not self._prestart.done.is_set():
                 return self.torch_backend, f"{retry.reason}; a new start is under way"
             if retry.due():  # a failed start is tried again in the background; songs keep to torch meanwhile
                 retry.retrying, self._vllm_unavailable = True, None
