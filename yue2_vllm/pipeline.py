@@ -43,6 +43,7 @@ from .model.vae import check_vae, load_vae
 LOG = logging.getLogger(__name__)
 SAMPLE_RATE = 48000
 VAE_HALO_FRAMES = 16
+SLOW_LOAD_ENV = "YUE2_TEST_LOAD_DELAY_S"  # tests only: seconds added to the MoT load (a server's slow start-up)
 CLOSE_TIMEOUT_S = 10.0  # close() waits this long at most for a background engine start to stop
 BACKENDS = ("torch", "vllm", "auto")
 CFG_ENGINES = ("vllm", "torch")  # where cfg_scale != 1 and cot=off songs run when the backend is vllm/auto
@@ -224,6 +225,7 @@ class YuE2Pipeline:
         declined = proxy_slow_reason(quantization, self.device, DTYPES[dtype]) if quantized_policy != "force" else None
         try:
             with STARTUP.step("loading", "model", weights_bytes(self.model_dir)):
+                time.sleep(float(os.environ.get(SLOW_LOAD_ENV) or 0))  # tests only: a load that takes a while
                 self.model = load_model(self.model_dir, device=self.device, dtype=DTYPES[dtype],
                                         quantization="none" if declined else quantization)
             self.memory_cap_bytes = apply_memory_cap(self.device, self.memory_budget_gib, module_bytes(self.model))
