@@ -626,3 +626,30 @@ def test_close_stops_an_engine_start_at_once(tiny_model_dir, tiny_vae_dir, tmp_p
     assert time.monotonic() - start < 3.0 and worker.poll() is not None
     assert pipe._prestart is None and pipe._prestart_error is None  # stopped, not failed: a later start goes ahead
     assert pipe.start_retry.failures == 0
+
+
+@pytest.mark.slow  # a real vLLM engine start on the CPU
+def test_a_retried_engine_start_that_succeeds_serves_the_later_songs(tiny_model_dir, tiny_vae_dir, tmp_path,
+                                                                    monkeypatch):
+    import time
+
+    pipe = _slow_engine_pipeline(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch, 1.0)
+    try:
+        assert pipe.select_ar_backend(1.0, False)[0] is pipe.torch_backend and pipe.start_retry.failures == 1
+        monkeypatch.delenv("YUE2_TEST_ENGINE_START_DELAY_S")  # the cause is gone (e.g. memory freed, storage back)
+        pipe.engine_options["start_timeout_s"] = 900.0
+        pipe.start_retry.failed_at -= 60
+        assert pipe.select_ar_backend(1.0, False)[1].endswith("a new start is under way")
+        deadline = time.monotonic() + 600
+        while not pipe._prestart.done.is_set():
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        backend, reason = pipe.select_ar_backend(1.0, False)
+        assert backend is pipe._vllm and backend.running and reason is None
+        assert (pipe.start_retry.failures, pipe.start_retry.reason) == (0, None)
+        song = pipe(SongRequest(style="pop", lyrics="[verse]\nla\n", seed=3),
+                    abc_sampling={"max_tokens": 4, "min_tokens": 4}, semantic_sampling={"max_tokens": 8,
+                                                                                       "min_tokens": 8})
+        assert song.semantic.timing["backend_actual"] == "vllm"
+    finally:
+        pipe.close()
