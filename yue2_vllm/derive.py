@@ -121,7 +121,8 @@ def derive_ar_checkpoint(model_dir: str | os.PathLike, cache_dir: str | os.PathL
     Reuse trusts the hash cache (size + mtime) unless `verify`, which re-hashes the source and
     the cached files (catching a same-size change whose mtime was put back). `on_block(nbytes)` hears every
     block copied (and `on_block(0)` every block of the source hashed); raising there (e.g.
-    `startup.StepAborted`) stops the derivation and removes its temp directory. Temps left by a killed derivation of the same key are removed first, under the lock."""
+    `startup.StepAborted`) stops the derivation and removes its temp directory. Temps left by a killed
+    derivation of the same key are removed first, under the lock."""
     model_dir = Path(model_dir)
     hashes = hashes or HashCache(None)
     config = YuE2Config.load(model_dir)

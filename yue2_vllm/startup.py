@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 # a DGX Spark (GB10, aarch64, sm_121), from a cold page cache and empty compile caches:
 #     import torch + vLLM + triton on the Arm cores, cold storage                      60 s
 #     read 4.3 GB of bf16 AR weights at a pessimistic 100 MB/s (network/USB storage)   43 s
-#     torch.compile (Dynamo + Inductor) of 36 Qwen3 layers, no compile cache          240 s
+#     torch.compile (Dynamo + Inductor) of the 28 Qwen3 layers, no compile cache      240 s
 #     Triton / FlashInfer JIT kernels for sm_121 (few prebuilt cubins for 12.1)       360 s
 #     CUDA graph capture, ~67 batch sizes x ~2 s on GB10                              135 s
 #     KV cache allocation, profile run, warm-up                                        30 s

@@ -46,8 +46,9 @@ def _handler(record: StartupRecord, backend: str):
             if path == "/health":
                 document = startup_health(record, backend)
             else:
-                document = {"error": {"status": 503, "message": f"the server is starting ({record.snapshot()['phase']}); "
-                                      "retry later (GET /health says how far it is)", "field": None}}
+                phase = record.snapshot()["phase"]
+                document = {"error": {"status": 503, "message": f"the server is starting ({phase}); retry later "
+                                                               "(GET /health says how far it is)", "field": None}}
             data = json.dumps(document).encode("utf-8")
             self.send_response(503)
             self.send_header("Content-Type", "application/json")
