@@ -214,6 +214,7 @@ class YuE2Pipeline:
         self._prestart: threading.Thread | None = None
         self._prestart_error: BaseException | None = None
         self._closing = threading.Event()  # close() in progress: start-up steps (derive, engine start) stop
+        self._stops = 0  # stop_starting calls so far: a song that asked before one starts no engine after it
         self.start_retry = StartRetry()  # a failed engine start, and when it is tried again
         if self.unified is not None and backend != "torch" and vllm_usable():  # refused before anything is loaded
             self._check_unified_split()
@@ -291,18 +292,26 @@ class YuE2Pipeline:
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the vLLM engine worker, if one runs (the torch models stay loaded), and any start of it in
-        progress: a derivation stops at its next block (its temp removed), a starting worker is killed. Waits at
-        most `timeout` seconds for the background start to end (it is a daemon thread)."""
+        progress first (`stop_starting`)."""
+        self.stop_starting(timeout)
+        if self._vllm is not None:
+            self._vllm.close()
+
+    def stop_starting(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop any start of the engine in progress, in any thread: a derivation stops at its next block (its temp
+        removed), a starting worker is killed and its `start` raises EngineStartAborted. Waits at most `timeout`
+        seconds for the background start to end (a daemon thread). A running engine is left running."""
         from .engine.backend import EngineStartAborted
 
+        self._stops += 1
         self._closing.set()
         try:
-            if isinstance(self._join_prestart(timeout, abort=True), (StepAborted, EngineStartAborted)):
-                self._prestart_error = None  # stopped by this close, not failed: a later start goes ahead
             if self._vllm is not None:
-                self._vllm.close()
+                self._vllm.abort_start()  # a start in a song's or the watchdog's thread
+            if isinstance(self._join_prestart(timeout, abort=True), (StepAborted, EngineStartAborted)):
+                self._prestart_error = None  # stopped, not failed: a later start goes ahead
         finally:
-            self._closing.clear()  # a later song may start the engine again (as after the NAR's release)
+            self._closing.clear()  # a later song may start the engine again
 
     def __enter__(self):
         return self
@@ -426,9 +435,9 @@ class YuE2Pipeline:
         if (cfg_scale != 1.0 or legacy_off) and self.cfg_engine == "torch":
             what = f"cfg_scale {cfg_scale} ≠ 1" if cfg_scale != 1.0 else "cot=off legacy sampling"
             return self.torch_backend, f"{what}: paired CFG on vLLM is switched off (--cfg-engine torch)"
-        from .engine.backend import EngineError
+        from .engine.backend import EngineError, EngineStartAborted
 
-        retry = self.start_retry
+        retry, stops = self.start_retry, self._stops
         with self._vllm_lock:
             if retry.retrying and self._prestart is not None and not self._prestart.done.is_set():
                 return self.torch_backend, f"{retry.reason}; a new start is under way"
@@ -443,10 +452,12 @@ class YuE2Pipeline:
             try:
                 if isinstance(early, (EngineError, MemoryError)) and not vllm.ever_started:
                     raise early  # the early start failed already: do not pay for a second try
+                if self._stops != stops:  # the start this song waited for was stopped: no new one now
+                    raise EngineStartAborted("the vLLM engine start was stopped (the pipeline is closing)")
                 self._start_engine(vllm)
             except (EngineError, MemoryError) as exc:
-                if vllm.ever_started:
-                    raise
+                if vllm.ever_started or isinstance(exc, EngineStartAborted):
+                    raise  # an aborted start is the pipeline closing, not a failure to retry
                 with self._vllm_lock:  # the reason without the log tail (the log is kept and named in it)
                     reason = f"vLLM engine could not start: {str(exc).split('; log tail')[0]}"
                     self._vllm, self._vllm_unavailable = None, reason
@@ -480,8 +491,10 @@ class YuE2Pipeline:
         keep = self.keep_engine
         if keep is None:
             keep = self.device.type == "cpu" or self._vllm is None or not self._vllm.plan.problems()
-        if not keep:
-            self.close()
+        if not keep:  # a start in progress (another song's) is waited for, not stopped
+            self._join_prestart()
+            if self._vllm is not None:
+                self._vllm.close()
 
     # -- configuration
 

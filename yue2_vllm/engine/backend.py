@@ -526,6 +526,11 @@ class VLLMBackend:
             self._starting = worker
             try:
                 event = self._await_ready(worker)
+            except BaseException:  # e.g. KeyboardInterrupt in the thread that starts it: no worker is left behind
+                worker.closing = True
+                _kill_group(worker.process, grace=1.0)
+                worker.close()
+                raise
             finally:
                 self._starting = None
             if event.get("event") == "aborted" or self._abort.is_set():

@@ -93,6 +93,7 @@ class SongWorker:
         """Stop every song at its next boundary; True when every thread stopped within `timeout` seconds."""
         self._stop.set()
         stopped = self.scheduler.close(cancel=True, timeout=timeout)
+        self.pipe.stop_starting()  # the watchdog may be waiting for an engine start: it ends within seconds
         if self._watchdog.is_alive():
             self._watchdog.join(timeout=10)
         return stopped
@@ -180,6 +181,8 @@ class SongWorker:
             try:
                 _, reason = self.pipe.select_ar_backend(1.0, False)  # starts (or restarts) the engine
             except EngineError as exc:
+                if self._stop.is_set():
+                    return  # the worker is closing: the stopped start is no failure to report
                 if self.engine_state.get("state") != "failed":
                     LOG.error("the AR engine will not be restarted now: %s", error_words(exc)["message"])
                 self.engine_state = {"state": "failed", "reason": error_words(exc)["message"]}
