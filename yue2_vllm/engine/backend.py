@@ -433,7 +433,7 @@ class VLLMBackend:
         self.busy_seconds = 0.0  # time with at least one request in the engine (benchmarks: engine idle time)
         self._starts = 0
         self._fresh = False
-        self._abort = threading.Event()  # set by abort_start: the start in progress gives up within POLL_SECONDS
+        self._start_stop = threading.Event()  # set by abort_start: the start in progress gives up within POLL_SECONDS
         self._starting: _Worker | None = None
 
     # -- lifecycle
@@ -459,7 +459,7 @@ class VLLMBackend:
     def abort_start(self) -> None:
         """Stop a start in progress from another thread: its worker's process group is killed and `start`
         raises EngineStartAborted at once (the next `start` goes ahead as usual)."""
-        self._abort.set()
+        self._start_stop.set()
         worker = self._starting
         if worker is not None:
             worker.closing = True
@@ -468,7 +468,7 @@ class VLLMBackend:
     def _await_ready(self, worker: "_Worker") -> dict:
         """The worker's first event (`ready`, `died`), `timeout` after start_timeout_s, or `aborted`."""
         deadline = time.monotonic() + self.settings.start_timeout_s
-        while not self._abort.is_set():
+        while not self._start_stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 return {"event": "timeout"}
@@ -480,7 +480,7 @@ class VLLMBackend:
 
     def start(self) -> None:
         with self._start_lock:
-            self._abort.clear()
+            self._start_stop.clear()
             if self.running:
                 return
             if self._worker is not None:  # it died: a later song gets a fresh engine, up to max_restarts
@@ -533,7 +533,7 @@ class VLLMBackend:
                 raise
             finally:
                 self._starting = None
-            if event.get("event") == "aborted" or self._abort.is_set():
+            if event.get("event") == "aborted" or self._start_stop.is_set():
                 worker.closing = True
                 _kill_group(worker.process, grace=1.0)
                 worker.close()
