@@ -62,17 +62,27 @@ class ThreadServer:
 class ProcessServer:
     """`python -m yue2_vllm.cli serve ARGS --port 0`; its status line says where it listens."""
 
-    def __init__(self, args: list[str], env: dict | None = None, log: Path | None = None):
+    def __init__(self, args: list[str], env: dict | None = None, log: Path | None = None, serving: bool = True):
         self.log = open(log, "ab") if log else subprocess.DEVNULL
         self.process = subprocess.Popen([sys.executable, "-m", "yue2_vllm.cli", "serve", "--port", "0", *args],
                                         stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT,
                                         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
         line = self.process.stdout.readline()
         assert line, f"serve exited with {self.process.wait()} before listening"
-        self.status = json.loads(line)
-        assert self.status["status"] == "serving", self.status
-        self.url = self.status["url"]
+        self.starting = json.loads(line)  # the port is bound: /health answers 503 with the start-up's phase
+        assert self.starting["status"] == "starting", self.starting
+        self.url = self.starting["url"]
         self.client = httpx.Client(base_url=self.url, timeout=30)
+        if serving:
+            self.wait_serving()
+
+    def wait_serving(self) -> dict:
+        """The second status line: the app serves."""
+        line = self.process.stdout.readline()
+        assert line, f"serve exited with {self.process.wait()} before serving"
+        self.status = json.loads(line)
+        assert self.status["status"] == "serving" and self.status["url"] == self.url, self.status
+        return self.status
 
     def wait_healthy(self, timeout: float = 300) -> dict:
         return wait_for(lambda: self.client.get("/health"), lambda r: r.status_code == 200, timeout).json()

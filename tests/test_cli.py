@@ -753,3 +753,134 @@ def test_torch_execution_graph_on_the_cpu_is_refused_before_anything_is_written(
                  str(tmp_path / "runs")]) == 2
     assert "--torch-execution graph needs a CUDA device; the model is on cpu" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+# -- stopping a start-up (a slowed engine start, a slowed derivation) by signal
+
+
+def _start_generate(tiny_model_dir, tiny_vae_dir, tmp_path, **env):
+    cache = tmp_path / "cache"
+    full_env = {**os.environ, "YUE2_VLLM_CACHE": str(cache), "YUE2_CACHE": str(cache), **env}
+    return subprocess.Popen([sys.executable, "-m", "yue2_vllm.cli", "generate", "--backend", "vllm", "--model",
+                             str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--style", "a", "--lyrics", "b", "--id",
+                             "x", "--output", str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+
+
+def _wait_until(predicate, process, timeout=120.0, what="the condition"):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if process.poll() is not None:
+            raise AssertionError(f"the command exited ({process.returncode}) before {what}: {process.stderr.read()}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _engine_worker(process):
+    import psutil
+
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    return next((c for c in children if "yue2_vllm.engine.worker" in " ".join(c.cmdline())), None)
+
+
+def _gone(worker, timeout=10.0) -> bool:
+    import psutil
+
+    try:
+        worker.wait(timeout)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        return False
+    return True
+
+
+def _derive_temps(tmp_path):
+    return sorted((tmp_path / "cache" / "yue2-ar").glob(".*.tmp")) if (tmp_path / "cache" / "yue2-ar").is_dir() else []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+def test_a_signal_during_the_engine_start_ends_it_within_seconds(tiny_model_dir, tiny_vae_dir, tmp_path, signum):
+    import time
+
+    from yue2_vllm.engine.backend import vllm_version
+
+    if vllm_version() is None:
+        pytest.skip("vLLM is not installed")
+    # The worker waits 120 s before importing vLLM: a cold start that has not ended when the signal comes.
+    process = _start_generate(tiny_model_dir, tiny_vae_dir, tmp_path, YUE2_TEST_ENGINE_START_DELAY_S="120")
+    try:
+        worker = _wait_until(lambda: _engine_worker(process), process, what="the engine worker")
+        time.sleep(1.0)  # the song is waiting for the engine now
+        sent = time.monotonic()
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=60)
+        delay = time.monotonic() - sent
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signum, err
+    assert delay < 5.0, f"exit took {delay:.1f} s after {signum!r}"
+    assert _gone(worker), "the engine worker outlived the command"
+    assert json.loads(out.strip().splitlines()[-1])["status"] == "cancelled"
+    assert "Traceback" not in err
+
+
+def test_a_signal_during_a_derivation_removes_its_temp(tiny_model_dir, tiny_vae_dir, tmp_path):
+    import time
+
+    from yue2_vllm.engine.backend import vllm_version
+
+    if vllm_version() is None:
+        pytest.skip("vLLM is not installed")
+    process = _start_generate(tiny_model_dir, tiny_vae_dir, tmp_path, YUE2_TEST_DERIVE_BLOCK_DELAY_S="0.5")
+    try:
+        _wait_until(lambda: _derive_temps(tmp_path), process, what="the derivation's temp")
+        sent = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+        delay = time.monotonic() - sent
+    finally:
+        process.kill()
+    assert process.returncode == 130, err
+    assert delay < 5.0, f"exit took {delay:.1f} s after SIGINT"
+    assert _derive_temps(tmp_path) == [] and not [p for p in (tmp_path / "cache" / "yue2-ar").iterdir()
+                                                  if not p.name.endswith(".lock")]
+    assert "Traceback" not in err
+
+
+def test_a_second_signal_ends_a_stuck_cleanup_and_the_next_start_removes_the_temp(tiny_model_dir, tiny_vae_dir,
+                                                                                  tmp_path):
+    import time
+
+    from yue2_vllm.derive import derive_ar_checkpoint
+    from yue2_vllm.engine.backend import vllm_version
+
+    if vllm_version() is None:
+        pytest.skip("vLLM is not installed")
+    # Each block takes 30 s to read (a stuck storage read): the first signal's cleanup waits for it ...
+    process = _start_generate(tiny_model_dir, tiny_vae_dir, tmp_path, YUE2_TEST_DERIVE_BLOCK_DELAY_S="30")
+    try:
+        _wait_until(lambda: _derive_temps(tmp_path), process, what="the derivation's temp")
+        process.send_signal(signal.SIGINT)
+        time.sleep(1.5)
+        assert process.poll() is None  # still cleaning up (close() waits up to 10 s for the derivation)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)  # ... and a second signal ends the process at once
+        out, err = process.communicate(timeout=30)
+        delay = time.monotonic() - sent
+    finally:
+        process.kill()
+    assert process.returncode == 143 and delay < 3.0, (process.returncode, delay, err)
+    assert "SIGTERM again: exiting now" in err
+    left = _derive_temps(tmp_path)
+    assert len(left) == 1  # what a killed derivation leaves ...
+    derive_ar_checkpoint(tiny_model_dir, tmp_path / "cache")  # ... is removed by the next start's derivation
+    assert _derive_temps(tmp_path) == []

@@ -137,7 +137,7 @@ def test_hash_cache_skips_rehash_on_reuse(tiny_model_dir, tmp_path, monkeypatch)
     derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache)
     calls = []
     real = ck.sha256_file
-    monkeypatch.setattr(ck, "sha256_file", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(ck, "sha256_file", lambda p, *rest: calls.append(p) or real(p, *rest))
     derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache)
     assert all(not str(p).endswith(".safetensors") for p in calls)
 
@@ -164,3 +164,62 @@ def test_verify_hashes_rehashes_a_cached_derivation(tiny_model_dir, tmp_path, ca
         derive_ar_checkpoint(tiny_model_dir, tmp_path / "c", hashes=cache, verify=True)
     assert main(["derive", str(tiny_model_dir), "--out", str(tmp_path / "c"), "--verify-hashes"]) == 2
     assert "Corrupt derived AR cache" in json.loads(capsys.readouterr().out)["reason"]
+
+
+# -- stopping a derivation, and what a killed one leaves
+
+
+def test_a_stopped_derivation_removes_its_temp_and_the_next_one_completes(tiny_model_dir, tmp_path):
+    import threading
+
+    from yue2_vllm.derive import derivation_bytes
+    from yue2_vllm.startup import STARTUP, StepAborted, block_counter
+
+    stop = threading.Event()
+    seen = []
+
+    def on_block(nbytes):  # 0: a block of the source hashed (the cache here is off), else one tensor's bytes copied
+        if nbytes:
+            seen.append(nbytes)
+        if len(seen) == 3:  # mid-copy: two tensors written, the third refused
+            stop.set()
+        counter(nbytes)
+
+    with STARTUP.step("deriving", "AR checkpoint", derivation_bytes(tiny_model_dir)) as step:
+        counter = block_counter(step, stop)
+        with pytest.raises(StepAborted, match="deriving AR checkpoint: stopped"):
+            derive_ar_checkpoint(tiny_model_dir, tmp_path, on_block=on_block)
+    root = tmp_path / "yue2-ar"
+    assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == []  # no temp, no target
+    assert step.done_bytes == sum(seen[:2]) and 0 < step.done_bytes < step.total_bytes
+    done = []
+    path = derive_ar_checkpoint(tiny_model_dir, tmp_path, on_block=done.append)
+    weights = path / "model.safetensors"
+    assert sum(done) == derivation_bytes(tiny_model_dir)  # every AR byte copied once, the source's hashing counts 0
+    assert 0 < weights.stat().st_size - sum(done) < 8192  # the rest is the safetensors header
+
+
+def test_temps_of_a_killed_derivation_are_removed_but_not_a_live_ones(tiny_model_dir, tmp_path):
+    import fcntl
+    import threading
+
+    first = derive_ar_checkpoint(tiny_model_dir, tmp_path)
+    key, root = first.name, first.parent
+    shutil.rmtree(first)
+    stale = root / f".{key}.dead1234.tmp"  # what `kill -9` during a derivation leaves (atomic_directory's name)
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 4096)
+    other = root / ".someotherkey.x.tmp"  # another checkpoint's temp is not this derivation's to judge
+    other.mkdir()
+    # A live derivation holds the key's lock for as long as its temp exists: nothing is removed meanwhile.
+    holder = open(root / f"{key}.lock", "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(path=derive_ar_checkpoint(tiny_model_dir, tmp_path)))
+    thread.start()
+    thread.join(1.0)
+    assert thread.is_alive() and stale.is_dir()  # waiting for the lock; the live temp untouched
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    holder.close()
+    thread.join(30)
+    assert result["path"] == first and not stale.exists() and other.is_dir()

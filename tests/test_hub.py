@@ -83,8 +83,11 @@ def test_cache_dir_follows_the_environment(tmp_path):
 
 
 def test_only_the_files_we_read_are_requested():
+    from yue2_vllm.hub import HEAD_PATTERNS
+
     assert ALLOW_PATTERNS == ("config.json", "model.safetensors", "model.safetensors.index.json",
                               "model-?????-of-?????.safetensors", "weights_manifest.json", "qwen.tiktoken")
+    assert HEAD_PATTERNS == ("config.json", "model.safetensors.index.json", "weights_manifest.json", "qwen.tiktoken")
 
 
 # --------------------------------------------------------------------------- resolution through huggingface_hub
@@ -305,3 +308,81 @@ def test_progress_off_draws_no_bar(capsys):
     bar.update(3)
     bar.close()
     assert bar.disable is True and capsys.readouterr().err == ""
+
+
+# --------------------------------------------------------------------------- a Ray head: no weights
+
+
+def test_a_ray_head_resolves_only_the_files_it_reads_and_says_so(tmp_path, monkeypatch, tiny_model_dir,
+                                                                 tiny_vae_dir, hub_calls, caplog):
+    """The head of `serve --replicas` reads a config, a tokenizer and sizes: its cache needs no weights at all (the
+    MoT's size from upstream's weights_manifest.json, the VAE's from the Hub's metadata)."""
+    import yue2_vllm.hub as hub_module
+    from yue2_vllm.checkpoint import weights_bytes
+    from yue2_vllm.cli import build_parser
+    from yue2_vllm.cli.setup import memory_plan, replica_admission
+    from yue2_vllm.hub import HEAD_PATTERNS
+
+    mot = tmp_path / "mot"
+    shutil.copytree(tiny_model_dir, mot)
+    mot_bytes = weights_bytes(mot)
+    (mot / "weights_manifest.json").write_text(json.dumps({"files": {"model.safetensors": {
+        "sha256": hashlib.sha256((mot / "model.safetensors").read_bytes()).hexdigest(), "bytes": mot_bytes}}}))
+    home = tmp_path / "hf"
+    for name in ("HF_HUB_CACHE", "HF_TOKEN", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    add_to_hub_cache(home, "m-a-p/YuE2-3B", mot, skip=("model.safetensors",))  # what a head's cache holds
+    add_to_hub_cache(home, "m-a-p/YuE2-Vae", tiny_vae_dir, skip=("model.safetensors",))
+    asked = []
+
+    def hub_sizes(repo_id, revision, hub, env):  # the Hub's file metadata (model_info(files_metadata=True))
+        asked.append((repo_id, revision))
+        return weights_bytes(tiny_vae_dir)
+
+    monkeypatch.setattr(hub_module, "hub_weight_sizes", hub_sizes)
+    args = build_parser().parse_args(["serve", "--vae", "standard", "--backend", "vllm", "--replicas", "2",
+                                      "--device", "cpu", "--quiet"])
+    with caplog.at_level("WARNING", logger="yue2_vllm"):
+        rules, backend, rows = replica_admission(args, "cpu")
+    assert [(repo, kwargs["allow_patterns"]) for repo, kwargs in hub_calls] == [
+        ("m-a-p/YuE2-3B", list(HEAD_PATTERNS)), ("m-a-p/YuE2-Vae", list(HEAD_PATTERNS))]
+    assert asked == [("m-a-p/YuE2-Vae", COMMIT)]  # the MoT's size came from its manifest
+    assert not list(home.rglob("*.safetensors"))
+    # The split the head plans equals the one a machine holding the weights plans.
+    expected = memory_plan(mot, tiny_vae_dir, "cpu", None, generation=rules.generation).max_num_seqs
+    assert backend == "vllm" and rows == expected
+    manifest_bytes = (mot / "weights_manifest.json").stat().st_size
+    config_bytes, tokenizer_bytes = ((mot / name).stat().st_size for name in ("config.json", "qwen.tiktoken"))
+    assert caplog.messages == [
+        f"Ray head: resolved m-a-p/YuE2-3B: config.json, qwen.tiktoken, weights_manifest.json "
+        f"({config_bytes + tokenizer_bytes + manifest_bytes} bytes); m-a-p/YuE2-Vae: config.json "
+        f"({(tiny_vae_dir / 'config.json').stat().st_size} bytes); the weights are the replicas' to fetch"]
+
+
+def test_weights_bytes_of_reads_the_manifest_the_index_then_the_hub(tmp_path, monkeypatch):
+    import yue2_vllm.hub as hub_module
+    from yue2_vllm.hub import weights_bytes_of
+
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    source = ModelSource(snapshot, "m-a-p/YuE2-3B", "main", COMMIT)
+    monkeypatch.setattr(hub_module, "hub_weight_sizes", lambda *args: 7_317_543_936)  # YuE2-3B's two shards
+    assert weights_bytes_of(source) == (7_317_543_936, "hub metadata")
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 7_317_500_000},
+                                                                       "weight_map": {}}))
+    assert weights_bytes_of(source) == (7_317_500_000, "model.safetensors.index.json")
+    (snapshot / "weights_manifest.json").write_text(json.dumps({"files": {
+        "model-00001-of-00002.safetensors": {"sha256": "0" * 64, "bytes": 4_967_000_000},
+        "model-00002-of-00002.safetensors": {"sha256": "1" * 64, "bytes": 2_350_543_936}}}))
+    assert weights_bytes_of(source) == (7_317_543_936, "weights_manifest.json")
+
+    def offline(*args):
+        raise OSError("offline")
+
+    (snapshot / "weights_manifest.json").unlink()
+    (snapshot / "model.safetensors.index.json").unlink()
+    monkeypatch.setattr(hub_module, "hub_weight_sizes", offline)
+    with pytest.raises(HubError, match=r"m-a-p/YuE2-3B: the size of its weights is in neither .*\(offline\)"):
+        weights_bytes_of(source)

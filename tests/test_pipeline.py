@@ -579,3 +579,105 @@ def test_a_song_past_one_nar_chunk_runs_through_the_pipeline(chunked_pipe, pipe,
     assert np.load(tmp_path / "s" / "semantic.npy").tolist() == one_chunk.semantic.tokens
     assert not np.allclose(latents, one_chunk.latents)
     assert verify_result(tmp_path / "s", document["identity"]) == document
+
+
+# -- the engine start: a timeout, a failed first start retried with backoff, close() while it starts
+
+
+def test_start_retry_backs_off_from_a_minute_to_half_an_hour():
+    from yue2_vllm.startup import StartRetry
+
+    retry, waits = StartRetry(), []
+    for n in range(7):
+        retry.failed("boom", now=1000.0)
+        waits.append(retry.backoff_s)
+    assert waits == [60, 120, 240, 480, 960, 1800, 1800]
+    assert not retry.due(now=1000.0 + 1799) and retry.due(now=1000.0 + 1800)
+    assert retry.describe(now=1900.0) == {"state": "start_failed", "reason": "boom", "failed_starts": 7,
+                                          "retrying": False, "next_retry_seconds": 900.0}
+    retry.succeeded()
+    assert (retry.failures, retry.reason, retry.due(now=1e9)) == (0, None, False)
+
+
+def _slow_engine_pipeline(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch, timeout_s):
+    from yue2_vllm.engine.backend import vllm_version
+
+    if vllm_version() is None:
+        pytest.skip("vLLM is not installed")
+    monkeypatch.setenv("YUE2_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("YUE2_TEST_ENGINE_START_DELAY_S", "60")  # the worker takes a minute before importing vLLM
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", hash_cache=HashCache(None),
+                        engine_options={"start_timeout_s": timeout_s})
+
+
+def test_a_failed_first_start_falls_back_and_is_retried_later_with_backoff(tiny_model_dir, tiny_vae_dir, tmp_path,
+                                                                          monkeypatch):
+    import time
+
+    pipe = _slow_engine_pipeline(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch, 1.0)
+    try:
+        backend, reason = pipe.select_ar_backend(1.0, False)
+        assert backend is pipe.torch_backend
+        assert reason.startswith("vLLM engine could not start: vLLM engine did not start within 1 s "
+                                 "(--engine-start-timeout; its worker was stopped)")
+        assert (pipe.start_retry.failures, pipe.start_retry.backoff_s) == (1, 60)
+        # Not final: until the backoff has passed songs keep to torch without a new start ...
+        assert pipe.select_ar_backend(1.0, False) == (pipe.torch_backend, reason) and pipe._vllm is None
+        pipe.start_retry.failed_at -= 60  # ... then the next song starts it again, in the background
+        backend, again = pipe.select_ar_backend(1.0, False)
+        assert backend is pipe.torch_backend and again == f"{reason}; a new start is under way"
+        assert pipe.start_retry.retrying
+        deadline = time.monotonic() + 30
+        while not pipe._prestart.done.is_set():
+            assert time.monotonic() < deadline
+            assert pipe.select_ar_backend(1.0, False)[1] == again  # songs meanwhile: torch, not waiting
+            time.sleep(0.1)
+        backend, reason2 = pipe.select_ar_backend(1.0, False)  # the retry failed too: twice as long to the next
+        assert backend is pipe.torch_backend and reason2.split("; log kept")[0] == reason.split("; log kept")[0]
+        assert (pipe.start_retry.failures, pipe.start_retry.backoff_s, pipe.start_retry.retrying) == (2, 120, False)
+    finally:
+        pipe.close()
+
+
+def test_close_stops_an_engine_start_at_once(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch):
+    import time
+
+    pipe = _slow_engine_pipeline(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch, 900.0)
+    pipe._start_engine_in_background()
+    deadline = time.monotonic() + 30
+    while pipe._vllm is None or pipe._vllm.process is None and pipe._vllm._starting is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    worker = pipe._vllm._starting.process
+    start = time.monotonic()
+    pipe.close()
+    assert time.monotonic() - start < 3.0 and worker.poll() is not None
+    assert pipe._prestart is None and pipe._prestart_error is None  # stopped, not failed: a later start goes ahead
+    assert pipe.start_retry.failures == 0
+
+
+@pytest.mark.slow  # a real vLLM engine start on the CPU
+def test_a_retried_engine_start_that_succeeds_serves_the_later_songs(tiny_model_dir, tiny_vae_dir, tmp_path,
+                                                                    monkeypatch):
+    import time
+
+    pipe = _slow_engine_pipeline(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch, 1.0)
+    try:
+        assert pipe.select_ar_backend(1.0, False)[0] is pipe.torch_backend and pipe.start_retry.failures == 1
+        monkeypatch.delenv("YUE2_TEST_ENGINE_START_DELAY_S")  # the cause is gone (e.g. memory freed, storage back)
+        pipe.engine_options["start_timeout_s"] = 900.0
+        pipe.start_retry.failed_at -= 60
+        assert pipe.select_ar_backend(1.0, False)[1].endswith("a new start is under way")
+        deadline = time.monotonic() + 600
+        while not pipe._prestart.done.is_set():
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        backend, reason = pipe.select_ar_backend(1.0, False)
+        assert backend is pipe._vllm and backend.running and reason is None
+        assert (pipe.start_retry.failures, pipe.start_retry.reason) == (0, None)
+        song = pipe(SongRequest(style="pop", lyrics="[verse]\nla\n", seed=3),
+                    abc_sampling={"max_tokens": 4, "min_tokens": 4}, semantic_sampling={"max_tokens": 8,
+                                                                                       "min_tokens": 8})
+        assert song.semantic.timing["backend_actual"] == "vllm"
+    finally:
+        pipe.close()

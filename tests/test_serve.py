@@ -678,3 +678,44 @@ def test_on_the_vllm_engine_a_killed_worker_is_restarted_and_its_songs_retried(t
     finally:
         server.stop()
         pipe.close()
+
+
+# --------------------------------------------------------------------------- before the app is up
+
+
+def test_health_answers_503_with_the_start_up_phase_from_the_moment_the_port_is_bound(tiny_model_dir, tiny_vae_dir,
+                                                                                      tmp_path):
+    import time
+
+    from yue2_vllm.checkpoint import weights_bytes
+
+    config = tmp_path / "gen.json"
+    config.write_text(json.dumps(GENERATION))
+    args = ["--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--backend", "torch", "--config",
+            str(config), "--data-dir", str(tmp_path / "data")]
+    # The MoT load takes 4 s more than it does: the window a real 7 GB load (minutes) opens.
+    server = ProcessServer(args, env={"YUE2_TEST_LOAD_DELAY_S": "4"}, log=tmp_path / "serve.log", serving=False)
+    try:
+        bound = time.monotonic()
+        first = server.client.get("/health", timeout=5)  # answered at once, not left in the backlog
+        assert first.status_code == 503 and first.headers["retry-after"] == "5", first.text
+        phases = [first.json()["startup"]["phase"]]
+        loading = wait_for(lambda: server.client.get("/health", timeout=5),
+                           lambda r: r.json()["startup"]["phase"] == "loading", timeout=60, interval=0.05)
+        document = loading.json()
+        assert document["status"] == "unavailable" and document["engine"]["state"] == "starting"
+        size = weights_bytes(tiny_model_dir)
+        assert document["problems"] == [f"the server is starting: loading model (0 of {size} bytes)"]
+        steps = {step["phase"]: step for step in document["startup"]["steps"]}
+        assert steps["hashing"]["finished"] and steps["loading"]["total_bytes"] == weights_bytes(tiny_model_dir)
+        phases.append("loading")
+        refused = server.client.post("/v1/songs", json={"style": "a", "lyrics": "b"}, timeout=5)
+        assert refused.status_code == 503 and "the server is starting (loading)" in refused.json()["error"]["message"]
+        assert server.client.head("/health", timeout=5).status_code == 503
+        server.wait_serving()
+        healthy = server.wait_healthy(timeout=120)  # then today's /health: the app's own document
+        assert healthy["status"] == "ok" and "startup" not in healthy
+        ready = time.monotonic() - bound
+        assert ready > 4  # the 503 answers covered the whole slowed start-up
+    finally:
+        assert server.stop() == 0

@@ -100,3 +100,33 @@ def test_a_cancelled_song_says_so_and_a_plan_job_verifies_its_plan(pipe, tmp_pat
         assert plan.kind == "complete" and plan.data["result"]["identity"]
     finally:
         worker.close(timeout=30)
+
+
+def test_a_failed_first_engine_start_is_in_the_health_words_with_its_next_try(tiny_model_dir, tiny_vae_dir,
+                                                                             tmp_path, monkeypatch):
+    import pytest
+
+    from yue2_vllm.checkpoint import HashCache
+    from yue2_vllm.engine.backend import vllm_version
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    if vllm_version() is None:
+        pytest.skip("vLLM is not installed")
+    monkeypatch.setenv("YUE2_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("YUE2_TEST_ENGINE_START_DELAY_S", "60")  # a cold start longer than the timeout below
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", hash_cache=HashCache(None),
+                        engine_options={"start_timeout_s": 1.0})
+    worker = SongWorker(pipe)
+    try:
+        assert worker.health()["engine"]["state"] == "starting"  # 503 until the first start has an outcome
+        worker.watch_engine()
+        health = worker.health()
+        engine = health["engine"]
+        assert health["problems"] == []  # songs are served, on the torch backend, on the record
+        assert (engine["state"], engine["backend"], engine["failed_starts"], engine["retrying"]) == \
+            ("start_failed", "torch", 1, False)
+        assert engine["reason"].startswith("vLLM engine could not start: vLLM engine did not start within 1 s")
+        assert 55 <= engine["next_retry_seconds"] <= 60
+    finally:
+        worker.close(timeout=10)
+        pipe.close()

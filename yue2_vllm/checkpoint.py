@@ -246,20 +246,29 @@ def tensor_blocks(info: TensorInfo, block_bytes: int = HASH_CHUNK_BYTES) -> Iter
 
 
 def write_safetensors_subset(infos: Iterable[TensorInfo], path: str | os.PathLike,
-                             metadata: dict[str, str] | None = None) -> str:
-    """Write a safetensors file holding exactly these tensors, byte-identical, copied block by block."""
-    return write_safetensors_tensors(path, [(info.name, info.dtype, info.shape, lambda info=info: tensor_blocks(info))
+                             metadata: dict[str, str] | None = None, on_block=None) -> str:
+    """Write a safetensors file holding exactly these tensors, byte-identical, copied block by block;
+    `on_block(nbytes)` hears each block before it is written (and may raise to stop the copy)."""
+    def blocks(info: TensorInfo):
+        for block in tensor_blocks(info):
+            if on_block is not None:
+                on_block(len(block))
+            yield block
+
+    return write_safetensors_tensors(path, [(info.name, info.dtype, info.shape, lambda info=info: blocks(info))
                                             for info in infos], metadata)
 
 
 # --------------------------------------------------------------------------- identities
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """sha256 of a file, streamed in 8 MiB blocks."""
+def sha256_file(path: str | os.PathLike, on_block=None) -> str:
+    """sha256 of a file, streamed in 8 MiB blocks; `on_block(nbytes)` hears each (and may raise to stop)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while block := handle.read(HASH_CHUNK_BYTES):
+            if on_block is not None:
+                on_block(len(block))
             digest.update(block)
     return digest.hexdigest()
 
@@ -404,7 +413,7 @@ class HashCache:
         except OSError:
             pass  # e.g. a full disk: an unsaved entry only costs a re-hash next time
 
-    def sha256(self, file: Path, *, verify: bool = False) -> str:
+    def sha256(self, file: Path, *, verify: bool = False, on_block=None) -> str:
         stat = file.stat()
         key = str(file.resolve())
         stamp = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
@@ -412,7 +421,7 @@ class HashCache:
         cached = entries.get(key)
         if not verify and isinstance(cached, dict) and all(cached.get(k) == v for k, v in stamp.items()):
             return cached["sha256"]
-        digest = sha256_file(file)
+        digest = sha256_file(file, on_block)
         if verify and isinstance(cached, dict) and cached.get("bytes") == stat.st_size \
                 and cached.get("sha256") not in (None, digest):
             raise CheckpointError(f"{file}: sha256 {digest} differs from the recorded {cached['sha256']} "
@@ -449,7 +458,8 @@ def drop_page_cache(model_dir: str | os.PathLike | None) -> int:
     return advised
 
 
-def model_identity(model_dir: str | os.PathLike, *, hashes: HashCache | None = None, verify: bool = False) -> dict:
+def model_identity(model_dir: str | os.PathLike, *, hashes: HashCache | None = None, verify: bool = False,
+                   on_block=None) -> dict:
     """`{"files": {name: {sha256, bytes}}, "config_sha256"}` over the directory's safetensors files.
 
     With `verify`, every file is re-hashed; a `weights_manifest.json` beside the weights, when
@@ -460,7 +470,8 @@ def model_identity(model_dir: str | os.PathLike, *, hashes: HashCache | None = N
     files = {}
     for path in sorted(root.glob("*.safetensors")):
         path = model_file(root, path.name)
-        files[path.name] = {"sha256": hashes.sha256(path, verify=verify), "bytes": path.stat().st_size}
+        files[path.name] = {"sha256": hashes.sha256(path, verify=verify, on_block=on_block),
+                            "bytes": path.stat().st_size}
     if not files:
         raise CheckpointError(f"{root}: no *.safetensors files")
     manifest_path = root / WEIGHTS_MANIFEST

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,8 @@ from .quant_scheme import QUANT_SUFFIXES, QuantScheme, parse_quantization
 SCHEMA = 1
 DERIVATION_FILE = "derivation.json"
 OVERRIDE_ENV = "YUE2_AR_CHECKPOINT"
+# Tests only: seconds added per copied block, so a derivation of the tiny model lasts long enough to be stopped.
+SLOW_DERIVE_ENV = "YUE2_TEST_DERIVE_BLOCK_DELAY_S"
 # Config fields that must equal the MoT's for the AR weights to mean the same thing.
 MATCHED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta")
@@ -79,12 +83,46 @@ def _verify_derived(target: Path, stamp: dict, key: str, hashes: HashCache, veri
                               f"{clear}")
 
 
+def remove_stale_temps(root: Path, key: str) -> list[Path]:
+    """Remove the `.<key>.*.tmp` directories a killed derivation left (up to 4.3 GB each). Called with the key's
+    lock held: a live derivation holds that lock for as long as its temp exists, so every one found is stale."""
+    removed = []
+    for tmp in sorted(root.glob(f".{key}.*.tmp")):
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
+
+
+def _slowed(on_block):
+    """`on_block` with the test-only per-block delay of SLOW_DERIVE_ENV (none unless it is set)."""
+    delay = float(os.environ.get(SLOW_DERIVE_ENV) or 0)
+    if delay <= 0:
+        return on_block
+
+    def slow(nbytes: int) -> None:
+        time.sleep(delay)
+        if on_block is not None:
+            on_block(nbytes)
+
+    return slow
+
+
+def derivation_bytes(model_dir: str | os.PathLike) -> int:
+    """Bytes of the AR tensors a derivation copies (the size of its model.safetensors, less the header)."""
+    config = YuE2Config.load(Path(model_dir))
+    infos = weight_index(model_dir)
+    return sum(infos[name].nbytes for name in ar_tensor_shapes(config) if name in infos)
+
+
 def derive_ar_checkpoint(model_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None, *,
-                         hashes: HashCache | None = None, verify: bool = False) -> Path:
+                         hashes: HashCache | None = None, verify: bool = False, on_block=None) -> Path:
     """The derived Qwen3 AR checkpoint of a YuE2 MoT directory (built once, verified on reuse).
 
     Reuse trusts the hash cache (size + mtime) unless `verify`, which re-hashes the source and
-    the cached files (catching a same-size change whose mtime was put back)."""
+    the cached files (catching a same-size change whose mtime was put back). `on_block(nbytes)` hears every
+    block copied (and `on_block(0)` every block of the source hashed); raising there (e.g.
+    `startup.StepAborted`) stops the derivation and removes its temp directory. Temps left by a killed
+    derivation of the same key are removed first, under the lock."""
     model_dir = Path(model_dir)
     hashes = hashes or HashCache(None)
     config = YuE2Config.load(model_dir)
@@ -97,19 +135,21 @@ def derive_ar_checkpoint(model_dir: str | os.PathLike, cache_dir: str | os.PathL
              if infos[name].shape != shape]
     if wrong:
         raise CheckpointError(f"{model_dir}: AR tensors with wrong shapes: {'; '.join(wrong[:10])}")
-    stamp = {"schema": SCHEMA, "source": model_identity(model_dir, hashes=hashes, verify=verify),
+    stamp = {"schema": SCHEMA, "source": model_identity(model_dir, hashes=hashes, verify=verify,
+                                                      on_block=on_block and (lambda nbytes: on_block(0))),
              "config": qwen_config(config)}
     key = identity(stamp)
     root = cache_root(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / key
     with _exclusive(root / f"{key}.lock"):
+        remove_stale_temps(root, key)
         if target.exists():
             _verify_derived(target, stamp, key, hashes, verify)
             return target
         with atomic_directory(target) as tmp:
             weights_sha = write_safetensors_subset([infos[name] for name in shapes], tmp / "model.safetensors",
-                                                   {"format": "pt"})
+                                                   {"format": "pt"}, on_block=_slowed(on_block))
             write_json_atomic(tmp / "config.json", stamp["config"])
             write_json_atomic(tmp / DERIVATION_FILE, {
                 **stamp, "identity": key, "tensor_count": len(shapes),

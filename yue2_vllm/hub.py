@@ -10,6 +10,7 @@ is left to the checkpoint checks that every model directory goes through.
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,6 +20,11 @@ from typing import Mapping
 # What the loaders read from a MoT or VAE repository: config, weights (single file or shards), tokenizer.
 ALLOW_PATTERNS = ("config.json", "model.safetensors", "model.safetensors.index.json",
                   "model-?????-of-?????.safetensors", "weights_manifest.json", "qwen.tiktoken")
+WEIGHT_PATTERNS = ("model.safetensors", "model-?????-of-?????.safetensors")
+# What a Ray head reads (it loads no weights: the replicas do): the config, the tokenizer, and the files that say
+# how large the weights are (upstream's weights_manifest.json, the shards' index); the rest comes from the Hub's
+# metadata (`weights_bytes_of`).
+HEAD_PATTERNS = tuple(pattern for pattern in ALLOW_PATTERNS if pattern not in WEIGHT_PATTERNS)
 DEFAULT_REVISION = "main"
 # Upstream's names for the released weights: its default model and the two decoders `--vae` names by alias.
 DEFAULT_MODEL = "m-a-p/YuE2-3B"
@@ -40,6 +46,8 @@ class ModelSource:
     repo_id: str | None = None
     revision: str | None = None  # the revision asked for (the repo's main by default)
     commit: str | None = None  # the snapshot's commit hash
+    patterns: tuple[str, ...] = ALLOW_PATTERNS  # the files asked of the Hub (HEAD_PATTERNS: no weights)
+    files: tuple[str, ...] = field(default=(), compare=False)  # what the snapshot holds (a repo id only)
 
     def __fspath__(self) -> str:
         return str(self.path)
@@ -49,6 +57,14 @@ class ModelSource:
         if self.repo_id is None:
             return {"path": str(Path(self.path).absolute())}
         return {"path": str(self.path), "repo_id": self.repo_id, "revision": self.revision, "commit": self.commit}
+
+    def fetched(self) -> dict:
+        """What resolution left on this machine: `{"repo_id", "files": [name...], "bytes"}` (a repo id), or the
+        local directory's path."""
+        if self.repo_id is None:
+            return {"path": str(Path(self.path).absolute())}
+        return {"repo_id": self.repo_id, "files": list(self.files),
+                "bytes": sum((Path(self.path) / name).stat().st_size for name in self.files)}
 
 
 def is_repo_id(name: str) -> bool:
@@ -96,8 +112,10 @@ class HubOptions:
 
 
 def resolve_model(name: str | os.PathLike | ModelSource, *, revision: str | None = None, what: str = "model",
-                  env: Mapping[str, str] = os.environ, hub: HubOptions = HubOptions()) -> ModelSource:
-    """A local directory as it is, or a repo id's snapshot; errors name `what` (e.g. `--model`) and the name."""
+                  env: Mapping[str, str] = os.environ, hub: HubOptions = HubOptions(),
+                  patterns: tuple[str, ...] = ALLOW_PATTERNS) -> ModelSource:
+    """A local directory as it is, or a repo id's snapshot of the files matching `patterns` (HEAD_PATTERNS for a
+    process that loads no weights); errors name `what` (e.g. `--model`) and the name."""
     if isinstance(name, ModelSource):
         return name
     text = os.fspath(name)
@@ -108,7 +126,7 @@ def resolve_model(name: str | os.PathLike | ModelSource, *, revision: str | None
             raise ValueError(f"{what} {text}: a revision ({revision!r}) applies to Hugging Face repo ids only, "
                              "not to a local directory")
         return ModelSource(Path(text).expanduser())
-    return _snapshot(text, revision, what, env, hub)
+    return _snapshot(text, revision, what, env, hub, tuple(patterns))
 
 
 def _silent_bars():
@@ -130,7 +148,16 @@ def _first_line(exc: BaseException, token) -> str:
     return first.replace(token, "***") if isinstance(token, str) and token else first
 
 
-def _snapshot(repo_id: str, revision: str | None, what: str, env: Mapping[str, str], hub: HubOptions) -> ModelSource:
+def _snapshot(repo_id: str, revision: str | None, what: str, env: Mapping[str, str], hub: HubOptions,
+              patterns: tuple[str, ...] = ALLOW_PATTERNS) -> ModelSource:
+    from .startup import STARTUP
+
+    with STARTUP.step("resolving", repo_id):
+        return _download(repo_id, revision, what, env, hub, patterns)
+
+
+def _download(repo_id: str, revision: str | None, what: str, env: Mapping[str, str], hub: HubOptions,
+              patterns: tuple[str, ...]) -> ModelSource:
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub import constants
@@ -146,7 +173,7 @@ def _snapshot(repo_id: str, revision: str | None, what: str, env: Mapping[str, s
     where = f"{what} {repo_id} (revision {wanted})"
     try:
         path = snapshot_download(repo_id, revision=wanted, cache_dir=str(cache), local_files_only=offline,
-                                 token=token, allow_patterns=list(ALLOW_PATTERNS),
+                                 token=token, allow_patterns=list(patterns),
                                  **({} if hub.progress else {"tqdm_class": _silent_bars()}))
     except RevisionNotFoundError:
         raise HubError(f"{where}: the repository has no such revision") from None
@@ -166,4 +193,52 @@ def _snapshot(repo_id: str, revision: str | None, what: str, env: Mapping[str, s
         first = _first_line(exc, token)
         raise HubError(f"{where}: download into {cache} failed ({first})") from None
     path = Path(path)
-    return ModelSource(path, repo_id, wanted, path.name)
+    files = tuple(sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()
+                         and any(fnmatch.fnmatch(p.name, pattern) for pattern in patterns)))
+    return ModelSource(path, repo_id, wanted, path.name, tuple(patterns), files)
+
+
+def weights_bytes_of(source: ModelSource, hub: HubOptions = HubOptions(), env: Mapping[str, str] = os.environ) \
+        -> tuple[int, str]:
+    """`(bytes, where the figure came from)` of a model's safetensors files without needing them here: the files
+    themselves when present, else weights_manifest.json's per-file bytes, else the index's total_size, else the
+    Hub's metadata of the repository's weight files (a HEAD_PATTERNS snapshot on a Ray head)."""
+    import json
+
+    root = Path(source.path)
+    local = sorted(root.glob("*.safetensors"))
+    if local or source.repo_id is None:
+        return sum(p.stat().st_size for p in local), "files"
+    manifest = root / "weights_manifest.json"
+    if manifest.is_file():
+        files = (json.loads(manifest.read_text(encoding="utf-8")) or {}).get("files") or {}
+        sizes = [entry.get("bytes") for entry in files.values() if isinstance(entry, dict)]
+        if sizes and all(isinstance(size, int) for size in sizes):
+            return sum(sizes), "weights_manifest.json"
+    index = root / "model.safetensors.index.json"
+    if index.is_file():  # the shards' tensor bytes (their few-KB headers aside)
+        total = ((json.loads(index.read_text(encoding="utf-8")) or {}).get("metadata") or {}).get("total_size")
+        if isinstance(total, int) and total > 0:
+            return total, "model.safetensors.index.json"
+    try:
+        return hub_weight_sizes(source.repo_id, source.commit or source.revision, hub, env), "hub metadata"
+    except HubError:
+        raise
+    except Exception as exc:  # offline, no network, an HTTP error
+        raise HubError(f"{source.repo_id}: the size of its weights is in neither weights_manifest.json nor an index, "
+                       f"and the Hub's metadata could not be read ({_first_line(exc, hub.token)})") from None
+
+
+def hub_weight_sizes(repo_id: str, revision: str | None, hub: HubOptions = HubOptions(),
+                     env: Mapping[str, str] = os.environ) -> int:
+    """Bytes of a Hub repository's weight files (WEIGHT_PATTERNS), from its file metadata (nothing downloaded)."""
+    from huggingface_hub import HfApi
+
+    token = hub.token if hub.token is not None else (env.get("HF_TOKEN") or None)
+    info = HfApi().model_info(repo_id, revision=revision, files_metadata=True, token=token)
+    sizes = [sibling.size or 0 for sibling in info.siblings or ()
+             if any(fnmatch.fnmatch(sibling.rfilename, pattern) for pattern in WEIGHT_PATTERNS)]
+    if not sizes:
+        raise HubError(f"{repo_id} (revision {revision}): the Hub lists no weight files "
+                       f"({', '.join(WEIGHT_PATTERNS)})")
+    return sum(sizes)

@@ -28,7 +28,8 @@ from .model.nar import SongInput, offloaded_ar, synthesize_many
 from .model.nar import synthesize as nar_synthesize
 from .protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, Sampling, SongRequest, SongRules, abc_prompt,
                        check_abc_ids, check_token_ids, default_cfg_scale, negative_prompt, semantic_prompt)
-from .derive import OVERRIDE_ENV
+from .derive import OVERRIDE_ENV, derivation_bytes
+from .startup import STARTUP, StartRetry, StepAborted, block_counter
 from .hub import DEFAULT_MODEL, DEFAULT_VAE, HubOptions, resolve_model
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
                       resolve_device, set_upstream_numerics)
@@ -45,6 +46,8 @@ from .room import DeviceRoom
 LOG = logging.getLogger(__name__)
 SAMPLE_RATE = 48000
 VAE_HALO_FRAMES = 16
+SLOW_LOAD_ENV = "YUE2_TEST_LOAD_DELAY_S"  # tests only: seconds added to the MoT load (a server's slow start-up)
+CLOSE_TIMEOUT_S = 10.0  # close() waits this long at most for a background engine start to stop
 BACKENDS = ("torch", "vllm", "auto")
 CFG_ENGINES = ("vllm", "torch")  # where cfg_scale != 1 and cot=off songs run when the backend is vllm/auto
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # float32: verification runs of both AR backends
@@ -200,9 +203,8 @@ class YuE2Pipeline:
         start = time.perf_counter()
         self.hashes = hash_cache if hash_cache is not None else default_hash_cache()
         self.verify_hashes = verify_hashes
-        self.weights = {"mot": model_identity(self.model_dir, hashes=self.hashes, verify=verify_hashes),
-                        "vae": model_identity(self.vae_dir, hashes=self.hashes, verify=verify_hashes)
-                        if self.vae_dir is not None else None}
+        self.weights = {"mot": self._hashed(self.model_dir, "model"),
+                        "vae": self._hashed(self.vae_dir, "vae") if self.vae_dir is not None else None}
         # Checked now (config, names, shapes, float32), not after the AR and NAR stages have run.
         self.vae_config = check_vae(self.vae_dir) if self.vae_dir is not None else None
         identity_seconds = time.perf_counter() - start
@@ -217,6 +219,9 @@ class YuE2Pipeline:
         self._vllm_lock = threading.Lock()
         self._prestart: threading.Thread | None = None
         self._prestart_error: BaseException | None = None
+        self._closing = threading.Event()  # close() in progress: start-up steps (derive, engine start) stop
+        self._stops = 0  # stop_starting calls so far: a song that asked before one starts no engine after it
+        self.start_retry = StartRetry()  # a failed engine start, and when it is tried again
         self._room: DeviceRoom | None = None  # songs' buffers on a discrete GPU beside the engine (room.py)
         # Beside the engine on a discrete GPU the torch side holds the AR expert in host memory (placement.py).
         # (Load-time AR proxies serve torch-backend songs from the device: there the AR expert stays resident.)
@@ -231,8 +236,11 @@ class YuE2Pipeline:
         # Load-time proxies without a fast kernel on this device are declined on the record (see quantized_policy).
         declined = proxy_slow_reason(quantization, self.device, DTYPES[dtype]) if quantized_policy != "force" else None
         try:
-            self.model = load_model(self.model_dir, device=self.device, dtype=DTYPES[dtype],
-                                    quantization="none" if declined else quantization, ar_on_device=self.ar_on_device)
+            with STARTUP.step("loading", "model", weights_bytes(self.model_dir)):
+                time.sleep(float(os.environ.get(SLOW_LOAD_ENV) or 0))  # tests only: a load that takes a while
+                self.model = load_model(self.model_dir, device=self.device, dtype=DTYPES[dtype],
+                                        quantization="none" if declined else quantization,
+                                        ar_on_device=self.ar_on_device)
             self.memory_cap_bytes = apply_memory_cap(self.device, self.memory_budget_gib, module_bytes(self.model))
         except BaseException:
             self.close()  # no engine outlives a pipeline that failed to start
@@ -288,11 +296,34 @@ class YuE2Pipeline:
                 drop_page_cache(self.vae_dir)
         return self._vae
 
-    def close(self) -> None:
-        """Stop the vLLM engine worker, if one runs (the torch models stay loaded)."""
-        self._join_prestart()
+    def _hashed(self, directory: Path, what: str) -> dict:
+        """The weights' identity, the hashing recorded as a start-up step (bytes read; 0 on hash-cache hits)."""
+        with STARTUP.step("hashing", what, weights_bytes(directory)) as step:
+            return model_identity(directory, hashes=self.hashes, verify=self.verify_hashes,
+                                  on_block=block_counter(step))
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the vLLM engine worker, if one runs (the torch models stay loaded), and any start of it in
+        progress first (`stop_starting`)."""
+        self.stop_starting(timeout)
         if self._vllm is not None:
             self._vllm.close()
+
+    def stop_starting(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop any start of the engine in progress, in any thread: a derivation stops at its next block (its temp
+        removed), a starting worker is killed and its `start` raises EngineStartAborted. Waits at most `timeout`
+        seconds for the background start to end (a daemon thread). A running engine is left running."""
+        from .engine.backend import EngineStartAborted
+
+        self._stops += 1
+        self._closing.set()
+        try:
+            if self._vllm is not None:
+                self._vllm.abort_start()  # a start in a song's or the watchdog's thread
+            if isinstance(self._join_prestart(timeout, abort=True), (StepAborted, EngineStartAborted)):
+                self._prestart_error = None  # stopped, not failed: a later start goes ahead
+        finally:
+            self._closing.clear()  # a later song may start the engine again
 
     def __enter__(self):
         return self
@@ -338,7 +369,8 @@ class YuE2Pipeline:
         self.engine_settings(None).plan(config, engine_weights=weights).check()
 
     def _vllm_backend(self):
-        """The vLLM backend, or None with the reason it cannot serve (decided once per pipeline)."""
+        """The vLLM backend, or None with the reason it cannot serve (decided once per pipeline, but for a failed
+        start, which `select_ar_backend` tries again with `start_retry`'s backoff)."""
         with self._vllm_lock:
             if self._vllm is None and self._vllm_unavailable is None:
                 from .quant.policy import resolve_ar_checkpoint
@@ -346,10 +378,14 @@ class YuE2Pipeline:
 
                 reason = unsupported_reason(vllm_version())
                 if reason is None:
-                    checkpoint = resolve_ar_checkpoint(self.model_dir, override=self.ar_checkpoint,
-                                                       device_type=self.device.type, hashes=self.hashes,
-                                                       verify=self.verify_hashes,
-                                                       quantized_policy=self.quantized_policy)
+                    derived = not (self.ar_checkpoint or os.environ.get(OVERRIDE_ENV))
+                    with STARTUP.step("deriving", "AR checkpoint",
+                                      derivation_bytes(self.model_dir) if derived else None) as step:
+                        checkpoint = resolve_ar_checkpoint(self.model_dir, override=self.ar_checkpoint,
+                                                           device_type=self.device.type, hashes=self.hashes,
+                                                           verify=self.verify_hashes,
+                                                           quantized_policy=self.quantized_policy,
+                                                           on_block=block_counter(step, self._closing))
                     if checkpoint.declined:
                         LOG.info("AR checkpoint: %s", checkpoint.declined)
                     reason = checkpoint.unservable
@@ -362,21 +398,41 @@ class YuE2Pipeline:
             return self._vllm, self._vllm_unavailable
 
     def _start_engine_in_background(self) -> None:
-        self._prestart = threading.Thread(target=self._start_engine_early, name="yue2-engine-start", daemon=True)
+        self._prestart_error = None
+        done = threading.Event()
+        self._prestart = threading.Thread(target=self._start_engine_early, args=(done,), name="yue2-engine-start",
+                                          daemon=True)
+        self._prestart.done = done
         self._prestart.start()
 
-    def _start_engine_early(self) -> None:
+    def _start_engine_early(self, done: threading.Event) -> None:
         try:
             vllm, _ = self._vllm_backend()
-            if vllm is not None:
-                vllm.start()
+            if vllm is not None and not self._closing.is_set():
+                self._start_engine(vllm)
         except BaseException as exc:  # raised, or recorded as the fallback, when the first song asks
             self._prestart_error = exc
+        finally:
+            done.set()
 
-    def _join_prestart(self) -> BaseException | None:
+    def _start_engine(self, vllm) -> None:
+        with STARTUP.step("starting_engine", "vLLM engine"):
+            vllm.start()
+
+    def _join_prestart(self, timeout: float | None = None, abort: bool = False) -> BaseException | None:
+        """Wait for the background engine start (at most `timeout` s); with `abort`, stop it meanwhile."""
         thread = self._prestart
         if thread is not None:
-            thread.join()
+            # Waited on an Event, never Thread.join: a join that a signal interrupts (KeyboardInterrupt) marks a
+            # live thread as ended in CPython 3.11 (it releases the thread's own lock), and close() would go on.
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not thread.done.is_set() and (deadline is None or time.monotonic() < deadline):
+                if abort and self._vllm is not None:
+                    self._vllm.abort_start()  # again each round: the backend may appear after a derivation
+                thread.done.wait(0.1)
+            if not thread.done.is_set():
+                LOG.warning("the background engine start did not stop within %.0f s; leaving it", timeout)
+                return self._prestart_error
             self._prestart = None
         return self._prestart_error
 
@@ -396,23 +452,41 @@ class YuE2Pipeline:
         if (cfg_scale != 1.0 or legacy_off) and self.cfg_engine == "torch":
             what = f"cfg_scale {cfg_scale} ≠ 1" if cfg_scale != 1.0 else "cot=off legacy sampling"
             return self.torch_backend, f"{what}: paired CFG on vLLM is switched off (--cfg-engine torch)"
-        from .engine.backend import EngineError
+        from .engine.backend import EngineError, EngineStartAborted
 
+        retry, stops = self.start_retry, self._stops
+        with self._vllm_lock:
+            if retry.retrying and self._prestart is not None and not self._prestart.done.is_set():
+                return self.torch_backend, f"{retry.reason}; a new start is under way"
+            if retry.due():  # a failed start is tried again in the background; songs keep to torch meanwhile
+                retry.retrying, self._vllm_unavailable = True, None
+                LOG.warning("retrying the vLLM engine start (failed %d time(s): %s)", retry.failures, retry.reason)
+                self._start_engine_in_background()
+                return self.torch_backend, f"{retry.reason}; a new start is under way"
         early = self._join_prestart()
         vllm, reason = self._vllm_backend()
         if vllm is not None and not vllm.running:
             try:
                 if isinstance(early, (EngineError, MemoryError)) and not vllm.ever_started:
                     raise early  # the early start failed already: do not pay for a second try
-                vllm.start()
+                if self._stops != stops:  # the start this song waited for was stopped: no new one now
+                    raise EngineStartAborted("the vLLM engine start was stopped (the pipeline is closing)")
+                self._start_engine(vllm)
             except (EngineError, MemoryError) as exc:
-                if vllm.ever_started:
-                    raise
+                if vllm.ever_started or isinstance(exc, EngineStartAborted):
+                    raise  # an aborted start is the pipeline closing, not a failure to retry
                 with self._vllm_lock:  # the reason without the log tail (the log is kept and named in it)
-                    self._vllm, self._vllm_unavailable = None, f"vLLM engine could not start: {str(exc).split('; log tail')[0]}"
+                    reason = f"vLLM engine could not start: {str(exc).split('; log tail')[0]}"
+                    self._vllm, self._vllm_unavailable = None, reason
                     self._room = None  # no engine beside us: the card is the torch side's (admission by free bytes)
+                    self._prestart_error = None
+                    self.start_retry.failed(reason)
                 vllm.close()
-                vllm, reason = None, self._vllm_unavailable
+                vllm = None
+                LOG.warning("%s; songs run on the torch backend, the start is tried again in %.0f s", reason,
+                            self.start_retry.backoff_s)
+        if vllm is not None and vllm.running and self.start_retry.failures:
+            self.start_retry.succeeded()
         return (vllm, None) if vllm is not None else (self.torch_backend, reason)
 
     def _generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, **kwargs):
@@ -485,8 +559,10 @@ class YuE2Pipeline:
         keep = self.keep_engine
         if keep is None:
             keep = self.device.type == "cpu" or self._vllm is None or not self._vllm.plan.problems()
-        if not keep:
-            self.close()
+        if not keep:  # a start in progress (another song's) is waited for, not stopped
+            self._join_prestart()
+            if self._vllm is not None:
+                self._vllm.close()
 
     # -- configuration
 

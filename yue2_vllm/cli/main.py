@@ -9,6 +9,7 @@ import sys
 from ..hub import DEFAULT_MODEL
 from ..request_json import error_type
 from ..serve.disk import RETENTION_SECONDS
+from ..startup import ENGINE_START_TIMEOUT_S
 from .batch import cmd_batch
 from .doctor import cmd_doctor
 from .generate import cmd_generate
@@ -133,6 +134,11 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                                                           "from --budget)")
     parser.add_argument("--max-num-batched-tokens", type=_count,
                         help="vLLM tokens per engine step; longer prompts are prefilled in chunks (default 2048)")
+    parser.add_argument("--engine-start-timeout", type=_positive_seconds, metavar="SECONDS",
+                        help=f"give up a vLLM engine start after this long (songs then run on the torch backend, on "
+                             f"the record, and the start is tried again 60 s later, then 120 s, ... up to 30 min "
+                             f"apart); default {ENGINE_START_TIMEOUT_S:.0f}: a cold first start of the real weights on "
+                             f"a DGX Spark (see README)")
     parser.add_argument("--config", help="generation config JSON: abc / semantic (or abc_sampling / "
                                           "semantic_sampling, as in request files) objects of sampling fields, and "
                                           "ode_steps; default: upstream's (the tiny model's budgets without --model "

@@ -66,7 +66,7 @@ def print_status(status: dict, stream=None) -> None:
     print(json_text(status), file=stream or sys.stdout, flush=True)
 
 
-def _models(args, need_vae: bool = True) -> tuple:
+def _models(args, need_vae: bool = True, patterns: tuple | None = None) -> tuple:
     """`(model_dir, vae_dir, generation config, backend)` from the model flags (the embedded tiny default with
     its 10-second budgets when --model and --vae are both left out; else upstream's names, see model_names)."""
     from ..pipeline import device_problem
@@ -77,7 +77,7 @@ def _models(args, need_vae: bool = True) -> tuple:
     if problem is not None:
         raise UsageError(f"--device {args.device}: {problem}")
     generation = read_json_file(Path(args.config), "--config") if args.config else None
-    sources = model_sources(args, need_vae)
+    sources = model_sources(args, need_vae, patterns)
     if sources is None:
         model_dir, vae_dir = tiny_default()
         generation = generation or TINY_GENERATION  # a 10 s song, so the default run takes seconds
@@ -101,6 +101,8 @@ def _pipeline(args, need_vae: bool = True):
         engine_options["sliced_head"] = False
     if getattr(args, "vllm_runner", "auto") != "auto":
         engine_options["runner"] = check_runner(args.vllm_runner, args.device, backend)
+    if getattr(args, "engine_start_timeout", None) is not None:
+        engine_options["start_timeout_s"] = args.engine_start_timeout
     if getattr(args, "concurrency", None) and "max_num_seqs" not in engine_options:
         engine_options["max_num_seqs"] = args.concurrency  # one engine row per song in flight
     pipe = YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=backend,
@@ -122,23 +124,57 @@ def replica_admission(args, device_type: str) -> tuple:
     `(SongRules, backend, rows)` — the rules it admits songs by (the pipeline's, without loading any weights), and
     the songs one replica serves at once when --max-concurrency is not given (the engine's rows as the memory split
     on a replica's `device_type` sizes them, as `doctor` shows; 1 on the torch backend)."""
+    from ..hub import HEAD_PATTERNS
     from ..protocol import SongRules
     from ..tokenizer import YuE2Tokenizer
 
-    model_dir, vae_dir, generation, backend = _models(args)
+    model_dir, vae_dir, generation, backend = _models(args, patterns=HEAD_PATTERNS)  # the replicas load weights
+    head_files(model_dir, vae_dir)
     rules = SongRules(generation, YuE2Tokenizer.from_model_dir(model_dir), getattr(args, "reproducible", False))
     if backend == "torch" or (backend == "auto" and not vllm_installed()):
         return rules, backend, 1
     rows = memory_plan(model_dir, vae_dir, device_type, args.budget, offload_ar=args.offload_ar,
-                       generation=generation).max_num_seqs
+                       generation=generation, weights=head_weights_bytes(model_dir, vae_dir, args)).max_num_seqs
     return rules, backend, rows
 
 
+def head_files(model_dir, vae_dir) -> dict:
+    """What the Ray head's resolution left on this machine (the config, tokenizer and size files of a repo id, no
+    weights), said in one line on stderr."""
+    import logging
+
+    from ..hub import ModelSource
+
+    fetched = {name: source.fetched() for name, source in (("model", model_dir), ("vae", vae_dir))
+               if isinstance(source, ModelSource) and source.repo_id is not None}
+    if fetched:
+        words = "; ".join(f"{entry['repo_id']}: {', '.join(entry['files']) or 'nothing'} ({entry['bytes']} bytes)"
+                          for entry in fetched.values())
+        logging.getLogger("yue2_vllm").warning("Ray head: resolved %s; the weights are the replicas' to fetch", words)
+    return fetched
+
+
+def head_weights_bytes(model_dir, vae_dir, args) -> tuple[int, int]:
+    """`(MoT bytes, VAE bytes)` for the memory split without the weights here (hub.weights_bytes_of)."""
+    from ..hub import HubOptions, ModelSource, weights_bytes_of
+    from ..checkpoint import weights_bytes
+
+    hub = HubOptions(progress=not getattr(args, "quiet", False))
+
+    def size(source) -> int:
+        if source is None:
+            return 0
+        return weights_bytes_of(source, hub)[0] if isinstance(source, ModelSource) else weights_bytes(source)
+
+    return size(model_dir), size(vae_dir)
+
+
 def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float | None, *, max_num_seqs: int | None = None,
-                offload_ar: bool = False, generation=None):
+                offload_ar: bool = False, generation=None, weights: tuple[int, int] | None = None):
     """The engine / torch split (memory.plan_memory) of these weights on `device_type`; with `generation`, rows
     sized for its songs (a prompt + the larger phase budget) instead of upstream's. On this machine's integrated
-    GPU the split is one pool with the host (`budget_gib` None: the pool)."""
+    GPU the split is one pool with the host (`budget_gib` None: the pool). `weights`: the (MoT, VAE) file bytes
+    where the files are not here (a Ray head), else they are read from the directories."""
     from ..checkpoint import read_json, weights_bytes
     from ..memory import (PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, default_budget_gib, device_pool, plan_memory,
                           total_memory_bytes, vae_decode_bytes)
@@ -155,13 +191,14 @@ def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float | None, 
     card = (total_memory_bytes(device_type) if device_type.startswith("cuda") and pool is None
             and torch.cuda.is_available() else None)
     budget_gib = budget_gib or default_budget_gib(pool, card)
-    vae, tile = weights_bytes(vae_dir), 0
+    vae, tile = weights[1] if weights else weights_bytes(vae_dir), 0
     if vae_dir is not None and (Path(vae_dir) / "config.json").is_file():  # the decoder we keep, by its config
         vae_config = VAEConfig.from_dict(read_json(Path(vae_dir) / "config.json"))
         vae = decoder_bytes(vae_config)
         tile = vae_decode_bytes(vae_config, default_vae_core_frames(budget_gib), VAE_HALO_FRAMES)
     return plan_memory(config, device=device_type, budget_gib=budget_gib, engine_weights=ar_expert_bytes(config),
-                       torch_model=weights_bytes(model_dir), vae=vae, vae_tile=tile, max_num_seqs=max_num_seqs,
+                       torch_model=weights[0] if weights else weights_bytes(model_dir), vae=vae, vae_tile=tile,
+                       max_num_seqs=max_num_seqs,
                        offload_ar=offload_ar, total=card_bytes(device_type, budget_gib), unified=pool, **typical)
 
 
@@ -212,7 +249,7 @@ def model_names(args, need_vae: bool = True) -> tuple[str, str | None] | None:
     return model or DEFAULT_MODEL, VAE_ALIASES.get(vae, vae)
 
 
-def model_sources(args, need_vae: bool = True) -> tuple | None:
+def model_sources(args, need_vae: bool = True, patterns: tuple | None = None) -> tuple | None:
     """`--model` / `--vae` (and `--ar-checkpoint`) as model_names names them: local directories, or Hugging
     Face repo ids resolved to their cached snapshots (`--revision` / `--vae-revision`; download bars hidden by
     `--quiet`), each error naming its flag; None for the embedded tiny default."""
@@ -231,7 +268,8 @@ def model_sources(args, need_vae: bool = True) -> tuple | None:
         if is_local_name(name) and not Path(name).expanduser().is_dir():
             raise UsageError(f"{flag} {name}: " + ("is not a directory" if Path(name).expanduser().exists()
                                                    else "does not exist"))
-        sources.append(resolve_model(name, revision=revision, what=flag, hub=hub))
+        sources.append(resolve_model(name, revision=revision, what=flag, hub=hub,
+                                     **({"patterns": patterns} if patterns is not None else {})))
     checkpoint = getattr(args, "ar_checkpoint", None)
     if checkpoint is not None and not Path(checkpoint).is_dir():
         raise UsageError(f"--ar-checkpoint {checkpoint}: " + ("is not a directory" if Path(checkpoint).exists()
@@ -281,6 +319,18 @@ def _signal_name(exc: KeyboardInterrupt) -> str:
 
 
 def _interrupt(signum, frame):
-    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not break the cleanup
-        signal.signal(sig, signal.SIG_IGN)
+    """The first SIGINT / SIGTERM unwinds the program (the engine worker is killed, a derivation stops and removes
+    its temp, the song is recorded as cancelled); a later one, arriving during that cleanup, ends the process at
+    once (the engine worker dies with it, PR_SET_PDEATHSIG; a derivation's temp is removed by the next start)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_now)
     raise Interrupted(signum)
+
+
+def _exit_now(signum, frame):
+    import os
+
+    try:
+        os.write(2, f"yue2-vllm: {signal.Signals(signum).name} again: exiting now\n".encode())
+    finally:
+        os._exit(128 + signum)

@@ -43,6 +43,7 @@ from ..memory import MEMINFO, MemoryPlan, UnifiedPool, kv_cache_bytes, plan_memo
 from ..quant.schemes import engine_kernel_env
 from ..model.modeling import YuE2Config
 from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, check_budget, end_token
+from ..startup import ENGINE_START_TIMEOUT_S
 from ..model.sampling import ARResult, Cancelled, OnToken
 from .runner import BatchInvariance, RunnerChoice, resolve_runner, sliced_head_blocker
 from .worker import EVENT_PREFIX, PARENT_ENV, frame
@@ -58,6 +59,10 @@ __all__ = ["EngineError", "EngineSettings", "VLLMBackend", "kv_cache_bytes", "un
 
 class EngineError(RuntimeError):
     """The vLLM worker failed or died; the message carries the tail of its log."""
+
+
+class EngineStartAborted(EngineError):
+    """The engine's start was stopped from outside (`abort_start`: a signal, the pipeline closing)."""
 
 
 def vllm_version() -> str | None:
@@ -116,7 +121,7 @@ class EngineSettings:
     max_num_batched_tokens: int = 2048
     enforce_eager: bool | None = None  # None: eager on CPU (fast start), CUDA graphs on GPU
     dtype: str = "bfloat16"  # "float32" for verification (bf16 decoding on vLLM-CPU depends on the batch)
-    start_timeout_s: float = 900.0
+    start_timeout_s: float = ENGINE_START_TIMEOUT_S  # --engine-start-timeout (its arithmetic: startup.py)
     progress_timeout_s: float = 120.0  # no token or end for a request in the engine this long: the engine is broken
     max_restarts: int = 3  # engine restarts allowed within restart_window_s (a long-lived server keeps going)
     restart_window_s: float = 600.0
@@ -431,6 +436,8 @@ class VLLMBackend:
         self.busy_seconds = 0.0  # time with at least one request in the engine (benchmarks: engine idle time)
         self._starts = 0
         self._fresh = False
+        self._start_stop = threading.Event()  # set by abort_start: the start in progress gives up within POLL_SECONDS
+        self._starting: _Worker | None = None
 
     # -- lifecycle
 
@@ -452,8 +459,31 @@ class VLLMBackend:
         block = self.plan.kv_block_tokens
         return self.settings.kv_cache_bytes - kv_cache_bytes(self.config, 1, 2 * block, block, self.plan.kv_dtype_bytes)
 
+    def abort_start(self) -> None:
+        """Stop a start in progress from another thread: its worker's process group is killed and `start`
+        raises EngineStartAborted at once (the next `start` goes ahead as usual)."""
+        self._start_stop.set()
+        worker = self._starting
+        if worker is not None:
+            worker.closing = True
+            _kill_group(worker.process, grace=1.0)
+
+    def _await_ready(self, worker: "_Worker") -> dict:
+        """The worker's first event (`ready`, `died`), `timeout` after start_timeout_s, or `aborted`."""
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        while not self._start_stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {"event": "timeout"}
+            try:
+                return worker.ready.get(timeout=min(POLL_SECONDS * 4, left))
+            except queue.Empty:
+                continue
+        return {"event": "aborted"}
+
     def start(self) -> None:
         with self._start_lock:
+            self._start_stop.clear()
             if self.running:
                 return
             if self._worker is not None:  # it died: a later song gets a fresh engine, up to max_restarts
@@ -496,14 +526,26 @@ class VLLMBackend:
             worker = _Worker(setup, self._streams, self._streams_lock, s.threads,
                              engine_env(runner, s.cuda_visible_devices, s.batch_invariance, s.kernel_env()),
                              s.progress_timeout_s)
+            self._starting = worker
             try:
-                event = worker.ready.get(timeout=s.start_timeout_s)
-            except queue.Empty:
-                event = {"event": "timeout"}
+                event = self._await_ready(worker)
+            except BaseException:  # e.g. KeyboardInterrupt in the thread that starts it: no worker is left behind
+                worker.closing = True
+                _kill_group(worker.process, grace=1.0)
+                worker.close()
+                raise
+            finally:
+                self._starting = None
+            if event.get("event") == "aborted" or self._start_stop.is_set():
+                worker.closing = True
+                _kill_group(worker.process, grace=1.0)
+                worker.close()
+                raise EngineStartAborted("the vLLM engine start was stopped (the pipeline is closing)")
             if event.get("event") != "ready":
                 worker.close(keep_log=True)
                 if event.get("event") == "timeout":
-                    what = f"did not start within {s.start_timeout_s:.0f} s"
+                    what = (f"did not start within {s.start_timeout_s:.0f} s (--engine-start-timeout; its worker "
+                            "was stopped)")
                 else:
                     what = f"failed to start ({worker.fatal or 'the worker ' + exit_in_words(worker.process.poll())})"
                 raise EngineError(f"vLLM engine {what}; log kept at {worker.log_path}; log tail:\n{worker.log_tail()}")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 EVENT_PREFIX = "YUE2\t"
 FATAL_EXIT = 3
 PARENT_ENV = "YUE2_ENGINE_PARENT_PID"
+SLOW_START_ENV = "YUE2_TEST_ENGINE_START_DELAY_S"  # tests only: seconds the worker waits before importing vLLM
 MAX_FRAME_BYTES = 64 * 2**20  # a generate_pair of two 24,576-token prompts is ~0.4 MB
 _HEADER_DIGITS = len(str(MAX_FRAME_BYTES))
 PR_SET_PDEATHSIG = 1
@@ -304,6 +305,7 @@ def main() -> int:
         return 0  # the parent went away before sending anything
     threading.Thread(target=read_commands, args=(stdin, commands), daemon=True).start()
     try:
+        time.sleep(float(os.environ.get(SLOW_START_ENV) or 0))  # a slow cold start, for the tests that stop one
         import vllm
 
         start = time.perf_counter()

@@ -17,8 +17,9 @@ QUANTIZED_POLICIES = ("auto", "force")
 def resolve_ar_checkpoint(model_dir: str | os.PathLike, *, override: str | os.PathLike | None = None,
                           device_type: str = "cpu", cache_dir: str | os.PathLike | None = None,
                           hashes: HashCache | None = None, verify: bool = False,
-                          quantized_policy: str = "auto") -> ARCheckpoint:
-    """The override (argument, else `$YUE2_AR_CHECKPOINT`) validated, or the derived checkpoint.
+                          quantized_policy: str = "auto", on_block=None) -> ARCheckpoint:
+    """The override (argument, else `$YUE2_AR_CHECKPOINT`) validated, or the derived checkpoint (`on_block`:
+    derive_ar_checkpoint's, hearing every block it copies or hashes).
 
     A quantized override that vLLM cannot run here, or runs slower than bf16 here
     (`quant.schemes.slow_reason`), is declined for the derived bf16 checkpoint, on the record —
@@ -30,8 +31,8 @@ def resolve_ar_checkpoint(model_dir: str | os.PathLike, *, override: str | os.Pa
     mot = YuE2Config.load(model_dir)
 
     def derived(**why) -> ARCheckpoint:
-        return ARCheckpoint(derive_ar_checkpoint(model_dir, cache_dir, hashes=hashes, verify=verify), "derived",
-                            None, **why)
+        path = derive_ar_checkpoint(model_dir, cache_dir, hashes=hashes, verify=verify, on_block=on_block)
+        return ARCheckpoint(path, "derived", None, **why)
 
     if not chosen:
         return derived()

@@ -38,7 +38,7 @@ RAY_EXTRA = "pip install 'yue2-vllm[ray]'"
 REPORT_STALE_SECONDS = 10.0  # a replica whose last load report is older than this is not counted
 REFUSED_RETRY_SECONDS = 1.0  # a run a replica refused goes again after this (doubling, at most 10 s)
 # The engine state /health shows for several replicas: the best one among those alive.
-ENGINE_ORDER = ("running", "unavailable", "none", "starting", "restarting", "failed")
+ENGINE_ORDER = ("running", "unavailable", "start_failed", "none", "starting", "restarting", "failed")
 
 
 def check_ray() -> None:
@@ -470,7 +470,8 @@ class ReplicaPool:
         else:
             state = "failed" if self._failed else ("restarting" if self._handle is not None else "starting")
         engine = {"backend_requested": self.backend,
-                  "backend": "torch" if self.backend == "torch" or state in ("unavailable", "none") else "vllm",
+                  "backend": "torch" if self.backend == "torch" or state in ("unavailable", "start_failed", "none")
+                  else "vllm",
                   "state": state, "restarts": sum(self._state.restarts.values())}
         problems = []
         if not alive:

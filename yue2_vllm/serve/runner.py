@@ -1,10 +1,13 @@
 """The server process: one per data dir (a lock file), the socket bound before the model loads, then uvicorn.
 
-`yue2-vllm serve` prints one JSON status line once it listens (`{"status": "serving", "url": ...}`,
-so `--port 0` tells which port it got) and one when it stops.
+`yue2-vllm serve` prints one JSON status line once its port is bound (`{"status": "starting", "url": ...}`, so
+`--port 0` tells which port it got), one once the app serves (`{"status": "serving", ...}`) and one when it
+stops. In between the first two, every request is answered 503 with what the start-up is doing
+(`serve.starting`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import logging
@@ -214,32 +217,37 @@ def _serve(args, api_key: str | None, workers: Callable, print_status: Callable)
     and serve until SIGINT / SIGTERM."""
     import uvicorn
 
+    from ..startup import STARTUP
     from .app import MAX_SSE_CLIENTS, create_app
     from .service import ServeConfig, SongService
+    from .starting import answering_while_starting
 
     data_dir = Path(args.data_dir)
     try:
-        with data_dir_lock(data_dir):
+        with data_dir_lock(data_dir), contextlib.ExitStack() as stack:
             sock = bind(args.host, args.port)
-            with workers(data_dir) as (source, described):
-                service = SongService(source, ServeConfig(
-                    data_dir, concurrency=args.concurrency, queue_size=args.queue_size,
-                    stall_seconds=getattr(args, "stall_seconds", 300.0), retention_seconds=getattr(args, "retention", None),
-                    min_free_bytes=int(getattr(args, "min_free_disk", 1.0) * 2**30)))
-                app = create_app(service, api_key=api_key, allowed_hosts=tuple(getattr(args, "allowed_host", None)
-                                                                               or ()),
-                                 max_sse_clients=getattr(args, "max_sse_clients", MAX_SSE_CLIENTS))
-                config = uvicorn.Config(app, lifespan="on", ws="none", log_config=stderr_logging(),
-                                        log_level="warning" if args.quiet else "info", access_log=not args.quiet,
-                                        timeout_graceful_shutdown=5, server_header=False,
-                                        limit_concurrency=getattr(args, "max_connections", None))
-                print_status({"status": "serving", "url": url_of(sock), "data_dir": str(data_dir),
-                              "backend": args.backend, **described, "concurrency": service.workers.concurrency,
-                              "queue_size": args.queue_size, "api_key": api_key is not None})
-                try:
-                    uvicorn.Server(config).run(sockets=[sock])
-                finally:
-                    sock.close()
+            stack.callback(sock.close)
+            STARTUP.reset()
+            starting = stack.enter_context(contextlib.ExitStack())  # 503 answers until the app takes the socket
+            starting.enter_context(answering_while_starting(sock, args.backend))
+            print_status({"status": "starting", "url": url_of(sock), "data_dir": str(data_dir)})
+            source, described = stack.enter_context(workers(data_dir))
+            stack.callback(sock.close)  # on the way out, before the workers stop: no new connections wait
+            service = SongService(source, ServeConfig(
+                data_dir, concurrency=args.concurrency, queue_size=args.queue_size,
+                stall_seconds=getattr(args, "stall_seconds", 300.0), retention_seconds=getattr(args, "retention", None),
+                min_free_bytes=int(getattr(args, "min_free_disk", 1.0) * 2**30)))
+            app = create_app(service, api_key=api_key, allowed_hosts=tuple(getattr(args, "allowed_host", None) or ()),
+                             max_sse_clients=getattr(args, "max_sse_clients", MAX_SSE_CLIENTS))
+            config = uvicorn.Config(app, lifespan="on", ws="none", log_config=stderr_logging(),
+                                    log_level="warning" if args.quiet else "info", access_log=not args.quiet,
+                                    timeout_graceful_shutdown=5, server_header=False,
+                                    limit_concurrency=getattr(args, "max_connections", None))
+            starting.close()  # connections from here on wait in the backlog for uvicorn
+            print_status({"status": "serving", "url": url_of(sock), "data_dir": str(data_dir),
+                          "backend": args.backend, **described, "concurrency": service.workers.concurrency,
+                          "queue_size": args.queue_size, "api_key": api_key is not None})
+            uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # SIGINT / SIGTERM: uvicorn has shut down gracefully (or the model was loading)
         pass
     print_status({"status": "stopped"})

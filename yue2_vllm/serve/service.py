@@ -777,7 +777,7 @@ class SongService:
                                                 "Songs put back in the queue after the replica running them died.")
         self.purged = registry.counter("yue2_jobs_purged_total", "Jobs removed (DELETE or retention).")
         registry.gauge("yue2_engine_up", "1 while the AR engine can serve (or none is needed).",
-                       function=lambda: 0 if self.engine_status()["state"] in ENGINE_DOWN else 1)
+                       function=lambda: 0 if self.engine_status()["state"] in ENGINE_DOWN + ("start_failed",) else 1)
         registry.counter("yue2_engine_restarts_total", "Times the AR engine worker was restarted (all replicas).",
                          function=lambda: self.engine_status().get("restarts", 0))
         self.http_responses = registry.counter("yue2_http_responses_total", "HTTP responses by status code.",

@@ -23,6 +23,9 @@ from ..scheduler import FINAL_STATES, SongEvent, SongHandle, SongScheduler
 
 LOG = logging.getLogger("yue2_vllm.serve")
 ENGINE_DOWN = ("starting", "restarting", "failed")  # the engine cannot serve now: /health answers 503
+# The engine's first start failed: songs run on the torch backend (/health 200) while the start is retried with
+# backoff (startup.StartRetry); the engine part of /health says why and when it is tried again.
+ENGINE_START_FAILED = "start_failed"
 ERROR_CHARS = 2000
 
 
@@ -90,6 +93,7 @@ class SongWorker:
         """Stop every song at its next boundary; True when every thread stopped within `timeout` seconds."""
         self._stop.set()
         stopped = self.scheduler.close(cancel=True, timeout=timeout)
+        self.pipe.stop_starting()  # the watchdog may be waiting for an engine start: it ends within seconds
         if self._watchdog.is_alive():
             self._watchdog.join(timeout=10)
         return stopped
@@ -177,12 +181,17 @@ class SongWorker:
             try:
                 _, reason = self.pipe.select_ar_backend(1.0, False)  # starts (or restarts) the engine
             except EngineError as exc:
+                if self._stop.is_set():
+                    return  # the worker is closing: the stopped start is no failure to report
                 if self.engine_state.get("state") != "failed":
                     LOG.error("the AR engine will not be restarted now: %s", error_words(exc)["message"])
                 self.engine_state = {"state": "failed", "reason": error_words(exc)["message"]}
             else:
                 self._engine = self.pipe.engine
-                self.engine_state = {"state": "unavailable", "reason": reason} if reason else {"state": "running"}
+                if reason and self.pipe.start_retry.failures:
+                    self.engine_state = {"state": ENGINE_START_FAILED}  # its words are read live (engine_status)
+                else:
+                    self.engine_state = {"state": "unavailable", "reason": reason} if reason else {"state": "running"}
                 if restarting and not reason:
                     LOG.warning("the AR engine is back")
         elif self.engine_state.get("state") != "running":
@@ -192,12 +201,14 @@ class SongWorker:
         """The engine as /health shows it: backend, state, restarts (checked now, not at the last watch)."""
         backend = self.pipe.backend_requested
         state = dict(self.engine_state)
+        if state["state"] == ENGINE_START_FAILED:
+            state = self.pipe.start_retry.describe() if self.pipe.start_retry.failures else {"state": "starting"}
         engine = self._engine
         if engine is not None:
             if state["state"] == "running" and not engine.running:
                 state = {"state": "restarting"}
             state["restarts"] = engine.restarts
-        actual = "torch" if backend == "torch" or state["state"] == "unavailable" else "vllm"
+        actual = "torch" if backend == "torch" or state["state"] in ("unavailable", ENGINE_START_FAILED) else "vllm"
         return {"backend_requested": backend, "backend": actual, **state}
 
     def health(self) -> dict:
