@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..artifacts import RunDirectory, verify_result
+from ..checkpoint import disk_full
 from ..pipeline import STAGE_RECORDS, YuE2Pipeline
 from ..protocol import SongRequest
 from ..scheduler import FINAL_STATES, SongEvent, SongHandle, SongScheduler
@@ -24,14 +25,16 @@ from ..scheduler import FINAL_STATES, SongEvent, SongHandle, SongScheduler
 LOG = logging.getLogger("yue2_vllm.serve")
 ENGINE_DOWN = ("starting", "restarting", "failed")  # the engine cannot serve now: /health answers 503
 ERROR_CHARS = 2000
+DISK_FULL = "DiskFull"  # the error type of a song whose files could not be written for want of space
 
 
 def error_words(error: BaseException) -> dict:
-    """`{"type", "message"}` of an exception, without an engine log tail, at most ERROR_CHARS long."""
+    """`{"type", "message"}` of an exception, without an engine log tail, at most ERROR_CHARS long (a full disk's
+    type is DiskFull: the song may be resumed once space returns)."""
     message = str(error).split("; log tail")[0]
     if len(message) > ERROR_CHARS:
         message = message[:ERROR_CHARS] + "…"
-    return {"type": type(error).__name__, "message": message}
+    return {"type": DISK_FULL if disk_full(error) else type(error).__name__, "message": message}
 
 
 @dataclass(frozen=True)

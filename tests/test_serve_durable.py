@@ -1,0 +1,247 @@
+"""A full disk under the serving core: every job's transition lands, /health tells the truth while it lasts and
+after, the queue drains without a restart, a restart reads every job back unchanged, every finished song verifies.
+The disk is a real full filesystem (a tmpfs, when this runs as root) and, everywhere, injected faults at every write
+site (ENOSPC for the songs' files, "database or disk is full" for the job store), raised for a while and lifted."""
+import contextlib
+import errno
+import logging
+import os
+import sqlite3
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from serving import GENERATION, ThreadServer, pipe, wait_for  # noqa: F401 (pipe: a fixture)
+from yue2_vllm.artifacts import verify_result
+from yue2_vllm.checkpoint import write_bytes_atomic
+from yue2_vllm.serve import durable, service as service_module
+from yue2_vllm.serve.durable import DurableStore, probe_writable
+from yue2_vllm.serve.service import ServeConfig, SongService
+from yue2_vllm.serve.store import JobStore, NewJob
+
+FINAL = ("complete", "failed", "cancelled")
+SONG = {"style": "pop, piano", "lyrics": "[verse]\nla la la\n", "seed": 7}
+STORE_WRITES = ("update", "requeue", "mark_deleted", "delete", "admit")
+
+
+@contextlib.contextmanager
+def tmpfs(directory: Path, size: str = "32m"):
+    """A tmpfs of `size` at `directory` (skipped with the reason when it cannot be mounted here)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("a real full filesystem needs a tmpfs mount, and this test does not run as root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Take every free byte of `directory`'s filesystem with one file; its path."""
+    ballast = directory / "ballast"
+    with open(ballast, "wb") as handle:
+        block = b"\0" * (1 << 20)
+        try:
+            while True:
+                handle.write(block)
+                handle.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    with contextlib.suppress(OSError), open(ballast, "ab") as handle:  # the last partial block
+        while True:
+            handle.write(b"\0" * 512)
+            handle.flush()
+    return ballast
+
+
+class InjectedDisk:
+    """While `full`: every job-store write raises "database or disk is full", every artifact write ENOSPC (at its
+    fsync, after the bytes went to the temp file) and the data dir's probe write is refused."""
+
+    def __init__(self, monkeypatch):
+        self.full = False
+        self.store_failures = self.file_failures = 0
+        for name in STORE_WRITES:
+            monkeypatch.setattr(JobStore, name, self._store_write(getattr(JobStore, name)))
+        real_fsync = os.fsync
+
+        def fsync(descriptor):
+            if self.full:
+                self.file_failures += 1
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_fsync(descriptor)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        real_probe = service_module.probe_writable
+        monkeypatch.setattr(service_module, "probe_writable",
+                            lambda d: "No space left on device" if self.full else real_probe(d))
+
+    def _store_write(self, method):
+        def write(store, *args, **kwargs):
+            if self.full:
+                self.store_failures += 1
+                raise sqlite3.OperationalError("database or disk is full")
+            return method(store, *args, **kwargs)
+        return write
+
+
+def health(client):
+    response = client.get("/health")
+    return response.status_code, response.json()
+
+
+def run_through_a_full_disk(pipe, data_dir: Path, make_full, make_free, songs: int = 6):
+    """`songs` songs at concurrency 2; the disk is full from the moment the first song runs for ~3 s. Every job
+    ends complete (the ones failed for want of space say so and are resumed to complete), /health reports the
+    fault during it and ok after, a restart on the data dir reads every job back unchanged, every song verifies."""
+    config = ServeConfig(data_dir, concurrency=2, stall_seconds=60, min_free_bytes=1 << 20, watchdog_interval=0.2)
+    service = SongService(pipe, config)
+    server = ThreadServer(service)
+    client = server.client
+    seen_problems: list[str] = []
+    try:
+        jobs = []
+        for seed in range(songs):
+            response = client.post("/v1/songs", json={**SONG, "seed": seed})
+            assert response.status_code == 202, response.text
+            jobs.append(response.json()["id"])
+        wait_for(lambda: client.get(f"/v1/songs/{jobs[0]}").json(), lambda d: d["status"] != "queued", timeout=60)
+        make_full()
+        try:
+            down = wait_for(lambda: health(client), lambda h: h[0] == 503, timeout=30)
+            seen_problems += down[1]["problems"]
+            assert down[1]["status"] == "unavailable" and down[1]["disk"]["data_dir"].endswith(data_dir.name)
+            refused = client.post("/v1/songs", json=SONG)
+            assert refused.status_code in (503, 507), refused.text
+            for job_id in jobs:  # every read answers during the window
+                assert client.get(f"/v1/songs/{job_id}").status_code == 200
+            time.sleep(3)
+            seen_problems += health(client)[1]["problems"]
+        finally:
+            make_free()
+        wait_for(lambda: health(client), lambda h: h[0] == 200, timeout=60)
+        documents = {job_id: wait_for(lambda: client.get(f"/v1/songs/{job_id}").json(),
+                                      lambda d: d["status"] in FINAL, timeout=120) for job_id in jobs}
+        failed = [job_id for job_id, doc in documents.items() if doc["status"] != "complete"]
+        for job_id in failed:
+            error = documents[job_id]["error"]
+            assert documents[job_id]["status"] == "failed" and error["type"] == "DiskFull", error
+            assert f"the data dir …/{data_dir.name} has " in error["message"] and "resume" in error["message"], error
+            assert client.post(f"/v1/songs/{job_id}/resume").status_code == 202
+        for job_id in failed:
+            documents[job_id] = wait_for(lambda: client.get(f"/v1/songs/{job_id}").json(),
+                                         lambda d: d["status"] in FINAL, timeout=120)
+            assert documents[job_id]["status"] == "complete", documents[job_id]["error"]
+        assert health(client) == (200, health(client)[1]) and health(client)[1]["queue"]["depth"] == 0
+        assert not list(data_dir.rglob("*.tmp")), "temp files were left behind"
+    finally:
+        server.stop()
+    assert any(str(data_dir) in p and "bytes free" in p for p in seen_problems), seen_problems
+    reopened = SongService(pipe, ServeConfig(data_dir))
+    try:
+        for job_id in jobs:
+            again = reopened.document(job_id)
+            assert again["status"] == "complete"
+            assert {k: again[k] for k in ("status", "result", "stages", "attempts", "finished")} == \
+                {k: documents[job_id][k] for k in ("status", "result", "stages", "attempts", "finished")}
+            verify_result(data_dir / "jobs" / job_id)
+    finally:
+        reopened.store.close()
+    return failed, seen_problems
+
+
+def test_injected_store_and_file_faults_lose_no_transition_and_wedge_nothing(pipe, tmp_path, monkeypatch, caplog):
+    disk = InjectedDisk(monkeypatch)
+    caplog.set_level(logging.WARNING, "yue2_vllm")
+    failed, problems = run_through_a_full_disk(pipe, tmp_path / "data", lambda: setattr(disk, "full", True),
+                                               lambda: setattr(disk, "full", False))
+    assert disk.store_failures > 0 and disk.file_failures > 0
+    assert any("job store" in p and "cannot be written" in p for p in problems), problems
+    assert not [r for r in caplog.records if r.exc_info], "an expected fault logged a traceback"
+
+
+def test_a_real_full_filesystem_loses_no_transition_and_wedges_nothing(pipe, tmp_path):
+    with tmpfs(tmp_path / "disk") as mount:
+        data_dir = mount / "data"
+        ballast: list[Path] = []
+        failed, problems = run_through_a_full_disk(pipe, data_dir, lambda: ballast.append(fill(mount)),
+                                                   lambda: ballast.pop().unlink())
+        assert any("cannot be written" in p or "under --min-free-disk" in p for p in problems), problems
+
+
+# -- the store and the file writes on their own
+
+
+def test_a_store_write_is_retried_until_it_lands_and_says_what_waits(tmp_path, monkeypatch):
+    disk = InjectedDisk(monkeypatch)
+    store = DurableStore(JobStore(tmp_path / "jobs.sqlite3"), tmp_path)
+    store.admit(NewJob("j1", None, "audio", {}, {}, "0" * 64), None)
+    disk.full = True
+    landed = threading.Event()
+    thread = threading.Thread(target=lambda: (store.update("j1", status="planning"), landed.set()))
+    thread.start()
+    fault = wait_for(store.fault, lambda f: f is not None and f.attempts >= 3, timeout=10)
+    assert fault.what == "update of job j1" and "disk is full" in fault.error and not landed.is_set()
+    assert store.get("j1").status == "queued"  # reads answer meanwhile
+    disk.full = False
+    assert landed.wait(10) and store.fault() is None and store.get("j1").status == "planning"
+    thread.join()
+    store.close()
+
+
+def test_a_store_write_gives_up_only_while_stopping(tmp_path, monkeypatch):
+    disk = InjectedDisk(monkeypatch)
+    stopping = threading.Event()
+    store = DurableStore(JobStore(tmp_path / "jobs.sqlite3"), tmp_path, stopping=stopping.is_set)
+    store.admit(NewJob("j1", None, "audio", {}, {}, "0" * 64), None)
+    disk.full = True
+    stopping.set()
+    store.wake()
+    with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+        store.update("j1", status="planning")
+    store.close()
+
+
+def test_the_store_recovers_from_a_commit_on_a_real_full_filesystem(tmp_path):
+    """SQLITE_FULL (at a statement or at COMMIT) leaves no transaction open: the next write, once space is back,
+    lands (no "cannot start a transaction within a transaction")."""
+    with tmpfs(tmp_path / "disk", size="4m") as mount:
+        store = JobStore(mount / "jobs.sqlite3")
+        store.admit(NewJob("j1", None, "audio", {}, {}, "0" * 64), None)
+        ballast = fill(mount)
+        with pytest.raises(sqlite3.OperationalError):
+            for _ in range(1000):  # until the WAL can grow no more
+                store.update("j1", stages={"plan": {"state": "done", "pad": "x" * 60000}})
+        assert store.get("j1") is not None
+        ballast.unlink()
+        assert store.update("j1", status="planning") and store.get("j1").status == "planning"
+        store.close()
+
+
+def test_a_file_that_cannot_be_written_names_its_directory_and_free_bytes_and_leaves_no_temp(tmp_path):
+    with tmpfs(tmp_path / "disk", size="1m") as mount:
+        target = mount / "audio.flac"
+        with pytest.raises(OSError) as raised:
+            write_bytes_atomic(target, b"\0" * (2 << 20))
+        assert raised.value.errno == errno.ENOSPC
+        assert f"cannot write {target}" in str(raised.value) and f"({mount} has " in str(raised.value)
+        assert "bytes free" in str(raised.value)
+        assert list(mount.iterdir()) == []
+        assert probe_writable(mount) is None
+        ballast = fill(mount)
+        assert probe_writable(mount) == os.strerror(errno.ENOSPC)
+        ballast.unlink()
+        assert probe_writable(mount) is None and list(mount.iterdir()) == []
+
+
+def test_durable_retries_only_what_another_attempt_may_pass():
+    assert durable.store_fault_error(sqlite3.OperationalError("database is locked"))
+    assert not durable.store_fault_error(sqlite3.IntegrityError("UNIQUE constraint failed"))
+    assert not durable.store_fault_error(LookupError("j1"))
