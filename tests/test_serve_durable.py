@@ -154,6 +154,7 @@ def run_through_a_full_disk(pipe, data_dir: Path, make_full, make_free, songs: i
             verify_result(data_dir / "jobs" / job_id)
     finally:
         reopened.store.close()
+    print(f"\n{len(failed)} of {len(jobs)} failed for want of space and were resumed; problems seen: {seen_problems}")
     return failed, seen_problems
 
 

@@ -733,15 +733,16 @@ class SongService:
                 "queue": {"depth": self.store.queued(), "limit": self.config.queue_size, "held": len(self._held)},
                 "in_flight": in_flight, "concurrency": self.workers.concurrency, "disk": disk, **extra}, ok
 
-    def _disk(self) -> tuple[int | None, str | None]:
-        """The data dir's free bytes and why it cannot be written (a probe write, at most once a second)."""
+    def _disk(self, fresh: bool = False) -> tuple[int | None, str | None]:
+        """The data dir's free bytes and why it cannot be written (a probe write: at most once a second unless
+        `fresh`)."""
         now = time.monotonic()
         try:
             free = shutil.disk_usage(self.config.data_dir).free
         except OSError:
             free = None
         checked, refused = self._disk_checked
-        if now - checked >= 1.0:
+        if fresh or now - checked >= 1.0:
             refused = probe_writable(self.config.data_dir)
             self._disk_checked = (now, refused)
         return free, refused
@@ -749,7 +750,7 @@ class SongService:
     def disk_refusal(self) -> str | None:
         """Why a queued song should not start now (the data dir cannot be written or is under --min-free-disk),
         else None: a song started then would fail at its first write."""
-        free, refused = self._disk()
+        free, refused = self._disk(fresh=True)  # a song thread about to start: the state now, not a second ago
         if refused is not None:
             return f"the data dir {self.config.data_dir} cannot be written ({refused}; {free} bytes free)"
         if free is not None and free < self.config.min_free_bytes:
