@@ -17,7 +17,7 @@ import pytest
 from serving import GENERATION, ThreadServer, pipe, wait_for  # noqa: F401 (pipe: a fixture)
 from yue2_vllm.artifacts import verify_result
 from yue2_vllm.checkpoint import write_bytes_atomic
-from yue2_vllm.serve import durable, service as service_module
+from yue2_vllm.serve import durable
 from yue2_vllm.serve.durable import DurableStore, probe_writable
 from yue2_vllm.serve.service import ServeConfig, SongService
 from yue2_vllm.serve.store import JobStore, NewJob
@@ -79,8 +79,8 @@ class InjectedDisk:
             return real_fsync(descriptor)
 
         monkeypatch.setattr(os, "fsync", fsync)
-        real_probe = service_module.probe_writable
-        monkeypatch.setattr(service_module, "probe_writable",
+        real_probe = durable.probe_writable
+        monkeypatch.setattr(durable, "probe_writable",
                             lambda d: "No space left on device" if self.full else real_probe(d))
 
     def _store_write(self, method):
@@ -175,6 +175,52 @@ def test_a_real_full_filesystem_loses_no_transition_and_wedges_nothing(pipe, tmp
         failed, problems = run_through_a_full_disk(pipe, data_dir, lambda: ballast.append(fill(mount)),
                                                    lambda: ballast.pop().unlink())
         assert any("cannot be written" in p or "under --min-free-disk" in p for p in problems), problems
+
+
+def test_health_reports_work_pending_that_does_not_move(pipe, tmp_path):
+    """Queued jobs none of which starts, and jobs the store says run with no run behind them: each a /health
+    problem after stall_seconds, gone by itself once things move."""
+    service = SongService(pipe, ServeConfig(tmp_path / "data", concurrency=1, stall_seconds=1))
+    server = ThreadServer(service)
+    client = server.client
+    try:
+        service.workers.scheduler.start_gate = lambda handle: "held by this test"
+        job = client.post("/v1/songs", json=SONG).json()["id"]
+        stuck = wait_for(lambda: health(client), lambda h: h[0] == 503, timeout=30)[1]
+        assert stuck["problems"] == ["1 job(s) are queued and none has started for 1 s (0 of 1 in flight)"]
+        service.workers.scheduler.start_gate = None
+        assert wait_for(lambda: client.get(f"/v1/songs/{job}").json(), lambda d: d["status"] in FINAL,
+                        timeout=60)["status"] == "complete"
+        assert health(client)[0] == 200
+        service.store.update(job, status="generating")  # as the issue's lost transitions left it
+        lost = wait_for(lambda: health(client), lambda h: h[0] == 503, timeout=30)[1]
+        assert lost["problems"] == ["1 job(s) the store says are running have no run behind them"]
+        service.store.update(job, status="complete")
+        assert health(client)[0] == 200
+    finally:
+        server.stop()
+
+
+def test_while_the_owner_waits_on_the_store_calls_answer_503_at_once_and_land_after(pipe, tmp_path, monkeypatch):
+    disk = InjectedDisk(monkeypatch)
+    service = SongService(pipe, ServeConfig(tmp_path / "data", concurrency=1, min_free_bytes=0))
+    server = ThreadServer(service)
+    client = server.client
+    try:
+        long = {**SONG, "semantic_sampling": {"min_tokens": 3000, "max_tokens": 3000}}
+        job = client.post("/v1/songs", json=long).json()["id"]
+        wait_for(lambda: client.get(f"/v1/songs/{job}").json(), lambda d: d["status"] == "generating", timeout=60)
+        disk.full = True
+        service._call(lambda: None)  # the owner is idle; the next write it makes blocks it
+        cancel = client.post(f"/v1/songs/{job}/cancel")  # cancel_requested=1 cannot be written
+        assert cancel.status_code == 503 and "job store cannot be written" in cancel.json()["error"]["message"]
+        assert health(client)[1]["disk"]["store_writable"] is False
+        disk.full = False
+        assert wait_for(lambda: client.get(f"/v1/songs/{job}").json(), lambda d: d["status"] in FINAL,
+                        timeout=60)["status"] == "cancelled"  # the cancel landed once the store took writes
+        assert wait_for(lambda: health(client), lambda h: h[0] == 200, timeout=30)[1]["disk"]["store_writable"]
+    finally:
+        server.stop()
 
 
 # -- the store and the file writes on their own

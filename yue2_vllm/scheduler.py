@@ -443,9 +443,9 @@ class SongScheduler:
     def _wait_for_gate(self, handle: SongHandle, poll: float = 0.5) -> None:
         """Keep a queued song queued while `start_gate` says why it may not start (a cancel or close ends the
         wait: the song then ends as it would have)."""
-        gate, said = self.start_gate, None
-        while gate is not None and not handle.cancelled() and not self._closing.is_set():
-            reason = gate(handle)
+        said = None
+        while self.start_gate is not None and not handle.cancelled() and not self._closing.is_set():
+            reason = self.start_gate(handle)
             if reason is None:
                 if said is not None:
                     LOG.info("song %s starts: %s no longer holds it", handle.id, said)

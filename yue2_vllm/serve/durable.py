@@ -113,3 +113,20 @@ def probe_writable(directory: Path) -> str | None:
         except OSError:
             pass
     return None
+
+
+def disk_state(directory: Path) -> tuple[int | None, str | None]:
+    """`directory`'s free bytes (None: unreadable) and why it cannot be written now (None: it can)."""
+    return free_bytes(directory), probe_writable(directory)
+
+
+def disk_refusal(directory: Path, min_free_bytes: int = 0, state: tuple[int | None, str | None] | None = None) \
+        -> str | None:
+    """Why a song should not start writing into `directory` now (it cannot be written, or has under
+    `min_free_bytes` free), else None. `state`: a `disk_state` already taken."""
+    free, refused = state if state is not None else disk_state(directory)
+    if refused is not None:
+        return f"the data dir {directory} cannot be written ({refused}; {free} bytes free)"
+    if free is not None and free < min_free_bytes:
+        return f"the data dir {directory} has {free} bytes free, under --min-free-disk ({min_free_bytes} bytes)"
+    return None

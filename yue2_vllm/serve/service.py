@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..protocol import PHASES
 from ..scheduler import FINAL_STATES, STAGE_STATES, STATES, SongEvent
-from .durable import DurableStore, probe_writable, store_fault_error
+from .durable import DurableStore, disk_refusal, disk_state
 from .errors import Conflict, InsufficientStorage, NotFound, RequestInvalid, TooManyJobs, Unavailable
 from .events import EventHub, Throttle
 from .metrics import Registry, RateWindow
@@ -131,7 +131,7 @@ class SongService:
         self._stop = threading.Event()
         # Every write the job owner makes lands (retried while the disk refuses it); see serve.durable.
         self.store = DurableStore(JobStore(config.database), config.data_dir, stopping=self._stop.is_set)
-        self._disk_checked: tuple[float, str | None] = (0.0, None)  # (when, why the data dir cannot be written)
+        self._disk_checked: tuple[float, tuple | None] = (0.0, None)  # (when, disk_state) for /health
         self.hub = EventHub()
         self.throttle = Throttle(config.event_interval)
         self._live: dict[str, LiveJob] = {}
@@ -144,8 +144,8 @@ class SongService:
         self._last_progress = time.monotonic()
         self._init_metrics()
         workers.listener = self._post_event
-        if hasattr(workers, "scheduler"):  # songs in this process: a queued one waits while the data dir is full
-            workers.scheduler.start_gate = lambda handle: self.disk_refusal()
+        if hasattr(workers, "min_free_bytes"):  # a queued song waits while the data dir is full (see SongWorker)
+            workers.min_free_bytes = config.min_free_bytes
         self._watchdog = threading.Thread(target=self._watch, name="yue2-serve-watchdog", daemon=True)
         self.started = False
 
@@ -733,48 +733,28 @@ class SongService:
                 "queue": {"depth": self.store.queued(), "limit": self.config.queue_size, "held": len(self._held)},
                 "in_flight": in_flight, "concurrency": self.workers.concurrency, "disk": disk, **extra}, ok
 
-    def _disk(self, fresh: bool = False) -> tuple[int | None, str | None]:
-        """The data dir's free bytes and why it cannot be written (a probe write: at most once a second unless
-        `fresh`)."""
-        now = time.monotonic()
-        try:
-            free = shutil.disk_usage(self.config.data_dir).free
-        except OSError:
-            free = None
-        checked, refused = self._disk_checked
-        if fresh or now - checked >= 1.0:
-            refused = probe_writable(self.config.data_dir)
-            self._disk_checked = (now, refused)
-        return free, refused
-
-    def disk_refusal(self) -> str | None:
-        """Why a queued song should not start now (the data dir cannot be written or is under --min-free-disk),
-        else None: a song started then would fail at its first write."""
-        free, refused = self._disk(fresh=True)  # a song thread about to start: the state now, not a second ago
-        if refused is not None:
-            return f"the data dir {self.config.data_dir} cannot be written ({refused}; {free} bytes free)"
-        if free is not None and free < self.config.min_free_bytes:
-            return (f"the data dir {self.config.data_dir} has {free} bytes free, under --min-free-disk "
-                    f"({self.config.min_free_bytes} bytes)")
-        return None
+    def _disk(self) -> tuple[int | None, str | None]:
+        """The data dir's free bytes and why it cannot be written (its probe write at most once a second)."""
+        checked, state = self._disk_checked
+        if state is None or time.monotonic() - checked >= 1.0:
+            state = disk_state(self.config.data_dir)
+            self._disk_checked = (time.monotonic(), state)
+        return state
 
     def disk_health(self) -> tuple[dict, list[str]]:
         """The data dir as /health shows it, and its problems: under --min-free-disk, a probe write refused (checked
         at most once a second), a store write waiting to land — each naming the data dir, its free bytes and
         what is held."""
         data_dir, now = self.config.data_dir, time.monotonic()
-        free, refused = self._disk()
+        free, refused = state = self._disk()
         fault = self.store.fault()
         held = (f"{self.in_flight()} song(s) in flight, {self.store.queued()} queued "
                 f"({len(self._held)} held)")
         problems = []
-        if refused is not None:
-            problems.append(f"the data dir {data_dir} cannot be written ({refused}; {free} bytes free): songs "
-                            f"writing there fail (resumable), queued ones wait and new ones are refused; {held}")
-        elif free is not None and free < self.config.min_free_bytes:
-            problems.append(f"the data dir {data_dir} has {free} bytes free, under --min-free-disk "
-                            f"({self.config.min_free_bytes} bytes): queued songs wait and new ones are refused (507); "
-                            f"{held}")
+        refusal = disk_refusal(data_dir, self.config.min_free_bytes, state)
+        if refusal is not None:
+            problems.append(f"{refusal}: songs writing there fail (resumable), queued ones wait and new ones are "
+                            f"refused (507); {held}")
         if fault is not None:
             problems.append(f"the job store {self.config.database} cannot be written for "
                             f"{now - fault.since:.0f} s ({fault.error}; {free} bytes free): the job owner retries "

@@ -21,6 +21,7 @@ from ..checkpoint import disk_full
 from ..pipeline import STAGE_RECORDS, YuE2Pipeline
 from ..protocol import SongRequest
 from ..scheduler import FINAL_STATES, SongEvent, SongHandle, SongScheduler
+from .durable import disk_refusal
 
 LOG = logging.getLogger("yue2_vllm.serve")
 ENGINE_DOWN = ("starting", "restarting", "failed")  # the engine cannot serve now: /health answers 503
@@ -75,6 +76,10 @@ class SongWorker:
         self._engine = None
         self._stop = threading.Event()
         self.scheduler = SongScheduler(pipe, concurrency=concurrency, listener=self._on_song_event)
+        # A queued song waits while its data dir cannot be written or has under this many bytes free: started,
+        # it would fail at its first write.
+        self.min_free_bytes = 0
+        self.scheduler.start_gate = lambda handle: disk_refusal(handle.directory.parent, self.min_free_bytes)
         self._watchdog = threading.Thread(target=self._watch, name="yue2-engine-watchdog", daemon=True)
 
     @property
