@@ -143,7 +143,7 @@ def run_through_a_full_disk(pipe, data_dir: Path, make_full, make_free, songs: i
         assert not list(data_dir.rglob("*.tmp")), "temp files were left behind"
     finally:
         server.stop()
-    assert any(str(data_dir) in p and "bytes free" in p for p in seen_problems), seen_problems
+    assert any(f"the data dir …/{data_dir.name} " in p and "bytes free" in p for p in seen_problems), seen_problems
     reopened = SongService(pipe, ServeConfig(data_dir))
     try:
         for job_id in jobs:

@@ -64,7 +64,7 @@ _TRACE = re.compile(r"Traceback \(most recent call last\).*", re.S)
 # Keys whose values the server writes (errors, reasons, records of where weights came from); what a client
 # sent (style, lyrics, score) is given back as it came.
 _SERVER_KEYS = {"error", "errors", "message", "reason", "fallback_reason", "retries", "stages", "result",
-                "engine", "sources", "source", "path", "directory", "backend_note", "batch_note"}
+                "engine", "sources", "source", "path", "directory", "backend_note", "batch_note", "problems", "disk"}
 
 
 def redact_text(text: str) -> str:
