@@ -2,19 +2,17 @@
 after, the queue drains without a restart, a restart reads every job back unchanged, every finished song verifies.
 The disk is a real full filesystem (a tmpfs, when this runs as root) and, everywhere, injected faults at every write
 site (ENOSPC for the songs' files, "database or disk is full" for the job store), raised for a while and lifted."""
-import contextlib
 import errno
 import logging
 import os
 import sqlite3
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from serving import GENERATION, ThreadServer, pipe, wait_for  # noqa: F401 (pipe: a fixture)
+from serving import ThreadServer, fill, pipe, tmpfs, wait_for  # noqa: F401 (pipe: a fixture)
 from yue2_vllm.artifacts import verify_result
 from yue2_vllm.checkpoint import write_bytes_atomic
 from yue2_vllm.serve import durable
@@ -25,40 +23,6 @@ from yue2_vllm.serve.store import JobStore, NewJob
 FINAL = ("complete", "failed", "cancelled")
 SONG = {"style": "pop, piano", "lyrics": "[verse]\nla la la\n", "seed": 7}
 STORE_WRITES = ("update", "requeue", "mark_deleted", "delete", "admit")
-
-
-@contextlib.contextmanager
-def tmpfs(directory: Path, size: str = "32m"):
-    """A tmpfs of `size` at `directory` (skipped with the reason when it cannot be mounted here)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("a real full filesystem needs a tmpfs mount, and this test does not run as root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)
-
-
-def fill(directory: Path) -> Path:
-    """Take every free byte of `directory`'s filesystem with one file; its path."""
-    ballast = directory / "ballast"
-    with open(ballast, "wb") as handle:
-        block = b"\0" * (1 << 20)
-        try:
-            while True:
-                handle.write(block)
-                handle.flush()
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-    with contextlib.suppress(OSError), open(ballast, "ab") as handle:  # the last partial block
-        while True:
-            handle.write(b"\0" * 512)
-            handle.flush()
-    return ballast
 
 
 class InjectedDisk:

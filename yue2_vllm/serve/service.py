@@ -636,7 +636,7 @@ class SongService:
             error = {"type": "Cancelled", "message": "cancelled"}
         if error is not None and error.get("type") == DISK_FULL:
             free = shutil.disk_usage(self.config.data_dir).free
-            error = {**error, "message": f"{error['message']}; the data dir {self.config.data_dir} has {free} bytes "
+            error = {**error, "message": f"{error['message']}; the data dir {self.config.data_dir} has {free} bytes now "
                                          f"free: POST {urls(job_id)['self']}/resume once space returns"}
             LOG.error("job %s failed: its files could not be written (%s)", job_id, error["message"])
         self._record_final(job_id, live, kind, error=error)
