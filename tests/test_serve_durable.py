@@ -14,7 +14,6 @@ import pytest
 
 from serving import ThreadServer, fill, pipe, tmpfs, wait_for  # noqa: F401 (pipe: a fixture)
 from yue2_vllm.artifacts import verify_result
-from yue2_vllm.checkpoint import write_bytes_atomic
 from yue2_vllm.serve import durable
 from yue2_vllm.serve.durable import DurableStore, probe_writable
 from yue2_vllm.serve.service import ServeConfig, SongService
@@ -236,15 +235,8 @@ def test_the_store_recovers_from_a_commit_on_a_real_full_filesystem(tmp_path):
         store.close()
 
 
-def test_a_file_that_cannot_be_written_names_its_directory_and_free_bytes_and_leaves_no_temp(tmp_path):
+def test_the_probe_write_sees_a_full_filesystem_and_leaves_nothing(tmp_path):
     with tmpfs(tmp_path / "disk", size="1m") as mount:
-        target = mount / "audio.flac"
-        with pytest.raises(OSError) as raised:
-            write_bytes_atomic(target, b"\0" * (2 << 20))
-        assert raised.value.errno == errno.ENOSPC
-        assert f"cannot write {target}" in str(raised.value) and f"({mount} has " in str(raised.value)
-        assert "bytes free" in str(raised.value)
-        assert list(mount.iterdir()) == []
         assert probe_writable(mount) is None
         ballast = fill(mount)
         assert probe_writable(mount) == os.strerror(errno.ENOSPC)
