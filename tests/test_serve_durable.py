@@ -3,6 +3,7 @@ after, the queue drains without a restart, a restart reads every job back unchan
 The disk is a real full filesystem (a tmpfs, when this runs as root) and, everywhere, injected faults at every write
 site (ENOSPC for the songs' files, "database or disk is full" for the job store), raised for a while and lifted."""
 import errno
+import json
 import logging
 import os
 import sqlite3
@@ -184,6 +185,29 @@ def test_while_the_owner_waits_on_the_store_calls_answer_503_at_once_and_land_af
         assert wait_for(lambda: health(client), lambda h: h[0] == 200, timeout=30)[1]["disk"]["store_writable"]
     finally:
         server.stop()
+
+
+def test_a_server_stops_while_the_store_cannot_be_written_and_the_next_start_resumes_its_jobs(pipe, tmp_path,
+                                                                                           monkeypatch):
+    disk = InjectedDisk(monkeypatch)
+    config = ServeConfig(tmp_path / "data", concurrency=1, min_free_bytes=0, shutdown_seconds=5)
+    service = SongService(pipe, config)
+    service.start()
+    long = {**SONG, "semantic_sampling": {"min_tokens": 3000, "max_tokens": 3000}}
+    record, _ = service.submit(json.dumps(long).encode())
+    wait_for(lambda: service.store.get(record.id).status, lambda s: s == "generating", timeout=60)
+    disk.full = True
+    started = time.monotonic()
+    service.close()  # gives up on the writes it cannot make, in one line each
+    assert time.monotonic() - started < 30
+    disk.full = False
+    again = SongService(pipe, config)
+    again.start()
+    try:  # it was generating when the server stopped: resumed as a restart (the shutdown requeue did not land)
+        resumed = again.store.get(record.id)
+        assert resumed.status != "failed" and resumed.retries[-1]["kind"] == "restart" and resumed.attempts == 2
+    finally:
+        again.close()
 
 
 # -- the store and the file writes on their own

@@ -244,7 +244,10 @@ class SongService:
             LOG.warning("songs did not stop within %.0f s; leaving them to resume at the next start",
                         self.config.shutdown_seconds)
         if self._owner.is_alive():
-            self._call(self._requeue_unfinished)
+            try:
+                self._call(self._requeue_unfinished)
+            except (Unavailable, sqlite3.OperationalError) as exc:  # the store refused: the next start resumes them
+                LOG.error("stopping: unfinished jobs not requeued (%s); the next start resumes them", exc)
             self._inbox.put(None)
             self._owner.join(timeout=10)
         if self._watchdog.is_alive():
