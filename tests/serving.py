@@ -1,6 +1,8 @@
 """Helpers for the server tests: a real uvicorn server on a random loopback port, in a thread or a subprocess."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import socket
@@ -134,3 +136,35 @@ def read_events(client: httpx.Client, job_id: str, timeout: float = 120) -> list
                 events.append((kind, json.loads("\n".join(data)), time.monotonic() - start))
                 kind, data = None, []
     return events
+
+
+@contextlib.contextmanager
+def tmpfs(directory: Path, size: str = "32m"):
+    """A tmpfs of `size` at `directory` (skipped with the reason when it cannot be mounted here)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("a real full filesystem needs a tmpfs mount, and this test does not run as root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Take every free byte of `directory`'s filesystem with one file; its path."""
+    ballast = directory / "ballast"
+    descriptor = os.open(ballast, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for size in (1 << 20, 4096, 512):  # the last blocks too
+            try:
+                while os.write(descriptor, b"\0" * size) == size:
+                    pass
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+    finally:
+        os.close(descriptor)
+    return ballast

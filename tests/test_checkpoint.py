@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from yue2_vllm.checkpoint import (CheckpointError, Expected, atomic_directory, check_tensors, identity, load_tensors,
-                                  model_file, read_header, sha256_file, weight_index, write_json_atomic)
+                                  model_file, read_header, sha256_file, weight_index, write_bytes_atomic,
+                                  write_json_atomic)
 
 
 def make_dir(path, tensors, name="model.safetensors"):
@@ -194,3 +195,18 @@ def test_drop_page_cache_leaves_the_loaded_files_out_of_memory(tmp_path):
     assert drop_page_cache(model) == sum(path.stat().st_size for path in files) == 9 * 2**20
     assert [_resident_bytes(path) for path in files] == [0, 0]
     assert drop_page_cache(None) == 0
+
+
+def test_a_file_that_cannot_be_written_names_its_directory_and_free_bytes_and_leaves_no_temp(tmp_path):
+    """On a real full filesystem (a tmpfs; skipped when it cannot be mounted here)."""
+    import errno
+
+    from serving import tmpfs
+
+    with tmpfs(tmp_path / "disk", size="1m") as mount:
+        target = mount / "audio.flac"
+        with pytest.raises(OSError) as raised:
+            write_bytes_atomic(target, b"\0" * (2 << 20))
+        assert raised.value.errno == errno.ENOSPC
+        assert str(raised.value).startswith(f"[Errno 28] cannot write {target}: No space left on device ({mount} has ")
+        assert str(raised.value).endswith(" bytes free)") and list(mount.iterdir()) == []

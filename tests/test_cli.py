@@ -252,6 +252,39 @@ def test_disk_full_in_the_cli_is_one_line_and_resumable(tiny_model_dir, tiny_vae
     assert "failure.json" not in document["artifacts"]
 
 
+def test_batch_on_a_filling_disk_goes_on_keeps_batch_json_valid_and_resumes(tiny_model_dir, tiny_vae_dir,
+                                                                            config_file, tmp_path, monkeypatch,
+                                                                            capsys):
+    """The disk fills after the first song and its batch.json: every later row fails at once with the reason,
+    batch.json keeps its last valid version, one warning line each time it cannot be written, no traceback; a
+    rerun with --resume once space is back completes every row."""
+    rows = [{"id": name, "style": "pop", "lyrics": "x", "cot": "off", "seed": i} for i, name in enumerate("abc")]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out"
+    disk = FullDisk(out, RUN_WRITES + 2, stays_full=True)  # song a's 18 writes and batch.json land
+    monkeypatch.setattr(os, "fsync", disk)
+    command = ["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
+               str(tmp_path / "in.jsonl"), "--output", str(out)]
+    assert main(command) == 1
+    captured = capsys.readouterr()
+    statuses = [json.loads(line) for line in captured.out.strip().splitlines()]
+    assert [s["status"] for s in statuses[:3]] == ["complete", "failed", "failed"]
+    for status in statuses[1:3]:
+        assert "No space left on device" in status["reason"] and "bytes free" in status["reason"]
+        assert "rerun with --resume" in status["reason"]
+    errors = captured.err.strip().splitlines()
+    assert "Traceback" not in captured.err and len(errors) == 4, errors  # 3 batch.json warnings, one error
+    assert errors[-1].startswith("yue2-vllm: error: ") and "batch.json could not be written" in errors[-1]
+    summary = json.loads((out / "batch.json").read_text())  # the version written after song a
+    assert [r["id"] for r in summary["results"]] == ["a"] and not summary["all_attempted"]
+    assert not list(out.rglob("*.tmp"))
+    monkeypatch.setattr(os, "fsync", disk.real)
+    assert main(command + ["--resume"]) == 0
+    summary = json.loads((out / "batch.json").read_text())
+    assert (summary["complete"], summary["all_attempted"], summary["failed"]) == (True, True, 0)
+    assert [r["status"] for r in summary["results"]] == ["complete"] * 3
+
+
 def _wait_for_state(path, state, process, timeout=120.0):
     import time
 

@@ -227,3 +227,49 @@ def test_a_replica_whose_engine_is_gone_for_good_is_replaced_and_its_song_moves(
         assert back.status_code == 200
     finally:
         server.kill()
+
+
+@pytest.mark.slow  # a Ray cluster; the default run keeps its single-process sibling (tests/test_serve_durable.py)
+def test_a_full_data_dir_under_replicas_loses_nothing_and_wedges_nothing(tmp_path):
+    """--replicas 2 with the data dir on a real tmpfs that fills for ~8 s while songs run: /health says so (503),
+    the songs writing then fail with DiskFull and resume, the queue drains without a restart, /health is ok after,
+    and a restart reads every job back unchanged."""
+    from serving import fill, tmpfs
+
+    with tmpfs(tmp_path / "disk", size="64m") as mount:
+        config = tmp_path / "generation.json"
+        config.write_text(json.dumps(GENERATION), encoding="utf-8")
+        args = ["--data-dir", str(mount / "data"), "--config", str(config), "--replicas", "2", "--backend", "torch",
+                "--min-free-disk", "0.001"]
+        server = ProcessServer(args, log=tmp_path / "serve.log")
+        client = server.client
+        try:
+            wait_for(lambda: client.get("/health"), lambda r: r.status_code == 200, timeout=180)
+            jobs = [submit(client, seed, **LONGER) for seed in range(4)]
+            wait_for(lambda: status(client, jobs[0]), lambda d: d["status"] == "generating", timeout=120)
+            ballast = fill(mount)
+            try:
+                down = wait_for(lambda: client.get("/health"), lambda r: r.status_code == 503, timeout=30).json()
+                assert any("the data dir" in p and "bytes free" in p for p in down["problems"]), down
+                assert client.post("/v1/songs", json=SONG).status_code == 507
+                time.sleep(8)
+            finally:
+                ballast.unlink()
+            wait_for(lambda: client.get("/health"), lambda r: r.status_code == 200, timeout=60)
+            documents = {job: final(client, job) for job in jobs}
+            for job, doc in documents.items():
+                if doc["status"] == "failed":
+                    assert doc["error"]["type"] == "DiskFull", doc["error"]
+                    assert client.post(f"/v1/songs/{job}/resume").status_code == 202
+                    documents[job] = final(client, job)
+                assert documents[job]["status"] == "complete", documents[job]["error"]
+                verify_result(mount / "data" / "jobs" / job)
+        finally:
+            server.stop()
+        assert "Traceback" not in (tmp_path / "serve.log").read_text()
+        server = ProcessServer(args, log=tmp_path / "serve.log")
+        try:
+            for job in jobs:
+                assert status(server.client, job)["finished"] == documents[job]["finished"]
+        finally:
+            server.stop()

@@ -7,6 +7,7 @@ then read one at a time from memory-mapped files.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -310,8 +311,35 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError) and exc.errno is not None:
-            raise OSError(exc.errno, f"cannot write {path}: {exc.strerror}") from None
+            raise OSError(exc.errno, f"cannot write {path}: {exc.strerror}{free_space_note(path, exc)}") from None
         raise
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether an error is a full disk (or quota): space returning makes the same write work."""
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes on the filesystem of `path` (its nearest existing parent), None when it cannot be read."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def free_space_note(path: Path, exc: BaseException) -> str:
+    """" (DIR has N bytes free)" for a full disk, else ""."""
+    if not disk_full(exc):
+        return ""
+    free = free_bytes(path.parent)
+    return f" ({path.parent} has {free if free is not None else 'an unknown number of'} bytes free)"
 
 
 def fsync_directory(path: str | os.PathLike) -> None:

@@ -15,6 +15,7 @@ keeps decoding other songs. A failure or a cancellation belongs to its song alon
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -33,6 +34,7 @@ from .protocol import SongRequest
 STATES = ("queued", "planning", "generating", "synthesizing", "decoding", "complete", "failed", "cancelled")
 FINAL_STATES = ("complete", "failed", "cancelled")
 STAGE_STATES = {"plan": "planning", "semantic": "generating", "synthesis": "synthesizing", "audio": "decoding"}
+LOG = logging.getLogger(__name__)
 COALESCE_SECONDS = 0.25  # how long the lane waits for songs about to finish their AR before a batched NAR
 
 
@@ -352,6 +354,9 @@ class SongScheduler:
         self._check_memory()
         self.threads = self._torch_threads()
         self.listener = listener
+        # Why a queued song may not start now (e.g. its data dir is full), else None; polled until it may.
+        self.start_gate: Callable[[SongHandle], str | None] | None = None
+        self._closing = threading.Event()
         self.lane = SynthesisLane(pipe, synthesis_batch if synthesis_batch is not None else default_synthesis_batch(pipe, self.concurrency),
                                   expecting=lambda: sum(1 for h in list(self._handles.values())
                                                         if h.state in ("planning", "generating")),
@@ -431,6 +436,7 @@ class SongScheduler:
     def close(self, cancel: bool = False, timeout: float | None = None) -> bool:
         """Stop taking songs; with `cancel`, stop the ones in flight too. Waits for the song threads, at most
         `timeout` seconds in all (None: until they stop); True when every thread stopped in time."""
+        self._closing.set()
         if cancel:
             for handle in list(self._handles.values()):
                 handle.cancel()
@@ -456,7 +462,23 @@ class SongScheduler:
             handle = self._queue.get()
             if handle is None:
                 return
+            self._wait_for_gate(handle)
             self._run(handle)
+
+    def _wait_for_gate(self, handle: SongHandle, poll: float = 0.5) -> None:
+        """Keep a queued song queued while `start_gate` says why it may not start (a cancel or close ends the
+        wait: the song then ends as it would have)."""
+        said = None
+        while self.start_gate is not None and not handle.cancelled() and not self._closing.is_set():
+            reason = self.start_gate(handle)
+            if reason is None:
+                if said is not None:
+                    LOG.info("song %s starts: %s no longer holds it", handle.id, said)
+                return
+            if said is None:
+                LOG.info("song %s stays queued: %s", handle.id, reason)
+                said = reason
+            self._closing.wait(poll)
 
     def _run(self, handle: SongHandle) -> None:
         try:

@@ -118,7 +118,9 @@ def _run_batch(pipe, rows, args) -> int:
     """Every valid row through the song scheduler (`--concurrency` at once); batch.json after each song.
 
     batch.json lists the finished rows in row order; `all_attempted` turns true once every row was
-    attempted, and `complete` (upstream's meaning) once every row was attempted and none failed.
+    attempted, and `complete` (upstream's meaning) once every row was attempted and none failed. On a full disk
+    the batch goes on: a row that cannot write its files fails with the reason, and a batch.json that cannot be
+    written keeps its last version (written atomically) and is written again after the next song.
     """
     import time
 
@@ -130,11 +132,20 @@ def _run_batch(pipe, rows, args) -> int:
     finished: dict[int, dict] = {}
     start = time.perf_counter()
 
+    def save_summary() -> bool:
+        try:
+            write_json_atomic(output / "batch.json", summary)
+        except OSError as exc:  # e.g. a full disk: the last batch.json stays as it was
+            print(f"yue2-vllm: warning: {exc}; batch.json keeps its last version and is written again after the "
+                  "next song", file=sys.stderr)
+            return False
+        return True
+
     def record(index: int, status: dict) -> None:
         finished[index] = status
         summary["failed"] = sum(s["status"] != "complete" for s in finished.values())
         summary["results"] = [finished[i] for i in sorted(finished)]
-        write_json_atomic(output / "batch.json", summary)
+        save_summary()
         print_status(status)
 
     progress = BatchProgress(not args.quiet, len(rows))
@@ -160,9 +171,12 @@ def _run_batch(pipe, rows, args) -> int:
     seconds = time.perf_counter() - start
     summary["all_attempted"] = True
     summary["complete"] = summary["failed"] == 0
-    write_json_atomic(output / "batch.json", summary)
+    saved = save_summary()
     done = len(rows) - summary["failed"]
     print_status({"status": "batch", "songs": len(rows), "completed": done, "failed": summary["failed"],
                   "concurrency": scheduler.concurrency, "seconds": round(seconds, 3),
                   "songs_per_s": round(done / seconds, 4), "ar_tokens_per_s": round(progress.tokens / seconds, 1)})
-    return 1 if summary["failed"] else 0
+    if not saved:
+        print(f"yue2-vllm: error: {output / 'batch.json'} could not be written; free space and rerun with --resume",
+              file=sys.stderr)
+    return 1 if summary["failed"] or not saved else 0

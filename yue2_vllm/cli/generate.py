@@ -90,6 +90,7 @@ def song_outcome(request, directory: Path, *, document: dict | None = None, erro
                  quiet: bool = True) -> dict:
     """The status line of a finished song; a failure is also recorded in its directory's failure.json."""
     from ..artifacts import ResumeError, RunDirectory, RunExistsError
+    from ..checkpoint import disk_full
 
     run = RunDirectory(directory)
     if error is not None:
@@ -97,6 +98,8 @@ def song_outcome(request, directory: Path, *, document: dict | None = None, erro
         if isinstance(error, RunExistsError):
             reason = (f"{directory}: holds a run already; pass --resume to continue it, or choose another --output "
                       "or --id" if error.holds_run else f"{directory}: is not empty; choose another --output or --id")
+        if disk_full(error):
+            reason += "; free space and rerun with --resume"
         status = {"status": "failed", "id": request.id, "directory": str(directory), "type": type(error).__name__,
                   "reason": reason}
         if not isinstance(error, (RunExistsError, ResumeError)):  # the run began, so the directory is ours

@@ -67,7 +67,7 @@ _TRACE = re.compile(r"Traceback \(most recent call last\).*", re.S)
 # Keys whose values the server writes (errors, reasons, records of where weights came from); what a client
 # sent (style, lyrics, score) is given back as it came.
 _SERVER_KEYS = {"error", "errors", "message", "reason", "fallback_reason", "retries", "stages", "result",
-                "engine", "sources", "source", "path", "directory", "backend_note", "batch_note"}
+                "engine", "sources", "source", "path", "directory", "backend_note", "batch_note", "problems", "disk"}
 
 
 def redact_text(text: str) -> str:
@@ -305,8 +305,10 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
 
     @app.get("/health", summary="Engine state, queue depth, songs in flight",
              responses={200: {"model": contract.Health},
-                        503: {"model": contract.Health, "description": "the engine is starting, restarting or "
-                                                                       "down", "headers": RETRY_AFTER}})
+                        503: {"model": contract.Health, "description": "not ok, each reason in `problems`: the "
+                              "engine is starting, restarting or down; the data dir cannot be written or is under "
+                              "--min-free-disk, or the job store cannot be written (`disk` says which, with the "
+                              "free bytes); queued work makes no progress", "headers": RETRY_AFTER}})
     def health(request: Request):
         document, ok = service.health()
         document = {**document, "api_key_required": guarded}

@@ -153,6 +153,8 @@ class Health(BaseModel):
     engine: dict
     queue: dict
     in_flight: int
+    disk: dict = Field(..., description="the data dir: data_dir, free_bytes, min_free_bytes, writable, "
+                       "store_writable, store_waiting_seconds (how long a job-store write has waited to land)")
     api_key_required: bool
 
 

@@ -18,6 +18,7 @@ import math
 import queue
 import re
 import shutil
+import sqlite3
 import statistics
 import threading
 import time
@@ -32,13 +33,14 @@ from ..protocol import PHASES, SongRequest
 from ..scheduler import FINAL_STATES, STAGE_STATES, STATES, SongEvent
 from ..checkpoint import write_json_atomic
 from .disk import RETENTION_SECONDS, DiskLedger, request_bytes, written_bytes
+from .durable import DurableStore, disk_refusal, disk_state
 from .errors import Conflict, InsufficientStorage, NotFound, RequestInvalid, TooManyJobs, Unavailable
 from .events import EventHub, Throttle
 from .metrics import Registry, RateWindow
 from .picture import PICTURE_VERSION, song_picture
 from .store import IdempotencyConflict, JobRecord, JobStore, NewJob, QueueFull  # noqa: F401 (re-exported)
 from .submission import check_idempotency_key, new_job_id, parse_submission, valid_job_id
-from .worker import ENGINE_DOWN, SongOrder, SongWorker
+from .worker import DISK_FULL, ENGINE_DOWN, SongOrder, SongWorker
 
 LOG = logging.getLogger("yue2_vllm.serve")
 STAGE_OF_STATE = {state: stage for stage, state in STAGE_STATES.items()}
@@ -132,7 +134,10 @@ class SongService:
         self.workers, self.config = workers, config
         self.rules = workers.rules
         config.jobs.mkdir(parents=True, exist_ok=True)
-        self.store = JobStore(config.database)
+        self._stop = threading.Event()
+        # Every write the job owner makes lands (retried while the disk refuses it); see serve.durable.
+        self.store = DurableStore(JobStore(config.database), config.data_dir, stopping=self._stop.is_set)
+        self._disk_checked: tuple[float, tuple | None] = (0.0, None)  # (when, disk_state) for /health
         self.disk = DiskLedger(config.jobs, lambda path: shutil.disk_usage(path).free)
         self._picture_lock = threading.Lock()
         self.hub = EventHub()
@@ -141,13 +146,14 @@ class SongService:
         self._held: list[str] = []  # queued jobs kept from the workers while they cannot serve any song
         self._durations: deque[float] = deque(maxlen=50)  # recent songs, started → finished (for Retry-After)
         self.closing = False
-        self._stop = threading.Event()
         self._inbox: queue.Queue = queue.Queue()
         self._owner = threading.Thread(target=self._own, name="yue2-serve-jobs", daemon=True)
         self._busy_since: float | None = None  # when the owner took the item it is on (None: waiting)
         self._last_progress = time.monotonic()
         self._init_metrics()
         workers.listener = self._post_event
+        if hasattr(workers, "min_free_bytes"):  # a queued song waits while the data dir is full (see SongWorker)
+            workers.min_free_bytes = config.min_free_bytes
         self._watchdog = threading.Thread(target=self._watch, name="yue2-serve-watchdog", daemon=True)
         self.started = False
 
@@ -168,6 +174,8 @@ class SongService:
                         future.set_result(fn(*args))
                     except BaseException as exc:  # the caller's to raise
                         future.set_exception(exc)
+            except (OSError, sqlite3.Error) as exc:  # expected (a disk, while stopping): one line
+                LOG.error("job owner: handling %s failed: %s: %s", item[0], type(exc).__name__, exc)
             except Exception:  # noqa: BLE001 (one job's bug must not stop every other job's transitions)
                 LOG.exception("job owner: handling %s failed", item[0])
             finally:
@@ -179,11 +187,19 @@ class SongService:
             return fn(*args)
         future: Future = Future()
         self._inbox.put(("call", fn, args, future))
-        try:
-            return future.result(timeout=self.config.owner_timeout)
-        except FutureTimeout:
-            raise Unavailable(f"the job owner did not answer within {self.config.owner_timeout:.0f} s",
-                              headers={"Retry-After": "5"}) from None
+        deadline = time.monotonic() + self.config.owner_timeout
+        while True:  # in slices: a client is told at once when the owner waits on the store
+            try:
+                return future.result(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                fault = self.store.fault()
+                if fault is not None and time.monotonic() - fault.since > 2:
+                    raise Unavailable(f"the job store cannot be written ({fault.error}); the job owner retries "
+                                      "its pending write and then carries out this request",
+                                      headers={"Retry-After": "5"}) from None
+                if time.monotonic() >= deadline:
+                    raise Unavailable(f"the job owner did not answer within {self.config.owner_timeout:.0f} s",
+                                      headers={"Retry-After": "5"}) from None
 
     def _post_event(self, event: SongEvent) -> None:
         """The workers' listener (song, lane and stream threads): never blocks, takes no lock."""
@@ -199,7 +215,10 @@ class SongService:
         self.started = True
         self.workers.start()
         self._owner.start()
-        self._call(self._recover)
+        try:
+            self._call(self._recover)
+        except Unavailable as exc:  # the store cannot be written now: the recovery stays queued on the owner
+            LOG.error("resuming unfinished jobs waits: %s", exc)
         self._watchdog.start()
 
     def _recover(self) -> None:
@@ -228,11 +247,15 @@ class SongService:
         (as a shutdown, not a death) and resume at the next start."""
         self.closing = True
         self._stop.set()
+        self.store.wake()
         if not self.workers.close(timeout=self.config.shutdown_seconds):
             LOG.warning("songs did not stop within %.0f s; leaving them to resume at the next start",
                         self.config.shutdown_seconds)
         if self._owner.is_alive():
-            self._call(self._requeue_unfinished)
+            try:
+                self._call(self._requeue_unfinished)
+            except (Unavailable, sqlite3.OperationalError) as exc:  # the store refused: the next start resumes them
+                LOG.error("stopping: unfinished jobs not requeued (%s); the next start resumes them", exc)
             self._inbox.put(None)
             self._owner.join(timeout=10)
         if self._watchdog.is_alive():
@@ -272,8 +295,13 @@ class SongService:
                 raise Conflict(str(exc), field="Idempotency-Key") from None
             except QueueFull as exc:
                 raise self._too_many(exc) from None
+            except sqlite3.OperationalError as exc:  # the store refused the insert: nothing was queued
+                raise self._store_refused(exc) from None
         if created:
-            self._call(self._launch, record)
+            try:
+                self._call(self._launch, record)
+            except Unavailable:  # the owner is waiting on the store: the job is durable, its launch queued
+                LOG.warning("job %s: accepted; it starts once the job owner's pending store write lands", record.id)
         return record, created
 
     def _record_bytes(self, record: JobRecord) -> int:
@@ -292,6 +320,13 @@ class SongService:
                 f"unfinished job(s) and {self.config.min_free_bytes / 1e6:.1f} MB kept free (--min-free-disk); "
                 "lower semantic_sampling.max_tokens, or retry once songs finish or are deleted",
                 headers={"Retry-After": str(self.retry_after())})
+
+    def _store_refused(self, exc: sqlite3.OperationalError) -> Exception:
+        free = shutil.disk_usage(self.config.data_dir).free
+        words = f"the job store ({self.config.database}) cannot be written: {exc}; the data dir has {free} bytes free"
+        if "full" in str(exc):
+            return InsufficientStorage(words)
+        return Unavailable(words, headers={"Retry-After": "5"})
 
     def _too_many(self, full: QueueFull) -> TooManyJobs:
         return TooManyJobs(f"{full}; retry later", headers={"Retry-After": str(self.retry_after())})
@@ -656,6 +691,11 @@ class SongService:
                 return
         if kind == "cancelled" and error is None:
             error = {"type": "Cancelled", "message": "cancelled"}
+        if error is not None and error.get("type") == DISK_FULL:
+            free = shutil.disk_usage(self.config.data_dir).free
+            error = {**error, "message": f"{error['message']}; the data dir {self.config.data_dir} has {free} bytes now "
+                                         f"free: POST {urls(job_id)['self']}/resume once space returns"}
+            LOG.error("job %s failed: its files could not be written (%s)", job_id, error["message"])
         self._record_final(job_id, live, kind, error=error)
 
     def _retry(self, job_id: str, live: LiveJob, error: dict, *, kind: str, limit: int) -> bool:
@@ -741,12 +781,62 @@ class SongService:
             problems.append(f"the job owner has been on one event for {now - busy:.0f} s")
         if not self._owner.is_alive() and self.started and not self.closing:
             problems.append("the job owner thread is not running")
+        disk, disk_problems = self.disk_health()
+        problems += disk_problems or self._pending_problems(in_flight, quiet)  # a full disk holds the queue
         ok = not problems
         extra = {k: v for k, v in workers.items() if k not in ("engine", "problems", "in_flight", "queued",
                                                                "concurrency")}
         return {"status": "ok" if ok else "unavailable", "problems": problems, "engine": workers["engine"],
                 "queue": {"depth": self.store.queued(), "limit": self.config.queue_size, "held": len(self._held)},
-                "in_flight": in_flight, "concurrency": self.workers.concurrency, **extra}, ok
+                "in_flight": in_flight, "concurrency": self.workers.concurrency, "disk": disk, **extra}, ok
+
+    def _disk(self) -> tuple[int | None, str | None]:
+        """The data dir's free bytes and why it cannot be written (its probe write at most once a second)."""
+        checked, state = self._disk_checked
+        if state is None or time.monotonic() - checked >= 1.0:
+            state = disk_state(self.config.data_dir)
+            self._disk_checked = (time.monotonic(), state)
+        return state
+
+    def disk_health(self) -> tuple[dict, list[str]]:
+        """The data dir as /health shows it, and its problems: under --min-free-disk, a probe write refused (checked
+        at most once a second), a store write waiting to land — each naming the data dir, its free bytes and
+        what is held."""
+        data_dir, now = self.config.data_dir, time.monotonic()
+        free, refused = state = self._disk()
+        fault = self.store.fault()
+        held = (f"{self.in_flight()} song(s) in flight, {self.store.queued()} queued "
+                f"({len(self._held)} held)")
+        problems = []
+        refusal = disk_refusal(data_dir, self.config.min_free_bytes, state)
+        if refusal is not None:
+            problems.append(f"{refusal}: songs writing there fail (resumable), queued ones wait and new ones are "
+                            f"refused (507); {held}")
+        if fault is not None:
+            problems.append(f"the job store {self.config.database} cannot be written for "
+                            f"{now - fault.since:.0f} s ({fault.error}; {free} bytes free): the job owner retries "
+                            f"the {fault.what} until it lands, every later transition waits behind it; {held}")
+        disk = {"data_dir": str(data_dir), "free_bytes": free, "min_free_bytes": self.config.min_free_bytes,
+                "writable": refused is None, "store_writable": fault is None,
+                "store_waiting_seconds": None if fault is None else round(now - fault.since, 1)}
+        return disk, problems
+
+    def _pending_problems(self, in_flight: int, quiet: float) -> list[str]:
+        """Work pending and nothing moving: queued jobs none of which starts, or jobs the store says run that no
+        run holds — for longer than stall_seconds (a store fault is reported on its own)."""
+        if self.store.fault() is not None or self.closing or not self.started:
+            return []
+        problems, stall = [], self.config.stall_seconds
+        waiting = self.store.queued() - len(self._held)
+        if waiting > 0 and in_flight == 0 and quiet > stall:
+            problems.append(f"{waiting} job(s) are queued and none has started for {quiet:.0f} s "
+                            f"(0 of {self.workers.concurrency} in flight)")
+        counts = self.store.counts()
+        running = sum(n for status, n in counts.items() if status not in ("queued",) + FINAL_STATES)
+        holding = sum(1 for live in list(self._live.values()) if not live.finalized)
+        if running > holding and quiet > stall:
+            problems.append(f"{running - holding} job(s) the store says are running have no run behind them")
+        return problems
 
     def in_flight(self) -> int:
         return sum(1 for live in list(self._live.values()) if not live.finalized and live.handle is not None

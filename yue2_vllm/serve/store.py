@@ -160,9 +160,20 @@ class JobStore:
             try:
                 yield self._db
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:  # e.g. SQLITE_FULL at COMMIT: the transaction may still be open
+                self._rollback()
+                raise
+
+    def _rollback(self) -> None:
+        if self._db.in_transaction:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:  # SQLite rolled it back itself
+                pass
 
     def close(self) -> None:
         with self._lock:

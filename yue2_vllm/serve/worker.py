@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..artifacts import RunDirectory, verify_result
+from ..checkpoint import disk_full
 from ..pipeline import STAGE_RECORDS, YuE2Pipeline
 from ..protocol import SongRequest
 from ..scheduler import FINAL_STATES, SongEvent, SongHandle, SongScheduler
+from .durable import disk_refusal
 
 LOG = logging.getLogger("yue2_vllm.serve")
 ENGINE_DOWN = ("starting", "restarting", "failed")  # the engine cannot serve now: /health answers 503
@@ -27,14 +29,16 @@ ENGINE_DOWN = ("starting", "restarting", "failed")  # the engine cannot serve no
 # backoff (startup.StartRetry); the engine part of /health says why and when it is tried again.
 ENGINE_START_FAILED = "start_failed"
 ERROR_CHARS = 2000
+DISK_FULL = "DiskFull"  # the error type of a song whose files could not be written for want of space
 
 
 def error_words(error: BaseException) -> dict:
-    """`{"type", "message"}` of an exception, without an engine log tail, at most ERROR_CHARS long."""
+    """`{"type", "message"}` of an exception, without an engine log tail, at most ERROR_CHARS long (a full disk's
+    type is DiskFull: the song may be resumed once space returns)."""
     message = str(error).split("; log tail")[0]
     if len(message) > ERROR_CHARS:
         message = message[:ERROR_CHARS] + "…"
-    return {"type": type(error).__name__, "message": message}
+    return {"type": DISK_FULL if disk_full(error) else type(error).__name__, "message": message}
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,10 @@ class SongWorker:
         self._engine = None
         self._stop = threading.Event()
         self.scheduler = SongScheduler(pipe, concurrency=concurrency, listener=self._on_song_event)
+        # A queued song waits while its data dir cannot be written or has under this many bytes free: started,
+        # it would fail at its first write.
+        self.min_free_bytes = 0
+        self.scheduler.start_gate = lambda handle: disk_refusal(handle.directory.parent, self.min_free_bytes)
         self._watchdog = threading.Thread(target=self._watch, name="yue2-engine-watchdog", daemon=True)
 
     @property
