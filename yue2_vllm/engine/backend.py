@@ -360,7 +360,9 @@ class _Worker:
             with self.lock:
                 stream = self.streams.get(event.get("id"))
             if stream is not None:
-                stream.events.put((event.get("id"), kind, event.get("error")))
+                payload = event.get("error") if kind == "error" else {k: event.get(k) for k in
+                                                                      ("logprobs", "cached_prompt_tokens")}
+                stream.events.put((event.get("id"), kind, payload))
         elif kind == "ready":
             self.ready.put(event)
         elif kind == "fatal":
@@ -628,6 +630,7 @@ class VLLMBackend:
                   "kv_reserved_bytes": kv, "mean_batch_rows": info["mean_batch_rows"], **self.runner_record(),
                   "admission_wait_seconds": waited, "engine_restarts": restarts_before,
                   "ar_checkpoint": self.settings.checkpoint.describe()}
+        timing.update(ar_signals(info.get("logprobs") or [], count, info.get("cached_prompt_tokens"), len(prefix)))
         if paired:
             timing.update(cfg_scale=cfg_scale, pair_restarts=info["pair_restarts"])
         with self._start_lock:
@@ -761,6 +764,8 @@ class _PairRun:
         self.accepted: list[int] = []
         self.first_token: float | None = None
         self.rows_seen: list[float] = []
+        self.logprobs: list[float | None] = []  # the cond row's, per accepted token
+        self.cached: int | None = None  # the first attempt's cond row (its warm-up's cache hits)
 
     def result(self) -> tuple[list[int], dict]:
         start = time.perf_counter()
@@ -770,7 +775,8 @@ class _PairRun:
             if ended or len(self.accepted) >= self.sampling.max_tokens:
                 rows = self.rows_seen
                 return self.accepted + [self.end] * ended, {"ended": ended, "ttft_seconds": self.first_token, "pair_restarts": restarts,
-                                       "mean_batch_rows": sum(rows) / len(rows) if rows else 0.0}
+                                       "mean_batch_rows": sum(rows) / len(rows) if rows else 0.0,
+                                       "logprobs": self.logprobs, "cached_prompt_tokens": self.cached}
             restarts += 1
             if restarts > self.MAX_PAIR_RESTARTS:
                 raise EngineError(f"the CFG pair of the {self.phase} phase fell out of step {restarts} times "
@@ -789,6 +795,7 @@ class _PairRun:
                                   pairing=Pairing(pair, role, self.cfg_scale)))
                 for rid, prompt, role in zip(rids, self.prompts, ("cond", "uncond"))]
         outputs = {rid: [] for rid in rids}
+        cond_info: dict = {}
         open_rows, aborting, accepted_here, ended = set(rids), set(), 0, False
         stream = backend._open(rids)
         try:
@@ -807,8 +814,12 @@ class _PairRun:
                 elif kind == "done":
                     open_rows.discard(rid)
                     self.rows_seen.append(payload["mean_batch_rows"])
+                    if rid == rids[0]:
+                        cond_info = payload
                 elif kind == "aborted":
                     open_rows.discard(rid)
+                    if rid == rids[0]:
+                        cond_info = payload or {}
                 elif kind == "error":
                     raise EngineError(f"vLLM rejected the {self.phase} CFG request: {payload}")
                 else:
@@ -834,6 +845,10 @@ class _PairRun:
                     aborting |= open_rows
             if self.cancelled is not None and self.cancelled() and not ended:
                 raise InterruptedError(f"cancelled during the {self.phase} phase after {len(self.accepted)} tokens")
+            logprobs = list(cond_info.get("logprobs") or [])[:accepted_here]
+            self.logprobs.extend(logprobs + [None] * (accepted_here - len(logprobs)))
+            if self.cached is None:
+                self.cached = cond_info.get("cached_prompt_tokens")
             return ended
         finally:
             backend._forget(rids)
