@@ -1,0 +1,157 @@
+"""Takes: the seed rule, the options' checks, the pick, and takes through the CLI and batch on the tiny model."""
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from yue2_vllm.cli import main
+from yue2_vllm.protocol import MAX_SEED, SongRequest
+from yue2_vllm.takes import (TakeOptions, check_takes_for, pick_take, pop_take_options, take_directory, take_id,
+                             take_request, take_seed)
+
+FAST = ["--quiet"]
+
+
+def test_the_seed_rule_is_one_pure_function_and_take_one_keeps_the_seed():
+    assert [take_seed(831001, k) for k in (1, 2, 3, 8)] == [831001, 831002, 831003, 831008]
+    assert take_seed(MAX_SEED - 1, 2) == 0  # wraps within [0, 2**63)
+    with pytest.raises(ValueError, match="take must be"):
+        take_seed(1, 0)
+    request = SongRequest("pop", "la", seed=7, id="x")
+    assert take_request(request, 1) == request
+    assert (take_request(request, 3).seed, take_request(request, 3).id) == (9, "x.t3")
+    assert len(take_id("a" * 180, 8)) <= 180
+    assert take_directory("/j", 1).as_posix() == "/j" and take_directory("/j", 4).as_posix() == "/j/takes/4"
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"takes": 0}, r"^takes: must be an integer in \[1, 8\]"),
+    ({"takes": 9}, r"^takes: must be an integer in \[1, 8\]"),
+    ({"takes": 2.5}, r"^takes: "),
+    ({"takes": True}, r"^takes: "),
+    ({"best_of": 2}, r"^best_of: 2 needs takes: 2"),
+    ({"takes": 3, "best_of": 2}, r"^best_of: "),
+    ({"takes": 2, "takes_share_score": "yes"}, r"^takes_share_score: "),
+    ({"takes_share_score": True}, r"^takes_share_score: needs takes >= 2"),
+])
+def test_bad_take_fields_name_the_field(data, message):
+    with pytest.raises(ValueError, match=message):
+        pop_take_options(dict(data))
+
+
+def test_take_fields_leave_the_request_fields():
+    data = {"style": "pop", "takes": 4.0, "best_of": 4, "takes_share_score": True}
+    assert pop_take_options(data) == TakeOptions(4, 4, True) and data == {"style": "pop"}
+    assert pop_take_options({"takes": 3}, limit=4).takes == 3
+    with pytest.raises(ValueError, match=r"takes: must be an integer in \[1, 2\]"):
+        pop_take_options({"takes": 3}, limit=2)
+
+
+def test_a_plan_job_with_nothing_to_plan_refuses_takes():
+    external = SongRequest("pop", "la", cot="melody", abc="X:1\nCDE|")
+    with pytest.raises(ValueError, match="^takes: .*external score"):
+        check_takes_for(external, TakeOptions(2), "plan")
+    check_takes_for(external, TakeOptions(2), "audio")  # takes of one score
+    check_takes_for(SongRequest("pop", "la"), TakeOptions(2), "plan")  # each take plans its own score
+
+
+def test_the_pick_is_the_highest_score_else_the_highest_semantic_log_prob():
+    records = [{"take": 1, "status": "complete", "signals": {"semantic_mean_logprob": -3.0}},
+               {"take": 2, "status": "complete", "signals": {"semantic_mean_logprob": -1.0}},
+               {"take": 3, "status": "failed", "signals": {}},
+               {"take": 4, "status": "complete", "signals": {"semantic_mean_logprob": -1.0}}]
+    assert pick_take(records) == 2  # ties: the lower take
+    records[0]["score"] = 5.0
+    assert pick_take(records) == 1
+    assert pick_take([records[2]]) is None
+
+
+@pytest.fixture()
+def config_file(tmp_path):
+    path = tmp_path / "gen.json"
+    path.write_text(json.dumps({"abc": {"max_tokens": 8, "min_tokens": 2},
+                                "semantic": {"max_tokens": 12, "min_tokens": 4}, "ode_steps": 2}))
+    return str(path)
+
+
+def model_args(tiny_model_dir, tiny_vae_dir, config_file):
+    return ["--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--config", config_file]
+
+
+def lines(capsys):
+    return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+
+
+SCORER = """import sys, numpy as np
+tokens = np.load(sys.argv[1] + "/semantic.npy")
+print(-float(tokens[0]))
+"""
+
+
+def test_generate_takes_are_the_one_take_songs_of_their_seeds(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
+                                                              capsys):
+    models = model_args(tiny_model_dir, tiny_vae_dir, config_file)
+    song = ["--style", "pop", "--lyrics", "[verse]\nla", "--seed", "40", "--id", "s"]
+    (tmp_path / "score.py").write_text(SCORER)
+    scorer = f"{sys.executable} {tmp_path / 'score.py'}"
+    assert main(["generate", *models, *FAST, *song, "--takes", "3", "--best-of", "--scorer", scorer,
+                 "--output", str(tmp_path / "takes")]) == 0
+    statuses = lines(capsys)
+    assert [s.get("take") for s in statuses[:3]] == [1, 2, 3] and statuses[-1]["status"] == "takes"
+    assert [s["seed"] for s in statuses[:3]] == [40, 41, 42] and statuses[-1]["complete"] == [1, 2, 3]
+    root = tmp_path / "takes" / "s"
+    listing = json.loads((root / "takes.json").read_text())
+    for k, record in enumerate(listing["results"], 1):
+        assert record["status"] == "complete" and record["seed"] == 39 + k
+        assert record["signals"]["semantic_mean_logprob"] < 0 and record["signals"]["abc_mean_logprob"] < 0
+        assert record["signals"]["semantic_cached_prompt_tokens"] is None  # the torch backend has no cache
+    # the scorer's number decides the pick (the lowest first semantic token here)
+    firsts = {k: int(np.load(take_directory(root, k) / "semantic.npy")[0]) for k in (1, 2, 3)}
+    assert listing["pick"] == min(firsts, key=lambda k: (firsts[k], k))
+    assert listing["signal"].startswith("scorer: ") and all("score" in r for r in listing["results"])
+    # each take is exactly the one-take song of its seed (take 1 also in the one-take directory)
+    for k in (1, 2, 3):
+        assert main(["generate", *models, *FAST, *song[:4], "--seed", str(39 + k), "--id", f"one{k}",
+                     "--output", str(tmp_path / "one")]) == 0
+        one, take = tmp_path / "one" / f"one{k}", take_directory(root, k)
+        for name in ("abc_tokens.npy", "semantic.npy"):
+            assert np.array_equal(np.load(one / name), np.load(take / name)), (k, name)
+    capsys.readouterr()
+    # --resume finds every take finished and redoes nothing
+    assert main(["generate", *models, *FAST, *song, "--takes", "3", "--resume", "--output", str(tmp_path / "takes")]) == 0
+    assert all(s["resumed"] for s in lines(capsys)[:3])
+
+
+def test_generate_takes_share_one_score_and_bad_flags_are_named(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
+                                                               capsys):
+    models = model_args(tiny_model_dir, tiny_vae_dir, config_file)
+    song = ["--style", "pop", "--lyrics", "[verse]\nla", "--seed", "3", "--id", "s"]
+    assert main(["generate", *models, *FAST, *song, "--takes", "2", "--takes-share-score",
+                 "--output", str(tmp_path / "o")]) == 0
+    root = tmp_path / "o" / "s"
+    assert (root / "score.abc").read_text() == (take_directory(root, 2) / "score.abc").read_text()
+    capsys.readouterr()
+    assert main(["generate", *models, *FAST, *song, "--best-of", "--output", str(tmp_path / "p")]) == 2
+    assert "--best-of" in capsys.readouterr().err
+    assert main(["generate", *models, *FAST, *song, "--cot", "off", "--takes", "2", "--stage", "plan",
+                 "--output", str(tmp_path / "p")]) == 2
+    assert "--takes" in capsys.readouterr().err and not (tmp_path / "p").exists()
+
+
+def test_batch_rows_with_takes(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    rows = [{"id": "a", "style": "pop", "lyrics": "la", "seed": 5, "takes": 2, "best_of": 2},
+            {"id": "b", "style": "pop", "lyrics": "la", "seed": 6},
+            {"id": "c", "style": "pop", "lyrics": "la", "takes": 9}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    code = main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
+                 str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")])
+    assert code == 1  # row c
+    summary = json.loads((tmp_path / "out" / "batch.json").read_text())
+    a, b, c = summary["results"]
+    assert a["status"] == "complete" and a["complete"] == [1, 2] and a["pick"] in (1, 2)
+    assert [r["seed"] for r in a["results"]] == [5, 6]
+    assert b["status"] == "complete" and c["status"] == "failed" and "takes: must be an integer in [1, 8]" in c["reason"]
+    # take 2 of row a (seed 6) is row b's song
+    assert np.array_equal(np.load(tmp_path / "out" / "a" / "takes" / "2" / "semantic.npy"),
+                          np.load(tmp_path / "out" / "b" / "semantic.npy"))
