@@ -30,8 +30,8 @@ def test_the_seed_rule_is_one_pure_function_and_take_one_keeps_the_seed():
     ({"takes": 9}, r"^takes: must be an integer in \[1, 8\]"),
     ({"takes": 2.5}, r"^takes: "),
     ({"takes": True}, r"^takes: "),
-    ({"best_of": 2}, r"^best_of: 2 needs takes: 2"),
-    ({"takes": 3, "best_of": 2}, r"^best_of: "),
+    ({"best_of": True}, r"^best_of: needs takes >= 2"),
+    ({"takes": 3, "best_of": 3}, r"^best_of: must be true or false"),
     ({"takes": 2, "takes_share_score": "yes"}, r"^takes_share_score: "),
     ({"takes_share_score": True}, r"^takes_share_score: needs takes >= 2"),
 ])
@@ -41,7 +41,7 @@ def test_bad_take_fields_name_the_field(data, message):
 
 
 def test_take_fields_leave_the_request_fields():
-    data = {"style": "pop", "takes": 4.0, "best_of": 4, "takes_share_score": True}
+    data = {"style": "pop", "takes": 4.0, "best_of": True, "takes_share_score": True}
     assert pop_take_options(data) == TakeOptions(4, 4, True) and data == {"style": "pop"}
     assert pop_take_options({"takes": 3}, limit=4).takes == 3
     with pytest.raises(ValueError, match=r"takes: must be an integer in \[1, 2\]"):
@@ -140,7 +140,7 @@ def test_generate_takes_share_one_score_and_bad_flags_are_named(tiny_model_dir, 
 
 
 def test_batch_rows_with_takes(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
-    rows = [{"id": "a", "style": "pop", "lyrics": "la", "seed": 5, "takes": 2, "best_of": 2},
+    rows = [{"id": "a", "style": "pop", "lyrics": "la", "seed": 5, "takes": 2, "best_of": True},
             {"id": "b", "style": "pop", "lyrics": "la", "seed": 6},
             {"id": "c", "style": "pop", "lyrics": "la", "takes": 9}]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows))

@@ -49,10 +49,10 @@ def take_directory(root: str | os.PathLike, take: int) -> Path:
 
 @dataclass(frozen=True)
 class TakeOptions:
-    """How many takes, whether to mark the best (`best_of` == `takes`), and whether they share one planned score."""
+    """How many takes, whether to mark the best as the pick (`best_of`), and whether they share one planned score."""
 
     takes: int = 1
-    best_of: int | None = None
+    best_of: bool = False
     share_score: bool = False
 
     def __post_init__(self):
@@ -70,26 +70,19 @@ def check_take_options(takes, best_of, share_score, limit: int = MAX_TAKES) -> N
     """ValueErrors that begin with the field they are about (`takes:`, `best_of:`, `takes_share_score:`)."""
     if not _is_int(takes) or not 1 <= takes <= limit:
         raise ValueError(f"takes: must be an integer in [1, {limit}], got {takes!r}")
-    if best_of is not None:
-        if not _is_int(best_of) or best_of < 2:
-            raise ValueError(f"best_of: must be an integer >= 2 (the number of takes to pick from), got {best_of!r}")
-        if best_of != takes:
-            raise ValueError(f"best_of: {best_of} needs takes: {best_of} (every take is kept; the best is marked), "
-                             f"got takes: {takes}")
-    if not isinstance(share_score, bool):
-        raise ValueError(f"takes_share_score: must be true or false, got {share_score!r}")
-    if share_score and takes == 1:
-        raise ValueError("takes_share_score: needs takes >= 2")
+    for name, value in (("best_of", best_of), ("takes_share_score", share_score)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: must be true or false, got {value!r}")
+        if value and takes == 1:
+            raise ValueError(f"{name}: needs takes >= 2 (it picks among or shares between takes)")
 
 
 def pop_take_options(data: dict, limit: int = MAX_TAKES) -> TakeOptions:
     """Take the take fields out of a request document (a POST body, a batch row, a request file)."""
-    takes, best_of = data.pop("takes", 1), data.pop("best_of", None)
-    share = data.pop("takes_share_score", False)
+    takes = data.pop("takes", 1)
+    best_of, share = data.pop("best_of", False), data.pop("takes_share_score", False)
     if isinstance(takes, float) and takes.is_integer():
         takes = int(takes)
-    if isinstance(best_of, float) and best_of.is_integer():
-        best_of = int(best_of)
     check_take_options(takes, best_of, share, limit)
     return TakeOptions(takes, best_of, share)
 
@@ -189,7 +182,7 @@ def takes_document(request: SongRequest, options: TakeOptions, records: list[dic
                 "complete": complete, "not_complete": [r["take"] for r in records if r["take"] not in complete],
                 "signal": scorer_name or "semantic_mean_logprob", "pick": None, "kept": kept,
                 "results": records}
-    if options.best_of is not None:
+    if options.best_of:
         document["pick"] = pick_take(records)
     return document
 

@@ -128,8 +128,7 @@ def take_options(args):
         if takes == 1 and getattr(args, name, None):
             raise UsageError(f"{flag}: picks or shares among takes: give --takes >= 2")
     try:
-        return TakeOptions(takes, takes if getattr(args, "best_of", False) else None,
-                           bool(getattr(args, "takes_share_score", False)))
+        return TakeOptions(takes, bool(getattr(args, "best_of", False)), bool(getattr(args, "takes_share_score", False)))
     except ValueError as exc:
         flag = "--" + str(exc).split(":")[0].replace("_", "-")
         raise UsageError(f"{flag}: {exc}") from None
