@@ -42,7 +42,7 @@ def test_bad_take_fields_name_the_field(data, message):
 
 def test_take_fields_leave_the_request_fields():
     data = {"style": "pop", "takes": 4.0, "best_of": True, "takes_share_score": True}
-    assert pop_take_options(data) == TakeOptions(4, 4, True) and data == {"style": "pop"}
+    assert pop_take_options(data) == TakeOptions(4, True, True) and data == {"style": "pop"}
     assert pop_take_options({"takes": 3}, limit=4).takes == 3
     with pytest.raises(ValueError, match=r"takes: must be an integer in \[1, 2\]"):
         pop_take_options({"takes": 3}, limit=2)
