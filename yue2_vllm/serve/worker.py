@@ -19,6 +19,7 @@ from typing import Callable
 from ..artifacts import RunDirectory, verify_result
 from ..pipeline import STAGE_RECORDS, YuE2Pipeline
 from ..protocol import SongRequest
+from ..takes import take_signals
 from ..scheduler import FINAL_STATES, SongEvent, SongHandle, SongScheduler
 
 LOG = logging.getLogger("yue2_vllm.serve")
@@ -137,7 +138,7 @@ class SongWorker:
         return {"identity": document["identity"], "audio_seconds": document["audio_seconds"],
                 "sample_rate": document["sample_rate"], "truncated": document["truncated"],
                 "resumed": document["resumed"], "audio_bytes": document["artifacts"]["audio.flac"]["bytes"],
-                "batch_invariant": document.get("batch_invariant", False)}
+                "batch_invariant": document.get("batch_invariant", False), "signals": take_signals(document)}
 
     # -- the engine
 
