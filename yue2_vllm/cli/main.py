@@ -226,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="songs in flight at once (default: the engine's rows, sized from --budget; 1 on the "
                             "torch backend)")
     serve.add_argument("--queue-size", type=_count, default=64, help="jobs waiting to start before POST answers 429")
+    serve.add_argument("--max-takes", type=lambda t: _integer_in(t, 1, 8, "an integer in [1, 8]"), default=8,
+                       help="the most takes one POST may ask for (each take counts as a song in the queue)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /metrics (at least 16 "
                                          "characters); default: $YUE2_API_KEY, else no key")
     serve.add_argument("--data-dir", default="serve-data", help="the job database (jobs.sqlite3) and each job's "
