@@ -12,6 +12,7 @@ const STAGES = [  // stage, label, progress key, unit
 const FIELDS = {  // an error's field -> the control to mark
   style: "style", tags: "style", lyrics: "lyrics", cot: "cot", seed: "seed", cfg_scale: "cfg_scale", abc: "abc",
   abc_sampling: "abc-temperature", semantic_sampling: "semantic-temperature", stage: "plan-only",
+  takes: "takes", best_of: "takes",
 };
 
 let apiKey = sessionStorage.getItem("yue2-api-key") || "";
@@ -93,6 +94,7 @@ function collect() {
     body[key][input.dataset.key] = Number(input.value);
   }
   if ($("plan-only").checked) body.stage = "plan";
+  Object.assign(body, takesOf($("takes").value));
   let text = JSON.stringify(body);
   const seed = $("seed").value.trim();
   if (seed !== "") {  // seeds go up to 2**63: sent as typed, not through a float
@@ -422,6 +424,117 @@ function render() {
   $("score").textContent = current.score || "";
   if (doc.status === "complete" && doc.stage === "audio" && $("player").hidden) {
     showAudio(doc).catch((error) => show($("current-error"), describeError(error)));
+  }
+  renderTakes(doc);
+}
+
+// ------------------------------------------------------------------ takes, side by side
+
+function takesOf(value) {  // the form's take count: takes > 1 are sent with best_of (the pick is marked)
+  const takes = Number(String(value).trim() || 1);
+  return takes === 1 ? {} : { takes, best_of: true };
+}
+
+function takeSignal(entry) {
+  const value = entry.signals && entry.signals.semantic_mean_logprob;
+  return typeof value === "number" ? `log-prob ${value.toFixed(3)}` : "";
+}
+
+function drawTakeWave(canvas, lanes) {  // one lane: both channels' extremes (the main picture's peaksOf buckets)
+  const ratio = window.devicePixelRatio || 1;
+  const width = Math.max(1, Math.round(canvas.clientWidth * ratio)), height = Math.round(canvas.clientHeight * ratio);
+  canvas.width = width;
+  canvas.height = height;
+  const context = canvas.getContext("2d");
+  context.fillStyle = getComputedStyle(document.documentElement).getPropertyValue("--accent");
+  for (let x = 0; x < width; x++) {
+    const first = Math.floor(x * PEAK_BUCKETS / width);
+    const last = Math.max(first + 1, Math.floor((x + 1) * PEAK_BUCKETS / width));
+    let low = 0, high = 0;
+    for (const peaks of lanes) {
+      for (let b = first; b < last; b++) { low = Math.min(low, peaks[2 * b]); high = Math.max(high, peaks[2 * b + 1]); }
+    }
+    const top = height / 2 - high * (height / 2 - ratio), bottom = height / 2 - low * (height / 2 - ratio);
+    context.fillRect(x, top, 1, Math.max(1, bottom - top));
+  }
+}
+
+async function loadTake(card, entry, id) {  // the take's FLAC, fetched once with the key: its player and waveform
+  const response = await fetch(entry.urls.audio, { headers: headers() });
+  if (!response.ok) throw new Error(`take ${entry.take} audio: ${response.status}`);
+  const bytes = await response.arrayBuffer();
+  if (!current || current.id !== id) return;
+  const url = URL.createObjectURL(new Blob([bytes], { type: "audio/flac" }));
+  current.takeUrls.push(url);
+  card.querySelector("audio").src = url;
+  const buffer = await new OfflineAudioContext(2, 1, 48000).decodeAudioData(bytes);
+  if (current && current.id === id) drawTakeWave(card.querySelector("canvas"), peaksOf(buffer));
+}
+
+function takeCard(doc, entry) {
+  const takes = doc.takes;
+  const card = document.createElement("div");
+  card.className = "take" + (takes.kept === entry.take ? " kept" : "");
+  card.dataset.take = entry.take;
+  card.innerHTML = `<strong></strong> <span class="badge"></span><p class="meta"></p>
+    <canvas aria-hidden="true"></canvas><audio controls preload="metadata"></audio>
+    <div class="actions"><button type="button" class="small" data-keep>Keep</button>
+    <button type="button" class="secondary small" data-delete>Delete</button></div>`;
+  card.querySelector("strong").textContent = `Take ${entry.take}` + (takes.pick === entry.take ? " ★" : "");
+  const badge = card.querySelector(".badge");
+  badge.textContent = takes.kept === entry.take ? "kept" : entry.status;
+  badge.classList.add(FINAL.has(entry.status) ? entry.status : "running");
+  card.querySelector(".meta").textContent = [`seed ${entry.seed}`, takeSignal(entry), entry.error || ""]
+    .filter(Boolean).join(" · ");
+  const keep = card.querySelector("[data-keep]"), remove = card.querySelector("[data-delete]");
+  keep.setAttribute("aria-label", `Keep take ${entry.take}`);
+  remove.setAttribute("aria-label", `Delete take ${entry.take}`);
+  keep.hidden = entry.status !== "complete" || takes.kept === entry.take;
+  remove.hidden = entry.take === 1;  // take 1 is the job: Delete above removes it with every take
+  keep.addEventListener("click", () => takeAction(doc.id, entry.take, "keep"));
+  remove.addEventListener("click", () => takeAction(doc.id, entry.take, "delete"));
+  if (entry.status === "complete" && doc.stage === "audio") {
+    loadTake(card, entry, doc.id).catch((error) => console.warn(error.message));
+  }
+  return card;
+}
+
+function renderTakes(doc) {
+  const takes = doc.takes && doc.takes.entries ? doc.takes : null;
+  $("takes-box").hidden = !takes;
+  if (!takes) return;
+  const entries = takes.entries.filter((entry) => entry.status !== "deleted");
+  const drawn = JSON.stringify([entries.map((e) => [e.take, e.status]), takes.kept, takes.pick]);
+  if (current.takesDrawn !== drawn) {  // redrawn only when a take changed (players keep playing otherwise)
+    current.takesDrawn = drawn;
+    for (const url of current.takeUrls || []) URL.revokeObjectURL(url);
+    current.takeUrls = [];
+    const list = $("takes-list");
+    list.textContent = "";
+    for (const entry of entries) list.appendChild(takeCard(doc, entry));
+  }
+  clearTimeout(current.takesTimer);
+  if (entries.some((entry) => !FINAL.has(entry.status))) {  // the job's stream is take 1's: poll for the others
+    const id = doc.id;
+    current.takesTimer = setTimeout(() => {
+      api(`/v1/songs/${id}`).then((fresh) => {
+        if (current && current.id === id) { current.doc = fresh; render(); }
+      }).catch(() => {});
+    }, 1000);
+  }
+}
+
+async function takeAction(id, take, action) {  // keep (POST) or delete (DELETE) one take
+  try {
+    if (action === "delete") {
+      if (!confirm(`Delete take ${take} of song ${id} and its files? This cannot be undone.`)) return;
+      await api(`/v1/songs/${id}/takes/${take}`, { method: "DELETE" });
+    } else {
+      await api(`/v1/songs/${id}/takes/${take}/keep`, { method: "POST" });
+    }
+    if (current && current.id === id) { current.doc = await api(`/v1/songs/${id}`); render(); }
+  } catch (error) {
+    show($("current-error"), describeError(error));
   }
 }
 
