@@ -42,7 +42,7 @@ from ..derive import ARCheckpoint
 from ..memory import MEMINFO, MemoryPlan, UnifiedPool, kv_cache_bytes, plan_memory, read_meminfo, row_kv_bytes
 from ..quant.schemes import engine_kernel_env
 from ..model.modeling import YuE2Config
-from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, check_budget, end_token
+from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, ar_signals, check_budget, end_token
 from ..model.sampling import ARResult, Cancelled, OnToken
 from .runner import BatchInvariance, RunnerChoice, resolve_runner, sliced_head_blocker
 from .worker import EVENT_PREFIX, PARENT_ENV, frame
