@@ -155,3 +155,56 @@ def test_batch_rows_with_takes(tiny_model_dir, tiny_vae_dir, config_file, tmp_pa
     # take 2 of row a (seed 6) is row b's song
     assert np.array_equal(np.load(tmp_path / "out" / "a" / "takes" / "2" / "semantic.npy"),
                           np.load(tmp_path / "out" / "b" / "semantic.npy"))
+
+
+# --------------------------------------------------------------------------- on a real vLLM-CPU engine
+
+from yue2_vllm.engine.backend import vllm_version  # noqa: E402
+
+needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
+ENGINE_GENERATION = {"abc": {"max_tokens": 8, "min_tokens": 8}, "semantic": {"max_tokens": 24, "min_tokens": 24},
+                     "ode_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def reproducible_pipe(tiny_model_dir, tiny_vae_dir):
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=ENGINE_GENERATION,
+                        engine_options={"max_num_seqs": 8, "max_num_batched_tokens": 256}, reproducible=True)
+    yield pipe
+    pipe.close()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_under_reproducible_take_k_is_the_one_take_song_of_its_seed_and_shares_the_prompt(reproducible_pipe,
+                                                                                         tmp_path):
+    from yue2_vllm.scheduler import SongScheduler, generate_many
+    from yue2_vllm.takes import run_takes
+
+    lyrics = "[verse]\n" + "city lights are fading slow, I keep the words you said\n" * 4
+    request = SongRequest("pop, piano, warm female vocal", lyrics, seed=60, id="t")
+    with SongScheduler(reproducible_pipe, concurrency=4) as scheduler:
+        document = run_takes(scheduler, request, tmp_path / "takes", TakeOptions(4, best_of=True))
+    assert document["complete"] == [1, 2, 3, 4] and document["pick"] in (1, 2, 3, 4)
+    ones = [SongRequest(request.style, lyrics, seed=60 + k - 1, id=f"one{k}") for k in (1, 2, 3, 4)]
+    alone = {h.id: h for h in generate_many(reproducible_pipe, ones, tmp_path / "one", concurrency=1)}
+    assert {h.state for h in alone.values()} == {"complete"}
+    for k, record in enumerate(document["results"], 1):
+        take, one = take_directory(tmp_path / "takes", k), tmp_path / "one" / f"one{k}"
+        for name in ("abc_tokens.npy", "semantic.npy"):  # exactly the tokens of the one-take song of its seed
+            assert np.array_equal(np.load(take / name), np.load(one / name)), (k, name)
+        timing = json.loads((take / "result.json").read_text())["timing"]
+        alone_timing = json.loads((one / "result.json").read_text())["timing"]
+        for phase in ("abc", "semantic"):
+            signals = timing[phase]
+            assert signals["backend_actual"] == "vllm" and signals["logprob_tokens"] == signals["output_tokens"]
+            assert signals["mean_logprob"] < 0
+            assert abs(signals["mean_logprob"] - alone_timing[phase]["mean_logprob"]) < 1e-4  # the model's own
+        assert record["signals"]["semantic_mean_logprob"] == timing["semantic"]["mean_logprob"]
+        if k > 1:  # the score prompt is the same for every take: prefilled once, from the cache for the others
+            cached, prompt = timing["abc"]["cached_prompt_tokens"], timing["abc"]["prompt_tokens"]
+            assert cached >= 0.9 * prompt - 16, (k, cached, prompt)  # whole 16-token blocks
+    print({k: json.loads((take_directory(tmp_path / "takes", k) / "result.json").read_text())["timing"]["abc"]
+           ["cached_prompt_tokens"] for k in (1, 2, 3, 4)})
