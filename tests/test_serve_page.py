@@ -36,9 +36,12 @@ def drawn(png: bytes) -> tuple[float, int]:
     return 1 - counts[0][0] / total, len(counts)
 
 
-@pytest.fixture
-def server(tiny_model_dir, tiny_vae_dir, tmp_path):
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
+    """One server for the module's tests (the engine starts once)."""
     from yue2_vllm.testing import TINY_VERSION
+
+    tmp_path = tmp_path_factory.mktemp("page")
 
     cache = tmp_path / "cache" / TINY_VERSION  # what tiny_default() makes, already made
     cache.mkdir(parents=True)

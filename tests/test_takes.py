@@ -63,8 +63,28 @@ def test_the_pick_is_the_highest_score_else_the_highest_semantic_log_prob():
                {"take": 4, "status": "complete", "signals": {"semantic_mean_logprob": -1.0}}]
     assert pick_take(records) == 2  # ties: the lower take
     records[0]["score"] = 5.0
-    assert pick_take(records) == 1
+    assert pick_take(records) == 1  # a scorer ran: only scores count (takes 2 and 4 have none)
     assert pick_take([records[2]]) is None
+
+
+def test_a_scorer_that_fails_on_a_take_leaves_it_unscored_with_the_reason(tmp_path):
+    from yue2_vllm.takes import apply_scorer, command_scorer
+
+    records = [{"take": k, "status": "complete", "directory": str(tmp_path / str(k)), "signals": {}} for k in (1, 2)]
+
+    def scorer(record):
+        if record["take"] == 2:
+            raise RuntimeError("no audio")
+        return 0.5
+
+    apply_scorer(records, scorer)
+    assert records[0]["score"] == 0.5 and records[1]["score"] is None and "no audio" in records[1]["score_error"]
+    assert pick_take(records) == 1
+    (tmp_path / "bad.py").write_text("print('no number')")
+    with pytest.raises(RuntimeError, match="printed no number for take 1"):
+        command_scorer(f"{sys.executable} {tmp_path / 'bad.py'}")(records[0])
+    with pytest.raises(ValueError, match="empty command"):
+        command_scorer("  ")
 
 
 @pytest.fixture()

@@ -124,14 +124,14 @@ def take_signals(document: dict | None) -> dict:
 
 
 def pick_take(records: Sequence[dict]) -> int | None:
-    """The take with the highest score (a scorer's), else the highest semantic mean log-prob; ties: the lower k."""
+    """The take with the highest score where a scorer ran (a take it could not score is not picked), else the
+    highest semantic mean log-prob; ties: the lower k."""
+    scored = any("score" in record for record in records)
     best, best_value = None, None
     for record in records:
         if record.get("status") != "complete":
             continue
-        value = record.get("score")
-        if value is None:
-            value = (record.get("signals") or {}).get("semantic_mean_logprob")
+        value = record.get("score") if scored else (record.get("signals") or {}).get("semantic_mean_logprob")
         if value is None:
             continue
         if best_value is None or value > best_value:
@@ -256,3 +256,13 @@ def _write(root: Path, request: SongRequest, options: TakeOptions, records: list
     root.mkdir(parents=True, exist_ok=True)
     write_json_atomic(root / TAKES_FILE, document)
     return document
+
+
+def generate_takes(pipe, request: SongRequest, directory: str | os.PathLike, options: TakeOptions, *,
+                   concurrency: int | None = None, **kwargs) -> dict:
+    """`run_takes` over a scheduler of its own on `pipe` (at most `options.takes` songs at once, within the
+    engine's rows; one at a time on the torch backend)."""
+    from .scheduler import SongScheduler, default_concurrency
+
+    with SongScheduler(pipe, concurrency=concurrency or min(options.takes, default_concurrency(pipe))) as scheduler:
+        return run_takes(scheduler, request, directory, options, **kwargs)

@@ -137,15 +137,13 @@ def take_options(args):
 def run_takes_cli(pipe, request, overrides: dict, directory: Path, options, *, resume: bool, stage: str,
                   quiet: bool, scorer_command: str | None = None) -> list[dict]:
     """Every take at once through a song scheduler: a status line per take, then one for the takes."""
-    from ..scheduler import SongScheduler, default_concurrency
-    from ..takes import command_scorer, run_takes
+    from ..takes import command_scorer, generate_takes
 
     scorer = command_scorer(scorer_command) if scorer_command else None
     handles = {}
-    with SongScheduler(pipe, concurrency=min(options.takes, default_concurrency(pipe))) as scheduler:
-        document = run_takes(scheduler, request, directory, options, overrides=overrides, resume=resume, stage=stage,
-                             scorer=scorer, scorer_name=f"scorer: {scorer_command}" if scorer else None,
-                             on_take=lambda k, handle: handles.__setitem__(k, handle))
+    document = generate_takes(pipe, request, directory, options, overrides=overrides, resume=resume, stage=stage,
+                              scorer=scorer, scorer_name=f"scorer: {scorer_command}" if scorer else None,
+                              on_take=handles.__setitem__)
     statuses = []
     for record in document["results"]:
         handle = handles.get(record["take"])
