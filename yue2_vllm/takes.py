@@ -257,12 +257,3 @@ def _write(root: Path, request: SongRequest, options: TakeOptions, records: list
     write_json_atomic(root / TAKES_FILE, document)
     return document
 
-
-def generate_takes(pipe, request: SongRequest, directory: str | os.PathLike, options: TakeOptions, *,
-                   concurrency: int | None = None, **kwargs) -> dict:
-    """`run_takes` over a scheduler of its own on `pipe` (at most `options.takes` songs at once, within the
-    engine's rows; one at a time on the torch backend)."""
-    from .scheduler import SongScheduler, default_concurrency
-
-    with SongScheduler(pipe, concurrency=concurrency or min(options.takes, default_concurrency(pipe))) as scheduler:
-        return run_takes(scheduler, request, directory, options, **kwargs)

@@ -137,7 +137,8 @@ def take_options(args):
 def run_takes_cli(pipe, request, overrides: dict, directory: Path, options, *, resume: bool, stage: str,
                   quiet: bool, scorer_command: str | None = None) -> list[dict]:
     """Every take at once through a song scheduler: a status line per take, then one for the takes."""
-    from ..takes import command_scorer, generate_takes
+    from ..scheduler import generate_takes
+    from ..takes import command_scorer
 
     scorer = command_scorer(scorer_command) if scorer_command else None
     handles = {}
