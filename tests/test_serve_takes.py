@@ -1,6 +1,7 @@
 """Takes over HTTP on real uvicorn servers: a job with takes lists them (status, seed, signals, links), serves each
 take's files, keeps one, deletes one, cancels, resumes and restarts take by take; bad take fields are 422s."""
 import json
+import time
 
 import numpy as np
 import pytest
@@ -177,3 +178,20 @@ def test_a_restart_mid_takes_continues_the_unfinished_takes_only(pipe, tmp_path)
     assert doc["attempts"] == 0 and not (tmp_path / "data" / "jobs" / ids[0]).exists()  # take 1 was done: not rerun
     assert take2["retries"][0]["reason"] == "server restarted while generating"
     assert json.loads((tmp_path / "data" / "jobs" / ids[2] / "request.json").read_text())["seed"] == 5
+
+
+def test_an_idempotent_repeat_is_the_same_job_and_retention_purges_every_take(serve, tmp_path):
+    server = serve(retention_seconds=0.5)
+    client = server.client
+    headers = {"Idempotency-Key": "takes-key-1"}
+    first = client.post("/v1/songs", json={**SONG, "takes": 2}, headers=headers)
+    again = client.post("/v1/songs", json={**SONG, "takes": 2}, headers=headers)
+    assert (first.status_code, again.status_code) == (202, 200) and first.json()["id"] == again.json()["id"]
+    doc = all_final(client, first.json()["id"])
+    assert len(doc["takes"]["entries"]) == 2
+    jobs = tmp_path / "data" / "jobs"
+    assert len(list(jobs.iterdir())) == 2
+    time.sleep(0.6)
+    server.service._call(server.service._sweep)  # what the watchdog runs once a minute
+    assert sorted(p.name for p in jobs.iterdir()) == []
+    assert client.get(f"/v1/songs/{first.json()['id']}").status_code == 404
