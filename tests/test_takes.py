@@ -228,3 +228,17 @@ def test_under_reproducible_take_k_is_the_one_take_song_of_its_seed_and_shares_t
             assert cached >= 0.9 * prompt - 16, (k, cached, prompt)  # whole 16-token blocks
     print({k: json.loads((take_directory(tmp_path / "takes", k) / "result.json").read_text())["timing"]["abc"]
            ["cached_prompt_tokens"] for k in (1, 2, 3, 4)})
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_cfg_pair_takes_record_the_cond_rows_log_probs_and_cache_hits(reproducible_pipe, tmp_path):
+    from yue2_vllm.scheduler import generate_takes
+
+    request = SongRequest("pop, piano", "[verse]\nla la la, la la la\n", cot="off", seed=5, id="p")
+    document = generate_takes(reproducible_pipe, request, tmp_path / "p", TakeOptions(2))
+    assert document["complete"] == [1, 2]
+    for k in (1, 2):
+        semantic = json.loads((take_directory(tmp_path / "p", k) / "result.json").read_text())["timing"]["semantic"]
+        assert semantic["cfg_branches"] == 2 and semantic["logprob_tokens"] == semantic["output_tokens"]
+        assert semantic["mean_logprob"] < 0 and semantic["cached_prompt_tokens"] is not None

@@ -205,14 +205,22 @@ def read_score(directory: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
+def wait_prefilled(handle, poll: float = 0.02) -> None:
+    """Until take 1 has its first AR token (its prompt is then in the engine's prefix cache) or has ended: takes
+    scheduled in the same engine step as take 1 would prefill the shared prompt again, not find it cached."""
+    while not handle.done and not any(handle.tokens.values()):
+        handle.wait(poll)
+
+
 def run_takes(scheduler, request: SongRequest, directory: str | os.PathLike, options: TakeOptions, *,
               overrides: dict | None = None, resume: bool = False, stage: str = "audio",
               scorer: Scorer | None = None, scorer_name: str | None = None,
               on_take: Callable[[int, object], None] | None = None) -> dict:
     """Run every take of `request` through `scheduler` (a `SongScheduler`), at once; returns (and writes) takes.json.
 
-    With a shared score, take 1 plans first and takes 2..N then render its score (as an external score, so their
-    semantic prompts are one prefix). `on_take(k, handle)` sees each take's handle when it is submitted."""
+    Takes 2..N are submitted once take 1 has its first token (`wait_prefilled`); with a shared score, once take 1
+    has planned it (they render it as an external score, so their semantic prompts are one prefix).
+    `on_take(k, handle)` sees each take's handle when it is submitted."""
     check_takes_for(request, options, stage)
     root = Path(directory)
     requests = {k: take_request(request, k) for k in range(1, options.takes + 1)}
@@ -241,8 +249,9 @@ def run_takes(scheduler, request: SongRequest, directory: str | os.PathLike, opt
         for k in range(2, options.takes + 1):
             submit(k, requests[k], stage, resume)
     else:
-        for k, take in requests.items():
-            submit(k, take, stage, resume)
+        wait_prefilled(submit(1, requests[1], stage, resume))
+        for k in range(2, options.takes + 1):
+            submit(k, requests[k], stage, resume)
     for handle in scheduler.as_completed(list(handles.values())):
         k = next(k for k, h in handles.items() if h is handle)
         records[k] = take_record(k, requests[k], take_directory(root, k), handle.state, handle.document, handle.error)

@@ -151,6 +151,7 @@ class SongService:
         self.store = JobStore(config.database)
         self.hub = EventHub()
         self._awaiting_score: dict[str, list[str]] = {}  # take 1's job -> takes waiting for its planned score
+        self._awaiting_prefill: dict[str, list[str]] = {}  # take 1's job -> takes waiting for its first token
         self.throttle = Throttle(config.event_interval)
         self._live: dict[str, LiveJob] = {}
         self._held: list[str] = []  # queued jobs kept from the workers while they cannot serve any song
@@ -326,6 +327,11 @@ class SongService:
             record = self._with_shared_score(record, info["parent"])
             if record is None:
                 return  # it waits for take 1's score (launched from _on_stage_done), or failed with it
+        elif info and info.get("parent") and not self._parent_prefilled(info["parent"]):
+            waiting = self._awaiting_prefill.setdefault(info["parent"], [])
+            if record.id not in waiting:
+                waiting.append(record.id)
+            return  # launched at take 1's first token (its prompt is then in the prefix cache) or end
         if self.workers.down_for_good() is not None:
             if record.id not in self._held:
                 self._held.append(record.id)
@@ -366,9 +372,20 @@ class SongService:
             waiting.append(record.id)
         return None
 
-    def _launch_awaiting(self, parent_id: str) -> None:
-        """Take 1's score is planned (or take 1 ended without one): the takes waiting for it go on."""
-        for child in self._awaiting_score.pop(parent_id, []):
+    def _parent_prefilled(self, parent_id: str) -> bool:
+        """Whether take 1 has had its first AR token (or a planned score, or has ended): the other takes then find
+        the prompt they share in the engine's prefix cache instead of prefilling it again in the same step."""
+        live = self._live.get(parent_id)
+        if live is not None and any(live.tokens.values()):
+            return True
+        parent = self.store.get(parent_id)
+        return parent is None or parent.final or (parent.stages.get("plan") or {}).get("state") in ("done", "reused")
+
+    def _launch_awaiting(self, parent_id: str, lists: tuple[str, ...] = ("_awaiting_score", "_awaiting_prefill")) \
+            -> None:
+        """Take 1's score is planned, its prompt prefilled, or it ended: the takes waiting for that go on."""
+        children = [child for name in lists for child in getattr(self, name).pop(parent_id, [])]
+        for child in children:
             record = self.store.get(child)
             if record is not None and record.status == "queued" and record.deleted is None:
                 self._launch(record)
@@ -428,7 +445,7 @@ class SongService:
         running = [take for take in self.take_records(record) if not take.final]
         if not running:
             return record, False
-        for take in running:
+        for take in reversed(running):  # take 1 last: its end would launch takes still waiting for it
             self._call(self._cancel, take.id)
         return self.store.get(job_id), True
 
@@ -704,6 +721,8 @@ class SongService:
         if live.finalized:
             return
         if kind == "tokens":
+            if job_id in self._awaiting_prefill:  # take 1's prompt is prefilled: the other takes go now
+                self._launch_awaiting(job_id, ("_awaiting_prefill",))
             added = data["count"] - live.tokens[data["phase"]]  # a replica sends a count every few tokens
             if added > 0:
                 self.tokens_total.inc(added, phase=data["phase"])
@@ -749,7 +768,7 @@ class SongService:
         live.record_stages[stage] = {**summary, "started": previous.get("started"),
                                      "finished": None if reused else time.time(), **where}
         self.store.update(job_id, stages=live.record_stages)
-        if stage == "plan" and job_id in self._awaiting_score:
+        if stage == "plan" and (job_id in self._awaiting_score or job_id in self._awaiting_prefill):
             self._launch_awaiting(job_id)
         if not reused:
             if stage in ("synthesis", "audio") and summary.get("seconds") is not None:
@@ -820,7 +839,7 @@ class SongService:
                                     result=result, **({"stages": live.record_stages} if live else {}))
         if not written:
             return
-        if job_id in self._awaiting_score:  # take 1 ended without a score: the takes waiting for it fail
+        if job_id in self._awaiting_score or job_id in self._awaiting_prefill:  # take 1 ended: the others go on
             self._launch_awaiting(job_id)
         self.songs_finished.inc(status=status)
         record = self.store.get(job_id)
