@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from yue2_vllm.cli import main
+
+from test_cli import FAST, config_file, model_args  # noqa: F401 (config_file: a fixture)
 from yue2_vllm.protocol import MAX_SEED, SongRequest
 from yue2_vllm.takes import (TakeOptions, check_takes_for, pick_take, pop_take_options, take_directory, take_id,
                              take_request, take_seed)
 
-FAST = ["--quiet"]
 
 
 def test_the_seed_rule_is_one_pure_function_and_take_one_keeps_the_seed():
@@ -85,18 +86,6 @@ def test_a_scorer_that_fails_on_a_take_leaves_it_unscored_with_the_reason(tmp_pa
         command_scorer(f"{sys.executable} {tmp_path / 'bad.py'}")(records[0])
     with pytest.raises(ValueError, match="empty command"):
         command_scorer("  ")
-
-
-@pytest.fixture()
-def config_file(tmp_path):
-    path = tmp_path / "gen.json"
-    path.write_text(json.dumps({"abc": {"max_tokens": 8, "min_tokens": 2},
-                                "semantic": {"max_tokens": 12, "min_tokens": 4}, "ode_steps": 2}))
-    return str(path)
-
-
-def model_args(tiny_model_dir, tiny_vae_dir, config_file):
-    return ["--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--config", config_file]
 
 
 def lines(capsys):
