@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from yue2_vllm.engine.backend import vllm_version
 
 
@@ -23,3 +25,20 @@ def test_bench_table_on_the_tiny_default(tmp_path):
     assert report["machine"]["cpu_isa"].startswith("CPU ")
     table = (tmp_path / "out" / "bench.md").read_text()
     assert table == result.stdout and "| torch-bf16 |" in table and "semantic decode tok/s ×N" in table
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
+def test_bench_takes_row_compares_takes_with_separate_requests(tmp_path):
+    subprocess.run([sys.executable, "-m", "yue2_vllm.cli", "bench", "--paths", "takes", "--tokens", "6", "--repeats",
+                    "1", "--nar-steps", "1", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+                   capture_output=True, text=True, check=True)
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    separate, takes, ratio = report["takes"]["rows"]
+    assert (separate["mode"], takes["mode"]) == ("separate", "takes") and takes["songs"] == 4
+    for row in (separate, takes):
+        assert row["wall_s"] > 0 and row["songs_per_s"] > 0 and row["prompt_tokens"] > 0
+        assert row["computed_prompt_tokens"] == row["prompt_tokens"] - row["cached_prompt_tokens"]
+    assert takes["cached_prompt_tokens"] > 0.5 * takes["prompt_tokens"]  # the shared prompt is prefilled once
+    assert ratio["wall_s"] > 0
+    assert "| takes |" in (tmp_path / "out" / "bench.md").read_text()

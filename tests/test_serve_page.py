@@ -36,9 +36,12 @@ def drawn(png: bytes) -> tuple[float, int]:
     return 1 - counts[0][0] / total, len(counts)
 
 
-@pytest.fixture
-def server(tiny_model_dir, tiny_vae_dir, tmp_path):
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
+    """One server for the module's tests (the engine starts once)."""
     from yue2_vllm.testing import TINY_VERSION
+
+    tmp_path = tmp_path_factory.mktemp("page")
 
     cache = tmp_path / "cache" / TINY_VERSION  # what tiny_default() makes, already made
     cache.mkdir(parents=True)
@@ -222,3 +225,53 @@ def test_a_stale_download_never_lands_under_another_song(server):
                        - docs["b"]["result"]["audio_seconds"]) < 0.05
         browser.close()
     assert not problems, problems
+
+
+def test_takes_side_by_side_keep_one_and_delete_another(server, tmp_path):
+    problems = []
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.on("console", lambda message: message.type == "error" and problems.append(message.text))
+        page.on("pageerror", lambda error: problems.append(str(error)))
+        page.goto(server.url + "/")
+        page.locator("#health.ok").wait_for()
+        page.fill("#api-key", KEY)
+        page.dispatch_event("#api-key", "change")
+        page.fill("#seed", "40")
+        page.fill("#takes", "9")  # over the limit: the server's 422, on the field
+        page.focus("#lyrics")
+        page.keyboard.press("Control+Enter")
+        page.locator("#form-error").wait_for(state="visible")
+        assert "takes" in page.inner_text("#form-error") and page.get_attribute("#takes", "aria-invalid") == "true"
+        page.fill("#takes", "3")
+        page.keyboard.press("Control+Enter")
+        page.locator("#takes-box").wait_for(state="visible", timeout=60_000)
+        job_id = page.evaluate("location.hash").lstrip("#")
+        cards = page.locator("#takes-list .take")
+        wait_for(lambda: [c.locator(".badge").inner_text() for c in cards.all()],
+                 lambda badges: badges == ["complete"] * 3, timeout=300)
+        doc = server.client.get(f"/v1/songs/{job_id}").json()
+        assert [e["seed"] for e in doc["takes"]["entries"]] == [40, 41, 42] and doc["takes"]["best_of"] is True
+        for card, entry in zip(cards.all(), doc["takes"]["entries"]):
+            text = card.inner_text()
+            assert f"Take {entry['take']}" in text and f"seed {entry['seed']}" in text
+            assert f"log-prob {entry['signals']['semantic_mean_logprob']:.3f}" in text
+            assert ("★" in text) == (entry["take"] == doc["takes"]["pick"])
+        # each take's player and waveform, from its own FLAC
+        wait_for(lambda: page.evaluate("[...document.querySelectorAll('#takes-list audio')].map((a) => a.duration)"),
+                 lambda durations: len(durations) == 3 and all(d and d > 0 for d in durations), timeout=60)
+        wait_for(lambda: [drawn(c.locator("canvas").screenshot())[0] for c in cards.all()],
+                 lambda shares: all(share > 0.02 for share in shares), timeout=30)
+        page.locator("[aria-label='Keep take 2']").click()
+        page.locator("#takes-list .take.kept[data-take='2']").wait_for()
+        assert server.client.get(f"/v1/songs/{job_id}").json()["takes"]["kept"] == 2
+        assert page.locator("[aria-label='Delete take 1']").is_hidden()  # take 1 is the job itself
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.locator("[aria-label='Delete take 3']").click()
+        page.locator("#takes-list .take[data-take='3']").wait_for(state="detached")
+        assert server.client.get(f"/v1/songs/{job_id}/takes/3").status_code == 404
+        assert [e["status"] for e in server.client.get(f"/v1/songs/{job_id}").json()["takes"]["entries"]] == \
+            ["complete", "complete", "deleted"]
+        browser.close()
+    assert not [p for p in problems if "status of 422" not in p], problems

@@ -21,6 +21,8 @@ STAGES = ("plan", "semantic", "synthesis", "audio")
 STATE_FILE = "run_state.json"
 RESULT_FILE = "result.json"
 FAILURE_FILE = "failure.json"  # why the last attempt failed; it goes once a run completes, so never an artifact
+TAKES_DIR, TAKES_FILE = "takes", "takes.json"  # a job's takes 2..N (takes/<k>) and their listing
+
 SCHEMA_VERSION = 1
 SAMPLE_RATE = 48000
 LOG = logging.getLogger(__name__)
@@ -141,7 +143,8 @@ class RunDirectory:
                                   f"(identity {str(recorded)[:12]}…, now {run_identity[:12]}…); "
                                   "use a new output directory")
             return True
-        if self.path.exists() and any(p.name != FAILURE_FILE for p in self.path.iterdir()) and not resume:
+        if self.path.exists() and any(p.name not in (FAILURE_FILE, TAKES_DIR, TAKES_FILE) for p in self.path.iterdir()) \
+                and not resume:  # a job's other takes (takes/<k>) may have started first
             raise RunExistsError(f"{self.path}: output directory is not empty", False)
         self.path.mkdir(parents=True, exist_ok=True)
         self.set_state(run_identity, request, "created")
@@ -232,7 +235,7 @@ class RunDirectory:
         failure record aside)."""
         artifacts = {}
         for path in sorted(self.path.iterdir()):
-            if path.name in (RESULT_FILE, STATE_FILE, FAILURE_FILE) or path.is_symlink() or not path.is_file() \
+            if path.name in (RESULT_FILE, STATE_FILE, FAILURE_FILE, TAKES_FILE) or path.is_symlink() or not path.is_file() \
                     or path.name.endswith(".tmp"):
                 continue
             artifacts[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PATHS = ("torch-bf16", "torch-int8", "vllm-bf16", "vllm-bf16-full-head", "vllm-bf16-reproducible", "vllm-fp8",
-         "vllm-int8", "mrv2-head")
+         "vllm-int8", "mrv2-head", "takes")
 DEFAULT_PATHS = ("torch-bf16", "vllm-bf16", "vllm-bf16-full-head", "vllm-bf16-reproducible", "vllm-fp8", "vllm-int8")
 PROMPT_TOKENS = 512
 NAR_FRAMES = 250  # 10 s of audio
@@ -264,6 +264,67 @@ def bench_synthesis(config: BenchConfig) -> dict:
     return row
 
 
+# --------------------------------------------------------------------------- takes
+
+
+TAKES = 4
+
+
+def _songs_run(pipe, mode: str, style: str, lyrics: str, directory: Path) -> dict:
+    """TAKES whole songs at once, as the takes of one request or as separate requests with the same seeds."""
+    from .protocol import SongRequest
+    from .scheduler import SongScheduler
+    from .takes import TakeOptions, run_takes, take_directory
+
+    request = SongRequest(style, lyrics, seed=1000, id="song")
+    start = time.perf_counter()
+    with SongScheduler(pipe, concurrency=TAKES) as scheduler:
+        if mode == "takes":
+            document = run_takes(scheduler, request, directory, TakeOptions(TAKES))
+            directories = [take_directory(directory, k) for k in document["complete"]]
+        else:
+            handles = [scheduler.submit(SongRequest(style, lyrics, seed=1000 + k, id=f"sep{k}"), directory / f"sep{k}")
+                       for k in range(TAKES)]
+            finished = list(scheduler.as_completed(handles))
+            directories = [h.directory for h in finished if h.state == "complete"]
+    wall = time.perf_counter() - start
+    prompt = cached = 0
+    for song in directories:
+        timing = json.loads((song / "result.json").read_text())["timing"]
+        for phase in ("abc", "semantic"):
+            prompt += timing[phase].get("prompt_tokens") or 0
+            cached += timing[phase].get("cached_prompt_tokens") or 0
+    return {"mode": mode, "songs": len(directories), "wall_s": wall, "songs_per_s": len(directories) / wall,
+            "prompt_tokens": prompt, "cached_prompt_tokens": cached, "computed_prompt_tokens": prompt - cached}
+
+
+def bench_takes(config: BenchConfig) -> dict:
+    """TAKES takes of one request vs TAKES separate requests with the same seeds, at the same concurrency, on
+    the vLLM engine: prompt tokens computed and from the prefix cache, wall seconds, songs/s (medians). Each run
+    has its own style text, so no run finds another's prompt in the cache."""
+    from .pipeline import YuE2Pipeline
+
+    generation = {"abc": {"max_tokens": config.tokens, "min_tokens": config.tokens},
+                  "semantic": {"max_tokens": config.tokens, "min_tokens": config.tokens}, "ode_steps": 2}
+    lyrics = "[verse]\n" + "city lights are fading slow, I keep the words you said tonight\n" * 40
+    runs: dict[str, list[dict]] = {"separate": [], "takes": []}
+    with YuE2Pipeline(config.model_dir, config.vae_dir, backend="vllm", generation_config=generation,
+                      engine_options={"max_num_seqs": 2 * TAKES}, start_engine=True) as pipe:
+        for repeat in range(config.repeats):
+            for mode in ("separate", "takes"):
+                style = f"pop, piano, warm female vocal, run {repeat} {mode}"
+                runs[mode].append(_songs_run(pipe, mode, style, lyrics, config.workdir / f"takes-{repeat}-{mode}"))
+    rows = []
+    for mode, measured in runs.items():
+        row = {"mode": mode, "songs": TAKES}
+        for key in ("wall_s", "songs_per_s", "prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens"):
+            row[key] = median([m[key] for m in measured])
+        rows.append(row)
+    rows.append({"mode": "takes / separate", "wall_s": rows[1]["wall_s"] / rows[0]["wall_s"],
+                 "songs_per_s": rows[1]["songs_per_s"] / rows[0]["songs_per_s"]})
+    return {"takes": TAKES, "rows": rows}
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -290,6 +351,15 @@ def markdown(report: dict) -> str:
             cells.append("—" if value is None else (f"{value:.1f}" if isinstance(value, float) else str(value)))
         lines.append("| " + " | ".join(cells) + " |")
     s = report["synthesis"]
+    if report.get("takes"):
+        lines += ["", f"Takes: {report['takes']['takes']} takes of one request vs as many separate requests with "
+                      "the same seeds, at the same concurrency (whole songs, medians)", "",
+                  "| run | wall s | songs/s | prompt tokens | from cache | computed |", "|---|---|---|---|---|---|"]
+        for row in report["takes"]["rows"]:
+            lines.append("| " + " | ".join([row["mode"]] + [
+                "—" if row.get(k) is None else (f"{row[k]:.3f}" if isinstance(row[k], float) else str(row[k]))
+                for k in ("wall_s", "songs_per_s", "prompt_tokens", "cached_prompt_tokens",
+                          "computed_prompt_tokens")]) + " |")
     lines += ["", f"NAR: {s['nar_s_per_step']:.3f} s per midpoint step at {NAR_FRAMES} frames, "
                   f"{s['nar_s_per_audio_s']:.3f} s per audio second (32 steps)"
               + (f"; VAE real-time factor {s['vae_rtf']:.3f}" if "vae_rtf" in s else "")]
@@ -301,6 +371,14 @@ def run(config: BenchConfig, on_row=None) -> dict:
                                                "concurrency": config.concurrency, "repeats": config.repeats,
                                                "paths": list(config.paths)}, "ar": []}
     for path in config.paths:
+        if path == "takes":
+            try:
+                report["takes"] = bench_takes(config)
+            except Exception as exc:
+                report["takes"] = {"takes": TAKES, "rows": [], "not_run": f"{type(exc).__name__}: {exc}"}
+            if on_row is not None:
+                on_row(report["takes"])
+            continue
         try:
             row = bench_ar_path(config, path)
         except Exception as exc:  # a path that cannot run here is a row that says why

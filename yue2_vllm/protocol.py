@@ -293,6 +293,15 @@ class GenerationConfig:
         return cls(**data)
 
 
+def ar_signals(logprobs: Sequence[float | None], tokens: int, cached: int | None, prompt_tokens: int) -> dict:
+    """A phase's per-song signals: the mean raw log-prob the model gave its sampled tokens (end token included;
+    the cond branch's own under CFG, before the phase's penalty, temperature and top-k/p) and how many prompt
+    tokens came from the engine's prefix cache (None: the backend has none)."""
+    values = [float(v) for v in list(logprobs)[:tokens] if v is not None]
+    return {"mean_logprob": sum(values) / len(values) if values else None, "logprob_tokens": len(values),
+            "cached_prompt_tokens": cached, "prompt_tokens": prompt_tokens}
+
+
 # --------------------------------------------------------------------------- prompts
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from .pipeline import SemanticResult, YuE2Pipeline
 from .protocol import SongRequest
+from .takes import TakeOptions, run_takes
 
 STATES = ("queued", "planning", "generating", "synthesizing", "decoding", "complete", "failed", "cancelled")
 FINAL_STATES = ("complete", "failed", "cancelled")
@@ -533,3 +534,11 @@ def generate_many(pipe: YuE2Pipeline, requests: Iterable[SongRequest], directory
     with SongScheduler(pipe, concurrency=concurrency, listener=listener) as scheduler:
         handles = [scheduler.submit(request, directory / request.id, resume=resume) for request in requests]
         yield from scheduler.as_completed(handles)
+
+
+def generate_takes(pipe: YuE2Pipeline, request: SongRequest, directory: str | os.PathLike, options: TakeOptions, *,
+                   concurrency: int | None = None, **kwargs) -> dict:
+    """`takes.run_takes` over a scheduler of its own (at most `options.takes` songs at once, within the engine's
+    rows; one at a time on the torch backend); returns the takes.json document."""
+    with SongScheduler(pipe, concurrency=concurrency or min(options.takes, default_concurrency(pipe))) as scheduler:
+        return run_takes(scheduler, request, directory, options, **kwargs)

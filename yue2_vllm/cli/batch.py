@@ -54,6 +54,7 @@ def _batch_rows(path: Path, default_cot: str | None,
     limits). A row's id is its song id, or `_row<LINE>` when it has no usable id of its own (a name
     no song id can take), so every failure has a directory of its own."""
     from ..protocol import SongRequest, valid_song_id
+    from ..takes import check_takes_for, pop_take_options
 
     try:
         lines = path.read_bytes().split(b"\n")
@@ -76,6 +77,7 @@ def _batch_rows(path: Path, default_cot: str | None,
             seen.add(row_id)
             if isinstance(data, dict) and default_cot and "cot" not in data:
                 data["cot"] = default_cot
+            options = pop_take_options(data) if isinstance(data, dict) else None
             fields, overrides = request_from_json(data, path.parent, "row")
             request = SongRequest(**fields)
             if "id" not in data:
@@ -84,6 +86,9 @@ def _batch_rows(path: Path, default_cot: str | None,
                 raise UsageError(f"duplicate id {request.id!r}")
             if check is not None:
                 check(request, overrides)
+            if options is not None and options.many:
+                check_takes_for(request, options, "audio")
+                overrides = {**overrides, "takes": options}  # the row's takes ride with its overrides
             rows.append((request.id, request, overrides, None))
         except (ValueError, TypeError, OSError, RecursionError) as exc:
             rows.append((row_id, None, {}, RowError(error_type(exc), f"{path}:{number}: {exc}", number)))
@@ -106,6 +111,44 @@ def invalid_row_status(directory: Path, error: RowError) -> dict:
         directory.mkdir(parents=True, exist_ok=True)
         RunDirectory(directory).write_failure(status)
     return status
+
+
+class TakesRow:
+    """A row with takes: `takes.run_takes` in its own thread (a shared score waits for take 1's plan)."""
+
+    def __init__(self, scheduler, request, directory: Path, overrides: dict, resume: bool):
+        import threading
+
+        from ..takes import run_takes
+
+        self.request, self.directory, self.handles = request, directory, {}
+        self.document: dict | None = None
+        self.error: BaseException | None = None
+        options = overrides["takes"]
+        song_overrides = {k: v for k, v in overrides.items() if k != "takes"}
+
+        def run():
+            try:
+                self.document = run_takes(scheduler, request, directory, options, overrides=song_overrides,
+                                          resume=resume, on_take=self.handles.__setitem__)
+            except BaseException as exc:  # e.g. a take id already in flight: the row fails alone
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name=f"yue2-takes-{request.id}", daemon=True)
+        self.thread.start()
+
+    def status(self) -> dict:
+        """The row's status line: complete once every take is; which did and which did not."""
+        self.thread.join()
+        if self.document is None:
+            return {"status": "failed", "id": self.request.id, "directory": str(self.directory),
+                    "type": type(self.error).__name__, "reason": str(self.error)}
+        document = self.document
+        return {"status": "complete" if not document["not_complete"] else "failed", "id": self.request.id,
+                "directory": str(self.directory), "takes": document["takes"], "complete": document["complete"],
+                "not_complete": document["not_complete"], "pick": document["pick"],
+                "results": [{k: r.get(k) for k in ("take", "seed", "status", "directory", "signals", "error")}
+                            for r in document["results"]]}
 
 
 def cmd_batch(args) -> int:
@@ -155,17 +198,24 @@ def _run_batch(pipe, rows, args) -> int:
     valid = [(index, request, overrides) for index, (_, request, overrides, error) in enumerate(rows)
              if error is None]
     with SongScheduler(pipe, concurrency=args.concurrency, listener=progress.on_event) as scheduler:
+        takes = {index: TakesRow(scheduler, request, output / request.id, overrides, args.resume)
+                 for index, request, overrides in valid if "takes" in overrides}
         handles = {scheduler.submit(request, output / request.id, overrides=overrides, resume=args.resume): index
-                   for index, request, overrides in valid}
+                   for index, request, overrides in valid if index not in takes}
         try:
             for handle in scheduler.as_completed(handles):
                 record(handles[handle], handle_status(handle, args.quiet))
+            for index, row in takes.items():
+                record(index, row.status())
         except KeyboardInterrupt as exc:  # stop every song at its next boundary, record them, then stop
-            for handle in handles:
+            for handle in [*handles, *(h for row in takes.values() for h in row.handles.values())]:
                 handle.cancel()
             for handle in scheduler.as_completed([h for h in handles if handles[h] not in finished]):
                 record(handles[handle], handle_status(handle, args.quiet, f"cancelled by {_signal_name(exc)}; "
                                                                            "rerun with --resume"))
+            for index, row in takes.items():
+                if index not in finished:
+                    record(index, row.status())
             raise
     progress.close()
     seconds = time.perf_counter() - start

@@ -121,8 +121,69 @@ def song_outcome(request, directory: Path, *, document: dict | None = None, erro
     return status
 
 
+def take_options(args):
+    """The generate flags' TakeOptions (a UsageError names the flag)."""
+    from ..request_json import UsageError
+    from ..takes import TakeOptions
+
+    takes = getattr(args, "takes", 1) or 1
+    for flag, name in (("--best-of", "best_of"), ("--takes-share-score", "takes_share_score"), ("--scorer", "scorer")):
+        if takes == 1 and getattr(args, name, None):
+            raise UsageError(f"{flag}: picks or shares among takes: give --takes >= 2")
+    try:
+        return TakeOptions(takes, bool(getattr(args, "best_of", False)), bool(getattr(args, "takes_share_score", False)))
+    except ValueError as exc:
+        flag = "--" + str(exc).split(":")[0].replace("_", "-")
+        raise UsageError(f"{flag}: {exc}") from None
+
+
+def run_takes_cli(pipe, request, overrides: dict, directory: Path, options, *, resume: bool, stage: str,
+                  quiet: bool, scorer_command: str | None = None) -> list[dict]:
+    """Every take at once through a song scheduler: a status line per take, then one for the takes."""
+    from ..scheduler import generate_takes
+    from ..takes import command_scorer
+
+    scorer = command_scorer(scorer_command) if scorer_command else None
+    handles = {}
+    document = generate_takes(pipe, request, directory, options, overrides=overrides, resume=resume, stage=stage,
+                              scorer=scorer, scorer_name=f"scorer: {scorer_command}" if scorer else None,
+                              on_take=handles.__setitem__)
+    statuses = []
+    for record in document["results"]:
+        handle = handles.get(record["take"])
+        status = handle_status(handle, quiet) if handle is not None and handle.done else \
+            {"status": record["status"], "id": record["id"], "directory": record["directory"],
+             "reason": record.get("error")}
+        status.update(take=record["take"], seed=record["seed"], signals=record["signals"],
+                      **({"score": record.get("score")} if "score" in record else {}))
+        statuses.append(status)
+    summary = {"status": "takes", "id": request.id, "directory": str(directory), "takes": options.takes,
+               "complete": document["complete"], "not_complete": document["not_complete"], "pick": document["pick"],
+               "signal": document["signal"]}
+    return statuses + [summary]
+
+
 def cmd_generate(args) -> int:
     request, overrides = build_request(args)
+    options = take_options(args)
+    if options.many:
+        from ..request_json import UsageError
+        from ..takes import check_takes_for
+
+        try:
+            check_takes_for(request, options, args.stage)
+        except ValueError as exc:
+            raise UsageError(f"--takes: {exc}") from None
+        with _pipeline(args) as pipe:
+            lines = run_takes_cli(pipe, request, overrides, Path(args.output) / request.id, options,
+                                  resume=args.resume, stage=args.stage, quiet=args.quiet,
+                                  scorer_command=args.scorer)
+        for line in lines:
+            print_status(line)
+        failed = [line for line in lines[:-1] if line["status"] == "failed"]
+        for line in failed:
+            print(f"yue2-vllm: error: take {line['take']}: {line.get('reason')}", file=sys.stderr)
+        return 1 if failed or lines[-1]["not_complete"] else 0
     with _pipeline(args) as pipe:
         status = run_song(pipe, request, overrides, Path(args.output) / request.id, resume=args.resume,
                           stage=args.stage, quiet=args.quiet)

@@ -209,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
                                        "'first_song' for the embedded example, else 'song'")
     generate.add_argument("--stage", choices=("plan", "audio"), default="audio",
                           help="stop after the score (plan) or make the whole song (audio)")
+    generate.add_argument("--takes", type=lambda t: _integer_in(t, 1, 8, "an integer in [1, 8]"), default=1,
+                          help="whole songs from this request, run at once (take k: seed + k - 1; take 1 in the "
+                               "usual directory, take k in ID/takes/k; ID/takes.json lists them)")
+    generate.add_argument("--best-of", action="store_true",
+                          help="mark the take with the highest signal as the pick in takes.json (needs --takes >= 2)")
+    generate.add_argument("--takes-share-score", action="store_true",
+                          help="plan one score (take 1's) and render every take from it")
+    generate.add_argument("--scorer", help="command run as 'CMD TAKE_DIR' per finished take; the number it prints "
+                                           "(higher is better) replaces the model's mean log-prob for the pick")
     generate.set_defaults(func=cmd_generate)
 
     batch = command("batch", "generate every request of a JSONL file")
@@ -230,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="songs in flight at once (default: the engine's rows, sized from --budget; 1 on the "
                             "torch backend)")
     serve.add_argument("--queue-size", type=_count, default=64, help="jobs waiting to start before POST answers 429")
+    serve.add_argument("--max-takes", type=lambda t: _integer_in(t, 1, 8, "an integer in [1, 8]"), default=8,
+                       help="the most takes one POST may ask for (each take counts as a song in the queue)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /metrics (at least 16 "
                                          "characters); default: $YUE2_API_KEY, else no key")
     serve.add_argument("--data-dir", default="serve-data", help="the job database (jobs.sqlite3) and each job's "

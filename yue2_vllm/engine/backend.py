@@ -42,7 +42,7 @@ from ..derive import ARCheckpoint
 from ..memory import MEMINFO, MemoryPlan, UnifiedPool, kv_cache_bytes, plan_memory, read_meminfo, row_kv_bytes
 from ..quant.schemes import engine_kernel_env
 from ..model.modeling import YuE2Config
-from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, check_budget, end_token
+from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, ar_signals, check_budget, end_token
 from ..startup import ENGINE_START_TIMEOUT_S
 from ..model.sampling import ARResult, Cancelled, OnToken
 from .runner import BatchInvariance, RunnerChoice, resolve_runner, sliced_head_blocker
@@ -368,7 +368,9 @@ class _Worker:
             with self.lock:
                 stream = self.streams.get(event.get("id"))
             if stream is not None:
-                stream.events.put((event.get("id"), kind, event.get("error")))
+                payload = event.get("error") if kind == "error" else {k: event.get(k) for k in
+                                                                      ("logprobs", "cached_prompt_tokens")}
+                stream.events.put((event.get("id"), kind, payload))
         elif kind == "ready":
             self.ready.put(event)
         elif kind == "fatal":
@@ -673,6 +675,7 @@ class VLLMBackend:
                   "kv_reserved_bytes": kv, "mean_batch_rows": info["mean_batch_rows"], **self.runner_record(),
                   "admission_wait_seconds": waited, "engine_restarts": restarts_before,
                   "ar_checkpoint": self.settings.checkpoint.describe()}
+        timing.update(ar_signals(info.get("logprobs") or [], count, info.get("cached_prompt_tokens"), len(prefix)))
         if paired:
             timing.update(cfg_scale=cfg_scale, pair_restarts=info["pair_restarts"])
         with self._start_lock:
@@ -806,6 +809,8 @@ class _PairRun:
         self.accepted: list[int] = []
         self.first_token: float | None = None
         self.rows_seen: list[float] = []
+        self.logprobs: list[float | None] = []  # the cond row's, per accepted token
+        self.cached: int | None = None  # the first attempt's cond row (its warm-up's cache hits)
 
     def result(self) -> tuple[list[int], dict]:
         start = time.perf_counter()
@@ -815,7 +820,8 @@ class _PairRun:
             if ended or len(self.accepted) >= self.sampling.max_tokens:
                 rows = self.rows_seen
                 return self.accepted + [self.end] * ended, {"ended": ended, "ttft_seconds": self.first_token, "pair_restarts": restarts,
-                                       "mean_batch_rows": sum(rows) / len(rows) if rows else 0.0}
+                                       "mean_batch_rows": sum(rows) / len(rows) if rows else 0.0,
+                                       "logprobs": self.logprobs, "cached_prompt_tokens": self.cached}
             restarts += 1
             if restarts > self.MAX_PAIR_RESTARTS:
                 raise EngineError(f"the CFG pair of the {self.phase} phase fell out of step {restarts} times "
@@ -834,6 +840,7 @@ class _PairRun:
                                   pairing=Pairing(pair, role, self.cfg_scale)))
                 for rid, prompt, role in zip(rids, self.prompts, ("cond", "uncond"))]
         outputs = {rid: [] for rid in rids}
+        cond_info: dict = {}
         open_rows, aborting, accepted_here, ended = set(rids), set(), 0, False
         stream = backend._open(rids)
         try:
@@ -852,8 +859,12 @@ class _PairRun:
                 elif kind == "done":
                     open_rows.discard(rid)
                     self.rows_seen.append(payload["mean_batch_rows"])
+                    if rid == rids[0]:
+                        cond_info = payload
                 elif kind == "aborted":
                     open_rows.discard(rid)
+                    if rid == rids[0]:
+                        cond_info = payload or {}
                 elif kind == "error":
                     raise EngineError(f"vLLM rejected the {self.phase} CFG request: {payload}")
                 else:
@@ -879,6 +890,10 @@ class _PairRun:
                     aborting |= open_rows
             if self.cancelled is not None and self.cancelled() and not ended:
                 raise InterruptedError(f"cancelled during the {self.phase} phase after {len(self.accepted)} tokens")
+            logprobs = list(cond_info.get("logprobs") or [])[:accepted_here]
+            self.logprobs.extend(logprobs + [None] * (accepted_here - len(logprobs)))
+            if self.cached is None:
+                self.cached = cond_info.get("cached_prompt_tokens")
             return ended
         finally:
             backend._forget(rids)

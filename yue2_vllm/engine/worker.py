@@ -150,9 +150,22 @@ def sampling_params(request: dict):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    # logprobs=0: the sampled token's raw log-prob (vLLM's default logprobs_mode, computed before any logits
+    # processor, so the model's own score over the phase's head slice), at no extra forward pass.
     return SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], stop_token_ids=request["stop"],
                           ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA,
-                          extra_args=request["extra_args"])
+                          extra_args=request["extra_args"], logprobs=0)
+
+
+def sampled_logprobs(completion, tokens: list[int]) -> list[float | None]:
+    """Each new token's log-prob from a DELTA completion (None where vLLM returned none for it)."""
+    entries = completion.logprobs or []
+    values = []
+    for index, token in enumerate(tokens):
+        entry = entries[index] if index < len(entries) else None
+        item = entry.get(token) if entry else None
+        values.append(float(item.logprob) if item is not None else None)
+    return values
 
 
 def warm_params():
@@ -174,6 +187,8 @@ class InFlight:
     count: int = 0
     steps: int = 0
     rows: int = 0  # sum over its steps of the requests in flight (for the mean batch it shared)
+    logprobs: list = field(default_factory=list)  # per emitted token, the model's raw log-prob of it
+    cached: int | None = None  # prompt tokens vLLM took from its prefix cache (RequestOutput.num_cached_tokens)
 
 
 class Worker:
@@ -191,7 +206,8 @@ class Worker:
         except Exception as exc:  # a rejected request; the engine itself is fine
             self.channel.emit({"event": "error", "id": request["id"], "error": f"{type(exc).__name__}: {exc}"})
             return False
-        self.requests[request["id"]] = InFlight(request["stop"], len(request["prefix"]))
+        self.requests[request["id"]] = InFlight(request["stop"], len(request["prefix"]),
+                                                cached=request.get("warm_cached"))
         return True
 
     def add_pair(self, command: dict) -> None:
@@ -209,9 +225,12 @@ class Worker:
         for warm_id in pair["warm"]:
             self.warming[warm_id] = pair
 
-    def warmed(self, warm_id: str) -> None:
+    def warmed(self, warm_id: str, cached: int | None = None) -> None:
         pair = self.warming.pop(warm_id)
         pair["warm"].discard(warm_id)
+        for row in pair["rows"]:  # a warmed row's cache hits are its warm-up's (the row itself then hits fully)
+            if f"{row['id']}:warm" == warm_id:
+                row["warm_cached"] = cached
         if not pair["warm"]:
             for row in pair["rows"]:
                 self.pair_of_row.pop(row["id"], None)
@@ -228,8 +247,10 @@ class Worker:
                 self.channel.emit({"event": "aborted", "id": row["id"]})
         elif rid in self.requests:
             self.engine.abort_request([rid])
-            del self.requests[rid]
-            self.channel.emit({"event": "aborted", "id": rid})
+            state = self.requests.pop(rid)
+            # a CFG pair keeps the log-probs of the tokens its rows agreed on before one was aborted
+            self.channel.emit({"event": "aborted", "id": rid, "logprobs": state.logprobs,
+                               "cached_prompt_tokens": state.cached})
 
     def handle(self, command: dict) -> bool:
         """Apply one command; False on shutdown. A protocol error raises (the worker exits)."""
@@ -254,13 +275,16 @@ class Worker:
         for output in outputs:
             if output.request_id in self.warming:
                 if output.finished:
-                    self.warmed(output.request_id)
+                    self.warmed(output.request_id, getattr(output, "num_cached_tokens", None))
                 continue
             state = self.requests.get(output.request_id)
             if state is None:
                 continue
             completion = output.outputs[0]
             new = [int(t) for t in completion.token_ids]
+            state.logprobs.extend(sampled_logprobs(completion, new))
+            if state.cached is None:
+                state.cached = getattr(output, "num_cached_tokens", None)
             state.steps += 1
             state.rows += rows
             if new:
@@ -278,7 +302,8 @@ class Worker:
                 done[output.request_id] = {
                     "ended": ended, "stop": stop if ended else None, "seconds": seconds, "ttft_seconds": state.first, "output_tokens": state.count,
                     "output_tps": state.count / seconds if seconds > 0 else 0.0, "prefix_tokens": state.prefix_tokens,
-                    "mean_batch_rows": state.rows / max(1, state.steps)}
+                    "mean_batch_rows": state.rows / max(1, state.steps), "logprobs": state.logprobs,
+                    "cached_prompt_tokens": state.cached}
                 del self.requests[output.request_id]
             if new:
                 tokens[output.request_id] = new

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
 from .decode_step import BranchDecoder, PhaseRows, graph_refusal
 from .modeling import YuE2Model
-from ..protocol import CODEC_OFFSET, CODEC_SIZE, EOD, Sampling, check_budget, end_token
+from ..protocol import CODEC_OFFSET, CODEC_SIZE, EOD, Sampling, ar_signals, check_budget, end_token
 
 OnToken = Callable[[str, int], None]
 Cancelled = Callable[[], bool]
@@ -296,6 +296,7 @@ class TorchARBackend:
         _synchronize(device)
         prefill_seconds = time.perf_counter() - start
         state = {"logits": logits}
+        row_ids = PhaseRows.for_phase(phase).ids(device)
 
         def pick(step: int, history: list[int]) -> int:
             if step:
@@ -304,7 +305,10 @@ class TorchARBackend:
             mixed = mix_cfg(logits[0], logits[1] if len(logits) > 1 else None, run.cfg_scale)
             state["next_id"] = sample(phase_scores(mixed, sampling, history, step, phase, run.legacy_off),
                                       sampling.temperature, generator)
-            return int(state["next_id"].item())
+            token = int(state["next_id"].item())
+            cond = logits[0][0].float()
+            run.logprob(cond[token] - torch.logsumexp(cond.index_select(0, row_ids), 0))
+            return token
 
         history, first_token_seconds, ended = run.decode(start, pick)
         _synchronize(device)
@@ -337,10 +341,13 @@ class TorchARBackend:
                 logits = state["logits"]
                 mixed = mix_cfg(logits[0:1], logits[1:2] if len(logits) > 1 else None, run.cfg_scale)
                 next_id = sampler.sample(mixed, step, generator)
+                cond = torch.log_softmax(logits[0].float(), -1)  # before a captured step overwrites the logits
                 host.send(next_id)
                 if step + 1 < sampling.max_tokens:
                     state["logits"] = decoder.step(next_id)  # queued before the host waits for the token
-                return host.receive()
+                token = host.receive()
+                run.logprob(cond[rows.index_of(token)])
+                return token
 
             history, first_token_seconds, ended = run.decode(start, pick)
             _synchronize(device)
@@ -371,6 +378,10 @@ class _Phase:
     legacy_off: bool
     on_token: OnToken | None
     cancelled: Cancelled | None
+    logprobs: list = field(default_factory=list)  # per sampled token: the cond branch's raw log-prob (device)
+
+    def logprob(self, value: torch.Tensor) -> None:
+        self.logprobs.append(value.reshape(()))
 
     def check_cancelled(self, step: int) -> None:
         if self.cancelled is not None and self.cancelled():
@@ -400,4 +411,6 @@ class _Phase:
             "output_tokens": output_tokens, "content_tokens": content,
             "output_tps": output_tokens / seconds if seconds > 0 else 0.0, "prefix_tokens": len(self.branches[0]),
             "cfg_branches": len(self.branches), "backend_actual": TorchARBackend.name,
+            **ar_signals(torch.stack(self.logprobs).double().cpu().tolist() if self.logprobs else [], output_tokens,
+                         None, len(self.branches[0])),
         }

@@ -20,7 +20,7 @@ from importlib import resources
 from urllib.parse import urlsplit
 
 import anyio
-from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -36,6 +36,7 @@ from . import contract
 from .errors import Conflict, RequestInvalid, ServiceError, TooLarge, Unauthorized, Unavailable
 from .events import event_json
 from .metrics import CONTENT_TYPE
+from ..takes import MAX_TAKES
 from .service import FINAL_STATES, SongService, urls
 from .signed import AUDIO_URL_SECONDS, SIGNATURE_PATTERN, signature_problem, signed_audio_query, signing_key
 
@@ -478,6 +479,46 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
             return Response(data, media_type="application/json")
         return answer(request, redact(json.loads(data), inside=False))
 
+    take_number = Path(..., ge=1, le=MAX_TAKES, description="the take, 1 (the job itself) to the job's takes")
+
+    @v1.get("/songs/{job_id}/takes/{take}", summary="One take of a job (its own job record)", responses=song)
+    def get_take(request: Request, job_id: str, take: int = take_number):
+        return answer(request, service.document(service.take_job(job_id, take)))
+
+    @v1.delete("/songs/{job_id}/takes/{take}", status_code=204, summary="Delete one take (2 or later; take 1 is "
+               "the job: DELETE the job)", responses={
+        204: {"description": "the take's files and row are gone"},
+        202: {"model": contract.Song, "description": "the take, asked to stop: gone for every client already, its "
+                                                     "files and row once it stopped"},
+        **_errors(*denied, 403, 404, 409, s409="take 1 is the job itself")})
+    def delete_take(request: Request, job_id: str, take: int = take_number):
+        stopping = service.delete_take(job_id, take)
+        return Response(status_code=204) if stopping is None else answer(request, stopping, 202)
+
+    @v1.post("/songs/{job_id}/takes/{take}/keep", summary="Mark the take kept (recorded on the job)", responses={
+        200: {"model": contract.Song, "description": "the job, with takes.kept"},
+        **_errors(*denied, 403, 404, 409, s409="the job has no takes")})
+    def keep_take(request: Request, job_id: str, take: int = take_number):
+        return answer(request, service.describe(service.keep_take(job_id, take)))
+
+    def take_audio(job_id: str, take: int = take_number):
+        return audio(service.take_job(job_id, take))
+
+    for method in ("GET", "HEAD"):
+        v1.add_api_route("/songs/{job_id}/takes/{take}/audio", take_audio, methods=[method],
+                         summary="One take's song (FLAC)", responses=audio_answers,
+                         operation_id=f"take_audio_{method.lower()}")
+
+    @v1.get("/songs/{job_id}/takes/{take}/score", summary="One take's ABC score", responses={
+        200: _media("text/vnd.abc", "the score as planned"), **files})
+    def take_score(job_id: str, take: int = take_number):
+        return score(service.take_job(job_id, take))
+
+    @v1.get("/songs/{job_id}/takes/{take}/result", summary="One take's result.json", responses={
+        200: _media("application/json", "the take's result.json", {"type": "object"}), **files})
+    def take_result(request: Request, job_id: str, take: int = take_number):
+        return result(request, service.take_job(job_id, take))
+
     @v1.get("/songs/{job_id}/events", summary="Server-Sent Events of a job", responses={
         200: {"description": "status (the whole job, first), then state, tokens, stage, score, nar, vae, retry, "
                              "and complete, failed or cancelled; each data is one line of JSON",
@@ -529,7 +570,8 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
             schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-            schemas.update(contract.song_body_schemas(reproducible=reproducible))
+            schemas.update(contract.song_body_schemas(reproducible=reproducible,
+                                                      max_takes=service.config.max_takes))
             for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 shape is not ours
                 schemas.pop(name, None)
             for operations in schema["paths"].values():

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..protocol import CONTEXT, DEFAULT_SEED, MAX_CFG_SCALE, MAX_SEED
+from ..takes import MAX_TAKES
 
 # At least one character that is not white space as Python's str.strip() (the CLI's check) counts it, spelled out:
 # JSON Schema's \S (ECMA), pydantic's (Rust regex) and Python's disagree on U+001C-U+001F, U+0085 and U+FEFF.
@@ -60,6 +61,12 @@ class SongBody(BaseModel):
     stage: Literal["plan", "audio"] = Field("audio", description="plan: the score only (render its audio later)")
     reproducible: bool = Field(False, description="ask for a batch-invariant song (only on a server started with "
                                                   "--reproducible)")
+    takes: int = Field(1, ge=1, le=MAX_TAKES, description="whole songs from this request, run at once (take k's seed: "
+                       "(seed + k - 1) mod 2**63; take 1 is this job); at most the server's --max-takes")
+    best_of: bool = Field(False, description="mark the take with the highest semantic mean log-prob as the pick "
+                                             "(needs takes >= 2; every take is kept)")
+    takes_share_score: bool = Field(False, description="plan one score (take 1's) and render every take from it "
+                                                       "(needs takes >= 2)")
     lang: Any = Field(None, description="upstream's request JSON: accepted and ignored")
     eval_index: Any = Field(None, description="upstream's request JSON: accepted and ignored")
     clip_id: Any = Field(None, description="upstream's request JSON: accepted and ignored")
@@ -96,6 +103,27 @@ class SongCreated(BaseModel):
     urls: Urls
 
 
+class TakeEntry(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    take: int
+    id: str
+    status: Literal[STATUSES + ("deleted",)]
+    seed: int | None
+    signals: dict
+    urls: dict | None
+
+
+class Takes(BaseModel):
+    """A job's takes (on take 1's job), or, on take k's own job, which job it is a take of."""
+
+    model_config = ConfigDict(extra="allow")
+    take: int
+    of: int
+    entries: list[TakeEntry] | None = None
+    pick: int | None = None
+    kept: int | None = None
+
+
 class Song(BaseModel):
     """A job: status, per-stage progress and records, retries, error and result."""
 
@@ -109,6 +137,7 @@ class Song(BaseModel):
     error: dict | None
     result: dict | None
     urls: Urls
+    takes: Takes | None = None
 
 
 class SongSummary(BaseModel):
@@ -169,9 +198,10 @@ def _drop_null_defaults(schema):
     return schema
 
 
-def song_body_schemas(*, reproducible: bool) -> dict:
+def song_body_schemas(*, reproducible: bool, max_takes: int = MAX_TAKES) -> dict:
     """`components.schemas` entries for the POST body: SongBody and Sampling, with what pydantic cannot say
-    (style or tags; no score with cot off; reproducible only where the server is)."""
+    (style or tags; no score with cot off; reproducible only where the server is; best_of and takes_share_score
+    need takes >= 2; a stage=plan job with nothing to plan takes one take; takes up to --max-takes)."""
     schema = _drop_null_defaults(SongBody.model_json_schema(ref_template="#/components/schemas/{model}"))
     definitions = schema.pop("$defs", {})
     for name in ("lang", "eval_index", "clip_id"):
@@ -179,8 +209,16 @@ def song_body_schemas(*, reproducible: bool) -> dict:
     text = {"type": "string", "pattern": NON_BLANK}
     schema["anyOf"] = [{"required": ["style"]}, {"required": ["tags"], "properties": {"tags": text}}]
     schema["not"] = {"required": ["style", "tags"], "properties": {"tags": text}}
-    schema["if"] = {"required": ["cot"], "properties": {"cot": {"const": "off"}}}
-    schema["then"] = {"properties": {"abc": {"type": "null"}}}
+    schema["properties"]["takes"] = {**schema["properties"]["takes"], "maximum": max_takes}
+    needs_takes = [{"if": {"required": [name], "properties": {name: {"const": True}}},
+                    "then": {"required": ["takes"], "properties": {"takes": {"minimum": 2}}}}
+                   for name in ("best_of", "takes_share_score")]
+    nothing_to_plan = {"if": {"required": ["stage"], "properties": {"stage": {"const": "plan"}},
+                              "anyOf": [{"required": ["abc"], "properties": {"abc": {"type": "string"}}},
+                                        {"required": ["cot"], "properties": {"cot": {"const": "off"}}}]},
+                       "then": {"properties": {"takes": {"maximum": 1}}}}
+    schema["allOf"] = [{"if": {"required": ["cot"], "properties": {"cot": {"const": "off"}}},
+                        "then": {"properties": {"abc": {"type": "null"}}}}, *needs_takes, nothing_to_plan]
     if not reproducible:
         schema["properties"]["reproducible"] = {**schema["properties"]["reproducible"], "const": False,
                                                 "description": "this server's engine is not batch-invariant: "

@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..protocol import PHASES, SongRequest
+from ..takes import MAX_TAKES, pick_take, read_score, shares_plan, take_seed
 from ..scheduler import FINAL_STATES, STAGE_STATES, STATES, SongEvent
 from ..checkpoint import write_json_atomic
 from .disk import RETENTION_SECONDS, DiskLedger, request_bytes, written_bytes
@@ -67,6 +68,24 @@ def urls(job_id: str) -> dict:
             "result": f"{base}/result"}
 
 
+def take_urls(job_id: str, take: int, take_job: str) -> dict:
+    """Take k's files under its job (`events`: the take's own job, whose id the listing names)."""
+    base = f"/v1/songs/{job_id}/takes/{take}"
+    return {"self": base, "events": f"/v1/songs/{take_job}/events", "audio": f"{base}/audio",
+            "score": f"{base}/score", "result": f"{base}/result", "keep": f"{base}/keep"}
+
+
+def take_info(record: JobRecord) -> dict | None:
+    """A job's takes record (in its overrides): take 1's lists the others (`children`); take k's names its
+    `parent`. None for a one-take job."""
+    info = record.overrides.get("takes")
+    return info if isinstance(info, dict) else None
+
+
+def sampling_of(record: JobRecord) -> dict:
+    return {k: v for k, v in record.overrides.items() if k != "takes"}
+
+
 # --------------------------------------------------------------------------- the service
 
 
@@ -85,6 +104,7 @@ class ServeConfig:
     retention_seconds: float | None = RETENTION_SECONDS  # finished jobs older than this are purged (None: kept)
     min_free_bytes: int = 1 << 30  # kept free beyond what every admitted song may still write (else 507)
     owner_timeout: float = 30.0  # an HTTP call waits this long for the job owner, then answers 503
+    max_takes: int = MAX_TAKES  # the most takes one POST may ask for (--max-takes)
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -94,6 +114,8 @@ class ServeConfig:
             raise ValueError(f"max_interrupted_runs must be >= 1, got {self.max_interrupted_runs}")
         if self.replica_retries < 0 or self.engine_retries < 0:
             raise ValueError("engine_retries and replica_retries must be >= 0")
+        if not 1 <= self.max_takes <= MAX_TAKES:
+            raise ValueError(f"max_takes must be in [1, {MAX_TAKES}], got {self.max_takes}")
 
     @property
     def database(self) -> Path:
@@ -141,6 +163,8 @@ class SongService:
         self.disk = DiskLedger(config.jobs, lambda path: shutil.disk_usage(path).free)
         self._picture_lock = threading.Lock()
         self.hub = EventHub()
+        self._awaiting_score: dict[str, list[str]] = {}  # take 1's job -> takes waiting for its planned score
+        self._awaiting_prefill: dict[str, list[str]] = {}  # take 1's job -> takes waiting for its first token
         self.throttle = Throttle(config.event_interval)
         self._live: dict[str, LiveJob] = {}
         self._held: list[str] = []  # queued jobs kept from the workers while they cannot serve any song
@@ -282,26 +306,44 @@ class SongService:
         if down is not None:
             raise Unavailable(f"no song can be served now: {down}", headers={"Retry-After": "60"})
         job_id = new_job_id()
-        song = parse_submission(self.rules, body, job_id)
+        song = parse_submission(self.rules, body, job_id, self.config.max_takes)
         stages = {stage: {"state": "pending"} for stage in (STAGES if song.stage == "audio" else ("plan",))}
-        job = NewJob(job_id, song.label, song.stage, song.request.to_dict(), song.overrides, song.body_sha256, key,
+        count = song.takes.takes
+        children = [new_job_id() for _ in range(count - 1)]
+        overrides = song.overrides
+        if count > 1:  # take 1 is this job; takes 2..N are jobs of their own, listed (and acted on) through it
+            overrides = {**overrides, "takes": {"take": 1, "of": count, "best_of": song.takes.best_of,
+                                                "share_score": shares_plan(song.request, song.takes),
+                                                "children": children, "kept": None}}
+        job = NewJob(job_id, song.label, song.stage, song.request.to_dict(), overrides, song.body_sha256, key,
                      stages)
-        need = request_bytes(self.rules, song.request, song.overrides, song.stage).total
+        need = request_bytes(self.rules, song.request, song.overrides, song.stage).total * count  # each take a song
         with self.disk.lock:  # the check and the queueing together: two songs never take the same room
             self._check_disk(need)
-            try:
-                record, created = self.store.admit(job, self.config.queue_size)
+            try:  # every take counts against the queue bound: room for all of them, or a 429
+                record, created = self.store.admit(job, self.config.queue_size - (count - 1))
             except IdempotencyConflict as exc:
                 raise Conflict(str(exc), field="Idempotency-Key") from None
             except QueueFull as exc:
                 raise self._too_many(exc) from None
             except sqlite3.OperationalError as exc:  # the store refused the insert: nothing was queued
                 raise self._store_refused(exc) from None
+            takes = [record]
+            if created:
+                for k, child in enumerate(children, 2):
+                    request = SongRequest.from_dict({**song.request.to_dict(), "id": child,
+                                                     "seed": take_seed(song.request.seed, k)})
+                    child_job = NewJob(child, song.label, song.stage, request.to_dict(),
+                                       {**song.overrides, "takes": {"take": k, "of": count, "parent": job_id,
+                                                                    "share_score": overrides["takes"]["share_score"]}},
+                                       song.body_sha256, None, dict(stages))
+                    takes.append(self.store.admit(child_job, None)[0])
         if created:
-            try:
-                self._call(self._launch, record)
-            except Unavailable:  # the owner is waiting on the store: the job is durable, its launch queued
-                LOG.warning("job %s: accepted; it starts once the job owner's pending store write lands", record.id)
+            for take in takes:
+                try:
+                    self._call(self._launch, take)
+                except Unavailable:  # the owner is waiting on the store: the job is durable, its launch queued
+                    LOG.warning("job %s: accepted; it starts once the job owner's pending store write lands", take.id)
         return record, created
 
     def _record_bytes(self, record: JobRecord) -> int:
@@ -340,6 +382,16 @@ class SongService:
 
     def _launch(self, record: JobRecord) -> None:
         """Hand a queued job to the workers (owner only); held back while they cannot serve any song."""
+        info = take_info(record)
+        if info and info.get("share_score") and info.get("parent") and record.request.get("abc") is None:
+            record = self._with_shared_score(record, info["parent"])
+            if record is None:
+                return  # it waits for take 1's score (launched from _on_stage_done), or failed with it
+        elif info and info.get("parent") and not self._parent_prefilled(info["parent"]):
+            waiting = self._awaiting_prefill.setdefault(info["parent"], [])
+            if record.id not in waiting:
+                waiting.append(record.id)
+            return  # launched at take 1's first token (its prompt is then in the prefix cache) or end
         if self.workers.down_for_good() is not None:
             if record.id not in self._held:
                 self._held.append(record.id)
@@ -356,6 +408,48 @@ class SongService:
         # The song may start (and post events) before submit returns: its first event names the run.
         live.handle = self.workers.submit(order)
 
+    def _with_shared_score(self, record: JobRecord, parent_id: str) -> JobRecord | None:
+        """Take k of a shared score renders take 1's: its request gets that score once take 1 planned it."""
+        parent = self.store.get(parent_id)
+        plan = (parent.stages.get("plan") or {}).get("state") if parent is not None else None
+        if plan in ("done", "reused"):
+            try:
+                score = read_score(self.directory(parent_id))
+            except OSError as exc:
+                self._record_final(record.id, None, "failed", error={"type": "SharedScoreMissing",
+                                   "message": f"take 1's score could not be read: {exc}"})
+                return None
+            request = {**record.request, "abc": score}
+            self.store.update(record.id, request=request)
+            return self.store.get(record.id)
+        if parent is None or parent.deleted is not None or (parent.final and parent.status != "complete"):
+            self._record_final(record.id, None, "failed", error={"type": "SharedScoreMissing",
+                               "message": "take 1's score was not planned (take 1 "
+                                          f"{'is gone' if parent is None or parent.deleted else parent.status})"})
+            return None
+        waiting = self._awaiting_score.setdefault(parent_id, [])
+        if record.id not in waiting:
+            waiting.append(record.id)
+        return None
+
+    def _parent_prefilled(self, parent_id: str) -> bool:
+        """Whether take 1 has had its first AR token (or a planned score, or has ended): the other takes then find
+        the prompt they share in the engine's prefix cache instead of prefilling it again in the same step."""
+        live = self._live.get(parent_id)
+        if live is not None and any(live.tokens.values()):
+            return True
+        parent = self.store.get(parent_id)
+        return parent is None or parent.final or (parent.stages.get("plan") or {}).get("state") in ("done", "reused")
+
+    def _launch_awaiting(self, parent_id: str, lists: tuple[str, ...] = ("_awaiting_score", "_awaiting_prefill")) \
+            -> None:
+        """Take 1's score is planned, its prompt prefilled, or it ended: the takes waiting for that go on."""
+        children = [child for name in lists for child in getattr(self, name).pop(parent_id, [])]
+        for child in children:
+            record = self.store.get(child)
+            if record is not None and record.status == "queued" and record.deleted is None:
+                self._launch(record)
+
     def _release_held(self) -> None:
         held, self._held = self._held, []
         for job_id in held:
@@ -364,8 +458,19 @@ class SongService:
                 self._launch(record)
 
     def requeue(self, job_id: str, *, render: bool) -> JobRecord:
-        """Resume a failed or cancelled job from its last verified stage, or render a planned one to audio."""
+        """Resume a failed or cancelled job from its last verified stage, or render a planned one to audio. On a
+        job with takes: every take that can be (the others are left as they are)."""
         record = self.get_record(job_id)
+        takes = self.take_records(record)
+        if len(takes) > 1:
+            ready = [take for take in takes if ((take.stage == "plan" and take.status == "complete") if render
+                                                 else take.status in ("failed", "cancelled"))]
+            if not ready:
+                raise Conflict("no take of this job can be " + ("rendered (none is a complete stage=plan take)"
+                                                                if render else "resumed (none failed or was cancelled)"))
+            for take in ready:
+                self._call(self._requeue, take.id, render)
+            return self.get_record(job_id)
         if render and not (record.stage == "plan" and record.status == "complete"):
             raise Conflict(f"only a complete stage=plan job can be rendered; this one is {record.status} with "
                            f"stage={record.stage}")
@@ -398,12 +503,15 @@ class SongService:
         return record
 
     def cancel(self, job_id: str) -> tuple[JobRecord, bool]:
-        """Ask a job to stop at its next token, ODE step or VAE tile; `(record, asked)` — asked False when it
-        had finished already (its files stay)."""
+        """Ask a job (every take of it) to stop at its next token, ODE step or VAE tile; `(record, asked)` —
+        asked False when it had finished already (its files stay)."""
         record = self.get_record(job_id)
-        if record.final:
+        running = [take for take in self.take_records(record) if not take.final]
+        if not running:
             return record, False
-        return self._call(self._cancel, job_id)
+        for take in reversed(running):  # take 1 last: its end would launch takes still waiting for it
+            self._call(self._cancel, take.id)
+        return self.store.get(job_id), True
 
     def _cancel(self, job_id: str) -> tuple[JobRecord, bool]:
         record = self.store.get(job_id)
@@ -425,9 +533,87 @@ class SongService:
     def delete(self, job_id: str) -> dict | None:
         """DELETE: the job is gone for every client at once (each read answers 404); a run of it is cancelled, and
         its files and row are removed once nothing of it runs. The job as it is now while that removal is pending
-        (a run was stopping), None once it is done."""
-        self.get_record(job_id)
+        (a run was stopping), None once it is done. Its other takes go with it."""
+        record = self.get_record(job_id)
+        for take in self.take_records(record)[1:]:
+            self._call(self._delete_quietly, take.id)
         return self._call(self._delete, job_id)
+
+    def _delete_quietly(self, job_id: str) -> None:
+        try:
+            self._delete(job_id)
+        except NotFound:  # deleted already (e.g. that take alone)
+            pass
+
+    # -- takes
+
+    def take_records(self, record: JobRecord) -> list[JobRecord]:
+        """A job's takes in order, take 1 (the job) first; takes deleted on their own are left out."""
+        info = take_info(record)
+        if not info or info.get("parent"):
+            return [record]
+        takes = [record]
+        for child in info.get("children", []):
+            take = self.store.get(child)
+            if take is not None and take.deleted is None:
+                takes.append(take)
+        return takes
+
+    def take_job(self, job_id: str, take: int) -> str:
+        """The job id that holds take `take` of job `job_id` (404 when there is no such take)."""
+        record = self.get_record(job_id)
+        info = take_info(record)
+        if take == 1 and (info is None or not info.get("parent")):
+            return job_id
+        children = (info or {}).get("children") if info and not info.get("parent") else None
+        if not children or not 2 <= take <= len(children) + 1:
+            raise NotFound(f"song {job_id!r} has no take {take}")
+        child = children[take - 2]
+        self.get_record(child)  # 404 once that take was deleted
+        return child
+
+    def delete_take(self, job_id: str, take: int) -> dict | None:
+        """Delete one take (k >= 2; take 1 is the job itself: DELETE the job)."""
+        if take == 1:
+            raise Conflict("take 1 is the job itself: DELETE the job to remove it with every take")
+        child = self.take_job(job_id, take)
+        return self._call(self._delete, child)
+
+    def keep_take(self, job_id: str, take: int) -> JobRecord:
+        """Mark take `take` as the one kept (recorded on the job)."""
+        self.take_job(job_id, take)
+        record = self.get_record(job_id)
+        info = take_info(record)
+        if info is None or info.get("parent"):
+            raise Conflict("this job has no takes to choose from")
+        self.store.update(job_id, overrides={**record.overrides, "takes": {**info, "kept": take}})
+        return self.get_record(job_id)
+
+    def takes_view(self, record: JobRecord) -> dict | None:
+        """What GET shows of a job's takes: each with status, seed, signals and links; the pick and the kept."""
+        info = take_info(record)
+        if info is None:
+            return None
+        if info.get("parent"):
+            return {"take": info["take"], "of": info["of"], "job": info["parent"]}
+        entries = []
+        ids = [record.id] + list(info.get("children", []))
+        for k, take_id in enumerate(ids, 1):
+            take = record if k == 1 else self.store.get(take_id)
+            if take is None or take.deleted is not None:
+                entries.append({"take": k, "id": take_id, "status": "deleted", "seed": None, "signals": {},
+                                "error": None, "urls": None})
+                continue
+            entries.append({"take": k, "id": take_id, "status": take.status, "seed": take.request.get("seed"),
+                            "signals": (take.result or {}).get("signals") or {},
+                            "audio_seconds": (take.result or {}).get("audio_seconds"),
+                            "error": (take.error or {}).get("message"), "urls": take_urls(record.id, k, take_id)})
+        pick = pick_take(entries) if info.get("best_of") else None
+        return {"take": 1, "of": info["of"], "best_of": bool(info.get("best_of")),
+                "share_score": bool(info.get("share_score")), "signal": "semantic_mean_logprob", "pick": pick,
+                "kept": info.get("kept"), "entries": entries,
+                "complete": [e["take"] for e in entries if e["status"] == "complete"],
+                "not_complete": [e["take"] for e in entries if e["status"] in ("failed", "cancelled", "deleted")]}
 
     def _delete(self, job_id: str) -> dict | None:
         record = self.store.mark_deleted(job_id)
@@ -459,7 +645,12 @@ class SongService:
         return True
 
     def _purge(self, job_id: str) -> bool:
-        """Remove a finished job past the retention window (never one a run still holds)."""
+        """Remove a finished job past the retention window (never one a run still holds), its finished takes too."""
+        record = self.store.get(job_id)
+        if record is not None:
+            for take in self.take_records(record)[1:]:
+                if take.final and take.id not in self._live:
+                    self._remove(take.id)
         return job_id not in self._live and self._remove(job_id)
 
     def _sweep(self) -> None:
@@ -509,7 +700,7 @@ class SongService:
             "created": iso(record.created), "started": iso(record.started), "finished": iso(record.finished),
             "updated": iso(record.updated),
             "request": {k: v for k, v in record.request.items() if k != "id"},
-            "sampling": record.overrides, "progress": progress, "stages": stages,
+            "sampling": sampling_of(record), "progress": progress, "stages": stages,
             "attempts": record.attempts,
             "retries": [{**entry, "at": iso(entry["at"])} for entry in record.retries],
             "cancel_requested": record.cancel_requested, "error": record.error, "result": record.result,
@@ -517,6 +708,9 @@ class SongService:
         }
         if record.status == "queued":
             document["queue_position"] = self.store.queue_position(record)
+        takes = self.takes_view(record)
+        if takes is not None:
+            document["takes"] = takes
         return document
 
     def summary(self, record: JobRecord) -> dict:
@@ -526,7 +720,8 @@ class SongService:
                 "style": record.request.get("style", "")[:120], "cot": record.request.get("cot"),
                 "seed": record.request.get("seed"),
                 "audio_seconds": (record.result or {}).get("audio_seconds"),
-                "error": (record.error or {}).get("message"), "urls": urls(record.id)}
+                "error": (record.error or {}).get("message"), "urls": urls(record.id),
+                "takes": (take_info(record) or {}).get("of", 1)}
 
     def list(self, statuses: tuple[str, ...], limit: int, cursor: str | None) -> dict:
         unknown = sorted(set(statuses) - set(STATES))
@@ -539,7 +734,8 @@ class SongService:
             before = int(cursor)
         records = self.store.list(statuses, limit + 1, before)
         page = records[:limit]
-        return {"songs": [self.summary(r) for r in page],
+        return {"songs": [self.summary(r) for r in page if not (take_info(r) or {}).get("parent")],  # takes 2..N: in
+                # their job's listing
                 "next_cursor": str(page[-1].seq) if len(records) > limit else None}
 
     def file(self, job_id: str, name: str) -> Path:
@@ -612,6 +808,8 @@ class SongService:
         if live.finalized:
             return
         if kind == "tokens":
+            if job_id in self._awaiting_prefill:  # take 1's prompt is prefilled: the other takes go now
+                self._launch_awaiting(job_id, ("_awaiting_prefill",))
             added = data["count"] - live.tokens[data["phase"]]  # a replica sends a count every few tokens
             if added > 0:
                 self.tokens_total.inc(added, phase=data["phase"])
@@ -660,6 +858,8 @@ class SongService:
         live.record_stages[stage] = {**summary, "started": previous.get("started"),
                                      "finished": None if reused else time.time(), **where}
         self.store.update(job_id, stages=live.record_stages)
+        if stage == "plan" and (job_id in self._awaiting_score or job_id in self._awaiting_prefill):
+            self._launch_awaiting(job_id)
         if not reused:
             if stage in ("synthesis", "audio") and summary.get("seconds") is not None:
                 (self.nar_seconds if stage == "synthesis" else self.vae_seconds).observe(summary["seconds"])
@@ -734,6 +934,8 @@ class SongService:
                                     result=result, **({"stages": live.record_stages} if live else {}))
         if not written:
             return
+        if job_id in self._awaiting_score or job_id in self._awaiting_prefill:  # take 1 ended: the others go on
+            self._launch_awaiting(job_id)
         self.songs_finished.inc(status=status)
         record = self.store.get(job_id)
         if status == "complete":

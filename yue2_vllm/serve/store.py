@@ -46,7 +46,7 @@ CREATE INDEX jobs_status_seq ON jobs (status, seq);
 MIGRATIONS = {1: ("ALTER TABLE jobs ADD COLUMN deleted REAL",)}  # from schema N to N + 1
 JSON_COLUMNS = ("request", "overrides", "retries", "error", "stages", "result")
 UPDATABLE = {"label", "status", "stage", "started", "finished", "attempts", "retries", "cancel_requested", "error",
-             "stages", "result"}
+             "stages", "result", "request", "overrides"}  # request / overrides: a take's shared score, the kept take
 
 
 class StoreError(RuntimeError):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..protocol import SongRequest, SongRules, valid_song_id
 from ..request_json import UsageError, parse_json, request_from_json
+from ..takes import MAX_TAKES, TAKE_FIELDS, TakeOptions, check_takes_for, pop_take_options
 from .errors import RequestInvalid
 
 JOB_ID = re.compile(r"j[0-9a-f]{20}")
@@ -31,6 +32,7 @@ class Submission:
     stage: str
     label: str | None
     body_sha256: str
+    takes: TakeOptions = TakeOptions()
 
 
 _FIELD_PATTERNS = (
@@ -80,9 +82,9 @@ def canonical_sha256(data) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-def parse_submission(rules: SongRules, body: bytes, job_id: str) -> Submission:
+def parse_submission(rules: SongRules, body: bytes, job_id: str, max_takes: int = MAX_TAKES) -> Submission:
     """A POST body → the song it asks for, with the CLI's validation and the context check (`rules`: the
-    server's SongRules, or a pipeline, which holds them)."""
+    server's SongRules, or a pipeline, which holds them); `max_takes`: the server's --max-takes."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -105,6 +107,12 @@ def parse_submission(rules: SongRules, body: bytes, job_id: str) -> Submission:
         raise RequestInvalid("reproducible: this server's engine is not batch-invariant, so a seed may not fix the "
                              "song under load; start the server with --reproducible (then every song is)",
                              field="reproducible")
+    try:
+        takes = pop_take_options(data, max_takes)
+    except ValueError as exc:
+        message = str(exc)
+        raise RequestInvalid(message, field=next((name for name in TAKE_FIELDS if message.startswith(f"{name}:")),
+                                                 "takes")) from None
     try:
         fields, overrides = request_from_json(data, where="body", allow_files=False)
     except (ValueError, TypeError) as exc:
@@ -131,7 +139,11 @@ def parse_submission(rules: SongRules, body: bytes, job_id: str) -> Submission:
         if name is None:  # the prompt does not fit: the longest text is the one to shorten
             name = "abc" if request.abc is not None and len(request.abc) > len(request.lyrics) else "lyrics"
         raise RequestInvalid(message, field=name) from None
-    return Submission(request, overrides, stage, label, body_sha256)
+    try:
+        check_takes_for(request, takes, stage)
+    except ValueError as exc:
+        raise RequestInvalid(str(exc), field="takes") from None
+    return Submission(request, overrides, stage, label, body_sha256, takes)
 
 
 def check_idempotency_key(key: str | None) -> str | None:

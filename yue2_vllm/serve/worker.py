@@ -20,6 +20,7 @@ from ..artifacts import RunDirectory, verify_result
 from ..checkpoint import disk_full
 from ..pipeline import STAGE_RECORDS, YuE2Pipeline
 from ..protocol import SongRequest
+from ..takes import take_signals
 from ..scheduler import FINAL_STATES, SongEvent, SongHandle, SongScheduler
 from .durable import disk_refusal
 
@@ -149,7 +150,7 @@ class SongWorker:
         return {"identity": document["identity"], "audio_seconds": document["audio_seconds"],
                 "sample_rate": document["sample_rate"], "truncated": document["truncated"],
                 "resumed": document["resumed"], "audio_bytes": document["artifacts"]["audio.flac"]["bytes"],
-                "batch_invariant": document.get("batch_invariant", False)}
+                "batch_invariant": document.get("batch_invariant", False), "signals": take_signals(document)}
 
     # -- the engine
 

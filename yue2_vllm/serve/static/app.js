@@ -12,6 +12,7 @@ const STAGES = [  // stage, label, progress key, unit
 const FIELDS = {  // an error's field -> the control to mark
   style: "style", tags: "style", lyrics: "lyrics", cot: "cot", seed: "seed", cfg_scale: "cfg_scale", abc: "abc",
   abc_sampling: "abc-temperature", semantic_sampling: "semantic-temperature", stage: "plan-only",
+  takes: "takes", best_of: "takes",
 };
 
 let apiKey = sessionStorage.getItem("yue2-api-key") || "";
@@ -93,6 +94,7 @@ function collect() {
     body[key][input.dataset.key] = Number(input.value);
   }
   if ($("plan-only").checked) body.stage = "plan";
+  Object.assign(body, takesOf($("takes").value));
   let text = JSON.stringify(body);
   const seed = $("seed").value.trim();
   if (seed !== "") {  // seeds go up to 2**63: sent as typed, not through a float
@@ -286,7 +288,7 @@ function drawPictureInto(picture, wave, spectrum) {
     spectrum.width = picture.spectrogram.width;
     spectrum.height = picture.spectrogram.height;
     spectrum.getContext("2d").putImageData(picture.spectrogram, 0, 0);
-  } else spectrum.hidden = true;
+  } else if (spectrum) spectrum.hidden = true;
 }
 
 function movePlayhead() {
@@ -391,6 +393,97 @@ function render() {
     current.audioAsked = true;
     const shown = current;
     showAudio(doc).catch((error) => { if (current === shown) show($("current-error"), describeError(error)); });
+  }
+  renderTakes(doc);
+}
+
+// ------------------------------------------------------------------ takes, side by side
+
+function takesOf(value) {  // the form's take count: takes > 1 are sent with best_of (the pick is marked)
+  const takes = Number(String(value).trim() || 1);
+  return takes === 1 ? {} : { takes, best_of: true };
+}
+
+function takeSignal(entry) {
+  const value = entry.signals && entry.signals.semantic_mean_logprob;
+  return typeof value === "number" ? `log-prob ${value.toFixed(3)}` : "";
+}
+
+// A take's player and waveform: the take is a job of its own, so it streams from its own signed URL and is drawn
+// from its own peaks answer, like the song shown above (streamInto, fetchPicture); nothing lands once the view
+// shows another song.
+async function loadTake(card, entry, id) {
+  const shown = current;
+  const stillShown = () => current === shown && current.id === id && card.isConnected;
+  const take = { id: entry.id, urls: { self: `/v1/songs/${entry.id}` } };
+  const audio = card.querySelector("audio");
+  if (await streamInto(audio, take, stillShown) === null) return;
+  const picture = await fetchPicture(take, stillShown);
+  if (picture) drawPictureInto({ ...picture, spectrogram: null }, card.querySelector("canvas"), null);
+}
+
+function takeCard(doc, entry) {
+  const takes = doc.takes;
+  const card = document.createElement("div");
+  card.className = "take" + (takes.kept === entry.take ? " kept" : "");
+  card.dataset.take = entry.take;
+  card.innerHTML = `<strong></strong> <span class="badge"></span><p class="meta"></p>
+    <canvas aria-hidden="true"></canvas><audio controls preload="metadata"></audio>
+    <div class="actions"><button type="button" class="small" data-keep>Keep</button>
+    <button type="button" class="secondary small" data-delete>Delete</button></div>`;
+  card.querySelector("strong").textContent = `Take ${entry.take}` + (takes.pick === entry.take ? " ★" : "");
+  const badge = card.querySelector(".badge");
+  badge.textContent = takes.kept === entry.take ? "kept" : entry.status;
+  badge.classList.add(FINAL.has(entry.status) ? entry.status : "running");
+  card.querySelector(".meta").textContent = [`seed ${entry.seed}`, takeSignal(entry), entry.error || ""]
+    .filter(Boolean).join(" · ");
+  const keep = card.querySelector("[data-keep]"), remove = card.querySelector("[data-delete]");
+  keep.setAttribute("aria-label", `Keep take ${entry.take}`);
+  remove.setAttribute("aria-label", `Delete take ${entry.take}`);
+  keep.hidden = entry.status !== "complete" || takes.kept === entry.take;
+  remove.hidden = entry.take === 1;  // take 1 is the job: Delete above removes it with every take
+  keep.addEventListener("click", () => takeAction(doc.id, entry.take, "keep"));
+  remove.addEventListener("click", () => takeAction(doc.id, entry.take, "delete"));
+  if (entry.status === "complete" && doc.stage === "audio") {
+    loadTake(card, entry, doc.id).catch((error) => console.warn(error.message));
+  }
+  return card;
+}
+
+function renderTakes(doc) {
+  const takes = doc.takes && doc.takes.entries ? doc.takes : null;
+  $("takes-box").hidden = !takes;
+  if (!takes) return;
+  const entries = takes.entries.filter((entry) => entry.status !== "deleted");
+  const drawn = JSON.stringify([entries.map((e) => [e.take, e.status]), takes.kept, takes.pick]);
+  if (current.takesDrawn !== drawn) {  // redrawn only when a take changed (players keep playing otherwise)
+    current.takesDrawn = drawn;
+    const list = $("takes-list");
+    list.textContent = "";
+    for (const entry of entries) list.appendChild(takeCard(doc, entry));
+  }
+  clearTimeout(current.takesTimer);
+  if (entries.some((entry) => !FINAL.has(entry.status))) {  // the job's stream is take 1's: poll for the others
+    const id = doc.id;
+    current.takesTimer = setTimeout(() => {
+      api(`/v1/songs/${id}`).then((fresh) => {
+        if (current && current.id === id) { current.doc = fresh; render(); }
+      }).catch(() => {});
+    }, 1000);
+  }
+}
+
+async function takeAction(id, take, action) {  // keep (POST) or delete (DELETE) one take
+  try {
+    if (action === "delete") {
+      if (!confirm(`Delete take ${take} of song ${id} and its files? This cannot be undone.`)) return;
+      await api(`/v1/songs/${id}/takes/${take}`, { method: "DELETE" });
+    } else {
+      await api(`/v1/songs/${id}/takes/${take}/keep`, { method: "POST" });
+    }
+    if (current && current.id === id) { current.doc = await api(`/v1/songs/${id}`); render(); }
+  } catch (error) {
+    show($("current-error"), describeError(error));
   }
 }
 
