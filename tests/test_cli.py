@@ -155,8 +155,10 @@ def test_external_abc_is_read_byte_exact(tiny_model_dir, tiny_vae_dir, config_fi
     capsys.readouterr()
 
 
-def test_failure_json_names_the_failed_state(tiny_model_dir, tiny_vae_dir, tmp_path, capsys):
-    """A semantic budget that fits the empty score but not the 8 generated score ids fails in the semantic stage."""
+def test_failure_json_names_the_failed_state(tiny_model_dir, tiny_vae_dir, tmp_path, capsys, monkeypatch):
+    """A semantic budget that fits the empty score but not the score's own budget is refused before anything is
+    written; a song that fails in its semantic stage leaves failure.json naming that state."""
+    from yue2_vllm import pipeline
     from yue2_vllm.protocol import CONTEXT, SongRequest, abc_prompt
     from yue2_vllm.tokenizer import YuE2Tokenizer
 
@@ -164,12 +166,21 @@ def test_failure_json_names_the_failed_state(tiny_model_dir, tiny_vae_dir, tmp_p
     config = tmp_path / "gen.json"
     config.write_text(json.dumps({"abc": {"max_tokens": 8, "min_tokens": 8},
                                   "semantic": {"max_tokens": CONTEXT - len(prompt) - 2, "min_tokens": 4}}))
-    args = ["--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--config", str(config), *FAST]
+    args = ["--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), *FAST]
+    assert main(["generate", *args, "--config", str(config), "--style", "s", "--lyrics", "l", "--id", "r",
+                 "--output", str(tmp_path / "long")]) != 0
+    assert "24576-token context" in json.loads(capsys.readouterr().out.splitlines()[-1])["reason"]
+    assert not (tmp_path / "long" / "r").exists()
+
+    def fails(self, plan, **kwargs):
+        raise ValueError("the semantic stage failed here")
+
+    monkeypatch.setattr(pipeline.YuE2Pipeline, "generate_semantic", fails)
     assert main(["generate", *args, "--style", "s", "--lyrics", "l", "--id", "r", "--output", str(tmp_path)]) == 1
     status = json.loads(capsys.readouterr().out)
     failure = json.loads((tmp_path / "r" / "failure.json").read_text())
-    assert status["state"] == failure["state"] == "semantic_failed" and "exceeds the 24576-token context" in \
-        failure["reason"]
+    assert status["state"] == failure["state"] == "semantic_failed"
+    assert failure["reason"] == "the semantic stage failed here"
     assert failure["type"] == "ValueError" and failure["request"]["id"] == "r"
 
 
@@ -495,7 +506,7 @@ def test_version_and_a_fast_help_without_torch():
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip().splitlines()[-1] == f"yue2-vllm {__version__}"
-    assert "--cot {full,melody,off}" in result.stdout and "default 24, or on" in result.stdout
+    assert "--cot {full,melody,off}" in result.stdout and "on the CPU 24" in result.stdout
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -773,7 +784,7 @@ def test_offline_the_error_names_upstreams_repo(argv, repo, tmp_path, monkeypatc
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
-    reason = json.loads(capsys.readouterr().out)["reason"]
+    reason = json.loads(capsys.readouterr().out.splitlines()[-1])["reason"]
     assert reason.startswith(f"{repo} (revision main): not in the Hugging Face cache {tmp_path / 'empty-cache'}")
 
 

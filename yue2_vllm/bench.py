@@ -290,7 +290,7 @@ def _songs_run(pipe, mode: str, style: str, lyrics: str, directory: Path) -> dic
     wall = time.perf_counter() - start
     prompt = cached = 0
     for song in directories:
-        timing = json.loads((song / "result.json").read_text())["timing"]
+        timing = json.loads((song / "result.json").read_text(encoding="utf-8"))["timing"]
         for phase in ("abc", "semantic"):
             prompt += timing[phase].get("prompt_tokens") or 0
             cached += timing[phase].get("cached_prompt_tokens") or 0

@@ -146,7 +146,8 @@ def command_scorer(command: str, timeout: float = 600.0) -> Scorer:
         raise ValueError("--scorer: an empty command")
 
     def score(record: dict) -> float:
-        done = subprocess.run([*argv, str(record["directory"])], capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([*argv, str(record["directory"])], capture_output=True, text=True, encoding="utf-8",
+                              errors="replace", timeout=timeout)
         if done.returncode != 0:
             raise RuntimeError(f"--scorer {command!r} exited {done.returncode} for take {record['take']}: "
                                f"{done.stderr.strip()[-500:]}")

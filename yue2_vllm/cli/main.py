@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "%(default)s)")
     serve.add_argument("--retention", type=_retention, default=RETENTION_SECONDS, metavar="SECONDS",
                        help="purge finished jobs (files and row) this long after they finished; 'forever' keeps "
-                            "them (default %(default)g: a week)")
+                            "them (default %(default)s: a week)")
     serve.add_argument("--min-free-disk", type=_positive_float, default=1.0, metavar="GIB",
                        help="free disk kept beyond what every admitted song may still write (its FLAC, arrays and "
                             "records at its token budgets); POST answers 507 past it (default %(default)s)")

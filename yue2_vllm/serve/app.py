@@ -438,6 +438,9 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
             problem = signature_problem(audio_key, job_id, expires, signature, time.time())
             if problem is not None:
                 raise Unauthorized(problem, headers={"WWW-Authenticate": 'Bearer realm="yue2-vllm"'})
+        return audio_file(job_id)
+
+    def audio_file(job_id: str) -> OpenFileResponse:
         label = service.get_record(job_id).label or job_id
         return OpenFileResponse(opened(job_id, "audio.flac"), media_type="audio/flac", filename=f"{label}.flac",
                                 content_disposition_type="inline", headers={"Cache-Control": "private, no-cache"})
@@ -502,7 +505,7 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
         return answer(request, service.describe(service.keep_take(job_id, take)))
 
     def take_audio(job_id: str, take: int = take_number):
-        return audio(service.take_job(job_id, take))
+        return audio_file(service.take_job(job_id, take))  # under the key (v1), as every take route
 
     for method in ("GET", "HEAD"):
         v1.add_api_route("/songs/{job_id}/takes/{take}/audio", take_audio, methods=[method],

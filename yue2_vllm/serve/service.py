@@ -767,7 +767,7 @@ class SongService:
         cache = path.parent / PICTURE_CACHE
         with self._picture_lock:  # one computation per song, whoever asks meanwhile
             try:
-                cached = json.loads(cache.read_text())
+                cached = json.loads(cache.read_text(encoding="utf-8"))
                 if cached.get("source") == source and cached.get("version") == PICTURE_VERSION:
                     return cached
             except (OSError, ValueError):
