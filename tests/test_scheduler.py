@@ -280,3 +280,23 @@ def test_the_batched_lane_runs_songs_past_one_nar_chunk_with_the_single_songs_pr
         single = pipe.synthesize(semantic, on_progress=lambda s, d, n: alone.append((d, n)))
         assert alone == [(1, 4), (2, 4), (3, 4), (4, 4)]  # the same total, one chunk-step at a time
         assert np.allclose(latents[index], single, rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_the_queue_takes_a_jobs_takes_in_turn_with_other_jobs():
+    import threading
+
+    from yue2_vllm.scheduler import FairQueue
+
+    songs = FairQueue()
+    for item, group in (("a1", "a"), ("a2", "a"), ("a3", "a"), ("a4", "a"), ("b1", "b"), ("c1", "c"), ("c2", "c")):
+        songs.put(item, group)
+    songs.stop()  # a stop waits until nothing is queued
+    songs.put("b2", "b")
+    taken = [songs.get() for _ in range(9)]
+    assert taken == ["a1", "b1", "c1", "a2", "b2", "c2", "a3", "a4", None]
+    got = []
+    taker = threading.Thread(target=lambda: got.append(songs.get()))
+    taker.start()  # blocks: nothing queued, no stop
+    songs.put("d1", "d")
+    taker.join(5)
+    assert got == ["d1"]

@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -343,6 +344,41 @@ class SynthesisLane:
         return admitted
 
 
+class FairQueue:
+    """Queued songs taken round-robin over their groups (a job's takes are one group), in the order the groups
+    arrived: takes of one job share the song threads with other jobs' songs instead of going first as a block.
+    `stop()` hands one waiting (or the next) taker None once nothing is queued."""
+
+    def __init__(self):
+        self._groups: OrderedDict[str, deque] = OrderedDict()
+        self._stops = 0
+        self._ready = threading.Condition()
+
+    def put(self, item, group: str) -> None:
+        with self._ready:
+            self._groups.setdefault(group, deque()).append(item)
+            self._ready.notify()
+
+    def stop(self) -> None:
+        with self._ready:
+            self._stops += 1
+            self._ready.notify()
+
+    def get(self):
+        with self._ready:
+            while not self._groups and not self._stops:
+                self._ready.wait()
+            if not self._groups:
+                self._stops -= 1
+                return None
+            group, items = next(iter(self._groups.items()))
+            item = items.popleft()
+            del self._groups[group]
+            if items:  # the group's next song waits behind every other group's next
+                self._groups[group] = items
+            return item
+
+
 class SongScheduler:
     """Runs submitted songs `concurrency` at a time over one pipeline (see the module docstring)."""
 
@@ -362,7 +398,7 @@ class SongScheduler:
                                   expecting=lambda: sum(1 for h in list(self._handles.values())
                                                         if h.state in ("planning", "generating")),
                                   threads=self.threads)
-        self._queue: queue.Queue[SongHandle | None] = queue.Queue()
+        self._queue = FairQueue()
         self._handles: dict[str, SongHandle] = {}
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._worker, name=f"yue2-song-{i}", daemon=True)
@@ -388,16 +424,17 @@ class SongScheduler:
         return cpu_split()[1]
 
     def submit(self, request: SongRequest, directory: str | os.PathLike, *, overrides: dict | None = None,
-               resume: bool = False, stage: str = "audio") -> SongHandle:
+               resume: bool = False, stage: str = "audio", group: str | None = None) -> SongHandle:
         """Queue a song. Its events may reach the listener before `submit` returns (a song thread can
-        take it at once); `event.song` is the handle this returns."""
+        take it at once); `event.song` is the handle this returns. Songs of one `group` (a job's takes; default:
+        the song alone) are taken in turn with other groups' (FairQueue)."""
         handle = SongHandle(request, Path(directory), overrides or {}, resume, stage, self.listener)
         with self._lock:
             if request.id in self._handles and not self._handles[request.id].done:
                 raise ValueError(f"song id {request.id!r} is already in flight")
             self._handles[request.id] = handle
         handle._emit("state", state="queued")
-        self._queue.put(handle)
+        self._queue.put(handle, group or request.id)
         return handle
 
     def cancel(self, song_id: str) -> bool:
@@ -442,7 +479,7 @@ class SongScheduler:
             for handle in list(self._handles.values()):
                 handle.cancel()
         for _ in self._threads:
-            self._queue.put(None)
+            self._queue.stop()
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))

@@ -229,7 +229,7 @@ def run_takes(scheduler, request: SongRequest, directory: str | os.PathLike, opt
 
     def submit(k: int, take: SongRequest, take_stage: str, take_resume: bool):
         handle = scheduler.submit(take, take_directory(root, k), overrides=overrides, resume=take_resume,
-                                  stage=take_stage)
+                                  stage=take_stage, group=request.id)
         handles[k] = handle
         if on_take is not None:
             on_take(k, handle)

@@ -111,8 +111,9 @@ class SongWorker:
 
     def submit(self, order: SongOrder) -> SongHandle:
         """Run one attempt of a job; its events reach the listener (perhaps before this returns)."""
+        group = (order.overrides.get("takes") or {}).get("parent") or order.job_id  # a job's takes: one group
         return self.scheduler.submit(SongRequest.from_dict(order.request), Path(order.directory),
-                                     overrides=order.overrides, resume=True, stage=order.stage)
+                                     overrides=order.overrides, resume=True, stage=order.stage, group=group)
 
     def _on_song_event(self, event: SongEvent) -> None:
         if event.kind in FINAL_STATES:
