@@ -306,8 +306,8 @@ class MemoryPlan:
                     f"{_gib(self.vae)} VAE + {_gib(self.song_room)} room for one song's buffers + "
                     f"{_gib(self.torch_reserve)} reserve) need {_gib(need)}, but the budget allows {_gib(limit)} "
                     f"(budget {_gib(self.budget)}, {self.device} total {_gib(self.total)}); lower --concurrency "
-                    "(rows) or the KV cache, use the FP8 AR checkpoint (--quantization fp8), or raise --budget up "
-                    f"to the card's {_gib(self.total)}"]
+                    "(rows) or the KV cache, use the FP8 AR checkpoint (--ar-checkpoint DIR: an FP8 W8A8 export), "
+                    f"or raise --budget up to the card's {_gib(self.total)}"]
         return [f"the engine ({_gib(self.engine_weights)} AR weights + {_gib(self.kv_cache)} KV cache for "
                 f"{self.max_num_seqs} rows + {_gib(self.engine_overhead)} overhead) and the torch side "
                 f"({_gib(self.torch_model)} MoT + {_gib(self.vae)} VAE + {_gib(self.nar_chunks)} NAR buffers + "
