@@ -176,7 +176,9 @@ def test_failure_json_names_the_failed_state(tiny_model_dir, tiny_vae_dir, tmp_p
         raise ValueError("the semantic stage failed here")
 
     monkeypatch.setattr(pipeline.YuE2Pipeline, "generate_semantic", fails)
-    assert main(["generate", *args, "--style", "s", "--lyrics", "l", "--id", "r", "--output", str(tmp_path)]) == 1
+    config.write_text(json.dumps({"abc": {"max_tokens": 8, "min_tokens": 8}}))
+    assert main(["generate", *args, "--config", str(config), "--style", "s", "--lyrics", "l", "--id", "r",
+                 "--output", str(tmp_path)]) == 1
     status = json.loads(capsys.readouterr().out)
     failure = json.loads((tmp_path / "r" / "failure.json").read_text())
     assert status["state"] == failure["state"] == "semantic_failed"
