@@ -930,3 +930,14 @@ def test_a_second_signal_ends_a_stuck_cleanup_and_the_next_start_removes_the_tem
     assert len(left) == 1  # what a killed derivation leaves ...
     derive_ar_checkpoint(tiny_model_dir, tmp_path / "cache")  # ... is removed by the next start's derivation
     assert _derive_temps(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--retention", "soon"],
+     "argument --retention: must be a positive number of seconds or 'forever', got soon"),
+    (["generate", "--budget", "abc"], "argument --budget: must be a positive number of GiB, got abc"),
+])
+def test_a_flag_that_is_no_number_is_named_with_what_it_takes(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err

@@ -34,7 +34,10 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _positive(text: str, unit: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
     if not value > 0 or value != value or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of {unit}, got {text}")
     return value
@@ -50,7 +53,12 @@ def _positive_seconds(text: str) -> float:
 
 def _retention(text: str) -> float | None:
     """Seconds, or `forever` (None: finished jobs are never purged)."""
-    return None if text == "forever" else _positive_seconds(text)
+    if text == "forever":
+        return None
+    try:
+        return _positive_seconds(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds or 'forever', got {text}") from None
 
 
 def _integer_in(text: str, low: int, high: int | None, words: str) -> int:
