@@ -11,6 +11,8 @@ from .durable import disk_refusal, disk_state
 class Health:
     """/health and its parts (part of `SongService`)."""
 
+    _disk_checked: tuple[float, tuple | None] = (0.0, None)  # (when, disk_state): the probe write at most once a second
+
     def engine_status(self) -> dict:
         return self.workers.health()["engine"]
 

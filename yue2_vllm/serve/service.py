@@ -80,7 +80,6 @@ class ServeConfig:
         return self.data_dir / "jobs"
 
 
-
 class SongService(JobOwner, JobActions, RunEvents, Takes, Admission, Views, Health, ServiceMetrics):
     """Jobs over song workers. Every transition of a job — its store row, its live state, its events and
     metrics — happens on one thread, the job owner: song, lane and replica-stream threads only post their events
@@ -99,7 +98,6 @@ class SongService(JobOwner, JobActions, RunEvents, Takes, Admission, Views, Heal
         self._init_owner()
         # Every write the job owner makes lands (retried while the disk refuses it); see serve.durable.
         self.store = DurableStore(JobStore(config.database), config.data_dir, stopping=self._stop.is_set)
-        self._disk_checked: tuple[float, tuple | None] = (0.0, None)  # (when, disk_state) for /health
         self.hub, self.throttle = EventHub(), Throttle(config.event_interval)
         self._init_admission()
         self._init_takes()
