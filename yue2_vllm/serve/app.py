@@ -43,7 +43,17 @@ from .signed import AUDIO_URL_SECONDS, SIGNATURE_PATTERN, signature_problem, sig
 MAX_BODY_BYTES = 256 * 1024
 HEARTBEAT_SECONDS = 15.0
 MAX_SSE_CLIENTS = 256
-STATIC = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
+STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}  # modules need the JS type
+
+
+def page_files() -> dict[str, str]:
+    """The page's files (its ES modules and style sheet) by name, with their media types, as the package holds them."""
+    folder = resources.files(__package__).joinpath("static")
+    suffixes = {entry.name: os.path.splitext(entry.name)[1] for entry in folder.iterdir()}
+    return {name: STATIC_TYPES[suffix] for name, suffix in sorted(suffixes.items()) if suffix in STATIC_TYPES}
+
+
+STATIC = page_files()  # a fixed set of names, never a path
 # The page loads nothing from elsewhere; audio streams from the server (a signed URL when there is an API key),
 # result.json may come from a blob: URL (fetched with the key).
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; media-src 'self'; connect-src 'self' blob:; "
