@@ -66,7 +66,8 @@ print("RATES" + json.dumps(rates))
 
 def bare_vllm_rates(checkpoint: Path, config: YuE2Config, sampling: Sampling, repeats: int) -> list[float]:
     """The same request on a vLLM engine stepped directly in its own process (no JSON protocol, no parent)."""
-    from yue2_vllm.engine.backend import cpu_split, kv_cache_bytes, worker_env
+    from yue2_vllm.engine.backend import kv_cache_bytes
+    from yue2_vllm.engine.worker_process import cpu_split, worker_env
 
     args = json.dumps([str(checkpoint), kv_cache_bytes(config, 1, 24576 + 256), repeats, sampling.to_dict(), PREFIX,
                        allowed_token_ids("semantic")])

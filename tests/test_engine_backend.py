@@ -322,7 +322,7 @@ def test_sigterm_stops_the_engine_worker_group_at_once(tiny_model_dir, tiny_vae_
 # ---------------------------------------------------------------- GPU settings on this CPU machine (no engine starts)
 from conftest import write_meminfo  # noqa: E402
 
-from yue2_vllm.engine.backend import engine_env  # noqa: E402
+from yue2_vllm.engine.worker_process import engine_env  # noqa: E402
 from yue2_vllm.engine.runner import RunnerChoice  # noqa: E402
 from yue2_vllm.memory import UNIFIED_HOST_BYTES, unified_pool  # noqa: E402
 from yue2_vllm.quant.schemes import CUTLASS_INT8, DISABLED_KERNELS_ENV, form_scheme  # noqa: E402

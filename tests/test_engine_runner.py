@@ -1,6 +1,6 @@
 import pytest
 
-from yue2_vllm.engine.backend import engine_env, worker_env
+from yue2_vllm.engine.worker_process import engine_env, worker_env
 from yue2_vllm.engine.runner import RUNNER_ENV, resolve_runner
 
 

@@ -419,7 +419,7 @@ class SongScheduler:
         """On the CPU beside an engine, this process's torch threads stay off the engine's cores."""
         if self.pipe.device.type != "cpu" or self.pipe.engine is None:
             return None
-        from .engine.backend import cpu_split
+        from .engine.worker_process import cpu_split
 
         return cpu_split()[1]
 

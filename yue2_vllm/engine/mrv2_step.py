@@ -122,9 +122,9 @@ class SlotRunner:
 def head_rates(checkpoint: Path, dtype: str, rows: tuple[int, ...], steps: int, repeats: int) -> dict:
     """Semantic decode steps of `rows` YuE2 rows through MRV2's model state, head and sampler (no forward: the
     hidden states are random): tok/s with the sliced and the full head, medians of `repeats`, and their ratio.
-    Torch runs on the engine worker's share of the cores (`backend.cpu_split`), as an engine here would: with
+    Torch runs on the engine worker's share of the cores (`worker_process.cpu_split`), as an engine here would: with
     every core, each parallel op waits at its barrier for the core the other side holds."""
-    from .backend import cpu_split
+    from .worker_process import cpu_split
 
     threads = torch.get_num_threads()
     torch.set_num_threads(cpu_split()[0])
