@@ -536,11 +536,13 @@ def plan_steps(request, plan_score: Callable) -> InstrumentalSteps:
     return InstrumentalSteps(planned, by, planning, edit, render_request(request, edit), timing)
 
 
-def plan_files(record: dict, planned: str) -> dict[str, bytes]:
-    """The plan stage's extra files of an instrumental song: the planned score and instrumental.json."""
+def plan_files(steps: InstrumentalSteps) -> dict[str, bytes]:
+    """The plan stage's extra files of an instrumental song: the planned score (as planned or given) and
+    instrumental.json (the steps and what the edit changed); score.abc holds the edited score."""
     from .checkpoint import json_text
 
-    return {"planned.abc": planned.encode("utf-8"), "instrumental.json": (json_text(record) + "\n").encode("utf-8")}
+    return {"planned.abc": steps.planned.encode("utf-8"),
+            "instrumental.json": (json_text(steps.record(), indent=2) + "\n").encode("utf-8")}
 
 
 def rendered_request(meta: dict, request):

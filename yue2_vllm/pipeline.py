@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import artifacts as art
+from . import instrumental
 from .checkpoint import (HashCache, default_hash_cache, drop_page_cache, identity, model_identity, weights_bytes,
                          write_json_atomic)
 from .model.loader import load_model
@@ -79,6 +80,7 @@ class SymbolicPlan:
     prefix: list[int]
     timing: dict = field(default_factory=dict)
     truncated: bool = False
+    instrumental: "instrumental.InstrumentalSteps | None" = None  # an instrumental song's steps of the recipe
 
 
 @dataclass
@@ -615,6 +617,11 @@ class YuE2Pipeline:
 
     def plan(self, request: SongRequest, *, abc_sampling=None, cancelled: Cancelled | None = None,
              on_token: OnToken | None = None) -> SymbolicPlan:
+        if request.instrumental:  # upstream's recipe: plan, move the vocal melody to Ins, render the edited score
+            steps = instrumental.plan_steps(request, lambda asked: self.plan(
+                asked, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token))
+            plan = self.plan(steps.render)
+            return replace(plan, timing={**plan.timing, **steps.timing}, instrumental=steps)
         if request.cot == "off":
             return SymbolicPlan(request, None, [], semantic_prompt(request, self.tokenizer),
                                 {"seconds": 0.0, "output_tokens": 0})
@@ -835,6 +842,10 @@ class YuE2Pipeline:
                      "abc_tokens.npy": art.npy_bytes(np.asarray(plan.abc_ids, np.int32))}
             if plan.abc is not None:
                 files["score.abc"] = plan.abc.encode("utf-8")
+            if plan.instrumental is not None:  # planned.abc, instrumental.json: each step of the recipe
+                files.update(instrumental.plan_files(plan.instrumental))
+                return files, {"abc": plan.abc, "timing": plan.timing, "truncated": plan.truncated,
+                               "instrumental": plan.instrumental.record()}
             return files, {"abc": plan.abc, "timing": plan.timing, "truncated": plan.truncated}
 
         def compute_semantic():
@@ -859,7 +870,7 @@ class YuE2Pipeline:
 
         try:
             plan_meta = stage_meta("plan", compute_plan)
-            plan = SymbolicPlan(request, plan_meta["abc"],
+            plan = SymbolicPlan(instrumental.rendered_request(plan_meta, request), plan_meta["abc"],
                                 art.load_npy(run.path / "abc_tokens.npy").astype(int).tolist(),
                                 art.load_npy(run.path / "prefix.npy").astype(int).tolist(),
                                 plan_meta["timing"], plan_meta["truncated"])

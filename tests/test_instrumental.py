@@ -1,0 +1,169 @@
+"""The instrumental switch: upstream's score edit pinned on hand-written native scores, and songs end to end."""
+import json
+from fractions import Fraction
+from types import SimpleNamespace
+
+import pytest
+
+from yue2_vllm.instrumental import (PLANNING_LYRICS, ScoreError, edit_score, instrumental_style, lyric_tags,
+                                    plan_steps, read_score)
+from yue2_vllm.protocol import SongRequest
+from yue2_vllm.request_json import UsageError, request_from_json
+
+HEADER = ('X:1\nT:\nM:4/4\nL:1/32\nQ:1/4=100\nV: Vocal clef=treble name="Vocal Melody" snm="Vocal"\n'
+          'V: Ins clef=treble name="Ins Melody" snm="Inst."\nK:G\n')
+# Two groups: an intro where only Ins plays (and Vocal holds a chord over rests), a verse where Vocal sings over Ins.
+SCORE = HEADER + ('% intro\nV: Vocal\n"G"z32|Z|\nV: Ins\nB8d8g16|e32|\n'
+                  '% verse\nV: Vocal\n"G"z8B8d16-|"C"d8^c8=c16|\nV: Ins\nG16A16|B32|\n')
+EDITED = HEADER + ('% intro\nV: Vocal\n"G"z32|Z|\nV: Ins\nB8d8g16|e32|\n'
+                   '% verse\nV: Vocal\n"G"z32|"C"z32|\nV: Ins\nG8B8d16-|d8^c8=c16|\n')
+
+
+def test_vocal_notes_move_to_ins_where_the_vocal_wins_and_vocal_keeps_its_chords():
+    edit = edit_score(SCORE)
+    assert edit.text == EDITED
+    score = read_score(edit.text)
+    assert score.voices["Vocal"].notes == []
+    assert score.voices["Vocal"].chords == [(0, "G"), (8, "G"), (12, "C")]
+    # The verse's Ins G (beat 1-2) keeps the half before the vocal B enters; its A and B are under the vocal line.
+    assert score.voices["Ins"].notes[4:] == [[8, 67, 1], [9, 71, 1], [10, 74, 3], [13, 73, 1], [14, 72, 2]]
+    changes = edit.changes
+    assert (changes["vocal_notes_moved_to_ins"], changes["ins_notes_before"], changes["ins_notes_unchanged"],
+            changes["ins_notes_after"]) == (4, 7, 4, 9)
+    assert [t["ins_note"] for t in changes["ins_notes_trimmed_under_vocal"]] == [4, 5, 6]
+    assert changes["ins_notes_trimmed_under_vocal"][0]["kept"] == [["8", "1"]]
+    assert changes["render_cot"] == "full" and changes["lines_changed"] == [16, 18]
+    assert changes["nominal_seconds"] == 9.6
+
+
+def test_the_edit_is_idempotent_and_reads_crlf_as_upstream_does():
+    assert edit_score(EDITED).text == EDITED
+    crlf = edit_score(SCORE.replace("\n", "\r\n"))
+    assert crlf.text == EDITED and crlf.changes["line_endings"] == "crlf read as lf"
+
+
+def test_a_score_without_chords_renders_as_melody_and_accidentals_follow_the_bar():
+    score = HEADER.replace("K:G", "K:F") + "% verse\nV: Vocal\n=B8_B8B8c8|\nV: Ins\nZ|\n"
+    edit = edit_score(score)
+    assert edit.cot == "melody"
+    assert edit.text.endswith("V: Vocal\nZ|\nV: Ins\n=B8_B8B8c8|\n")  # in F, B is flat; a mark holds to the bar end
+    assert [n[1] for n in read_score(edit.text).voices["Ins"].notes] == [71, 70, 70, 72]
+
+
+def test_a_multi_group_score_with_a_meter_change_and_a_silent_vocal_keeps_its_grid():
+    score = HEADER + ('% intro\nV: Vocal\nZ2|\nV: Ins\nG32|A32|\n'
+                      '% chorus\nV: Vocal\nM:3/4\nd24|\nV: Ins\nM:3/4\nB24|\n')
+    edit = edit_score(score)
+    assert edit.text == HEADER + ('% intro\nV: Vocal\nZ2|\nV: Ins\nG32|A32|\n'
+                                  '% chorus\nV: Vocal\nM:3/4\nZ|\nV: Ins\nM:3/4\nd24|\n')
+    assert lyric_tags(edit.text) == "[Intro]\n\n[Chorus]\n"
+
+
+@pytest.mark.parametrize("score,line,words", [
+    (SCORE.replace('V: Vocal clef=treble name="Vocal Melody" snm="Vocal"\n', ""), 6, "Vocal voice definition"),
+    (SCORE.replace("V: Ins clef", "V: Piano clef"), 7, "Ins voice definition"),
+    (SCORE.replace("% intro\n", "%%MIDI program 0\n"), 9, "expected 'V: Vocal'"),
+    (SCORE.replace("G16A16|B32|\n", "G16A16|B32|\nw: la la\n"), 19, "expected 'V: Vocal'"),
+    (SCORE.replace("B8d8g16|", "B8d8g8|"), 13, "holds 3 quarter notes, its meter 4/4 takes 4"),
+    (SCORE.replace("e32|\n", "e32\n"), 13, "must end with a plain barline"),
+    (SCORE.replace("K:G", "K:H"), 8, "unsupported key"),
+    (SCORE.replace("B8d8g16|", "(3B8d8g8z8|"), 13, "tuplet"),
+])
+def test_a_malformed_score_is_refused_naming_its_line(score, line, words):
+    with pytest.raises(ScoreError, match=rf"^score line {line}: .*{words}"):
+        edit_score(score)
+
+
+def test_a_score_with_no_sounding_notes_is_refused():
+    with pytest.raises(ScoreError, match="no sounding notes"):
+        edit_score(HEADER + "% intro\nV: Vocal\nZ|\nV: Ins\nZ|\n")
+
+
+def test_upstreams_style_and_tags():
+    assert instrumental_style("pop, piano.") == "Instrumental, pop, piano, no vocals, no singing, no choir, " \
+                                                "no spoken words."
+    assert instrumental_style("instrumental jazz, no vocals") == "instrumental jazz, no vocals, no singing, " \
+                                                                 "no choir, no spoken words."
+    assert instrumental_style(instrumental_style("rock")) == instrumental_style("rock")
+    assert lyric_tags("X:1\n% pre-chorus\n") == "[Pre-Chorus]\n" and lyric_tags("X:1\n") == ""
+
+
+def test_the_steps_plan_with_upstreams_tags_then_render_the_edit():
+    asked = []
+
+    def plan_score(request):
+        asked.append(request)
+        return SimpleNamespace(abc=SCORE, truncated=False, timing={"seconds": 1.5, "mean_logprob": -2.0})
+
+    steps = plan_steps(SongRequest("pop", "", instrumental=True, seed=5), plan_score)
+    assert asked[0].lyrics == PLANNING_LYRICS and asked[0].cot == "full" and asked[0].seed == 5
+    assert not asked[0].instrumental and asked[0].style == "pop"
+    render = steps.render
+    assert (render.abc, render.cot, render.lyrics, render.seed) == (EDITED, "full", "[Intro]\n\n[Verse]\n", 5)
+    assert render.style == instrumental_style("pop") and not render.instrumental
+    record = steps.record()
+    assert record["planned_by"] == "model" and record["render_request"]["abc"] == EDITED
+    with pytest.raises(ValueError, match="truncated"):
+        plan_steps(SongRequest("pop", "", instrumental=True),
+                   lambda r: SimpleNamespace(abc=SCORE, truncated=True, timing={}))
+    with pytest.raises(ScoreError, match="^the planned score line 1"):
+        plan_steps(SongRequest("pop", "", instrumental=True),
+                   lambda r: SimpleNamespace(abc="la la", truncated=False, timing={}))
+
+
+def test_the_request_field():
+    assert SongRequest("pop", "", instrumental=True).to_dict()["instrumental"] is True
+    assert "instrumental" not in SongRequest("pop", "la").to_dict()  # other songs keep their identity
+    with pytest.raises(ValueError, match="SongRequest.instrumental must be true or false, got 'yes'"):
+        SongRequest("pop", "la", instrumental="yes")
+    with pytest.raises(ValueError, match="SongRequest.instrumental needs cot 'full' or 'melody'"):
+        SongRequest("pop", "la", cot="off", instrumental=True)
+    with pytest.raises(ValueError, match="^SongRequest.abc: score line 6"):
+        SongRequest("pop", "", abc=SCORE.replace('V: Vocal clef', 'V: Lead clef'), instrumental=True)
+    with pytest.raises(ValueError, match="SongRequest.lyrics must be non-blank"):
+        SongRequest("pop", "")
+    fields, _ = request_from_json({"style": "pop", "instrumental": True})
+    assert fields["lyrics"] == "" and SongRequest(**fields).instrumental
+    with pytest.raises(UsageError, match="lyrics must be non-blank text when given"):
+        request_from_json({"style": "pop", "lyrics": "", "instrumental": True})
+    with pytest.raises(ValueError, match="SongRequest.instrumental must be true or false, got 1"):
+        SongRequest(**request_from_json({"style": "pop", "lyrics": "la", "instrumental": 1})[0])
+
+
+GENERATION = {"abc": {"max_tokens": 10, "min_tokens": 4}, "semantic": {"max_tokens": 30, "min_tokens": 10},
+              "ode_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
+    from yue2_vllm.checkpoint import HashCache
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    cache = HashCache(tmp_path_factory.mktemp("hashes") / "cache.json")
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, hash_cache=cache)
+
+
+def test_an_instrumental_song_on_the_torch_backend_records_each_step_and_resumes(pipe, tmp_path):
+    request = SongRequest("piano pop", "", abc=SCORE, instrumental=True, seed=3, id="inst")
+    planned = pipe.generate_to(tmp_path / "inst", request, stage="plan")
+    assert planned["status"] == "planned" and planned["abc"] == EDITED
+    record = json.loads((tmp_path / "inst" / "instrumental.json").read_text())
+    assert (tmp_path / "inst" / "planned.abc").read_text() == SCORE
+    assert (tmp_path / "inst" / "score.abc").read_text() == EDITED
+    assert record["changes"]["vocal_notes_moved_to_ins"] == 4 and record["planned_by"] == "request"
+    document = pipe.generate_to(tmp_path / "inst", request, resume=True)
+    assert document["status"] == "complete" and document["stages_reused"] == ["plan"]
+    render = SongRequest.from_dict(record["render_request"])
+    direct = pipe(render)  # the song is the edited score rendered as upstream's recipe asks
+    tokens = __import__("numpy").load(tmp_path / "inst" / "semantic.npy").tolist()
+    assert tokens == direct.semantic.tokens
+    again = pipe.generate_to(tmp_path / "inst", request, resume=True)
+    assert again["resumed"] is True
+
+
+def test_a_planned_instrumental_whose_score_is_truncated_fails_its_plan_as_upstream_stops(pipe, tmp_path):
+    request = SongRequest("piano pop", "", instrumental=True, seed=3, id="bad")
+    with pytest.raises(ValueError, match="the planned score was truncated; upstream's recipe stops here"):
+        pipe.generate_to(tmp_path / "bad", request)  # the tiny model's 10-token score is cut off
+    state = json.loads((tmp_path / "bad" / "run_state.json").read_text())
+    assert state["state"] == "plan_failed" and not (tmp_path / "bad" / "score.abc").exists()
