@@ -167,3 +167,73 @@ def test_a_planned_instrumental_whose_score_is_truncated_fails_its_plan_as_upstr
         pipe.generate_to(tmp_path / "bad", request)  # the tiny model's 10-token score is cut off
     state = json.loads((tmp_path / "bad" / "run_state.json").read_text())
     assert state["state"] == "plan_failed" and not (tmp_path / "bad" / "score.abc").exists()
+
+
+# --------------------------------------------------------------------------- the CLI, batch rows and vLLM
+
+from test_cli import FAST, config_file, model_args  # noqa: E402,F401 (config_file: a fixture)
+
+
+def test_generate_instrumental_takes_resume_and_refusals(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
+                                                         capsys):
+    from yue2_vllm.cli import main
+
+    models = model_args(tiny_model_dir, tiny_vae_dir, config_file)
+    (tmp_path / "score.abc").write_bytes(SCORE.replace("\n", "\r\n").encode())
+    song = ["--style", "piano", "--instrumental", "--abc-file", str(tmp_path / "score.abc"), "--seed", "7",
+            "--id", "i"]
+    assert main(["generate", *models, *FAST, *song, "--takes", "2", "--best-of", "--output", str(tmp_path / "o")]) == 0
+    root = tmp_path / "o" / "i"
+    listing = json.loads((root / "takes.json").read_text())
+    assert listing["complete"] == [1, 2] and listing["pick"] in (1, 2)
+    for directory in (root, root / "takes" / "2"):
+        assert (directory / "score.abc").read_text() == EDITED
+        assert (directory / "planned.abc").read_bytes() == SCORE.replace("\n", "\r\n").encode()
+        record = json.loads((directory / "instrumental.json").read_text())
+        assert record["changes"]["line_endings"] == "crlf read as lf"
+        assert json.loads((directory / "request.json").read_text())["instrumental"] is True
+    capsys.readouterr()
+    assert main(["generate", *models, *FAST, *song, "--takes", "2", "--resume", "--output", str(tmp_path / "o")]) == 0
+    assert all(json.loads(line)["resumed"] for line in capsys.readouterr().out.strip().splitlines()[:2])
+    assert main(["generate", *models, *FAST, "--style", "piano", "--instrumental", "--cot", "off",
+                 "--output", str(tmp_path / "p")]) == 2
+    assert "instrumental needs cot 'full' or 'melody'" in capsys.readouterr().err
+    (tmp_path / "bad.abc").write_text(SCORE.replace("K:G", "K:H"))
+    assert main(["generate", *models, *FAST, "--style", "piano", "--instrumental", "--abc-file",
+                 str(tmp_path / "bad.abc"), "--output", str(tmp_path / "p")]) == 2
+    assert "--abc-file: SongRequest.abc: score line 8: unsupported key 'H'" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+
+
+def test_batch_rows_take_the_switch_and_name_a_non_boolean(tiny_model_dir, tiny_vae_dir, config_file, tmp_path):
+    from yue2_vllm.cli import main
+
+    rows = [{"id": "a", "style": "pop", "abc": SCORE, "instrumental": True},
+            {"id": "b", "style": "pop", "lyrics": "la", "instrumental": "yes"}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert main(["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
+                 str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")]) == 1
+    a, b = json.loads((tmp_path / "out" / "batch.json").read_text())["results"]
+    assert a["status"] == "complete" and (tmp_path / "out" / "a" / "score.abc").read_text() == EDITED
+    assert b["status"] == "failed" and "instrumental must be true or false, got 'yes'" in b["reason"]
+
+
+from yue2_vllm.engine.backend import vllm_version  # noqa: E402
+
+
+@pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
+def test_an_instrumental_song_on_vllm_is_its_render_request_song(tiny_model_dir, tiny_vae_dir, tmp_path):
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION) as pipe:
+        request = SongRequest("jazz", "", abc=SCORE, instrumental=True, seed=9, id="v")
+        document = pipe.generate_to(tmp_path / "v", request)
+        assert document["status"] == "complete"
+        assert document["timing"]["semantic"]["backend_actual"] == "vllm"
+        render = SongRequest.from_dict(json.loads((tmp_path / "v" / "instrumental.json").read_text())["render_request"])
+        assert render.style == "Instrumental, jazz, no vocals, no singing, no choir, no spoken words."
+        assert render.cot == "full" and render.lyrics == "[Intro]\n\n[Verse]\n"
+        direct = pipe(render)
+        import numpy as np
+
+        assert np.load(tmp_path / "v" / "semantic.npy").tolist() == direct.semantic.tokens

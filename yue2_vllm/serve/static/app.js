@@ -12,6 +12,7 @@ const STAGES = [  // stage, label, progress key, unit
 const FIELDS = {  // an error's field -> the control to mark
   style: "style", tags: "style", lyrics: "lyrics", cot: "cot", seed: "seed", cfg_scale: "cfg_scale", abc: "abc",
   abc_sampling: "abc-temperature", semantic_sampling: "semantic-temperature", stage: "plan-only",
+  instrumental: "instrumental",
   takes: "takes", best_of: "takes",
 };
 
@@ -92,6 +93,10 @@ function collect() {
     const key = `${input.dataset.phase}_sampling`;
     body[key] = body[key] || {};
     body[key][input.dataset.key] = Number(input.value);
+  }
+  if ($("instrumental").checked) {  // lyrics are optional for an instrumental: blank ones are left out
+    body.instrumental = true;
+    if (!body.lyrics.trim()) delete body.lyrics;
   }
   if ($("plan-only").checked) body.stage = "plan";
   Object.assign(body, takesOf($("takes").value));
@@ -689,6 +694,7 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   $("song-form").addEventListener("input", (event) => event.target.removeAttribute("aria-invalid"));
   $("random-seed").addEventListener("click", () => { $("seed").value = randomSeed(); });
+  $("instrumental").addEventListener("change", () => { $("lyrics").required = !$("instrumental").checked; });
   $("cancel").addEventListener("click", () => current && act(current.id, "cancel"));
   $("render").addEventListener("click", () => current && act(current.id, "render"));
   $("resume").addEventListener("click", () => current && act(current.id, "resume"));
