@@ -237,3 +237,24 @@ def test_an_instrumental_song_on_vllm_is_its_render_request_song(tiny_model_dir,
         import numpy as np
 
         assert np.load(tmp_path / "v" / "semantic.npy").tolist() == direct.semantic.tokens
+
+
+def test_the_post_body_names_the_field_it_refuses(pipe):
+    from yue2_vllm.serve.submission import RequestInvalid, parse_submission
+
+    def refused(body: dict):
+        with pytest.raises(RequestInvalid) as caught:
+            parse_submission(pipe, json.dumps(body).encode(), "j" + "0" * 20)
+        return caught.value.field, caught.value.message
+
+    assert refused({"style": "pop", "lyrics": "la", "instrumental": "yes"}) == \
+        ("instrumental", "instrumental must be true or false, got 'yes'")
+    field, message = refused({"style": "pop", "instrumental": True, "cot": "off"})
+    assert field == "instrumental" and "needs cot 'full' or 'melody'" in message
+    field, message = refused({"style": "pop", "instrumental": True, "abc": SCORE.replace("T:\n", "T:x\n")})
+    assert field == "abc" and message.startswith("abc: score line 2: expected a blank title T:")
+    assert refused({"style": "pop", "instrumental": True, "lyrics": ""})[0] == "lyrics"
+    assert refused({"style": "pop"}) == ("lyrics", "lyrics: missing")
+    job = parse_submission(pipe, json.dumps({"style": "pop", "instrumental": True, "stage": "plan",
+                                             "takes": 2}).encode(), "j" + "1" * 20)
+    assert job.request.instrumental and job.request.lyrics == "" and job.takes.takes == 2

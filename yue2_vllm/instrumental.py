@@ -547,7 +547,5 @@ def plan_files(steps: InstrumentalSteps) -> dict[str, bytes]:
 
 def rendered_request(meta: dict, request):
     """The request a planned stage renders: an instrumental song's render request, else the song's own."""
-    from .protocol import SongRequest
-
     record = meta.get("instrumental")
-    return SongRequest.from_dict(record["render_request"]) if record else request
+    return type(request).from_dict(record["render_request"]) if record else request
