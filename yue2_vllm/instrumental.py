@@ -436,7 +436,8 @@ def edit_score(text: str) -> ScoreEdit:
     check = read_score(edited)  # the written score must read back as the intended events
     if check.voices["Ins"].notes != merged or check.voices["Vocal"].notes or check.voices["Vocal"].chords != chords \
             or check.voices["Ins"].bars != ins.bars:
-        raise AssertionError("the instrumental edit did not write the intended notes back")
+        raise _fail(None, "the instrumental edit could not write the moved notes back exactly (please report it "
+                          "with the score)")
     before, after = text.replace("\r\n", "\n").split("\n"), edited.split("\n")
     changes = {
         "recipe": RECIPE,
