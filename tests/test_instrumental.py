@@ -258,3 +258,15 @@ def test_the_post_body_names_the_field_it_refuses(pipe):
     job = parse_submission(pipe, json.dumps({"style": "pop", "instrumental": True, "stage": "plan",
                                              "takes": 2}).encode(), "j" + "1" * 20)
     assert job.request.instrumental and job.request.lyrics == "" and job.takes.takes == 2
+
+
+def test_a_take_given_take_ones_edited_score_renders_that_same_score():
+    from yue2_vllm.takes import take_request
+
+    first = plan_steps(SongRequest("pop", "", instrumental=True, seed=5),
+                       lambda r: SimpleNamespace(abc=SCORE, truncated=False, timing={}))
+    shared = take_request(SongRequest("pop", "", instrumental=True, seed=5), 2, abc=first.edit.text)
+    second = plan_steps(shared, lambda r: pytest.fail("a shared score is not planned again"))
+    assert second.render.abc == first.render.abc and second.render.style == first.render.style
+    assert second.render.seed == 6 and second.record()["planned_by"] == "request"
+    assert second.edit.changes["vocal_notes_moved_to_ins"] == 0
