@@ -230,7 +230,7 @@ def test_song_on_vllm_and_recorded_fallbacks(vllm_pipe, monkeypatch):
     assert guided.timing["abc"]["backend_actual"] == "vllm"
     assert guided.timing["semantic"]["backend_actual"] == "torch"
     assert "cfg_scale 1.5 ≠ 1: paired CFG on vLLM is switched off" in guided.timing["semantic"]["fallback_reason"]
-    assert vllm_pipe._vllm.running  # resident across songs on CPU
+    assert vllm_pipe.engine_life._vllm.running  # resident across songs on CPU
 
 
 @pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow

@@ -17,6 +17,10 @@ FORBIDDEN = {
                          "yue2_vllm.cli"),
     "yue2_vllm.quant": ("yue2_vllm.serve", "yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.bench",
                         "yue2_vllm.cli"),
+    # One song's parts (models, engine life, admission, stages, run directory): between the floor and the
+    # orchestrators. They may read engine/, model/ and quant/; the pipeline composes them, never the reverse.
+    "yue2_vllm.song": ("yue2_vllm.serve", "yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.bench",
+                       "yue2_vllm.cli"),
 }
 # The floor (yue2_vllm/*.py) holds two kinds of module. The orchestrators build on the rooms: `pipeline` runs
 # one song on engine/ and model/, `scheduler` many songs over it, `bench` measures them all. Every other floor
@@ -24,7 +28,7 @@ FORBIDDEN = {
 # ...): it may read the torch model's definition in model/ (derive, memory and testing read its YuE2Config and
 # tensor shapes), but never a room built on top of it, nor an orchestrator.
 FLOOR_ORCHESTRATORS = ("yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.bench")
-FLOOR_FORBIDDEN = ("yue2_vllm.engine", "yue2_vllm.quant", "yue2_vllm.serve", "yue2_vllm.cli",
+FLOOR_FORBIDDEN = ("yue2_vllm.engine", "yue2_vllm.quant", "yue2_vllm.serve", "yue2_vllm.cli", "yue2_vllm.song",
                    *FLOOR_ORCHESTRATORS)
 
 
@@ -124,12 +128,14 @@ def test_the_layout_rules_see_the_house():
     assert "yue2_vllm.quant_scheme" in edges["yue2_vllm.derive"]
     assert "yue2_vllm.derive" in edges["yue2_vllm.quant.export"]
     assert "yue2_vllm.derive" in edges["yue2_vllm.quant.policy"]
-    assert "yue2_vllm.quant.policy" in edges["yue2_vllm.pipeline"]  # the orchestrator asks quant/ which to serve
+    assert "yue2_vllm.quant.policy" in edges["yue2_vllm.song.engine_life"]  # the engine asks quant/ which to serve
+    song_parts = {"yue2_vllm.song.engine_life", "yue2_vllm.song.stages", "yue2_vllm.song.run_dir"}
+    assert song_parts <= edges["yue2_vllm.pipeline"]  # the orchestrator composes the song's parts
     assert inside("yue2_vllm.quant.schemes", ["yue2_vllm.quant"]) and not inside("yue2_vllm.quant_scheme",
                                                                                    ["yue2_vllm.quant"])
 
 
 def test_the_walker_sees_imports():
     edges = graph()
-    assert "yue2_vllm.engine.backend" in edges["yue2_vllm.pipeline"]  # a lazy import inside a method counts
+    assert "yue2_vllm.engine.backend" in edges["yue2_vllm.song.engine_life"]  # a lazy import in a function counts
     assert "yue2_vllm.model.modeling" in edges["yue2_vllm.model.loader"]

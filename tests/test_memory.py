@@ -238,11 +238,11 @@ def test_card_table_meets_the_goal_and_every_plan_adds_up_within_its_card():
     assert by["GB10 (DGX Spark), MemAvailable 110 GiB", "bf16"]["plan"].ar_on_device
 
 
-def test_readme_table_is_the_plan_codes():
+def test_the_card_table_in_docs_memory_is_the_plan_codes():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    assert card_table_markdown(real_table()) in readme
+    page = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text(encoding="utf-8")
+    assert card_table_markdown(real_table()) in page
 
 
 def test_resident_bytes_per_placement_counted_on_the_meta_device():

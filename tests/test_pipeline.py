@@ -434,7 +434,7 @@ def test_construction_sets_upstreams_numerics_flags(pipe):
 @pytest.fixture
 def fresh_vae(pipe):
     yield pipe
-    pipe._vae = None  # the next decode reloads it on the CPU
+    pipe.models._vae = None  # the next decode reloads it on the CPU
 
 
 def test_the_vae_decodes_on_the_pipelines_device_and_stays_there(fresh_vae, monkeypatch):
@@ -454,7 +454,7 @@ def test_the_vae_decodes_on_the_pipelines_device_and_stays_there(fresh_vae, monk
 def test_without_room_the_ar_leaves_for_the_decode_and_everything_comes_back(fresh_vae, monkeypatch, fail):
     import contextlib
 
-    import yue2_vllm.pipeline as pipeline_module
+    import yue2_vllm.song.models as models_module
     from yue2_vllm.memory import vae_decode_bytes
 
     pipe, events, moves = fresh_vae, [], []
@@ -467,7 +467,7 @@ def test_without_room_the_ar_leaves_for_the_decode_and_everything_comes_back(fre
         finally:
             events.append(("ar back", moves[-1]))
 
-    monkeypatch.setattr(pipeline_module, "offloaded_ar", offloaded)
+    monkeypatch.setattr(models_module, "offloaded_ar", offloaded)
     monkeypatch.setattr(pipe.vae, "to", lambda device: moves.append(str(device)) or pipe.vae)  # records the moves
     monkeypatch.setattr(pipe, "device", torch.device("meta"))
     need = vae_decode_bytes(pipe.vae.config, pipe.vae_core_frames, 16)
@@ -492,9 +492,9 @@ def test_decode_on_the_cpu_moves_nothing_and_is_unchanged(pipe):
 
 @pytest.mark.parametrize("policy", ["auto", "force"])
 def test_slow_int8_proxies_are_declined_on_the_record(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch, policy):
-    import yue2_vllm.pipeline as pipeline_module
+    import yue2_vllm.song.models as models_module
 
-    monkeypatch.setattr(pipeline_module, "proxy_slow_reason", lambda mode, device, dtype: f"{mode} is slow here")
+    monkeypatch.setattr(models_module, "proxy_slow_reason", lambda mode, device, dtype: f"{mode} is slow here")
     pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, quantization="int8",
                         quantized_policy=policy, hash_cache=HashCache(tmp_path / "cache.json"))
     if policy == "auto":
@@ -513,7 +513,8 @@ def test_unified_memory_split_is_refused_before_any_weights_load(fake_gpu, tiny_
     host sides and a --budget above the pool are both refused before the MoT is read."""
     from conftest import write_meminfo
 
-    from yue2_vllm import memory, pipeline
+    from yue2_vllm import memory
+    from yue2_vllm.song import models
 
     gpu = fake_gpu("GB10")
     reserve = max(8 * 2**30, int(0.10 * (gpu["total"] // 1024 * 1024)))
@@ -522,7 +523,7 @@ def test_unified_memory_split_is_refused_before_any_weights_load(fake_gpu, tiny_
     def no_loading(*args, **kwargs):
         raise AssertionError("weights were loaded before the split was checked")
 
-    monkeypatch.setattr(pipeline, "load_model", no_loading)
+    monkeypatch.setattr(models, "load_model", no_loading)
     with pytest.raises(MemoryError, match=r"unified memory: .* MemAvailable is .* the pool 3\.00 GiB"):
         YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device="cuda", backend="vllm")
     with pytest.raises(ValueError, match=r"--budget 24\.00 GiB is above the unified memory pool of 3\.00 GiB"):
@@ -536,7 +537,9 @@ def test_the_engine_starts_after_the_mot_loads_on_unified_memory_only(fake_gpu, 
     measures the pool with the MoT already in it."""
     from conftest import write_meminfo
 
-    from yue2_vllm import memory, pipeline
+    from yue2_vllm import memory
+    from yue2_vllm.song import models
+    from yue2_vllm.song.engine_life import EngineLife
 
     gpu = fake_gpu(name)
     monkeypatch.setattr(memory, "MEMINFO", str(write_meminfo(tmp_path / "meminfo", gpu["total"], 100 * 2**30)))
@@ -546,8 +549,8 @@ def test_the_engine_starts_after_the_mot_loads_on_unified_memory_only(fake_gpu, 
         order.append("load")
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(pipeline, "load_model", load)
-    monkeypatch.setattr(YuE2Pipeline, "_start_engine_in_background", lambda self: order.append("engine"))
+    monkeypatch.setattr(models, "load_model", load)
+    monkeypatch.setattr(EngineLife, "start_in_background", lambda self: order.append("engine"))
     with pytest.raises(RuntimeError, match="stop here"):
         YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device="cuda", backend="vllm", start_engine=True)
     assert order == (["load"] if gpu["integrated"] else ["engine", "load"])
@@ -622,13 +625,13 @@ def test_a_failed_first_start_falls_back_and_is_retried_later_with_backoff(tiny_
                                  "(--engine-start-timeout; its worker was stopped)")
         assert (pipe.start_retry.failures, pipe.start_retry.backoff_s) == (1, 60)
         # Not final: until the backoff has passed songs keep to torch without a new start ...
-        assert pipe.select_ar_backend(1.0, False) == (pipe.torch_backend, reason) and pipe._vllm is None
+        assert pipe.select_ar_backend(1.0, False) == (pipe.torch_backend, reason) and pipe.engine_life._vllm is None
         pipe.start_retry.failed_at -= 60  # ... then the next song starts it again, in the background
         backend, again = pipe.select_ar_backend(1.0, False)
         assert backend is pipe.torch_backend and again == f"{reason}; a new start is under way"
         assert pipe.start_retry.retrying
         deadline = time.monotonic() + 30
-        while not pipe._prestart.done.is_set():
+        while not pipe.engine_life._prestart.done.is_set():
             assert time.monotonic() < deadline
             assert pipe.select_ar_backend(1.0, False)[1] == again  # songs meanwhile: torch, not waiting
             time.sleep(0.1)
@@ -643,16 +646,16 @@ def test_close_stops_an_engine_start_at_once(tiny_model_dir, tiny_vae_dir, tmp_p
     import time
 
     pipe = _slow_engine_pipeline(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch, 900.0)
-    pipe._start_engine_in_background()
+    pipe.engine_life.start_in_background()
     deadline = time.monotonic() + 30
-    while pipe._vllm is None or pipe._vllm.process is None and pipe._vllm._starting is None:
+    while pipe.engine_life._vllm is None or pipe.engine_life._vllm.process is None and pipe.engine_life._vllm._starting is None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    worker = pipe._vllm._starting.process
+    worker = pipe.engine_life._vllm._starting.process
     start = time.monotonic()
     pipe.close()
     assert time.monotonic() - start < 3.0 and worker.poll() is not None
-    assert pipe._prestart is None and pipe._prestart_error is None  # stopped, not failed: a later start goes ahead
+    assert pipe.engine_life._prestart is None and pipe.engine_life._prestart_error is None  # stopped, not failed: a later start goes ahead
     assert pipe.start_retry.failures == 0
 
 
@@ -669,11 +672,11 @@ def test_a_retried_engine_start_that_succeeds_serves_the_later_songs(tiny_model_
         pipe.start_retry.failed_at -= 60
         assert pipe.select_ar_backend(1.0, False)[1].endswith("a new start is under way")
         deadline = time.monotonic() + 600
-        while not pipe._prestart.done.is_set():
+        while not pipe.engine_life._prestart.done.is_set():
             assert time.monotonic() < deadline
             time.sleep(0.2)
         backend, reason = pipe.select_ar_backend(1.0, False)
-        assert backend is pipe._vllm and backend.running and reason is None
+        assert backend is pipe.engine_life._vllm and backend.running and reason is None
         assert (pipe.start_retry.failures, pipe.start_retry.reason) == (0, None)
         song = pipe(SongRequest(style="pop", lyrics="[verse]\nla\n", seed=3),
                     abc_sampling={"max_tokens": 4, "min_tokens": 4}, semantic_sampling={"max_tokens": 8,

@@ -57,7 +57,7 @@ def test_a_songs_nar_waits_for_room_in_its_status_and_then_completes(pipe, tmp_p
     def listener(event):
         events.append(event)
         if event.kind == "stage_done" and event.data["stage"] == "semantic":  # the AR phases ran unadmitted
-            monkeypatch.setattr(pipe, "_room", room)  # the limited room figure; admission is the real code
+            monkeypatch.setattr(pipe.engine_life, "room", room)  # the limited room figure; admission is the real code
 
     holder = threading.Thread(target=other_songs_buffers)
     holder.start()
@@ -90,10 +90,11 @@ def test_a_songs_nar_waits_for_room_in_its_status_and_then_completes(pipe, tmp_p
 def test_a_budget_above_the_card_or_too_small_for_one_song_is_refused_before_anything_loads(
         fake_gpu, tiny_model_dir, tiny_vae_dir, monkeypatch):
     import yue2_vllm.pipeline as pipeline_module
+    import yue2_vllm.song.models as models_module
 
     gpu = fake_gpu("L40S")
     loads = []
-    monkeypatch.setattr(pipeline_module, "load_model", lambda *a, **k: loads.append(a) or 1 / 0)
+    monkeypatch.setattr(models_module, "load_model", lambda *a, **k: loads.append(a) or 1 / 0)
     monkeypatch.setattr(pipeline_module, "vllm_usable", lambda: True)
     card = gpu["total"] / 2**30
     with pytest.raises(ValueError, match=rf"--budget 60.00 GiB is above this GPU's {card:.2f} GiB: lower --budget"):
@@ -118,7 +119,7 @@ def test_on_unified_memory_the_decoders_room_is_the_pool_not_mem_get_info(pipe, 
     monkeypatch.setattr(pipe, "unified", pool)
     assert pipe._device_room() == pool.pool == 40 * GIB - pool.reserve != gpu["free"]
     room = DeviceRoom(3 * GIB)
-    monkeypatch.setattr(pipe, "_room", room)  # beside the engine: the plan's room
+    monkeypatch.setattr(pipe.engine_life, "room", room)  # beside the engine: the plan's room
     with room.admit(GIB, "vae tile"):
         assert pipe._device_room() == 2 * GIB
 
@@ -128,13 +129,13 @@ def test_a_torch_backend_phase_is_admitted_into_the_same_room(pipe, monkeypatch)
 
     prompt = pipe.plan  # the abc phase runs on the torch backend here
     tiny = DeviceRoom(1, "cpu")
-    monkeypatch.setattr(pipe, "_room", tiny)
+    monkeypatch.setattr(pipe.engine_life, "room", tiny)
     need = torch_decode_bytes(pipe.model.config, 1, 1)  # at least one row's K/V: far above a 1-byte room
     with pytest.raises(MemoryError, match=r"abc phase on the torch backend needs .* the memory plan leaves"):
         prompt(REQUEST)
     assert need > tiny.capacity and tiny.used == 0
     roomy = DeviceRoom(2**40, "cpu")
-    monkeypatch.setattr(pipe, "_room", roomy)
+    monkeypatch.setattr(pipe.engine_life, "room", roomy)
     holders = []
     original = roomy.admit
 

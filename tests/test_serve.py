@@ -432,6 +432,31 @@ def test_an_api_key_guards_v1_and_metrics_but_not_health(serve):
     assert final(client.__class__(base_url=client.base_url, headers=good), job["id"])["status"] == "complete"
 
 
+def test_the_page_and_every_module_it_imports_are_served_as_javascript_under_the_csp(serve):
+    """The page is ES modules (no build step): each import resolves to a file the server gives with the JavaScript
+    type (browsers refuse a module of any other) and the page's headers; the one script tag names the entry module."""
+    client = serve().client
+    page = client.get("/")
+    assert page.headers["content-security-policy"].startswith("default-src 'self';")
+    assert re.findall(r"<script[^>]*>", page.text) == ['<script type="module" src="/static/main.js">']
+    seen, todo = set(), ["main.js"]
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        response = client.get(f"/static/{name}")
+        assert response.status_code == 200, name
+        assert response.headers["content-type"] == "text/javascript; charset=utf-8", name
+        assert response.headers["content-security-policy"] == page.headers["content-security-policy"], name
+        assert response.headers["x-content-type-options"] == "nosniff", name
+        imports = re.findall(r'^import .* from "\./([a-z]+\.js)";$', response.text, flags=re.M)
+        assert len(imports) == response.text.count("\nimport "), name  # every import is a local file's
+        todo += [target for target in imports if target not in seen]
+    shipped = {p.name for p in (Path(__file__).parent.parent / "yue2_vllm" / "serve" / "static").glob("*.js")}
+    assert seen == shipped  # no module is left unused
+    assert client.get("/static/style.css").headers["content-type"] == "text/css; charset=utf-8"
+    assert client.get("/static/app.js").status_code == 404
+
+
 def test_a_signed_audio_url_plays_without_the_key_and_the_picture_is_computed_once(serve, tmp_path):
     import base64
     import time

@@ -65,7 +65,10 @@ def run_through_a_full_disk(pipe, data_dir: Path, make_full, make_free, songs: i
     """`songs` songs at concurrency 2; the disk is full from the moment the first song runs for ~3 s. Every job
     ends complete (the ones failed for want of space say so and are resumed to complete), /health reports the
     fault during it and ok after, a restart on the data dir reads every job back unchanged, every song verifies."""
-    config = ServeConfig(data_dir, concurrency=2, stall_seconds=60, min_free_bytes=1 << 20, watchdog_interval=0.2)
+    # The retention sweep every 0.5 s: the watchdog calls the owner while it waits on the store, as it does in a
+    # long-lived server's full-disk window.
+    config = ServeConfig(data_dir, concurrency=2, stall_seconds=60, min_free_bytes=1 << 20, watchdog_interval=0.2,
+                         sweep_interval=0.5)
     service = SongService(pipe, config)
     server = ThreadServer(service)
     client = server.client
@@ -130,15 +133,20 @@ def test_injected_store_and_file_faults_lose_no_transition_and_wedge_nothing(pip
     assert disk.store_failures > 0 and disk.file_failures > 0
     assert any("job store" in p and "cannot be written" in p for p in problems), problems
     assert not [r for r in caplog.records if r.exc_info], "an expected fault logged a traceback"
+    assert "Traceback" not in caplog.text, caplog.text
+    # The watchdog met the waiting store (its sweep answered 503) and said so in one line.
+    assert "watchdog: _sweep failed: Unavailable: the job store" in caplog.text, caplog.text
 
 
-def test_a_real_full_filesystem_loses_no_transition_and_wedges_nothing(pipe, tmp_path):
+def test_a_real_full_filesystem_loses_no_transition_and_wedges_nothing(pipe, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, "yue2_vllm")
     with tmpfs(tmp_path / "disk") as mount:
         data_dir = mount / "data"
         ballast: list[Path] = []
         failed, problems = run_through_a_full_disk(pipe, data_dir, lambda: ballast.append(fill(mount)),
                                                    lambda: ballast.pop().unlink())
         assert any("cannot be written" in p or "under --min-free-disk" in p for p in problems), problems
+    assert "Traceback" not in caplog.text, "an expected condition of a full disk logged a traceback:\n" + caplog.text
 
 
 def test_health_reports_work_pending_that_does_not_move(pipe, tmp_path):

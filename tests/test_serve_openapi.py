@@ -1,5 +1,5 @@
 """`/openapi.json` is the contract: schemathesis `--checks all` against a live server (bounded), every schema-valid
-POST body a song or one of the 422s no schema can express, and README's API table checked against it."""
+POST body a song or one of the 422s no schema can express, and docs/serving.md's API table checked against it."""
 import json
 import re
 import subprocess
@@ -97,13 +97,13 @@ def test_every_schema_valid_body_is_a_song_or_a_cross_field_422(pipe, openapi):
     check()
 
 
-# --------------------------------------------------------------------------- README's API table
+# --------------------------------------------------------------------------- docs/serving.md's API table
 
 
-def readme_operations() -> dict[tuple[str, str], set[int]]:
-    """`{(METHOD, path): bold statuses}` from README's API table (`GET /v1/songs/{id}/audio`, `/score` names
+def documented_operations() -> dict[tuple[str, str], set[int]]:
+    """`{(METHOD, path): bold statuses}` from docs/serving.md's API table (`GET /v1/songs/{id}/audio`, `/score` names
     `GET /v1/songs/{id}/score` too)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
     table = text.split("| endpoint | answers |", 1)[1].split("\n\n", 1)[0]
     operations = {}
     for row in table.strip().splitlines()[1:]:
@@ -122,12 +122,12 @@ def readme_operations() -> dict[tuple[str, str], set[int]]:
     return operations
 
 
-def test_the_readme_api_table_is_the_openapi_contract(openapi):
+def test_the_serving_docs_api_table_is_the_openapi_contract(openapi):
     documented = {}
     for path, operations in openapi["paths"].items():
         for method, operation in operations.items():
             documented[(method.upper(), path.replace("{job_id}", "{id}"))] = {int(s) for s in operation["responses"]}
-    table = readme_operations()
+    table = documented_operations()
     assert set(table) == set(documented), (sorted(set(table) ^ set(documented)))
     for operation, statuses in table.items():
         assert statuses <= documented[operation], (operation, statuses - documented[operation])

@@ -2,7 +2,7 @@
 model flags (the embedded tiny default, the vLLM engine when installed).
 
 The screenshot is kept in the test's tmp dir; with YUE2_UPDATE_SCREENSHOT=1 it also replaces docs/serve-page.png
-(README's picture), so a plain test run leaves the checkout as it was.
+(docs/serving.md's picture), so a plain test run leaves the checkout as it was.
 """
 import io
 import os

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import os
-import re
 import time
 from contextlib import asynccontextmanager
 from importlib import resources
-from urllib.parse import urlsplit
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request
@@ -33,148 +30,38 @@ from starlette.routing import Match
 
 from .. import __version__
 from . import contract
-from .errors import Conflict, RequestInvalid, ServiceError, TooLarge, Unauthorized, Unavailable
+from .contract import LOCATION, RETRY_AFTER, SSE_EVENT, error_docs, media_doc
+from .errors import Conflict, RequestInvalid, ServiceError, Unauthorized, Unavailable
 from .events import event_json
 from .metrics import CONTENT_TYPE
 from ..takes import MAX_TAKES
+from .safety import (Guard, ResponseCounter, error_response, host_allowed, is_json, read_body,  # noqa: F401
+                     redact, redact_text)  # (host_allowed, redact_text: re-exported)
 from .service import FINAL_STATES, SongService, urls
 from .signed import AUDIO_URL_SECONDS, SIGNATURE_PATTERN, signature_problem, signed_audio_query, signing_key
 
 MAX_BODY_BYTES = 256 * 1024
 HEARTBEAT_SECONDS = 15.0
 MAX_SSE_CLIENTS = 256
-LOOPBACK_NAMES = ("localhost", "localhost.")
-STATIC = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
+STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}  # modules need the JS type
+
+
+def page_files() -> dict[str, str]:
+    """The page's files (its ES modules and style sheet) by name, with their media types, as the package holds them."""
+    folder = resources.files(__package__).joinpath("static")
+    suffixes = {entry.name: os.path.splitext(entry.name)[1] for entry in folder.iterdir()}
+    return {name: STATIC_TYPES[suffix] for name, suffix in sorted(suffixes.items()) if suffix in STATIC_TYPES}
+
+
+STATIC = page_files()  # a fixed set of names, never a path
 # The page loads nothing from elsewhere; audio streams from the server (a signed URL when there is an API key),
 # result.json may come from a blob: URL (fetched with the key).
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; media-src 'self'; connect-src 'self' blob:; "
                                            "img-src 'self' data:; "
                                            "object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
                 "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
-UNSAFE_METHODS = ("POST", "PUT", "PATCH", "DELETE")
 _STATUS = "(?:" + "|".join(contract.STATUSES) + ")"
 STATUS_LIST = f"^,*(?:{_STATUS}(?:,+{_STATUS})*)?,*$"  # statuses, comma-separated (empty pieces ignored)
-
-
-def error_response(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"status": status, "message": message, "field": field}}, status_code=status,
-                        headers=headers)
-
-
-# --------------------------------------------------------------------------- no paths for callers without the key
-
-_PATH = re.compile(r"(?<![\w.~:/\\-])/(?!v1/)(?:[^\s'\"()<>\[\]{},;:/]+/)+([^\s'\"()<>\[\]{},;:/]*)")
-_TRACE = re.compile(r"Traceback \(most recent call last\).*", re.S)
-# Keys whose values the server writes (errors, reasons, records of where weights came from); what a client
-# sent (style, lyrics, score) is given back as it came.
-_SERVER_KEYS = {"error", "errors", "message", "reason", "fallback_reason", "retries", "stages", "result",
-                "engine", "sources", "source", "path", "directory", "backend_note", "batch_note", "problems", "disk"}
-
-
-def redact_text(text: str) -> str:
-    """A message without absolute paths (each becomes `…/NAME`) and without a Python traceback."""
-    return _PATH.sub(lambda m: "…/" + m.group(1), _TRACE.sub("(trace left out)", text))
-
-
-def redact(value, inside: bool = False):
-    """`value` with every server-written string in it redacted (see _SERVER_KEYS)."""
-    if isinstance(value, dict):
-        return {k: redact(v, inside or k in _SERVER_KEYS) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact(item, inside) for item in value]
-    if isinstance(value, str) and inside:
-        return redact_text(value)
-    return value
-
-
-# --------------------------------------------------------------------------- safe defaults (pure ASGI)
-
-
-def host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
-    """Whether a Host header names this server: an IP literal, a loopback name or an allowed name."""
-    if "*" in allowed:
-        return True
-    name = host.strip().lower()
-    if name.startswith("["):  # [v6]:port
-        name, closed, port = name[1:].partition("]")
-        if not closed or (port and not re.fullmatch(r":\d{1,5}", port)):
-            return False
-    elif name.count(":") == 1:
-        name = name.rsplit(":", 1)[0]
-    if not name:
-        return False
-    try:
-        ipaddress.ip_address(name)
-        return True  # a name an attacker's DNS can point here is a name, never an address
-    except ValueError:
-        pass
-    return name in LOOPBACK_NAMES or name.endswith(".localhost") or name.rstrip(".") in allowed
-
-
-class Guard:
-    """The Host allow-list (DNS rebinding) for every request, and for unsafe methods a browser's `Origin` (or
-    `Sec-Fetch-Site: cross-site`) from a page of another origin refused: no cross-site request reaches a route."""
-
-    def __init__(self, app, allowed_hosts: tuple[str, ...] = ()):
-        self.app, self.allowed = app, tuple(h.lower().rstrip(".") if h != "*" else h for h in allowed_hosts)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        host = headers.get("host", "")
-        if not host_allowed(host, self.allowed):
-            response = error_response(400, f"Host {host[:100]!r} is not a name of this server (start it with "
-                                           "--allowed-host NAME to serve under that name)", "Host")
-            return await response(scope, receive, send)
-        if scope["method"] in UNSAFE_METHODS:
-            origin = headers.get("origin")
-            cross = headers.get("sec-fetch-site") == "cross-site"
-            if cross or (origin is not None and origin != "null" and urlsplit(origin).netloc.lower() != host.lower()):
-                response = error_response(403, "a request from a page of another origin is refused", "Origin")
-                return await response(scope, receive, send)
-            if origin == "null":
-                response = error_response(403, "a request from an opaque origin is refused", "Origin")
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
-class ResponseCounter:
-    """Pure ASGI middleware: counts responses by status code (SSE streams included)."""
-
-    def __init__(self, app, counter):
-        self.app, self.counter = app, counter
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.counter.inc(code=str(message["status"]))
-            await send(message)
-
-        return await self.app(scope, receive, counting_send)
-
-
-def is_json(content_type: str | None) -> bool:
-    media = (content_type or "").split(";", 1)[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 once it passes `limit` bytes (declared or streamed)."""
-    declared = request.headers.get("content-length")
-    too_large = TooLarge(f"body: larger than the limit of {limit} bytes")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class OpenFileResponse(FileResponse):
@@ -191,36 +78,6 @@ class OpenFileResponse(FileResponse):
         yield anyio.wrap_file(self.file)
 
 
-# --------------------------------------------------------------------------- OpenAPI: statuses and media
-
-
-def _errors(*statuses: int, **words: str) -> dict:
-    default = {400: "the Host is not a name of this server", 401: "missing or wrong API key",
-               403: "from a page of another origin", 404: "no such song (ids are j + 20 hex digits)",
-               409: "not ready, or in a state that does not allow it", 413: "the body is over 256 KiB",
-               415: "the body is not application/json", 422: "a field, parameter or header is invalid (named)",
-               429: "the queue is full (Retry-After)", 503: "unavailable now (Retry-After)"}
-    return {status: {"model": contract.ErrorBody, "description": words.get(f"s{status}", default[status])}
-            for status in statuses}
-
-
-def _media(media_type: str, description: str, schema: dict | None = None) -> dict:
-    return {"description": description, "content": {media_type: {"schema": schema or {"type": "string"}}}}
-
-
-EVENT_KINDS = ("status", "state", "tokens", "stage", "score", "waiting", "nar", "vae", "retry", "complete",
-               "failed", "cancelled")
-# One event (OpenAPI 3.2's itemSchema for a sequential media type): its data is always one line of JSON.
-SSE_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
-    "event": {"type": "string", "enum": list(EVENT_KINDS)},
-    "data": {"type": "string", "contentMediaType": "application/json", "pattern": "^[^\\r\\n\u0085\u2028\u2029]*$"},
-    "id": {"type": "string"}, "retry": {"type": "integer", "minimum": 0}}}
-
-
-RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
-LOCATION = {"Location": {"description": "the job's URL", "schema": {"type": "string"}}}
-
-
 def create_app(service: SongService, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                allowed_hosts: tuple[str, ...] = (), max_sse_clients: int = MAX_SSE_CLIENTS) -> FastAPI:
     @asynccontextmanager
@@ -234,7 +91,7 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
     guarded = api_key is not None
     app = FastAPI(title="yue2-vllm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Songs from YuE2 over HTTP: durable jobs with live progress (Server-Sent Events).",
-                  responses=_errors(400))
+                  responses=error_docs(400))
     app.add_middleware(ResponseCounter, counter=service.http_responses)
     app.add_middleware(Guard, allowed_hosts=tuple(allowed_hosts))
     reproducible = bool(service.rules.reproducible)
@@ -316,8 +173,8 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
         return answer(request, document, 200 if ok else 503, None if ok else {"Retry-After": "5"})
 
     @app.get("/metrics", dependencies=auth, summary="Prometheus metrics",
-             responses={200: _media(CONTENT_TYPE.split(";")[0], "Prometheus text exposition (0.0.4)"),
-                        **_errors(*denied)})
+             responses={200: media_doc(CONTENT_TYPE.split(";")[0], "Prometheus text exposition (0.0.4)"),
+                        **error_docs(*denied)})
     def metrics(request: Request):
         text = service.metrics.render()
         return Response(text if trusted(request) else redact_text(text), media_type=CONTENT_TYPE)
@@ -332,7 +189,7 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
         202: {"model": contract.SongCreated, "description": "queued", "headers": LOCATION},
         200: {"model": contract.SongCreated, "description": "the job an earlier request with this Idempotency-Key "
                                                             "made (the same body)", "headers": LOCATION},
-        **_errors(*denied, 403, 413, 415, 422, s422="a field is invalid (named), or the Idempotency-Key was used "
+        **error_docs(*denied, 403, 413, 415, 422, s422="a field is invalid (named), or the Idempotency-Key was used "
                   "with another body (the IETF Idempotency-Key draft's answer)"),
         409: {"model": contract.ErrorBody, "description": "a request with this Idempotency-Key is still being "
                                                           "processed", "headers": RETRY_AFTER},
@@ -365,7 +222,7 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
                             headers={"Location": document["urls"]["self"]})
 
     @v1.get("/songs", summary="Jobs, newest first", responses={200: {"model": contract.SongList},
-                                                               **_errors(*denied, 422)})
+                                                               **error_docs(*denied, 422)})
     def list_songs(request: Request,
                    status: str | None = Query(None, description="statuses, comma-separated", examples=["complete"],
                                               pattern=STATUS_LIST),
@@ -373,7 +230,7 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
         statuses = tuple(s for s in (status or "").split(",") if s)
         return answer(request, service.list(statuses, limit, cursor))
 
-    song = {200: {"model": contract.Song}, **_errors(*denied, 404)}
+    song = {200: {"model": contract.Song}, **error_docs(*denied, 404)}
 
     @v1.get("/songs/{job_id}", summary="A job", responses=song)
     def get_song(request: Request, job_id: str):
@@ -385,7 +242,7 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
         202: {"model": contract.Song, "description": "the job, asked to stop: it is gone for every client already "
                                                      "(each GET answers 404); its run stops at the next token, ODE "
                                                      "step or tile, then its files and row are removed"},
-        **_errors(*denied, 403, 404)})
+        **error_docs(*denied, 403, 404)})
     def delete_song(request: Request, job_id: str):
         stopping = service.delete(job_id)
         return Response(status_code=204) if stopping is None else answer(request, stopping, 202)
@@ -394,13 +251,13 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
         202: {"model": contract.Song, "description": "asked to stop at the next token, ODE step or tile"},
         200: {"model": contract.Song, "description": "cancelled at once (it was queued), or it had ended already: "
                                                      "the job as it is"},
-        **_errors(*denied, 403, 404)})
+        **error_docs(*denied, 403, 404)})
     def cancel_song(request: Request, job_id: str):
         record, asked = service.cancel(job_id)
         return answer(request, service.describe(record), 202 if asked and not record.final else 200)
 
     requeue = {202: {"model": contract.Song, "description": "queued again"},
-               **_errors(*denied, 403, 404, 409), 429: {"model": contract.ErrorBody, "description": "the queue is "
+               **error_docs(*denied, 403, 404, 409), 429: {"model": contract.ErrorBody, "description": "the queue is "
                                                                                       "full", "headers": RETRY_AFTER},
                507: {"model": contract.ErrorBody, "description": "the free disk cannot hold what the song may still "
                                                                  "write", "headers": RETRY_AFTER}}
@@ -414,10 +271,10 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
     def render_song(request: Request, job_id: str):
         return answer(request, service.describe(service.requeue(job_id, render=True)), 202)
 
-    files = _errors(*denied, 404, 409, s409="not ready yet")
+    files = error_docs(*denied, 404, 409, s409="not ready yet")
 
-    audio_answers = {200: _media("audio/flac", "the FLAC", {"type": "string", "format": "binary"}),
-                     206: _media("audio/flac", "a Range of it", {"type": "string", "format": "binary"}),
+    audio_answers = {200: media_doc("audio/flac", "the FLAC", {"type": "string", "format": "binary"}),
+                     206: media_doc("audio/flac", "a Range of it", {"type": "string", "format": "binary"}),
                      416: {"description": "the Range is outside the file"}, **files}
 
     def opened(job_id: str, name: str):
@@ -468,13 +325,13 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
         return await run_in_threadpool(service.picture, job_id)
 
     @v1.get("/songs/{job_id}/score", summary="The ABC score", responses={
-        200: _media("text/vnd.abc", "the score as planned"), **files})
+        200: media_doc("text/vnd.abc", "the score as planned"), **files})
     def score(job_id: str):
         with opened(job_id, "score.abc") as file:
             return Response(file.read(), media_type="text/vnd.abc; charset=utf-8")
 
     @v1.get("/songs/{job_id}/result", summary="result.json", responses={
-        200: _media("application/json", "the run's result.json", {"type": "object"}), **files})
+        200: media_doc("application/json", "the run's result.json", {"type": "object"}), **files})
     def result(request: Request, job_id: str):
         with opened(job_id, "result.json") as file:
             data = file.read()
@@ -493,14 +350,14 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
         204: {"description": "the take's files and row are gone"},
         202: {"model": contract.Song, "description": "the take, asked to stop: gone for every client already, its "
                                                      "files and row once it stopped"},
-        **_errors(*denied, 403, 404, 409, s409="take 1 is the job itself")})
+        **error_docs(*denied, 403, 404, 409, s409="take 1 is the job itself")})
     def delete_take(request: Request, job_id: str, take: int = take_number):
         stopping = service.delete_take(job_id, take)
         return Response(status_code=204) if stopping is None else answer(request, stopping, 202)
 
     @v1.post("/songs/{job_id}/takes/{take}/keep", summary="Mark the take kept (recorded on the job)", responses={
         200: {"model": contract.Song, "description": "the job, with takes.kept"},
-        **_errors(*denied, 403, 404, 409, s409="the job has no takes")})
+        **error_docs(*denied, 403, 404, 409, s409="the job has no takes")})
     def keep_take(request: Request, job_id: str, take: int = take_number):
         return answer(request, service.describe(service.keep_take(job_id, take)))
 
@@ -513,12 +370,12 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
                          operation_id=f"take_audio_{method.lower()}")
 
     @v1.get("/songs/{job_id}/takes/{take}/score", summary="One take's ABC score", responses={
-        200: _media("text/vnd.abc", "the score as planned"), **files})
+        200: media_doc("text/vnd.abc", "the score as planned"), **files})
     def take_score(job_id: str, take: int = take_number):
         return score(service.take_job(job_id, take))
 
     @v1.get("/songs/{job_id}/takes/{take}/result", summary="One take's result.json", responses={
-        200: _media("application/json", "the take's result.json", {"type": "object"}), **files})
+        200: media_doc("application/json", "the take's result.json", {"type": "object"}), **files})
     def take_result(request: Request, job_id: str, take: int = take_number):
         return result(request, service.take_job(job_id, take))
 
@@ -526,7 +383,7 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
         200: {"description": "status (the whole job, first), then state, tokens, stage, score, nar, vae, retry, "
                              "and complete, failed or cancelled; each data is one line of JSON",
               "content": {"text/event-stream": {"itemSchema": SSE_EVENT}}},
-        **_errors(*denied, 404), 503: {"model": contract.ErrorBody, "description": "too many event streams open",
+        **error_docs(*denied, 404), 503: {"model": contract.ErrorBody, "description": "too many event streams open",
                                        "headers": RETRY_AFTER}})
     async def events(request: Request, job_id: str):
         if streams["open"] >= max_sse_clients:

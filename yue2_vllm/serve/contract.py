@@ -232,3 +232,33 @@ def song_body_schemas(*, reproducible: bool, max_takes: int = MAX_TAKES) -> dict
                                                 "description": "this server's engine is not batch-invariant: "
                                                                "only false (start it with --reproducible)"}
     return {"SongBody": schema, **definitions}
+
+
+# --------------------------------------------------------------------------- the routes' statuses and media
+
+
+def error_docs(*statuses: int, **words: str) -> dict:
+    default = {400: "the Host is not a name of this server", 401: "missing or wrong API key",
+               403: "from a page of another origin", 404: "no such song (ids are j + 20 hex digits)",
+               409: "not ready, or in a state that does not allow it", 413: "the body is over 256 KiB",
+               415: "the body is not application/json", 422: "a field, parameter or header is invalid (named)",
+               429: "the queue is full (Retry-After)", 503: "unavailable now (Retry-After)"}
+    return {status: {"model": ErrorBody, "description": words.get(f"s{status}", default[status])}
+            for status in statuses}
+
+
+def media_doc(media_type: str, description: str, schema: dict | None = None) -> dict:
+    return {"description": description, "content": {media_type: {"schema": schema or {"type": "string"}}}}
+
+
+EVENT_KINDS = ("status", "state", "tokens", "stage", "score", "waiting", "nar", "vae", "retry", "complete",
+               "failed", "cancelled")
+# One event (OpenAPI 3.2's itemSchema for a sequential media type): its data is always one line of JSON.
+SSE_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
+    "event": {"type": "string", "enum": list(EVENT_KINDS)},
+    "data": {"type": "string", "contentMediaType": "application/json", "pattern": "^[^\\r\\n\u0085\u2028\u2029]*$"},
+    "id": {"type": "string"}, "retry": {"type": "integer", "minimum": 0}}}
+
+
+RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
+LOCATION = {"Location": {"description": "the job's URL", "schema": {"type": "string"}}}

@@ -1,5 +1,9 @@
-"""The service's errors: each carries its HTTP status, a message in words and, for 422, the field it is about."""
+"""The service's errors: each carries its HTTP status, a message in words and, for 422, the field it is about;
+and how a failure is logged (an expected one in one line)."""
 from __future__ import annotations
+
+import logging
+import sqlite3
 
 
 class ServiceError(Exception):
@@ -42,3 +46,16 @@ class Unavailable(ServiceError):
 
 class InsufficientStorage(ServiceError):
     status = 507
+
+
+# What the world does to a server (a full disk, a store write waiting to land, an answer in words): expected, so
+# one line in the log. Anything else is a bug and keeps its traceback.
+EXPECTED = (ServiceError, OSError, sqlite3.Error)
+
+
+def log_failure(log: logging.Logger, what: str, exc: BaseException) -> None:
+    """Log that `what` failed: one line for an expected condition, the traceback for anything else."""
+    if isinstance(exc, EXPECTED):
+        log.error("%s failed: %s: %s", what, type(exc).__name__, exc)
+    else:
+        log.error("%s failed", what, exc_info=(type(exc), exc, exc.__traceback__))

@@ -23,6 +23,7 @@ from ..protocol import SongRequest
 from ..takes import take_signals
 from ..scheduler import FINAL_STATES, SongEvent, SongHandle, SongScheduler
 from .durable import disk_refusal
+from .errors import log_failure
 
 LOG = logging.getLogger("yue2_vllm.serve")
 ENGINE_DOWN = ("starting", "restarting", "failed")  # the engine cannot serve now: /health answers 503
@@ -171,8 +172,8 @@ class SongWorker:
         while not self._stop.is_set():
             try:
                 self.watch_engine()
-            except Exception:  # noqa: BLE001 (logged; the watchdog goes on)
-                LOG.exception("engine watchdog failed")
+            except Exception as exc:  # noqa: BLE001 (logged; the watchdog goes on)
+                log_failure(LOG, "engine watchdog", exc)
             self._stop.wait(self.watch_interval)
 
     def watch_engine(self) -> None:

@@ -1,0 +1,46 @@
+// yue2-vllm's page: submit a song, follow it live (SSE over fetch, so an API key can be sent), play it.
+// The modules: api (fetch, key, errors), form, song (the song in view), stream (its events), player, picture,
+// takes, jobs (the list and health); this one wires them to the page.
+
+import { $, auth, needKey, saveKey, show } from "./api.js";
+import { randomSeed, submit } from "./form.js";
+import { forgetListed, refreshHealth, refreshJobs } from "./jobs.js";
+import { wirePlayer } from "./player.js";
+import { act, drawPicture, pictureSeconds, select, view } from "./song.js";
+
+// The song in view, as `current` from the console (and the page test), as when the page was one script.
+Object.defineProperty(window, "current", { get: () => view.current });
+
+function start() {
+  $("api-key").value = auth.key;
+  $("song-form").addEventListener("submit", submit);
+  $("song-form").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("song-form").requestSubmit();
+  });
+  $("song-form").addEventListener("input", (event) => event.target.removeAttribute("aria-invalid"));
+  $("random-seed").addEventListener("click", () => { $("seed").value = randomSeed(); });
+  $("instrumental").addEventListener("change", () => { $("lyrics").required = !$("instrumental").checked; });
+  for (const action of ["cancel", "render", "resume", "delete"]) {
+    $(action).addEventListener("click", () => view.current && act(view.current.id, action));
+  }
+  $("refresh").addEventListener("click", refreshJobs);
+  wirePlayer(pictureSeconds);
+  let resized = null;
+  window.addEventListener("resize", () => { clearTimeout(resized); resized = setTimeout(drawPicture, 100); });
+  $("api-key").addEventListener("change", () => { saveKey(); show($("jobs-error"), ""); forgetListed(); refreshJobs(); });
+  document.addEventListener("songs-changed", (event) => {
+    refreshJobs();
+    if (event.detail.health) refreshHealth();
+  });
+  setInterval(() => { if (!document.hidden) { refreshHealth(); refreshJobs(); } }, 4000);
+  refreshHealth().then(() => {  // whether a key is needed is known before anything under /v1 is asked
+    refreshJobs();
+    const id = location.hash.slice(1);
+    if (/^j[0-9a-f]{20}$/.test(id) && !needKey()) {
+      select(id).catch(() => history.replaceState(null, "", location.pathname));
+    }
+  });
+}
+
+// Modules run deferred, before DOMContentLoaded: the page starts there, as the single script did.
+document.addEventListener("DOMContentLoaded", start);

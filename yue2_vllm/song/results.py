@@ -1,0 +1,87 @@
+"""What each stage hands the next: the plan (ABC score and semantic prompt), the semantic tokens, the finished song;
+and the callbacks stages report through."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..instrumental import InstrumentalSteps
+from ..protocol import CODEC_SIZE, SongRequest, check_token_ids
+
+SAMPLE_RATE = 48000
+OnToken = Callable[[str, int], None]
+OnProgress = Callable[[str, int, int], None]
+Cancelled = Callable[[], bool]
+OnStage = Callable[[str, str, "dict | None"], None]
+Synthesizer = Callable[..., np.ndarray]  # (semantic, *, cancelled, on_progress) -> latents
+Decoder = Callable[..., np.ndarray]  # (latents, *, cancelled, on_progress) -> audio
+
+
+@dataclass
+class SymbolicPlan:
+    """The score phase's outcome: ABC text and its exact ids, and the semantic prompt built from them."""
+
+    request: SongRequest
+    abc: str | None
+    abc_ids: list[int]
+    prefix: list[int]
+    timing: dict = field(default_factory=dict)
+    truncated: bool = False
+    instrumental: "InstrumentalSteps | None" = None  # an instrumental song's steps of the recipe
+
+
+@dataclass
+class SemanticResult:
+    plan: SymbolicPlan
+    tokens: list[int]  # codec indices 0..32767 (token id − CODEC_OFFSET)
+    timing: dict = field(default_factory=dict)
+    truncated: bool = False
+    synthesis: dict = field(default_factory=dict)  # the NAR's record: prefill weights, room admitted/waited
+
+
+@dataclass
+class SongResult:
+    semantic: SemanticResult
+    latents: np.ndarray  # [T, 64] float32
+    audio: np.ndarray  # [1920·T − 64, 2] float32 in [-1, 1]
+    sample_rate: int
+    config: dict
+    weights: dict
+    timing: dict
+    identity: str
+
+    @property
+    def plan(self) -> SymbolicPlan:
+        return self.semantic.plan
+
+    @property
+    def request(self) -> SongRequest:
+        return self.plan.request
+
+    @property
+    def truncated(self) -> dict:
+        return {"abc": self.plan.truncated, "semantic": self.semantic.truncated}
+
+    @property
+    def audio_seconds(self) -> float:
+        return len(self.audio) / self.sample_rate
+
+
+def check_semantic(semantic: SemanticResult) -> None:
+    """What the NAR needs: codec indices, and a prefix of vocabulary ids."""
+    if not semantic.tokens:
+        raise ValueError("the semantic phase produced no tokens; there is nothing to synthesize")
+    check_token_ids(semantic.tokens, "semantic.tokens", 0, CODEC_SIZE, "a codec index")
+    check_token_ids(semantic.plan.prefix, "plan.prefix")
+
+
+BATCH_NOTE = ("the AR tokens may depend on the other songs the engine served at the same time (bf16 on vLLM); "
+              "--reproducible (serve: reproducible) makes a seed fix the song")
+
+
+def batch_record(*timings: dict | None) -> dict:
+    """result.json's word on reproducibility: whether every AR phase ran batch-invariant, else why not."""
+    invariant = all((timing or {}).get("batch_invariant", False) for timing in timings if timing)
+    return {"batch_invariant": invariant} if invariant else {"batch_invariant": False, "batch_note": BATCH_NOTE}

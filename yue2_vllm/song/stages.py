@@ -1,0 +1,179 @@
+"""The four stages of a song, each taking the previous one's result: plan (the ABC score, or the given one),
+semantic tokens (both AR phases route through `generate_ar`: vLLM when it serves, else the torch lane),
+synthesis (the NAR's flow matching, one song or a batch) and decode (the VAE's tiled decode)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .. import instrumental
+from ..memory import vae_decode_bytes
+from ..model.nar import SongInput, synthesize_many
+from ..model.nar import synthesize as nar_synthesize
+from ..model.sampling import ARBackend
+from ..model.torch_quant import prepare_ar_proxies, restore_ar
+from ..protocol import (CODEC_OFFSET, GenerationConfig, Sampling, SongRequest, SongRules, abc_prompt, check_abc_ids,
+                        check_token_ids, negative_prompt, semantic_prompt)
+from ..room import DeviceRoom
+from ..tokenizer import YuE2Tokenizer
+from .admission import admitted, nar_need, torch_ar_admitted
+from .models import VAE_HALO_FRAMES
+from .results import Cancelled, OnProgress, OnToken, SemanticResult, SymbolicPlan, check_semantic
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass
+class SongStages:
+    """The stages over one pipeline's parts. The callables read state that changes while the pipeline serves:
+    `select_backend(cfg_scale, legacy_off)` the AR backend and its fallback reason, `room()` where buffers are
+    admitted now, `release_engine()` the engine before a NAR run, `vae_on_device()` the VAE placed for a decode."""
+
+    model: object
+    tokenizer: YuE2Tokenizer
+    rules: SongRules
+    generation: GenerationConfig
+    torch_backend: ARBackend
+    torch_lock: threading.RLock  # the torch lane; with load-time proxies it also covers synthesis
+    proxy_mode: str | None
+    offload_ar: bool
+    ar_on_device: bool
+    vae_core_frames: int
+    backend_requested: str
+    select_backend: Callable[[float, bool], tuple[ARBackend, str | None]]
+    room: Callable[[], DeviceRoom | None]
+    release_engine: Callable[[], None]
+    vae_on_device: Callable[[], contextlib.AbstractContextManager]
+
+    # -- the AR half
+
+    def generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, **kwargs):
+        backend, reason = self.select_backend(kwargs.get("cfg_scale", 1.0), kwargs.get("legacy_off", False))
+        if reason is not None:
+            LOG.info("%s phase: torch backend (%s)", phase, reason)
+        if backend is self.torch_backend:
+            with self.torch_lock, torch_ar_admitted(self.room(), self.model, len(prefix), sampling, phase, kwargs):
+                if self.proxy_mode:
+                    prepare_ar_proxies(self.model, self.proxy_mode)  # idempotent; undone before each NAR stage
+                ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
+        else:
+            ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
+        timing = {**timing, "backend_requested": self.backend_requested, "fallback_reason": reason}
+        timing.setdefault("batch_invariant", True)  # the torch backend serves one song per forward pass
+        return ids, timing, truncated
+
+    def plan(self, request: SongRequest, *, abc_sampling=None, cancelled: Cancelled | None = None,
+             on_token: OnToken | None = None) -> SymbolicPlan:
+        if request.instrumental:  # upstream's recipe: plan, move the vocal melody to Ins, render the edited score
+            steps = instrumental.plan_steps(request, lambda asked: self.plan(
+                asked, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token))
+            plan = self.plan(steps.render)
+            return replace(plan, timing={**plan.timing, **steps.timing}, instrumental=steps)
+        tokenizer = self.tokenizer
+        if request.cot == "off":
+            return SymbolicPlan(request, None, [], semantic_prompt(request, tokenizer),
+                                {"seconds": 0.0, "output_tokens": 0})
+        if request.abc is not None:
+            abc_ids = tokenizer.encode(request.abc)
+            return SymbolicPlan(request, request.abc, abc_ids, semantic_prompt(request, tokenizer, abc_ids),
+                                {"seconds": 0.0, "output_tokens": 0, "external_prefix_tokens": len(abc_ids)})
+        ids, timing, truncated = self.generate_ar(
+            abc_prompt(request, tokenizer), self.rules.sampling_for(abc_sampling, "abc"), request, "abc",
+            on_token=on_token, cancelled=cancelled)
+        return SymbolicPlan(request, tokenizer.decode(ids), ids, semantic_prompt(request, tokenizer, ids),
+                            timing, truncated)
+
+    def generate_semantic(self, plan: SymbolicPlan, *, sampling=None, cancelled: Cancelled | None = None,
+                          on_token: OnToken | None = None) -> SemanticResult:
+        request, tokenizer = plan.request, self.tokenizer
+        check_token_ids(plan.prefix, "plan.prefix")  # 1.0 == 1 would pass the comparison below
+        expected = semantic_prompt(request, tokenizer, check_abc_ids(plan.abc_ids) if request.cot != "off"
+                                   else None)
+        if plan.prefix != expected:
+            raise ValueError("plan.prefix does not match the request and its abc ids")
+        negative = None
+        if request.guidance != 1.0:
+            negative = negative_prompt(request, tokenizer, plan.abc_ids)
+        ids, timing, truncated = self.generate_ar(
+            plan.prefix, self.rules.sampling_for(sampling, "semantic"), request, "semantic", negative=negative,
+            cfg_scale=request.guidance, legacy_off=request.cot == "off", on_token=on_token, cancelled=cancelled)
+        return SemanticResult(plan, [i - CODEC_OFFSET for i in ids], timing, truncated)
+
+    # -- the NAR and the VAE
+
+    def nar_need(self, semantics: Sequence[SemanticResult]) -> int:
+        return nar_need(self.model.config, semantics, self.generation.context, self.ar_on_device)
+
+    def _nar_lane(self):
+        """With load-time proxies the NAR must not run while they are swapped in: it takes the torch lane."""
+        return self.torch_lock if self.proxy_mode else contextlib.nullcontext()
+
+    def _prepare_nar(self) -> None:
+        self.release_engine()
+        if self.proxy_mode:
+            restore_ar(self.model)
+
+    def synthesize(self, semantic: SemanticResult, *, cancelled: Cancelled | None = None,
+                   on_progress: OnProgress | None = None) -> np.ndarray:
+        """One song's latents `[T, 64]`: upstream's one-song path, bit for bit."""
+        check_semantic(semantic)
+        progress = (lambda done, total: on_progress("nar", done, total)) if on_progress else None
+        record = semantic.synthesis
+        with admitted(self.room(), self.nar_need([semantic]), "nar of 1 song", [on_progress], cancelled, [record]), \
+                self._nar_lane():
+            self._prepare_nar()
+            latents = nar_synthesize(self.model, semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
+                                     steps=self.generation.ode_steps, context=self.generation.context,
+                                     cancelled=cancelled, on_progress=progress, offload_ar=self.offload_ar,
+                                     record=record)
+        return latents.numpy()
+
+    def synthesize_many(self, semantics: Sequence[SemanticResult], *, cancelled: Sequence[Cancelled | None] = (),
+                        on_progress: Sequence[OnProgress | None] = ()) -> list[np.ndarray | BaseException]:
+        """Several songs' latents in one batched flow matching (within bf16 rounding of `synthesize`);
+        per song its latents or the exception that ended it."""
+        results: list[np.ndarray | BaseException | None] = [None] * len(semantics)
+        songs, batched = [], []
+        for index, semantic in enumerate(semantics):
+            try:
+                check_semantic(semantic)
+            except ValueError as exc:  # that song fails alone
+                results[index] = exc
+                continue
+            report = on_progress[index] if index < len(on_progress) else None
+            songs.append(SongInput(semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
+                                   cancelled[index] if index < len(cancelled) else None,
+                                   (lambda done, total, r=report: r("nar", done, total)) if report else None,
+                                   semantic.synthesis))
+            batched.append(index)
+        chosen = [semantics[i] for i in batched]
+        reports = [on_progress[i] for i in batched if i < len(on_progress)]
+        with admitted(self.room(), self.nar_need(chosen), f"nar of {len(chosen)} songs", reports, None,
+                      [s.synthesis for s in chosen]), self._nar_lane():
+            self._prepare_nar()
+            latents = synthesize_many(self.model, songs, steps=self.generation.ode_steps,
+                                      context=self.generation.context, offload_ar=self.offload_ar)
+        for index, result in zip(batched, latents):
+            results[index] = result.numpy() if isinstance(result, torch.Tensor) else result
+        return results
+
+    def decode(self, vae, latents: np.ndarray, *, cancelled: Cancelled | None = None,
+               on_progress: OnProgress | None = None) -> np.ndarray:
+        """`[T, 64]` latents → `[1920·T − 64, 2]` float32 audio clamped to [-1, 1]."""
+        latents = torch.as_tensor(np.asarray(latents, dtype=np.float32))
+        if latents.ndim != 2 or latents.shape[1] != vae.config.latent_dim:
+            raise ValueError(f"latents must be [frames, {vae.config.latent_dim}], got {list(latents.shape)}")
+        progress = (lambda done, total: on_progress("vae", done, total)) if on_progress else None
+        tile = vae_decode_bytes(vae.config, self.vae_core_frames, VAE_HALO_FRAMES)
+        with admitted(self.room(), tile, "vae tile", [on_progress], cancelled), self.vae_on_device() as placed:
+            audio = placed.decode_tiled(latents.T[None], core_frames=self.vae_core_frames,
+                                        halo_frames=VAE_HALO_FRAMES, on_progress=progress, cancelled=cancelled)[0]
+        if not torch.isfinite(audio).all():
+            raise FloatingPointError("the VAE produced non-finite audio")
+        return audio.clamp(-1, 1).T.contiguous().numpy()
