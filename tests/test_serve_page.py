@@ -275,3 +275,39 @@ def test_takes_side_by_side_keep_one_and_delete_another(server, tmp_path):
             ["complete", "complete", "deleted"]
         browser.close()
     assert not [p for p in problems if "status of 422" not in p], problems
+
+
+def test_an_instrumental_from_the_form_plans_the_edited_score_without_lyrics(server):
+    from test_instrumental import EDITED, SCORE
+
+    problems = []
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.on("pageerror", lambda error: problems.append(str(error)))
+        page.goto(server.url + "/")
+        page.locator("#health.ok").wait_for()
+        page.fill("#api-key", KEY)
+        page.dispatch_event("#api-key", "change")
+        page.check("#instrumental")  # lyrics become optional
+        assert page.evaluate("document.getElementById('lyrics').required") is False
+        page.fill("#lyrics", "")
+        page.evaluate("document.getElementById('advanced').open = true")
+        page.fill("#abc", "X:1\nT:\nK:C\n")  # not a native score: the 422 names the line, on the field
+        page.check("#plan-only")
+        page.focus("#style")
+        page.keyboard.press("Control+Enter")
+        page.locator("#form-error").wait_for(state="visible")
+        assert page.inner_text("#form-error").startswith("422: abc: score line 3:")
+        assert page.get_attribute("#abc", "aria-invalid") == "true"
+        page.fill("#abc", SCORE)
+        page.keyboard.press("Control+Enter")
+        page.locator("#current").wait_for(state="visible")
+        job_id = page.evaluate("location.hash").lstrip("#")
+        doc = wait_for(lambda: server.client.get(f"/v1/songs/{job_id}").json(),
+                       lambda d: d["status"] in ("complete", "failed", "cancelled"), timeout=120)
+        assert doc["status"] == "complete" and doc["request"]["instrumental"] is True
+        assert doc["request"]["lyrics"] == ""
+        assert server.client.get(f"/v1/songs/{job_id}/score").text == EDITED
+        browser.close()
+    assert not problems, problems

@@ -120,12 +120,21 @@ class SongRequest:
     abc: str | None = None
     cfg_scale: float | None = None
     id: str = "song"
+    # Upstream's instrumental recipe (see instrumental.py): plan a score, move its vocal melody to the instrument,
+    # render that. Lyrics are optional then ("" plans with upstream's section tags).
+    instrumental: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.instrumental, bool):
+            raise ValueError(f"SongRequest.instrumental must be true or false, got {self.instrumental!r}")
         for name in ("style", "lyrics"):  # the model is conditioned on both; blank text has no upstream meaning
-            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
-                raise ValueError(f"SongRequest.{name} must be non-blank text, got {getattr(self, name)!r}")
-            check_unicode(getattr(self, name), f"SongRequest.{name}")
+            value = getattr(self, name)
+            optional = name == "lyrics" and self.instrumental and value == ""
+            if not isinstance(value, str) or not (value.strip() or optional):
+                raise ValueError(f"SongRequest.{name} must be non-blank text"
+                                 + (" (or '' for none)" if name == "lyrics" and self.instrumental else "")
+                                 + f", got {value!r}")
+            check_unicode(value, f"SongRequest.{name}")
         if self.cot not in COT_MODES:
             raise ValueError(f"SongRequest.cot must be one of {COT_MODES}, got {self.cot!r}")
         object.__setattr__(self, "seed", check_seed(self.seed, "SongRequest.seed"))
@@ -141,6 +150,17 @@ class SongRequest:
         if self.cfg_scale is not None and (not _is_real(self.cfg_scale)
                                            or not 0 <= self.cfg_scale <= MAX_CFG_SCALE):
             raise ValueError(f"SongRequest.cfg_scale must be a finite number in [0, 20], got {self.cfg_scale!r}")
+        if self.instrumental:
+            if self.cot == "off":
+                raise ValueError("SongRequest.instrumental needs cot 'full' or 'melody': upstream's recipe edits the "
+                                 "song's score, and cot 'off' has none")
+            if self.abc is not None:
+                from .instrumental import edit_score
+
+                try:
+                    edit_score(self.abc)  # refused now, naming its line, not once the song runs
+                except ValueError as exc:
+                    raise ValueError(f"SongRequest.abc: {exc}") from None
 
     @property
     def guidance(self) -> float:
@@ -151,7 +171,11 @@ class SongRequest:
         return f"{INSTRUCTIONS[self.cot]}\n[Tags]\n{self.style}\n[Lyrics]\n{self.lyrics}\n"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; `instrumental` only when set, so every other song keeps the identity it always had."""
+        data = asdict(self)
+        if not self.instrumental:
+            del data["instrumental"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "SongRequest":
@@ -378,6 +402,10 @@ class SongRules:
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
         """Refuse, before any stage runs, overrides that do not resolve and prompts that cannot fit the
         context with their token budgets (a generated score can only make the semantic prompt longer)."""
+        if request.instrumental:  # a given score's render request, else the request that plans the score
+            from .instrumental import admission_request
+
+            request = admission_request(request)
         sampling = {}
         for phase, value in (("abc", abc_sampling), ("semantic", semantic_sampling)):
             try:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 REQUEST_FIELDS = {"style", "tags", "lyrics", "cot", "seed", "abc", "cfg_scale", "id", "abc_sampling",
-                  "semantic_sampling"}
+                  "semantic_sampling", "instrumental"}
 IGNORED_FIELDS = {"lang", "eval_index", "clip_id", "prompt", "abc_path"}
 
 
@@ -104,6 +104,11 @@ def request_from_json(data, base_dir: Path | None = None, where: str = "request"
         if not isinstance(value, str) or not value.strip():
             raise UsageError(f"{where}: abc_path must be a file name, got {_json_type(value)} {value!r}")
         fields["abc"] = read_abc((base_dir or Path.cwd()) / value, f"{where}: abc_path")
+    if fields.get("instrumental") is True:  # lyrics are optional for an instrumental: left out means none
+        if fields.get("lyrics") == "":
+            raise UsageError(f"{where}: lyrics must be non-blank text when given (leave it out for an instrumental "
+                             "with none)")
+        fields.setdefault("lyrics", "")
     overrides = {}
     for phase in PHASES:
         key = f"{phase}_sampling"

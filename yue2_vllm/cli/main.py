@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "default: 1, or 1.01 for cot off")
     generate.add_argument("--id", help="song id and output directory name; default: the request's, else "
                                        "'first_song' for the embedded example, else 'song'")
+    generate.add_argument("--instrumental", action="store_true", default=None,
+                          help="upstream's instrumental recipe: plan a score (with section tags when no lyrics are "
+                               "given), move its vocal melody to the instrument, render that (docs/instrumental.md)")
     generate.add_argument("--stage", choices=("plan", "audio"), default="audio",
                           help="stop after the score (plan) or make the whole song (audio)")
     generate.add_argument("--takes", type=lambda t: _integer_in(t, 1, 8, "an integer in [1, 8]"), default=1,

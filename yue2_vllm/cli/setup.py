@@ -46,8 +46,12 @@ def build_request(args) -> tuple[object, dict]:
                                                                                  "--lyrics-file")
     if args.abc_file:
         flags["abc"], flag_values["abc"] = "--abc-file", read_abc(Path(args.abc_file), "--abc-file")
+    if getattr(args, "instrumental", None):
+        flags["instrumental"], flag_values["instrumental"] = "--instrumental", True
     given = {k: v for k, v in flag_values.items() if v is not None}
     fields.update(given)
+    if fields.get("instrumental") is True:
+        fields.setdefault("lyrics", "")  # lyrics are optional for an instrumental
     for name in ("style", "lyrics"):
         if name not in fields:
             raise UsageError(f"request: missing '{name}' (give --{name} or a --request file)")

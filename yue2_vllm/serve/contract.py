@@ -48,7 +48,8 @@ class SongBody(BaseModel):
     style: str = Field(None, pattern=NON_BLANK, description="the style tags the song is conditioned on",
                        examples=["pop, piano, warm female vocal"])
     tags: str | None = Field(None, pattern=NON_BLANK, description="an alias of style (null: not given)")
-    lyrics: str = Field(..., pattern=NON_BLANK, examples=["[verse]\nla la la\n"])
+    lyrics: str = Field(None, pattern=NON_BLANK, description="the lyrics, with [verse]/[chorus] sections (optional "
+                        "only with instrumental)", examples=["[verse]\nla la la\n"])
     cot: Literal["off", "melody", "full"] = Field("full", description="chain of thought: a chord-annotated score "
                                                   "(full), a melody-only one (melody), or none (off)")
     seed: int = Field(DEFAULT_SEED, ge=0, lt=MAX_SEED)
@@ -58,6 +59,9 @@ class SongBody(BaseModel):
     id: str | None = Field(None, pattern=SONG_ID, description="kept as the job's label (never a path)")
     abc_sampling: Sampling | None = None
     semantic_sampling: Sampling | None = None
+    instrumental: bool = Field(False, description="upstream's instrumental recipe: plan a score, move its vocal "
+                               "melody to the instrument (or edit the given abc so), render that with an "
+                               "instrumental style and section tags; not with cot off (docs/instrumental.md)")
     stage: Literal["plan", "audio"] = Field("audio", description="plan: the score only (render its audio later)")
     reproducible: bool = Field(False, description="ask for a batch-invariant song (only on a server started with "
                                                   "--reproducible)")
@@ -217,8 +221,12 @@ def song_body_schemas(*, reproducible: bool, max_takes: int = MAX_TAKES) -> dict
                               "anyOf": [{"required": ["abc"], "properties": {"abc": {"type": "string"}}},
                                         {"required": ["cot"], "properties": {"cot": {"const": "off"}}}]},
                        "then": {"properties": {"takes": {"maximum": 1}}}}
+    instrumental = {"required": ["instrumental"], "properties": {"instrumental": {"const": True}}}
+    lyrics_needed = {"if": {"not": instrumental}, "then": {"required": ["lyrics"]}}
+    no_score_to_edit = {"if": instrumental, "then": {"properties": {"cot": {"enum": ["melody", "full"]}}}}
     schema["allOf"] = [{"if": {"required": ["cot"], "properties": {"cot": {"const": "off"}}},
-                        "then": {"properties": {"abc": {"type": "null"}}}}, *needs_takes, nothing_to_plan]
+                        "then": {"properties": {"abc": {"type": "null"}}}}, *needs_takes, nothing_to_plan,
+                       lyrics_needed, no_score_to_edit]
     if not reproducible:
         schema["properties"]["reproducible"] = {**schema["properties"]["reproducible"], "const": False,
                                                 "description": "this server's engine is not batch-invariant: "

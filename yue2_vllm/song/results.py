@@ -7,6 +7,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..instrumental import InstrumentalSteps
 from ..protocol import CODEC_SIZE, SongRequest, check_token_ids
 
 SAMPLE_RATE = 48000
@@ -28,6 +29,7 @@ class SymbolicPlan:
     prefix: list[int]
     timing: dict = field(default_factory=dict)
     truncated: bool = False
+    instrumental: "InstrumentalSteps | None" = None  # an instrumental song's steps of the recipe
 
 
 @dataclass

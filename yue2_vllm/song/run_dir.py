@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .. import artifacts as art
+from .. import instrumental
 from ..checkpoint import identity, write_json_atomic
 from ..protocol import CODEC_SIZE, SongRequest
 from .results import (SAMPLE_RATE, Cancelled, Decoder, OnProgress, OnStage, OnToken, SemanticResult, SymbolicPlan,
@@ -106,6 +107,10 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
                  "abc_tokens.npy": art.npy_bytes(np.asarray(plan.abc_ids, np.int32))}
         if plan.abc is not None:
             files["score.abc"] = plan.abc.encode("utf-8")
+        if plan.instrumental is not None:  # planned.abc, instrumental.json: each step of the recipe
+            files.update(instrumental.plan_files(plan.instrumental))
+            return files, {"abc": plan.abc, "timing": plan.timing, "truncated": plan.truncated,
+                           "instrumental": plan.instrumental.record()}
         return files, {"abc": plan.abc, "timing": plan.timing, "truncated": plan.truncated}
 
     def compute_semantic():
@@ -129,7 +134,7 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
 
     try:
         plan_meta = stage_meta("plan", compute_plan)
-        plan = SymbolicPlan(request, plan_meta["abc"],
+        plan = SymbolicPlan(instrumental.rendered_request(plan_meta, request), plan_meta["abc"],
                             art.load_npy(run.path / "abc_tokens.npy").astype(int).tolist(),
                             art.load_npy(run.path / "prefix.npy").astype(int).tolist(),
                             plan_meta["timing"], plan_meta["truncated"])

@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from .. import instrumental
 from ..memory import vae_decode_bytes
 from ..model.nar import SongInput, synthesize_many
 from ..model.nar import synthesize as nar_synthesize
@@ -69,6 +70,11 @@ class SongStages:
 
     def plan(self, request: SongRequest, *, abc_sampling=None, cancelled: Cancelled | None = None,
              on_token: OnToken | None = None) -> SymbolicPlan:
+        if request.instrumental:  # upstream's recipe: plan, move the vocal melody to Ins, render the edited score
+            steps = instrumental.plan_steps(request, lambda asked: self.plan(
+                asked, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token))
+            plan = self.plan(steps.render)
+            return replace(plan, timing={**plan.timing, **steps.timing}, instrumental=steps)
         tokenizer = self.tokenizer
         if request.cot == "off":
             return SymbolicPlan(request, None, [], semantic_prompt(request, tokenizer),

@@ -9,7 +9,7 @@ import { takesOf } from "./takes.js";
 const FIELDS = {  // an error's field -> the control to mark
   style: "style", tags: "style", lyrics: "lyrics", cot: "cot", seed: "seed", cfg_scale: "cfg_scale", abc: "abc",
   abc_sampling: "abc-temperature", semantic_sampling: "semantic-temperature", stage: "plan-only",
-  takes: "takes", best_of: "takes",
+  takes: "takes", best_of: "takes", instrumental: "instrumental",
 };
 
 let pendingKey = null;  // {body, key}: reused only when the last attempt got no answer at all
@@ -29,6 +29,10 @@ function collect() {
     const key = `${input.dataset.phase}_sampling`;
     body[key] = body[key] || {};
     body[key][input.dataset.key] = Number(input.value);
+  }
+  if ($("instrumental").checked) {  // lyrics are optional for an instrumental: blank ones are left out
+    body.instrumental = true;
+    if (!body.lyrics.trim()) delete body.lyrics;
   }
   if ($("plan-only").checked) body.stage = "plan";
   Object.assign(body, takesOf($("takes").value));

@@ -19,6 +19,7 @@ function start() {
   });
   $("song-form").addEventListener("input", (event) => event.target.removeAttribute("aria-invalid"));
   $("random-seed").addEventListener("click", () => { $("seed").value = randomSeed(); });
+  $("instrumental").addEventListener("change", () => { $("lyrics").required = !$("instrumental").checked; });
   for (const action of ["cancel", "render", "resume", "delete"]) {
     $(action).addEventListener("click", () => view.current && act(view.current.id, action));
   }
