@@ -884,6 +884,81 @@ def engine_runners(args) -> Rows:
     return rows
 
 
+def kv_rows_tps(backend, prompt: list[int], tokens: int, rows: int) -> float:
+    """Output tokens per second of `rows` semantic streams of `tokens` each, submitted at once."""
+    import threading
+
+    from yue2_vllm.protocol import Sampling
+
+    counts = [0] * rows
+
+    def one(index: int) -> None:
+        counts[index] = len(backend.generate(prompt + [1000 + index], Sampling(min_tokens=tokens, max_tokens=tokens),
+                                             index, "semantic").ids)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(rows)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(counts) / (time.perf_counter() - start)
+
+
+@section("engine.kv_cache")
+def engine_kv_cache(args) -> Rows:
+    """The engine with bf16 K/V and with an FP8 KV cache (--kv-cache-dtype fp8): the plan's KV bytes, the memory
+    the engine took on the GPU against the plan's engine share, and tok/s at 1 and 8 rows. CUDA (not --quick): a
+    full-size random AR checkpoint; otherwise the tiny one on this device (the code path; no peaks on the CPU)."""
+    from yue2_vllm.engine.backend import EngineSettings, VLLMBackend, unsupported_reason, vllm_version
+    from yue2_vllm.kv_cache import kv_cache_problem
+
+    reason = unsupported_reason(vllm_version())
+    if reason:
+        return [skipped("engine KV forms", reason)]
+    from yue2_vllm.derive import ARCheckpoint, derive_ar_checkpoint
+    from yue2_vllm.memory import GIB, total_memory_bytes
+    from yue2_vllm.model.modeling import YuE2Config
+    from yue2_vllm.protocol import ABC_START, EOD, MUSIC_START
+    from yue2_vllm.testing import TINY_CONFIG, write_tiny_model
+
+    cuda = torch.cuda.is_available()
+    full = cuda and not args.quick
+    device, config = ("cuda" if cuda else "cpu"), (YuE2Config() if full else TINY_CONFIG)
+    root = Path(tempfile.mkdtemp(prefix="yue2-gpu-check-kv-"))
+    derived = derive_ar_checkpoint(write_tiny_model(root / "mot", config=config), root / "arcache")
+    capability = tuple(torch.cuda.get_device_capability()) if cuda else None
+    budget = total_memory_bytes("cuda") * 0.9 / GIB if cuda else 24.0
+    prompt, tokens = [EOD, 40, 1771, 285, 9, 10, ABC_START, 300, 301, MUSIC_START], 512 if full else 48
+    rows = []
+    for form in ("auto", "fp8"):
+        problem = kv_cache_problem(form, device_type=device, vllm_version=vllm_version(), capability=capability,
+                                   head_dim=config.head_dim)
+        if problem:
+            rows.append(skipped(f"engine, KV {form}", problem))
+            continue
+        settings = EngineSettings(ARCheckpoint(derived, "derived", None), device_type=device, max_num_seqs=8,
+                                  memory_budget_gib=budget, kv_cache_dtype=form)
+        free_before = torch.cuda.mem_get_info()[0] if cuda else None
+        backend = VLLMBackend(config, settings)
+        try:
+            backend.start()
+            row = {"row": f"engine, KV {form}", "kv_element_bytes": backend.plan.kv_dtype_bytes,
+                   "plan_kv_bytes": backend.settings.kv_cache_bytes, "plan_engine_bytes": backend.plan.engine}
+            if cuda:
+                used = free_before - torch.cuda.mem_get_info()[0]
+                row.update(engine_used_bytes=used, used_over_plan=used / backend.plan.engine,
+                           within_plan=used <= backend.plan.engine)
+            row.update(tps_1_row=kv_rows_tps(backend, prompt, tokens, 1), tps_8_rows=kv_rows_tps(backend, prompt,
+                                                                                                tokens, 8))
+            rows.append(row)
+        except Exception as exc:
+            rows.append({"row": f"engine, KV {form}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        finally:
+            backend.close()
+    return rows
+
+
 # --------------------------------------------------------------------------- runner
 
 

@@ -801,6 +801,40 @@ def test_torch_execution_graph_on_the_cpu_is_refused_before_anything_is_written(
     assert not (tmp_path / "runs").exists()
 
 
+def test_kv_cache_dtype_flag_on_every_command_and_its_refusals(tmp_path, capsys, monkeypatch):
+    from yue2_vllm.cli import build_parser
+
+    for command in (["generate"], ["batch", "--input", "x.jsonl"], ["serve"], ["doctor"]):
+        assert build_parser().parse_args(command).kv_cache_dtype == "auto"
+        assert build_parser().parse_args([*command, "--kv-cache-dtype", "fp8_e5m2"]).kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--kv-cache-dtype", "fp4"])
+    assert info.value.code == 2 and "argument --kv-cache-dtype: invalid choice: 'fp4'" in capsys.readouterr().err
+    # A conflicting option, and a CPU without AVX-512/AMX: one line naming the flag, nothing written.
+    assert main(["generate", "--backend", "torch", "--kv-cache-dtype", "fp8", "--output", str(tmp_path / "a")]) == 2
+    assert "--kv-cache-dtype fp8 sets the vLLM engine's KV cache, and the torch backend" in capsys.readouterr().err
+    monkeypatch.setattr("yue2_vllm.kv_cache.cpu_fp8_isa", lambda: False)
+    from yue2_vllm.engine.backend import vllm_version
+
+    if vllm_version() is not None:
+        assert main(["generate", "--backend", "vllm", "--kv-cache-dtype", "fp8", "--output",
+                     str(tmp_path / "b")]) == 2
+        err = capsys.readouterr().err
+        assert "--kv-cache-dtype fp8: vLLM-CPU stores FP8 K/V only on x86 with AVX-512 or AMX" in err
+        assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_doctor_plans_each_kv_form(capsys):
+    assert main(["doctor", "--kv-cache-dtype", "fp8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "(FP8 K/V)" in report["memory"]["summary"] and report["memory"]["kv_dtype_bytes"] == 1
+    release = report["memory_release"]
+    assert set(release["kv_cache"]) == {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"} and release["kv_cache"]["auto"]["runs"]
+    bf16 = release["forms"]["bf16"]
+    assert bf16["fp8_kv"]["rows"] >= bf16["rows"] and "(FP8 K/V)" in bf16["fp8_kv"]["summary"]
+
+
 # -- stopping a start-up (a slowed engine start, a slowed derivation) by signal
 
 

@@ -7,7 +7,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 TORCH_SECTIONS = ("torch.devices", "torch.numerics", "torch.vae", "torch.ar", "torch.fp8", "torch.int8",
                   "torch.memory", "torch.graph", "torch.release_song")
 ENGINE_SECTIONS = ("engine.sampler", "engine.sampler_syncs", "engine.sliced_head", "engine.mrv2_sliced_head",
-                   "engine.runners")
+                   "engine.runners", "engine.kv_cache")
 SPARK_SECTIONS = ("spark.kernels", "spark.memory")
 
 
@@ -28,6 +28,13 @@ def test_gpu_check_quick_runs_its_cpu_parts_and_names_every_section(tmp_path):
     assert {row["row"] for row in sections["engine.sampler"]["rows"]} == {
         "bfloat16 cfg=off", "bfloat16 cfg=1.5 legacy", "float32 cfg=off", "float32 cfg=1.5 legacy"}
     assert all(row["ok"] for row in sections["torch.numerics"]["rows"])
+    kv = {row["row"]: row for row in sections["engine.kv_cache"]["rows"]}
+    if "engine, KV auto" in kv and "skipped" not in kv["engine, KV auto"]:  # vLLM installed
+        assert kv["engine, KV auto"]["kv_element_bytes"] == 2 and kv["engine, KV auto"]["tps_8_rows"] > 0
+        fp8 = kv["engine, KV fp8"]  # run, or skipped with the one-line refusal on a CPU without AVX-512/AMX
+        assert ("AVX-512" in fp8["skipped"]) if "skipped" in fp8 else fp8["kv_element_bytes"] == 1
+        if "skipped" not in fp8:
+            assert fp8["plan_kv_bytes"] < kv["engine, KV auto"]["plan_kv_bytes"] and fp8["tps_1_row"] > 0
     song = sections["torch.release_song"]["rows"][0]  # the code path of the release row, on the tiny model
     assert song["finite"] and song["ar_moves"] == 0 and song["prefill_weights"] in ("resident", "streamed")
     graph_rows = sections["torch.graph"]["rows"]

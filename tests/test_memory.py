@@ -51,6 +51,9 @@ def test_24gb_card_is_refused_by_name_when_asked_for_too_many_full_rows():
     (problem,) = refused.problems()
     assert "KV cache for 8 rows" in problem and "--concurrency" in problem and "FP8" in problem
     assert "--offload-ar" not in problem and "host memory" in problem  # the AR expert is off the card already
+    assert "(bf16 K/V)" in problem and "--kv-cache-dtype fp8 halves it" in problem
+    fp8_kv = plan_memory(FULL, engine_weights=AR_BF16, kv_dtype_bytes=1, **explicit)  # what was asked, in FP8
+    assert "(FP8 K/V)" in fp8_kv.problems()[0] and "--kv-cache-dtype" not in fp8_kv.problems()[0]
     with pytest.raises(MemoryError, match="the budget allows 24.00 GiB"):
         refused.check()
     fitted = plan_memory(FULL, device="cuda", budget_gib=24, engine_weights=AR_BF16, torch_model=MOT, vae=VAE,
@@ -92,7 +95,7 @@ def test_total_memory_of_an_indexed_gpu(monkeypatch):
 # ---------------------------------------------------------------- unified memory (DGX Spark's GB10) vs discrete
 from conftest import write_meminfo  # noqa: E402
 
-from yue2_vllm.memory import (UNIFIED_HOST_BYTES, budget_problem, default_budget_gib, device_pool,  # noqa: E402
+from yue2_vllm.memory import (ROW_CAP, UNIFIED_HOST_BYTES, budget_problem, default_budget_gib, device_pool,  # noqa: E402
                               os_reserve_bytes, read_meminfo)
 
 TYPICAL = row_kv_bytes(FULL, 2048 + 9000, 16)  # one default song's KV on CUDA
@@ -125,7 +128,7 @@ def test_gb10_plans_one_pool_from_memavailable(fake_gpu, tmp_path):
     host = 3 * GIB + 2 * GIB
     assert plan.host_side == host == sum(UNIFIED_HOST_BYTES.values()) and plan.limit == pool.pool
     fixed = AR_BF16 + 2 * GIB + MOT + VAE + plan.nar_chunks + 2 * GIB + host + plan.torch_decode
-    rows = min(64, (pool.pool - fixed) // TYPICAL)
+    rows = min(ROW_CAP["cuda"], (pool.pool - fixed) // TYPICAL)
     assert plan.max_num_seqs == rows and plan.kv_cache == rows * TYPICAL + MARGIN
     assert plan.problems() == [] and plan.engine + plan.torch_side + plan.host_side <= pool.pool
     assert plan.gpu_memory_utilization == pytest.approx(plan.engine / gpu["total"])
@@ -164,7 +167,7 @@ def test_discrete_gpus_plan_against_their_card(fake_gpu, tmp_path, name):
     plan = release_plan(default_budget_gib(None, card), gpu["total"])
     assert plan.unified is None and plan.host_side == 0 and plan.startup_problem(0) is None
     fixed = AR_BF16 + 2 * GIB + plan.torch_model + VAE + plan.song_room + 2 * GIB
-    rows = min(64, (int(0.9 * card) - fixed) // TYPICAL)
+    rows = min(ROW_CAP["cuda"], (int(0.9 * card) - fixed) // TYPICAL)
     assert plan.max_num_seqs == rows and plan.limit == int(0.9 * card) and plan.problems() == []
     # A budget caps; one above the card is refused naming both figures and what to lower.
     assert release_plan(24, gpu["total"]).limit == 24 * GIB
@@ -195,15 +198,24 @@ from yue2_vllm.model.vae import VAEConfig, decoder_bytes  # noqa: E402
 
 REAL_MOT = 2 * sum(math.prod(shape) for shape in tensor_shapes(FULL).values())  # all bf16, as released
 REAL_VAE_FILE = int(0.494 * GIB)  # the released VAE file: encoder + decoder, fp32
-GOAL = {"RTX 4080/5080 16 GB": {"FP8": 2}, "L4 24 GB": {"bf16": 4}, "RTX 4090 24 GB": {"bf16": 4},
-        "RTX 5090 32 GB": {"bf16": 8}, "L40S 48 GB": {"bf16": 16}, "H100 80 GB": {"bf16": 40},
-        "H200 141 GB": {"bf16": 64}, "GB10 (DGX Spark), MemAvailable 110 GiB": {"bf16": 32}}
+# (AR form, KV form) -> the least rows each card serves with default flags; the FP8 KV goals are issue 39's.
+GOAL = {"RTX 4080/5080 16 GB": {("FP8", "bf16"): 2, ("bf16", "FP8"): 1}, "L4 24 GB": {("bf16", "bf16"): 4,
+                                                                                       ("bf16", "FP8"): 12},
+        "RTX 4090 24 GB": {("bf16", "bf16"): 4, ("bf16", "FP8"): 12}, "RTX 5090 32 GB": {("bf16", "bf16"): 8},
+        "L40S 48 GB": {("bf16", "bf16"): 16}, "H100 80 GB": {("bf16", "bf16"): 40, ("bf16", "FP8"): 90},
+        "H200 141 GB": {("bf16", "bf16"): 64, ("bf16", "FP8"): 128},
+        "GB10 (DGX Spark), MemAvailable 110 GiB": {("bf16", "bf16"): 32}}
 
 
 def real_table():
     return card_table(FULL, mot_bytes=REAL_MOT, vae_bytes=decoder_bytes(VAEConfig()),
                       vae_tile=vae_decode_bytes(VAEConfig(), 1024, 16),
-                      ar_forms={"bf16": ar_expert_bytes(FULL), "FP8": w8a8_ar_bytes(FULL)})
+                      ar_forms={"bf16": ar_expert_bytes(FULL), "FP8": w8a8_ar_bytes(FULL)},
+                      kv_forms={"bf16": 2, "FP8": 1})
+
+
+def table_row(card: str, ar: str = "bf16", kv: str = "bf16") -> dict:
+    return next(row for row in real_table() if (row["card"], row["ar"], row["kv"]) == (card, ar, kv))
 
 
 def test_the_fp8_checkpoint_size_is_the_published_layouts():
@@ -216,11 +228,17 @@ def test_the_fp8_checkpoint_size_is_the_published_layouts():
 
 def test_card_table_meets_the_goal_and_every_plan_adds_up_within_its_card():
     rows = real_table()
-    by = {(row["card"], row["ar"]): row for row in rows}
+    by = {(row["card"], row["ar"], row["kv"]): row for row in rows}
     for card, goals in GOAL.items():
-        for form, least in goals.items():
-            assert by[card, form]["rows"] >= least, (card, form, by[card, form]["rows"])
-    assert by["H200 141 GB", "bf16"]["rows"] == 64  # the row cap
+        for (form, kv), least in goals.items():
+            assert by[card, form, kv]["rows"] >= least, (card, form, kv, by[card, form, kv]["rows"])
+    # Memory bounds every row below the cap (vLLM's CUDA default of 256 rows); FP8 K/V doubles each card's rows.
+    assert max(row["rows"] for row in rows) < ROW_CAP["cuda"] == 256
+    for card in GOAL:
+        for form in ("bf16", "FP8"):
+            bf16_kv, fp8_kv = by[card, form, "bf16"]["rows"], by[card, form, "FP8"]["rows"]
+            assert 2 * bf16_kv <= fp8_kv <= 2 * bf16_kv + 3 or not bf16_kv, (card, form, bf16_kv, fp8_kv)
+            assert by[card, form, "FP8"]["plan"].kv_dtype_bytes == 1
     for row in rows:
         plan = row["plan"]
         parts = (plan.engine_weights + plan.kv_cache + plan.engine_overhead + plan.torch_model + plan.vae
@@ -228,14 +246,19 @@ def test_card_table_meets_the_goal_and_every_plan_adds_up_within_its_card():
         card = plan.total if plan.unified is None else plan.unified.pool
         if row["rows"]:
             assert parts == row["need"] <= plan.limit <= card, row["card"]
-            assert plan.kv_cache >= kv_cache_bytes(FULL)  # any single full-context request can be admitted
+            # any single full-context request can be admitted
+            assert plan.kv_cache >= kv_cache_bytes(FULL, dtype_bytes=plan.kv_dtype_bytes)
             if plan.unified is None:
                 assert plan.limit == int(0.9 * plan.total) and plan.room >= plan.song_room
     # 16 GB with the bf16 AR: refused, truthfully. One AR copy, one full context of KV, one song's room:
-    short = by["RTX 4080/5080 16 GB", "bf16"]
+    short = by["RTX 4080/5080 16 GB", "bf16", "bf16"]
     assert short["rows"] == 0 and 1.1 * GIB < short["need"] - short["limit"] < 1.25 * GIB
+    # ... and with FP8 K/V it serves: one full context of KV is 1.31 GiB instead of 2.63.
+    fits = by["RTX 4080/5080 16 GB", "bf16", "FP8"]
+    assert fits["rows"] == 2 and fits["plan"].kv_cache >= kv_cache_bytes(FULL, dtype_bytes=1)
+    assert short["need"] - fits["need"] == kv_cache_bytes(FULL) - kv_cache_bytes(FULL, dtype_bytes=1) + MARGIN // 2
     # GB10 keeps its one-pool rules: the AR expert stays resident there (one pool: host memory is the device).
-    assert by["GB10 (DGX Spark), MemAvailable 110 GiB", "bf16"]["plan"].ar_on_device
+    assert by["GB10 (DGX Spark), MemAvailable 110 GiB", "bf16", "bf16"]["plan"].ar_on_device
 
 
 def test_the_card_table_in_docs_memory_is_the_plan_codes():
@@ -259,7 +282,7 @@ def test_resident_bytes_per_placement_counted_on_the_meta_device():
     counted = {"host": 0, "device": 0}
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         counted[homes.get(name, "device")] += tensor.numel() * 2  # bf16, as released and loaded
-    plan = real_table()[2]["plan"]  # L4, bf16
+    plan = table_row("L4 24 GB")["plan"]
     assert counted["host"] + counted["device"] >= REAL_MOT
     assert plan.ar_host == counted["host"] and plan.torch_model == REAL_MOT - counted["host"]
     assert counted["host"] == ar_expert_bytes(FULL) - 2 * 2048  # all of the AR expert but the final norm
@@ -291,8 +314,10 @@ def test_patched_cards_plan_the_release_as_the_table_says(fake_gpu, tmp_path, mo
     monkeypatch.setattr("yue2_vllm.memory.MEMINFO", str(write_meminfo(tmp_path / "meminfo", 64 * GIB, 60 * GIB)))
     model, vae = sparse_release(tmp_path)
     plan = memory_plan(model, vae, "cuda", None)
-    row = next(r for r in real_table() if r["card"] == card and r["ar"] == "bf16")
+    row = table_row(card)
     assert plan == row["plan"] and plan.engine + plan.torch_side <= plan.total
+    fp8 = memory_plan(model, vae, "cuda", None, kv_cache_dtype="fp8")  # the flag's plan is the FP8 KV row
+    assert fp8 == table_row(card, kv="FP8")["plan"] and fp8.kv_dtype_bytes == 1
 
 
 def test_a_patched_gb10_plans_the_release_in_its_pool(fake_gpu, tmp_path, monkeypatch):
@@ -304,7 +329,7 @@ def test_a_patched_gb10_plans_the_release_in_its_pool(fake_gpu, tmp_path, monkey
     monkeypatch.setattr("yue2_vllm.memory.MEMINFO", str(meminfo))
     model, vae = sparse_release(tmp_path)
     plan = memory_plan(model, vae, "cuda", None)
-    row = real_table()[-2]
-    assert row["card"].startswith("GB10") and plan.max_num_seqs == row["rows"] >= 32
+    row = table_row("GB10 (DGX Spark), MemAvailable 110 GiB")
+    assert plan.max_num_seqs == row["rows"] >= 32
     assert plan.unified.pool == row["plan"].unified.pool and plan.total == gpu["total"]
     assert plan.engine + plan.torch_side + plan.host_side <= plan.unified.pool

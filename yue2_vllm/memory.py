@@ -38,7 +38,9 @@ ENGINE_OVERHEAD_BYTES = {"cpu": GIB // 2, "cuda": 2 * GIB}  # activations, sampl
 # takes (vLLM-CPU defaults to 128), so prefix caching keeps all but < 32 tokens of a warmed CFG prompt.
 KV_BLOCK_TOKENS = {"cpu": 32, "cuda": 16}
 KV_MARGIN_BLOCKS = 2  # vLLM keeps a block back; allot two beyond what the rows need
-ROW_CAP = {"cpu": 16, "cuda": 64}  # default rows: more do not pay on 2–16 CPU cores
+# Default rows at most: more do not pay on 2–16 CPU cores; on CUDA vLLM's own default max_num_seqs (256, the
+# batch its CUDA-graph capture sizes and scheduler defaults are made for). Below the cap memory bounds the rows.
+ROW_CAP = {"cpu": 16, "cuda": 256}
 PROMPT_ESTIMATE_TOKENS = 2048  # a song's prompt (text + ABC) for default sizing; admission uses the real one
 DEFAULT_BUDGET_GIB = 24.0  # --budget when none is given on the CPU (a GPU: its card or its pool)
 DEVICE_RESERVE_FRACTION = 0.10  # a discrete GPU's default budget is the card less this (vLLM's 0.9 default)
@@ -247,7 +249,7 @@ class MemoryPlan:
     torch_reserve: int
     max_num_seqs: int
     kv_block_tokens: int
-    kv_dtype_bytes: int = 2
+    kv_dtype_bytes: int = 2  # one K/V element in the engine's cache: 2 bf16, 1 FP8 (kv_cache.element_bytes)
     host_side: int = 0  # unified memory: the engine process's and our host bytes, from the same pool
     unified: UnifiedPool | None = None
     torch_decode: int = 0  # the torch AR phase's K/V rows and graph pool (memory.torch_decode_bytes)
@@ -290,31 +292,39 @@ class MemoryPlan:
             if need <= limit:
                 return []
             return [f"unified memory: the engine ({_gib(self.engine)}: {_gib(self.engine_weights)} AR weights + "
-                    f"{_gib(self.kv_cache)} KV cache for {self.max_num_seqs} rows + {_gib(self.engine_overhead)} "
-                    f"overhead), the torch side ({_gib(self.torch_side)}) and the host side of both processes "
+                    f"{_gib(self.kv_cache)} KV cache for {self.max_num_seqs} rows{self._kv_form} + "
+                    f"{_gib(self.engine_overhead)} overhead), the torch side ({_gib(self.torch_side)}) and the host side of both processes "
                     f"({_gib(self.host_side)}) need {_gib(need)}, but MemAvailable is "
                     f"{_gib(self.unified.mem_available)} and, less the OS reserve of {_gib(self.unified.reserve)}, "
                     f"the pool {_gib(self.unified.pool)} "
-                    f"(budget {_gib(self.budget)}); lower --concurrency or the KV cache, use a quantized AR "
-                    "checkpoint (FP8), or free host memory"]
+                    f"(budget {_gib(self.budget)}); lower --concurrency or the KV cache{self._fp8_kv_hint}, use a "
+                    "quantized AR checkpoint (FP8), or free host memory"]
         if need <= limit:
             return []
         if not self.ar_on_device:
             return [f"the engine ({_gib(self.engine_weights)} AR weights + {_gib(self.kv_cache)} KV cache for "
-                    f"{self.max_num_seqs} rows + {_gib(self.engine_overhead)} overhead) and the torch side "
+                    f"{self.max_num_seqs} rows{self._kv_form} + {_gib(self.engine_overhead)} overhead) and the torch side "
                     f"({_gib(self.torch_model)} MoT without its AR expert, which waits in host memory + "
                     f"{_gib(self.vae)} VAE + {_gib(self.song_room)} room for one song's buffers + "
                     f"{_gib(self.torch_reserve)} reserve) need {_gib(need)}, but the budget allows {_gib(limit)} "
                     f"(budget {_gib(self.budget)}, {self.device} total {_gib(self.total)}); lower --concurrency "
-                    "(rows) or the KV cache, use the FP8 AR checkpoint (--ar-checkpoint DIR: an FP8 W8A8 export), "
+                    f"(rows) or the KV cache{self._fp8_kv_hint}, use the FP8 AR checkpoint (--ar-checkpoint DIR: an FP8 W8A8 export), "
                     f"or raise --budget up to the card's {_gib(self.total)}"]
         return [f"the engine ({_gib(self.engine_weights)} AR weights + {_gib(self.kv_cache)} KV cache for "
-                f"{self.max_num_seqs} rows + {_gib(self.engine_overhead)} overhead) and the torch side "
+                f"{self.max_num_seqs} rows{self._kv_form} + {_gib(self.engine_overhead)} overhead) and the torch side "
                 f"({_gib(self.torch_model)} MoT + {_gib(self.vae)} VAE + {_gib(self.nar_chunks)} NAR buffers + "
                 f"{_gib(self.torch_decode)} torch AR decode + "
                 f"{_gib(self.torch_reserve)} reserve) need {_gib(need)}, but the budget allows {_gib(limit)} "
                 f"(budget {_gib(self.budget)}, {self.device} total {_gib(self.total)}); lower --concurrency or the "
-                "KV cache, use --offload-ar or a quantized AR checkpoint, or raise --budget"]
+                f"KV cache{self._fp8_kv_hint}, use --offload-ar or a quantized AR checkpoint, or raise --budget"]
+
+    @property
+    def _kv_form(self) -> str:
+        return f" ({KV_ELEMENT_NAMES.get(self.kv_dtype_bytes, f'{self.kv_dtype_bytes}-byte')} K/V)"
+
+    @property
+    def _fp8_kv_hint(self) -> str:
+        return "" if self.kv_dtype_bytes == 1 else " (--kv-cache-dtype fp8 halves it)"
 
     def check(self) -> None:
         problems = self.problems()
@@ -341,7 +351,7 @@ class MemoryPlan:
         described = {**asdict(self), "engine_bytes": self.engine, "torch_bytes": self.torch_side,
                      "gpu_memory_utilization": self.gpu_memory_utilization, "unified_memory": self.unified is not None,
                      "summary": f"engine {_gib(self.engine)} (weights {_gib(self.engine_weights)}, KV "
-                                f"{_gib(self.kv_cache)} for {self.max_num_seqs} rows) + torch {_gib(self.torch_side)}"
+                                f"{_gib(self.kv_cache)} for {self.max_num_seqs} rows{self._kv_form}) + torch {_gib(self.torch_side)}"
                                 + (f" + host {_gib(self.host_side)}" if self.unified is not None else "")
                                 + f" of {_gib(self.limit)}"
                                 + ("" if self.ar_on_device else f"; AR expert {_gib(self.ar_host)} in host memory, "
@@ -350,6 +360,9 @@ class MemoryPlan:
         if self.unified is not None:
             described["unified"] = self.unified.describe()
         return described
+
+
+KV_ELEMENT_NAMES = {1: "FP8", 2: "bf16", 4: "float32"}  # the engine's K/V by element bytes
 
 
 def _gib(n: int) -> str:
@@ -366,12 +379,13 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
                 typical_tokens: int = PROMPT_ESTIMATE_TOKENS + 9000, max_model_len: int = CONTEXT,
                 synthesis_batch: int = 1, offload_ar: bool = False, total: int | None = None,
                 kv_dtype_bytes: int = 2, unified: UnifiedPool | None = None, vae_tile: int = 0,
-                ar_on_device: bool | None = None) -> MemoryPlan:
+                ar_on_device: bool | None = None, model_dtype_bytes: int = 2) -> MemoryPlan:
     """Size the engine's rows and KV cache from the budget left after the torch side and the AR weights.
 
     Defaults: as many rows as fit a typical song (`typical_tokens` of KV each), capped per device;
     KV for that many typical songs, and never less than one `max_model_len` sequence, so that any
     single request can be admitted. Explicit `max_num_seqs` / `kv_cache` are taken as given.
+    `kv_dtype_bytes` is one engine K/V element (1 for an FP8 KV cache), `model_dtype_bytes` one weight of ours.
     `unified`: the device shares the host's memory (an integrated GPU): the split also counts both processes'
     host side and stays within the pool (MemAvailable less the OS reserve).
     A discrete GPU (`ar_on_device` None: CUDA without `unified`) holds the AR expert once (the engine's copy;
@@ -391,7 +405,7 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
         ar_on_device = not (device == "cuda" and unified is None)
     ar_host, song = 0, 0
     if not ar_on_device:  # one AR copy on the device (the engine's); songs' buffers admitted, not reserved
-        ar_host = min(torch_model, ar_host_bytes(config, kv_dtype_bytes))
+        ar_host = min(torch_model, ar_host_bytes(config, model_dtype_bytes))
         song = max(nar_song_bytes(config, [min(typical_tokens, max_model_len)], streamed=True), vae_tile)
         chunk, decode = 0, 0
     base = dict(device=device, total=total, budget=budget, engine_weights=engine_weights,
@@ -424,13 +438,16 @@ def w8a8_ar_bytes(config: YuE2Config) -> int:
 # The cards of the README's table: total memory as the driver reports it (MiB), and a DGX Spark's GB10.
 CARDS_MIB = {"RTX 4080/5080 16 GB": 16376, "L4 24 GB": 23034, "RTX 4090 24 GB": 24564, "RTX 5090 32 GB": 32607,
              "L40S 48 GB": 46068, "H100 80 GB": 81559, "H200 141 GB": 143771}
+KV_TABLE_FORMS = {"bf16": 2, "FP8": 1}  # the engine's KV forms the card table shows (--kv-cache-dtype auto, fp8)
 GB10_MEMINFO = {"MemTotal": int(119.7 * GIB) // 1024 * 1024, "MemAvailable": 110 * GIB}  # a DGX Spark, kB-exact
 
 
 def card_table(config: YuE2Config, *, mot_bytes: int, vae_bytes: int, vae_tile: int,
-               ar_forms: dict[str, int], typical_tokens: int = PROMPT_ESTIMATE_TOKENS + 9000) -> list[dict]:
-    """Rows per card and AR form with default flags (each card's default budget): what the split needs, what
-    it may use, and the engine rows (0: refused). The README's table is this function's output."""
+               ar_forms: dict[str, int], kv_forms: dict[str, int] | None = None,
+               typical_tokens: int = PROMPT_ESTIMATE_TOKENS + 9000) -> list[dict]:
+    """Rows per card, AR form and KV form (`kv_forms`: name -> element bytes; default bf16 alone) with default
+    flags (each card's default budget): what the split needs, what it may use, and the engine rows (0: refused).
+    docs/memory.md's table is this function's output."""
     cards = [(name, mib * 2**20, None) for name, mib in CARDS_MIB.items()]
     info = GB10_MEMINFO
     cards.append(("GB10 (DGX Spark), MemAvailable 110 GiB", int(info["MemTotal"]),
@@ -438,22 +455,24 @@ def card_table(config: YuE2Config, *, mot_bytes: int, vae_bytes: int, vae_tile: 
     rows = []
     for name, total, pool in cards:
         for form, weights in ar_forms.items():
-            plan = plan_memory(config, device="cuda", budget_gib=default_budget_gib(pool, total if pool is None
-                                                                                     else None),
-                               engine_weights=weights, torch_model=mot_bytes, vae=vae_bytes, vae_tile=vae_tile,
-                               total=total, unified=pool, typical_tokens=typical_tokens)
-            need = plan.engine + plan.torch_side + plan.host_side
-            rows.append({"card": name, "ar": form, "rows": 0 if plan.problems() else plan.max_num_seqs,
-                         "need": need, "limit": plan.limit, "plan": plan})
+            for kv, element in (kv_forms or {"bf16": 2}).items():
+                plan = plan_memory(config, device="cuda", budget_gib=default_budget_gib(pool, total if pool is None
+                                                                                         else None),
+                                   engine_weights=weights, torch_model=mot_bytes, vae=vae_bytes, vae_tile=vae_tile,
+                                   total=total, unified=pool, typical_tokens=typical_tokens, kv_dtype_bytes=element)
+                need = plan.engine + plan.torch_side + plan.host_side
+                rows.append({"card": name, "ar": form, "kv": kv, "rows": 0 if plan.problems() else plan.max_num_seqs,
+                             "need": need, "limit": plan.limit, "plan": plan})
     return rows
 
 
 def card_table_markdown(rows: list[dict]) -> str:
-    """`card_table` as the README's markdown table."""
-    lines = ["| card | AR form | engine rows | the split needs (GiB) | it may use (GiB) |", "|---|---|---|---|---|"]
+    """`card_table` as docs/memory.md's markdown table."""
+    lines = ["| card | AR form | KV cache | engine rows | the split needs (GiB) | it may use (GiB) |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['card']} | {row['ar']} | {row['rows'] or 'refused'} | {row['need'] / GIB:.2f} | "
-                     f"{row['limit'] / GIB:.2f} |")
+        lines.append(f"| {row['card']} | {row['ar']} | {row.get('kv', 'bf16')} | {row['rows'] or 'refused'} | "
+                     f"{row['need'] / GIB:.2f} | {row['limit'] / GIB:.2f} |")
     return "\n".join(lines)
 
 
@@ -466,4 +485,5 @@ def release_sizes(config: YuE2Config | None = None, vae_core_frames: int = 1024)
     config = config or YuE2Config()
     return {"mot_bytes": 2 * sum(math.prod(shape) for shape in tensor_shapes(config).values()),
             "vae_bytes": decoder_bytes(VAEConfig()), "vae_tile": vae_decode_bytes(VAEConfig(), vae_core_frames, 16),
-            "ar_forms": {"bf16": ar_expert_bytes(config), "FP8": w8a8_ar_bytes(config)}}
+            "ar_forms": {"bf16": ar_expert_bytes(config), "FP8": w8a8_ar_bytes(config)},
+            "kv_forms": dict(KV_TABLE_FORMS)}

@@ -29,8 +29,9 @@ from .model.sampling import ARBackend, TorchARBackend, resolve_execution
 from .model.torch_quant import apply_memory_cap, module_bytes
 from .protocol import GenerationConfig, Sampling, SongRequest, SongRules, default_cfg_scale
 from .song.admission import device_room, memory_target
-from .song.engine_life import (CLOSE_TIMEOUT_S, EngineInputs, EngineLife, check_split, engine_settings,  # noqa: F401
-                               vllm_usable)
+from .kv_cache import explicit as explicit_kv
+from .song.engine_life import (CLOSE_TIMEOUT_S, EngineInputs, EngineLife, check_kv_form, check_split,  # noqa: F401
+                               engine_settings, vllm_usable)
 from .song.models import (DTYPES, SLOW_LOAD_ENV, VAE_HALO_FRAMES, LoadedModels, default_vae_core_frames,  # noqa: F401
                           vae_on_device, vae_placement)
 from .song.results import (BATCH_NOTE, SAMPLE_RATE, Cancelled, Decoder, OnProgress, OnStage, OnToken,  # noqa: F401
@@ -70,7 +71,7 @@ class YuE2Pipeline:
                  engine_options: dict | None = None, quantization: str = "none", offload_ar: bool = False,
                  dtype: str = "bfloat16", start_engine: bool = False, cfg_engine: str = "vllm",
                  quantized_policy: str = "auto", revision: str | None = None, vae_revision: str | None = None,
-                 reproducible: bool = False, torch_execution: str = "auto"):
+                 reproducible: bool = False, torch_execution: str = "auto", kv_cache_dtype: str = "auto"):
         check_choices(backend, memory_budget_gib, dtype, cfg_engine)
         self.backend_requested, self.cfg_engine, self.quantization = backend, cfg_engine, quantization
         self.dtype, self.offload_ar = dtype, bool(offload_ar)
@@ -78,6 +79,7 @@ class YuE2Pipeline:
         self.device = resolve_device(device)
         resolve_execution(torch_execution, self.device)  # refuse e.g. graph on the CPU before loading anything
         check_dtype_support(self.device, DTYPES[dtype])
+        self.kv_cache_dtype = check_kv_form(kv_cache_dtype, self.device, backend, cfg_engine)
         self.numerics = set_upstream_numerics()  # process-wide, as upstream sets them at construction
         target = memory_target(self.device, memory_budget_gib)
         self.unified, self.memory_budget_gib = target.unified, target.budget_gib
@@ -99,7 +101,7 @@ class YuE2Pipeline:
         self.engine_life = EngineLife(EngineInputs(
             self.model_dir, self.device, self.unified, self.memory_budget_gib, dtype, self.offload_ar,
             self.reproducible, self.generation_config, self.vae_config, self.vae_core_frames, self.ar_on_device,
-            self.ar_checkpoint, quantized_policy, keep_engine, dict(engine_options or {})),
+            self.ar_checkpoint, quantized_policy, keep_engine, dict(engine_options or {}), self.kv_cache_dtype),
             self.models.hashes, verify_hashes)
         if self.device.type == "cuda" and beside_engine:  # refused before anything loads
             check_split(self.engine_life.inputs)
@@ -258,6 +260,7 @@ class YuE2Pipeline:
             "memory_budget_gib": self.memory_budget_gib, "offload_ar": self.offload_ar, "dtype": self.dtype,
             "decoder_release": self.vae_config.release_variant if self.vae_config else None,
             **({"reproducible": True} if self.reproducible else {}),  # absent: identities of earlier runs hold
+            **explicit_kv(self.kv_cache_dtype),  # auto: absent, so identities of earlier runs hold
         }
 
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:

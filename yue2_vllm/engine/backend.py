@@ -25,6 +25,7 @@ from typing import Sequence
 
 from ..checkpoint import drop_page_cache, weights_bytes
 from ..derive import ARCheckpoint
+from ..kv_cache import element_bytes, explicit
 from ..memory import MEMINFO, MemoryPlan, UnifiedPool, kv_cache_bytes, plan_memory, read_meminfo, row_kv_bytes
 from ..quant.schemes import engine_kernel_env
 from ..model.modeling import YuE2Config
@@ -106,6 +107,7 @@ class EngineSettings:
     cuda_capability: tuple[int, int] | None = None  # the engine's GPU: decides the W8A8 kernels' environment
     unified: UnifiedPool | None = None  # the GPU shares the host's memory: one pool (memory.plan_memory)
     meminfo_path: str | None = None  # MemAvailable is read here just before the engine starts (None: /proc/meminfo)
+    kv_cache_dtype: str = "auto"  # the engine's KV cache form (kv_cache.py): auto (the model dtype) or an FP8 form
 
     def kernel_env(self) -> dict[str, str]:
         """What the worker's environment adds for the AR checkpoint's W8A8 kernel on this GPU
@@ -123,8 +125,9 @@ class EngineSettings:
                            max_num_seqs=self.max_num_seqs, kv_cache=self.kv_cache_bytes,
                            typical_tokens=self.typical_tokens, max_model_len=self.max_model_len,
                            synthesis_batch=self.synthesis_batch, offload_ar=self.offload_ar,
-                           kv_dtype_bytes=4 if self.dtype == "float32" else 2, unified=self.unified,
-                           vae_tile=self.vae_tile_bytes, ar_on_device=self.torch_ar_on_device)
+                           kv_dtype_bytes=element_bytes(self.kv_cache_dtype, self.dtype), unified=self.unified,
+                           vae_tile=self.vae_tile_bytes, ar_on_device=self.torch_ar_on_device,
+                           model_dtype_bytes=4 if self.dtype == "float32" else 2)
 
     def resolved(self, config: YuE2Config) -> "EngineSettings":
         plan = self.plan(config)
@@ -253,7 +256,7 @@ class VLLMBackend:
                      "max_num_batched_tokens": s.max_num_batched_tokens, "enforce_eager": eager,
                      "kv_cache_bytes": s.kv_cache_bytes, "dtype": s.dtype,
                      # Passed explicitly: vLLM then knows the sampler reads output ids, and no other engine loads it.
-                     "logits_processors": [processor_fqcn(runner.runner)]}
+                     "logits_processors": [processor_fqcn(runner.runner)], **explicit(s.kv_cache_dtype)}
             if self.plan.gpu_memory_utilization is not None:
                 setup["gpu_memory_utilization"] = self.plan.gpu_memory_utilization
             if self.sliced_head:
@@ -322,7 +325,7 @@ class VLLMBackend:
     def describe(self) -> dict:
         """The engine's settings and memory split (for `doctor` and per-song records)."""
         return {"max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
-                "max_num_batched_tokens": self.settings.max_num_batched_tokens, "dtype": self.settings.dtype,
+                "kv_cache_dtype": self.settings.kv_cache_dtype, "max_num_batched_tokens": self.settings.max_num_batched_tokens, "dtype": self.settings.dtype,
                 **self.runner_record(), "memory": self.plan.describe()}
 
     def runner_record(self) -> dict:
@@ -406,6 +409,7 @@ class VLLMBackend:
                   "content_tokens": len(content), "output_tps": count / seconds if seconds > 0 else 0.0,
                   "prefix_tokens": len(prefix), "cfg_branches": len(prompts), "backend_actual": self.name,
                   "vllm_version": self.engine_info.get("vllm_version"), "engine_dtype": self.settings.dtype,
+                  "kv_cache_dtype": self.settings.kv_cache_dtype,
                   "max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
                   "kv_reserved_bytes": kv, "mean_batch_rows": info["mean_batch_rows"], **self.runner_record(),
                   "admission_wait_seconds": waited, "engine_restarts": restarts_before,

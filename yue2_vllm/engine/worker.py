@@ -130,7 +130,7 @@ def build_engine(setup: dict):
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    options = {key: setup[key] for key in ("scheduler_cls", "block_size") if setup.get(key)}
+    options = {key: setup[key] for key in ("scheduler_cls", "block_size", "kv_cache_dtype") if setup.get(key)}
     if "async_scheduling" in setup:
         options["async_scheduling"] = setup["async_scheduling"]
     if setup.get("architecture"):  # e.g. YuE2ARForCausalLM, registered by our vllm.general_plugins entry point

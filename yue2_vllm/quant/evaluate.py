@@ -71,15 +71,17 @@ class VLLMSource:
 
     support = f"top-{TOP_K} partition, unmasked"
 
-    def __init__(self, spec: str, max_model_len: int = 24576):
+    def __init__(self, spec: str, max_model_len: int = 24576, kv_cache_dtype: str = "auto"):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
+        from ..kv_cache import explicit
+
         path = spec.split(":", 1)[-1] if spec.startswith("vllm:") else spec
-        self.label = f"vllm:{Path(path).name[:24]}"
+        self.label = f"vllm:{Path(path).name[:24]}" + (f"#kv={kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
         self.llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
                        enforce_eager=True, max_logprobs=TOP_K, kv_cache_memory_bytes=256 * 2**20, seed=0,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, **explicit(kv_cache_dtype))
 
     def sparse_logprobs(self, tokens: np.ndarray) -> list[dict[int, float] | None]:
         """Per position i: logprobs (full-vocab normalised) of the top ids and of token i, given tokens < i."""
@@ -90,12 +92,12 @@ class VLLMSource:
         return [None if entry is None else {int(k): float(v.logprob) for k, v in entry.items()}
                 for entry in output.prompt_logprobs]
 
-    def stream(self, prefix: list[int], sampling: Sampling, seed: int) -> list[int]:
+    def stream(self, prefix: list[int], sampling: Sampling, seed: int, phase: str = "semantic") -> list[int]:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                 min_tokens=sampling.min_tokens, max_tokens=sampling.max_tokens, seed=seed,
-                                detokenize=False, allowed_token_ids=allowed_token_ids("semantic"),
+                                detokenize=False, allowed_token_ids=allowed_token_ids(phase),
                                 extra_args={"yue2_window_penalty": sampling.repetition_penalty,
                                             "yue2_penalty_window": sampling.penalty_window})
         ids = list(self.llm.generate([{"prompt_token_ids": prefix}], params, use_tqdm=False)[0].outputs[0].token_ids)

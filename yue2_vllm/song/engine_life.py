@@ -18,6 +18,7 @@ import torch
 from ..checkpoint import HashCache, weights_bytes
 from ..derive import OVERRIDE_ENV, derivation_bytes
 from ..devices import engine_cuda_env
+from ..kv_cache import check_form, check_kv_cache, is_fp8
 from ..memory import PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, vae_decode_bytes
 from ..model.modeling import YuE2Config
 from ..model.vae import decoder_bytes
@@ -56,6 +57,7 @@ class EngineInputs:
     quantized_policy: str
     keep_engine: bool | None
     options: dict = field(default_factory=dict)  # engine options given by the caller (win over the sized ones)
+    kv_cache_dtype: str = "auto"  # the engine's KV cache form (kv_cache.py)
 
 
 def engine_settings(inputs: EngineInputs, checkpoint) -> "EngineSettings":
@@ -70,7 +72,7 @@ def engine_settings(inputs: EngineInputs, checkpoint) -> "EngineSettings":
     tile = vae_decode_bytes(vae, inputs.vae_core_frames, VAE_HALO_FRAMES) if vae else 0
     options = {"typical_tokens": typical, "offload_ar": inputs.offload_ar, "dtype": inputs.dtype,
                "torch_side_bytes": mot_bytes + vae_bytes, "vae_tile_bytes": tile,
-               "torch_ar_on_device": inputs.ar_on_device, **inputs.options}
+               "torch_ar_on_device": inputs.ar_on_device, "kv_cache_dtype": inputs.kv_cache_dtype, **inputs.options}
     options.setdefault("cuda_visible_devices", engine_cuda_env(device).get("CUDA_VISIBLE_DEVICES"))
     if device.type == "cuda":
         options.setdefault("cuda_capability", tuple(torch.cuda.get_device_capability(device)))
@@ -84,6 +86,20 @@ def engine_settings(inputs: EngineInputs, checkpoint) -> "EngineSettings":
             options["dtype"] = invariance.dtype
     return EngineSettings(checkpoint, device_type=device.type, memory_budget_gib=inputs.memory_budget_gib,
                           **options)
+
+
+def check_kv_form(form: str, device: torch.device, backend: str, cfg_engine: str,
+                  flag: str = "kv_cache_dtype") -> str:
+    """The engine's KV cache form, refused (ValueError, one line naming `flag`, the device and what works) before
+    anything loads where this device, the installed vLLM or the backend cannot run it (kv_cache.kv_cache_problem)."""
+    from ..engine.backend import vllm_version
+
+    check_form(form, flag)
+    if not is_fp8(form):
+        return form
+    capability = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+    return check_kv_cache(form, device_type=device.type, vllm_version=vllm_version(), backend=backend,
+                          cfg_engine=cfg_engine, capability=capability, flag=flag)
 
 
 def check_split(inputs: EngineInputs) -> None:

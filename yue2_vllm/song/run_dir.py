@@ -160,6 +160,7 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
             # resumed: as upstream, only a finished result reused untouched (reuse_result) says True
             "status": "complete", "identity": run_id, "resumed": False, "stages_reused": list(reused),
             **batch_record(plan.timing, semantic.timing),
+            **{key: config[key] for key in ("kv_cache_dtype",) if key in config},  # an FP8 KV engine's form
             "sources": song.source_records(),
             "truncated": {"abc": plan.truncated, "semantic": semantic.truncated},
             "sample_rate": SAMPLE_RATE, "audio_seconds": audio_meta["samples"] / SAMPLE_RATE,

@@ -1,0 +1,181 @@
+"""The engine's KV cache forms: element sizes, where vLLM 0.32 / 0.33 run each, and the one-line refusals."""
+import pytest
+
+from yue2_vllm.kv_cache import (FORMS, check_form, check_kv_cache, cuda_backend, element_bytes, explicit,
+                                kv_cache_problem)
+
+CHECKED = dict(vllm_version="0.32.0")
+CARDS = {"sm89 (L4, L40S, RTX 4090/4080)": (8, 9), "sm90 (H100, H200)": (9, 0), "sm100 (B200)": (10, 0),
+         "sm120 (RTX 5090)": (12, 0), "sm121 (GB10)": (12, 1)}
+
+
+def test_forms_and_element_sizes():
+    assert FORMS == ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    assert [element_bytes(form) for form in FORMS] == [2, 1, 1, 1]
+    assert element_bytes("auto", "float32") == 4 and element_bytes("fp8", "float32") == 1
+    with pytest.raises(ValueError, match=r"^--kv-cache-dtype 'int4': unknown KV cache form; one of auto, fp8"):
+        check_form("int4")
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype 'fp16'"):
+        check_form("fp16", "kv_cache_dtype")
+
+
+def test_only_a_non_default_form_reaches_the_engine_and_the_record():
+    assert explicit("auto") == {} and explicit("fp8_e5m2") == {"kv_cache_dtype": "fp8_e5m2"}
+
+
+@pytest.mark.parametrize("card", list(CARDS))
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_every_fp8_form_runs_on_sm89_to_sm121_with_the_backend_vllm_picks(card, version):
+    capability = CARDS[card]
+    for form in FORMS:
+        assert kv_cache_problem(form, device_type="cuda", vllm_version=version, capability=capability) is None
+    picked = {form: cuda_backend(form, capability) for form in FORMS}
+    if capability[0] == 9:  # FlashAttention 3 takes e4m3, not e5m2
+        assert picked == {"auto": "FLASH_ATTN", "fp8": "FLASH_ATTN", "fp8_e4m3": "FLASH_ATTN",
+                          "fp8_e5m2": "FLASHINFER"}
+    elif capability[0] == 10:  # FlashInfer first on Blackwell datacenter parts
+        assert set(picked.values()) == {"FLASHINFER"}
+    else:  # FA2 has no FP8 KV: FlashInfer (sm80–sm121) takes it
+        assert picked == {"auto": "FLASH_ATTN", "fp8": "FLASHINFER", "fp8_e4m3": "FLASHINFER",
+                          "fp8_e5m2": "FLASHINFER"}
+    # --reproducible (vLLM's batch-invariant mode): FlashAttention or Triton only, never FlashInfer.
+    invariant = {form: cuda_backend(form, capability, batch_invariant=True) for form in FORMS}
+    assert "FLASHINFER" not in invariant.values() and None not in invariant.values()
+    assert invariant["fp8"] == ("FLASH_ATTN" if capability[0] in (9, 10) else "TRITON_ATTN")
+
+
+def test_refusals_name_the_flag_the_device_and_what_works():
+    old_gpu = kv_cache_problem("fp8", device_type="cuda", capability=(7, 5), **CHECKED)
+    assert old_gpu.startswith("--kv-cache-dtype fp8: sm75 is below sm80") and "use --kv-cache-dtype auto" in old_gpu
+    cpu = kv_cache_problem("fp8_e4m3", device_type="cpu", cpu_fp8=False, **CHECKED)
+    assert "AVX-512 or AMX" in cpu and "this CPU has neither" in cpu and "--kv-cache-dtype auto" in cpu
+    assert kv_cache_problem("fp8_e5m2", device_type="cpu", cpu_fp8=True, head_dim=128, **CHECKED) is None
+    assert "head size divisible by 32" in kv_cache_problem("fp8", device_type="cpu", cpu_fp8=True, head_dim=48,
+                                                           **CHECKED)
+    release = kv_cache_problem("fp8", device_type="cuda", capability=(9, 0), vllm_version="0.31.0")
+    assert "vLLM 0.31.0 is not a release whose FP8 KV checks were read (0.32, 0.33)" in release
+    assert "(not installed)" in kv_cache_problem("fp8", device_type="cpu", cpu_fp8=True, vllm_version=None)
+    torch_backend = kv_cache_problem("fp8", device_type="cuda", capability=(9, 0), backend="torch", **CHECKED)
+    assert "the torch backend keeps its K/V in the model dtype" in torch_backend
+    cfg = kv_cache_problem("fp8", device_type="cuda", capability=(9, 0), cfg_engine="torch", **CHECKED)
+    assert "CFG songs on the torch backend" in cfg
+    for problem in (old_gpu, cpu, release, torch_backend, cfg):
+        assert "\n" not in problem
+    # auto is never refused, whatever the device or backend.
+    assert kv_cache_problem("auto", device_type="cuda", capability=(7, 0), backend="torch", vllm_version=None) is None
+    with pytest.raises(ValueError, match="sm70 is below sm80"):
+        check_kv_cache("fp8", device_type="cuda", capability=(7, 0), **CHECKED)
+
+
+# --------------------------------------------------------------------------- FP8 K/V on a real vLLM-CPU engine
+import json  # noqa: E402
+
+from yue2_vllm.engine.backend import vllm_version  # noqa: E402
+from yue2_vllm.kv_cache import cpu_fp8_isa  # noqa: E402
+
+GENERATION = {"abc": {"max_tokens": 10, "min_tokens": 4}, "semantic": {"max_tokens": 30, "min_tokens": 10},
+              "ode_steps": 2}
+needs_fp8_engine = pytest.mark.skipif(vllm_version() is None or not cpu_fp8_isa(),
+                                      reason="needs vllm and a CPU with AVX-512 or AMX (else: the refusal above)")
+
+
+@pytest.fixture(scope="module")
+def fp8_pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
+    from yue2_vllm.derive import derive_ar_checkpoint
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    derived = derive_ar_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("arcache"))
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
+                        ar_checkpoint=derived, kv_cache_dtype="fp8")
+    yield pipe
+    pipe.close()
+
+
+@needs_fp8_engine
+def test_a_song_on_an_fp8_kv_engine_records_the_form_and_keeps_prefix_caching_and_cfg_pairs(fp8_pipe, tmp_path):
+    from yue2_vllm.protocol import SongRequest
+
+    request = SongRequest("pop", "la la la, la la la, la la la", seed=4, id="k1")
+    document = fp8_pipe.generate_to(tmp_path / "k1", request)
+    assert document["status"] == "complete" and document["kv_cache_dtype"] == "fp8"
+    recorded = json.loads((tmp_path / "k1" / "result.json").read_text())
+    assert recorded["kv_cache_dtype"] == "fp8" and recorded["identity"] == fp8_pipe.run_identity(
+        request, fp8_pipe.effective_config(request))
+    assert json.loads((tmp_path / "k1" / "config.json").read_text())["kv_cache_dtype"] == "fp8"
+    for phase in ("abc", "semantic"):
+        timing = recorded["timing"][phase]
+        assert timing["backend_actual"] == "vllm" and timing["kv_cache_dtype"] == "fp8"
+    engine = fp8_pipe.engine_life._vllm
+    assert engine.plan.kv_dtype_bytes == 1 and engine.describe()["kv_cache_dtype"] == "fp8"
+    # The same prompt again: its K/V blocks come from vLLM's prefix cache, FP8 or not (whole 32-token blocks).
+    again = fp8_pipe(SongRequest("pop", "la la la, la la la, la la la", seed=5, id="k2"))
+    cached, prompt = again.timing["abc"]["cached_prompt_tokens"], again.timing["abc"]["prompt_tokens"]
+    assert cached >= prompt - 32 > 0, (cached, prompt)
+    # A CFG pair (cot off) runs as paired rows on the FP8 engine.
+    paired = fp8_pipe(SongRequest("pop", "la", cot="off", seed=6, id="k3"))
+    assert paired.timing["semantic"]["cfg_branches"] == 2 and paired.timing["semantic"]["backend_actual"] == "vllm"
+    assert paired.timing["semantic"]["kv_cache_dtype"] == "fp8"
+    # The run identity counts the form; auto leaves the config (and every earlier identity) as it was.
+    config = fp8_pipe.effective_config(request)
+    assert config["kv_cache_dtype"] == "fp8"
+    auto = {k: v for k, v in config.items() if k != "kv_cache_dtype"}
+    assert fp8_pipe.run_identity(request, config) != fp8_pipe.run_identity(request, auto)
+    assert fp8_pipe.latent_identity(request, config) != fp8_pipe.latent_identity(request, auto)
+
+
+def test_auto_adds_nothing_to_the_effective_config(tiny_model_dir, tiny_vae_dir):
+    from yue2_vllm.pipeline import YuE2Pipeline
+    from yue2_vllm.protocol import SongRequest
+
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION) as pipe:
+        assert pipe.kv_cache_dtype == "auto" and "kv_cache_dtype" not in pipe.effective_config(SongRequest("a", "b"))
+
+
+def test_the_pipeline_refuses_a_form_before_anything_loads(tiny_model_dir, tiny_vae_dir, monkeypatch):
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights were read before the refusal")
+
+    monkeypatch.setattr("yue2_vllm.song.models.LoadedModels.__init__", no_load)
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype 'fp4': unknown KV cache form"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", kv_cache_dtype="fp4")
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype fp8 sets the vLLM engine's KV cache, and the torch backend"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="torch", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="CFG songs on the torch backend"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", cfg_engine="torch", kv_cache_dtype="fp8")
+    monkeypatch.setattr("yue2_vllm.kv_cache.cpu_fp8_isa", lambda: False)
+    with pytest.raises(ValueError, match="this CPU has neither"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", kv_cache_dtype="fp8_e5m2")
+
+
+@pytest.mark.slow  # a second engine (float32, the CPU's --reproducible) beside the default run's; CI runs -m slow
+@needs_fp8_engine
+def test_reproducible_takes_on_fp8_kv_are_the_one_take_songs_of_their_seeds(tiny_model_dir, tiny_vae_dir, tmp_path):
+    import numpy as np
+
+    from yue2_vllm.pipeline import YuE2Pipeline
+    from yue2_vllm.protocol import SongRequest
+    from yue2_vllm.scheduler import SongScheduler, generate_many
+    from yue2_vllm.takes import TakeOptions, run_takes, take_directory
+
+    generation = {"abc": {"max_tokens": 8, "min_tokens": 8}, "semantic": {"max_tokens": 24, "min_tokens": 24},
+                  "ode_steps": 2}
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=generation,
+                      engine_options={"max_num_seqs": 8, "max_num_batched_tokens": 256}, reproducible=True,
+                      kv_cache_dtype="fp8") as pipe:
+        request = SongRequest("pop, piano", "[verse]\ncity lights are fading slow\n" * 3, seed=60, id="t")
+        with SongScheduler(pipe, concurrency=3) as scheduler:
+            document = run_takes(scheduler, request, tmp_path / "takes", TakeOptions(3))
+        assert document["complete"] == [1, 2, 3]
+        ones = [SongRequest(request.style, request.lyrics, seed=60 + k - 1, id=f"one{k}") for k in (1, 2, 3)]
+        alone = list(generate_many(pipe, ones, tmp_path / "one", concurrency=1))
+        assert {h.state for h in alone} == {"complete"}
+        for k in (1, 2, 3):
+            take, one = take_directory(tmp_path / "takes", k), tmp_path / "one" / f"one{k}"
+            for name in ("abc_tokens.npy", "semantic.npy"):
+                assert np.array_equal(np.load(take / name), np.load(one / name)), (k, name)
+            result = json.loads((take / "result.json").read_text())
+            assert result["kv_cache_dtype"] == "fp8" and json.loads((take / "config.json").read_text())["reproducible"]
+            assert result["timing"]["semantic"]["kv_cache_dtype"] == "fp8"
+            assert result["timing"]["semantic"]["batch_invariant"]
