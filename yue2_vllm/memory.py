@@ -435,7 +435,7 @@ def w8a8_ar_bytes(config: YuE2Config) -> int:
     return total
 
 
-# The cards of the README's table: total memory as the driver reports it (MiB), and a DGX Spark's GB10.
+# The cards of docs/memory.md's table: total memory as the driver reports it (MiB), and a DGX Spark's GB10.
 CARDS_MIB = {"RTX 4080/5080 16 GB": 16376, "L4 24 GB": 23034, "RTX 4090 24 GB": 24564, "RTX 5090 32 GB": 32607,
              "L40S 48 GB": 46068, "H100 80 GB": 81559, "H200 141 GB": 143771}
 KV_TABLE_FORMS = {"bf16": 2, "FP8": 1}  # the engine's KV forms the card table shows (--kv-cache-dtype auto, fp8)

@@ -151,7 +151,7 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                         help=f"give up a vLLM engine start after this long (songs then run on the torch backend, on "
                              f"the record, and the start is tried again 60 s later, then 120 s, ... up to 30 min "
                              f"apart); default {ENGINE_START_TIMEOUT_S:.0f}: a cold first start of the real weights on "
-                             f"a DGX Spark (see README)")
+                             f"a DGX Spark (see docs/dgx-spark.md)")
     parser.add_argument("--config", help="generation config JSON: abc / semantic (or abc_sampling / "
                                           "semantic_sampling, as in request files) objects of sampling fields, and "
                                           "ode_steps; default: upstream's (the tiny model's budgets without --model "

@@ -325,7 +325,8 @@ class VLLMBackend:
     def describe(self) -> dict:
         """The engine's settings and memory split (for `doctor` and per-song records)."""
         return {"max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
-                "kv_cache_dtype": self.settings.kv_cache_dtype, "max_num_batched_tokens": self.settings.max_num_batched_tokens, "dtype": self.settings.dtype,
+                "kv_cache_dtype": self.settings.kv_cache_dtype,
+                "max_num_batched_tokens": self.settings.max_num_batched_tokens, "dtype": self.settings.dtype,
                 **self.runner_record(), "memory": self.plan.describe()}
 
     def runner_record(self) -> dict:
