@@ -270,3 +270,41 @@ def test_a_take_given_take_ones_edited_score_renders_that_same_score():
     assert second.render.abc == first.render.abc and second.render.style == first.render.style
     assert second.render.seed == 6 and second.record()["planned_by"] == "request"
     assert second.edit.changes["vocal_notes_moved_to_ins"] == 0
+
+
+def test_a_cancelled_instrumental_song_keeps_its_steps_and_resumes_to_the_same_song(pipe, tmp_path):
+    request = SongRequest("piano pop", "", abc=SCORE, instrumental=True, seed=5, id="c")
+    tokens = []
+    with pytest.raises(InterruptedError):
+        pipe.generate_to(tmp_path / "c", request, on_token=lambda phase, token: tokens.append(phase),
+                         cancelled=lambda: tokens.count("semantic") >= 4)
+    assert json.loads((tmp_path / "c" / "run_state.json").read_text())["state"] == "cancelled"
+    assert (tmp_path / "c" / "score.abc").read_text() == EDITED and (tmp_path / "c" / "planned.abc").exists()
+    document = pipe.generate_to(tmp_path / "c", request, resume=True)
+    assert document["status"] == "complete" and document["stages_reused"] == ["plan"]
+    whole = pipe.generate_to(tmp_path / "whole", request)
+    numpy = __import__("numpy")
+    assert numpy.load(tmp_path / "c" / "semantic.npy").tolist() == numpy.load(tmp_path / "whole" / "semantic.npy").tolist()
+
+
+@pytest.mark.slow  # a batch-invariant (float32) engine of its own; CI runs -m slow
+@pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
+def test_under_reproducible_an_instrumental_song_is_its_seeds_song_whatever_else_the_engine_serves(
+        tiny_model_dir, tiny_vae_dir, tmp_path):
+    import numpy as np
+
+    from yue2_vllm.pipeline import YuE2Pipeline
+    from yue2_vllm.scheduler import generate_many
+
+    mine = SongRequest("jazz", "", abc=SCORE, instrumental=True, seed=21, id="mine")
+    others = [SongRequest("pop", f"la la {i}", seed=i, id=f"o{i}", cot="off") for i in range(4)]
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
+                      engine_options={"max_num_seqs": 8, "max_num_batched_tokens": 64}, reproducible=True) as pipe:
+        alone = generate_many(pipe, [mine], tmp_path / "alone", concurrency=1)
+        together = generate_many(pipe, [mine, *others], tmp_path / "together", concurrency=5)
+    assert {h.state for h in [*alone, *together]} == {"complete"}
+    one, many = tmp_path / "alone" / "mine", tmp_path / "together" / "mine"
+    assert np.array_equal(np.load(one / "semantic.npy"), np.load(many / "semantic.npy"))
+    document = json.loads((many / "result.json").read_text())
+    assert document["batch_invariant"] is True and "batch_note" not in document, document.get("batch_note")
+    assert (many / "score.abc").read_text() == EDITED
