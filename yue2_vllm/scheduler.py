@@ -317,7 +317,7 @@ class SynthesisLane:
         if len(jobs) == 1 or (room is None and self.pipe.device.type != "cuda"):
             return jobs
         from .memory import nar_song_bytes
-        from .protocol import chunk_ranges
+        from .protocol import CONTEXT, chunk_ranges
 
         if room is not None:
             free = room.free
@@ -331,11 +331,13 @@ class SynthesisLane:
             free = cuda_free_bytes(self.pipe.device)
         streamed = not getattr(self.pipe, "ar_on_device", True)
         config = self.pipe.model.config
+        generation = getattr(self.pipe, "generation_config", None)  # its NAR context sets the chunks (a long song's)
+        context = generation.context if generation is not None else CONTEXT
         admitted, need = [], 0
         for job in jobs:
             semantic = job.payload
             prefix = len(semantic.plan.prefix)
-            chunks = [prefix + (b - a) + 3 for a, b in chunk_ranges(len(semantic.tokens), prefix)]
+            chunks = [prefix + (b - a) + 3 for a, b in chunk_ranges(len(semantic.tokens), prefix, context)]
             need += nar_song_bytes(config, chunks, streamed=streamed and not admitted)
             if admitted and need > free:
                 self._queues["nar"].put(job)

@@ -8,7 +8,7 @@ import sqlite3
 import time
 from dataclasses import replace
 
-from ..protocol import PHASES
+from ..protocol import PHASES, SongRequest
 from ..scheduler import STAGE_STATES
 from .disk import request_bytes, written_bytes
 from .errors import Conflict, NotFound, Unavailable
@@ -76,7 +76,9 @@ class JobActions:
             if record.id not in self._held:
                 self._held.append(record.id)
             return
-        budgets = {phase: self.rules.sampling_for(record.overrides.get(phase), phase).max_tokens for phase in PHASES}
+        request = SongRequest.from_dict(record.request)
+        budgets = {phase: self.rules.phase_sampling(request, record.overrides.get(phase), phase).max_tokens
+                   for phase in PHASES}
         # A stage an earlier attempt was running is pending again (a finished one may still be reused).
         stages = {name: entry if entry.get("state") != "running" else {"state": "pending"}
                   for name, entry in record.stages.items()}

@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..checkpoint import write_json_atomic
+from ..protocol import SongRequest
 from ..scheduler import STATES
 from .errors import Conflict, NotFound, RequestInvalid
 from .picture import PICTURE_VERSION, song_picture
@@ -56,8 +57,9 @@ class Views:
                 tokens = stages[stage].get("tokens") or 0
             else:
                 tokens = live.tokens[phase] if running else 0
-            progress[phase] = {"tokens": tokens,
-                               "max_tokens": self.rules.sampling_for(record.overrides.get(phase), phase).max_tokens}
+            budget = self.rules.phase_sampling(SongRequest.from_dict(record.request), record.overrides.get(phase),
+                                               phase).max_tokens
+            progress[phase] = {"tokens": tokens, "max_tokens": budget}
         if running:
             for stage, (done, total) in list(live.progress.items()):
                 progress[stage] = {"done": done, "total": total}

@@ -169,11 +169,22 @@ def exactness(parent: ParentSong, config: dict, timing: dict) -> dict:
     if differs:
         return {"exact": False, "why": f"the song was made with other {', '.join(differs)}"}
     if went == "torch":
-        if parent.semantic_timing.get("execution") != timing.get("execution"):
+        execution = timing.get("execution")
+        if parent.semantic_timing.get("execution") != execution:
             return {"exact": False, "why": f"the song decoded {parent.semantic_timing.get('execution')}, its "
-                                           f"continuation {timing.get('execution')}: other arithmetic"}
-        return {"exact": True, "why": "torch backend: the codes were replayed through the same decode steps and "
-                                      "the generator went on from its saved state"}
+                                           f"continuation {execution}: other arithmetic"}
+        if execution == "eager":
+            return {"exact": True, "why": "torch backend, eager: the codes were replayed through the same decode "
+                                          "steps (each attends over the used keys only) and the generator went on "
+                                          "from its saved state"}
+        if timing.get("attention") == "sdpa_masked":
+            return {"exact": False, "why": f"torch backend, {execution} with sdpa_masked: each step attends over a "
+                                           "K/V buffer sized by the phase's budget, which can round differently, so "
+                                           "a capped song need not be the longer song's beginning "
+                                           "(--torch-execution eager makes it so)"}
+        return {"exact": None, "why": f"torch backend, {execution} with {timing.get('attention')}: the codes were "
+                                      "replayed and the generator restored, but that a step's arithmetic does not "
+                                      "depend on the budget-sized K/V buffer is not shown on this GPU kind"}
     invariant = parent.semantic_timing.get("batch_invariant") and timing.get("batch_invariant")
     if not invariant:
         return {"exact": False, "why": "the vLLM engine was not batch-invariant (--reproducible): a bf16 song's "
