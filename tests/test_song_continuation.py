@@ -83,6 +83,20 @@ def test_a_continuation_is_cancelled_and_resumed_like_any_song(pipe, songs, tmp_
     assert again["resumed"] is True and again["identity"] == result["identity"]
 
 
+def test_the_song_scheduler_continues_a_song_its_overrides_name(pipe, songs, tmp_path):
+    """How a server's job continues a song: its overrides name the parent's directory (CONTINUE_KEY)."""
+    from yue2_vllm.scheduler import SongScheduler
+    from yue2_vllm.song.continuation import CONTINUE_KEY
+
+    parent = read_parent(songs / "song")
+    overrides = {**parent.overrides(), CONTINUE_KEY: {"directory": str(songs / "song")}}
+    with SongScheduler(pipe, concurrency=1) as scheduler:
+        handle = scheduler.submit(parent.child_request(1.6), tmp_path / "job", overrides=overrides)
+        assert handle.wait(timeout=600) and handle.state == "complete", handle.error
+    assert handle.document["continued_from"]["directory"] == str(songs / "song")
+    assert (tmp_path / "job" / "audio.flac").read_bytes() == (songs / "longer" / "audio.flac").read_bytes()
+
+
 def _copy(songs, tmp_path, edit=None):
     copy = tmp_path / "parent"
     shutil.copytree(songs / "song", copy)

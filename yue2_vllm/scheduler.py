@@ -31,6 +31,7 @@ import numpy as np
 
 from .pipeline import SemanticResult, YuE2Pipeline
 from .protocol import SongRequest
+from .song.continuation import CONTINUE_KEY, read_parent
 from .takes import TakeOptions, run_takes
 
 STATES = ("queued", "planning", "generating", "synthesizing", "decoding", "complete", "failed", "cancelled")
@@ -531,11 +532,13 @@ class SongScheduler:
 
     def _generate(self, handle: SongHandle) -> None:
         try:
+            continued = handle.overrides.get(CONTINUE_KEY)  # a capped song to go on from: its run directory
+            parent = read_parent(continued["directory"]) if continued else None
             document = self.pipe.generate_to(
                 handle.directory, handle.request, resume=handle.resume, stage=handle.stage,
                 abc_sampling=handle.overrides.get("abc"), semantic_sampling=handle.overrides.get("semantic"),
                 cancelled=handle.cancelled, on_token=handle.on_token, on_progress=handle.on_progress,
-                on_stage=handle.on_stage, synthesizer=self.lane.synthesize, decoder=self.lane.decode)
+                on_stage=handle.on_stage, synthesizer=self.lane.synthesize, decoder=self.lane.decode, parent=parent)
         except (InterruptedError, KeyboardInterrupt) as exc:
             handle._finish("cancelled", error=exc)
         except BaseException as exc:  # recorded on the song; the other songs go on

@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate = command("generate", "generate one song")
     _model_flags(generate)
     generate.add_argument("--request", help="request JSON (style/tags, lyrics, cot, seed, abc or abc_path, cfg_scale, "
-                                            "id, abc_sampling, semantic_sampling); flags override its fields")
+                                            "id, abc_sampling, semantic_sampling, seconds, instrumental); flags "
+                                            "override its fields")
     generate.add_argument("--style", help="style tags, e.g. 'pop, piano, female vocal' (default: the request's)")
     generate.add_argument("--lyrics", help="lyrics text with [verse]/[chorus] sections (default: the request's)")
     generate.add_argument("--lyrics-file", help="read the lyrics from this UTF-8 file")

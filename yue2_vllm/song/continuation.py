@@ -21,6 +21,7 @@ from ..protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, SongRequest,
                         tokens_seconds, valid_song_id)
 
 RNG_FILE = "semantic_rng.npy"  # the torch backend's generator state after a capped song's last token
+CONTINUE_KEY = "continue"  # a song's overrides under it name the capped song it continues: {"directory", ...}
 # Effective-config keys a continuation must share with its parent: the generation settings besides the sampling.
 SHARED_GENERATION = ("ode_steps", "ode_method", "context", "version")
 # Effective-config keys that change the tokens: a continuation with others differs from the longer song.
