@@ -1009,6 +1009,18 @@ def test_seconds_caps_a_song_and_continue_makes_the_longer_one(tiny_model_dir, t
     assert "--id: SongRequest.id must match" in capsys.readouterr().err
     assert (tmp_path / "fresh" / "s.0.4s" / "audio.flac").read_bytes() == \
         (tmp_path / "out" / "s.0.4s" / "audio.flac").read_bytes()
+    # a take is a song like any other: take 2 (seed 4) of a capped job continues to take 2's longer song
+    assert main(["generate", *flags, "--style", "pop", "--lyrics", "la", "--seed", "3", "--id", "t", "--takes", "2",
+                 "--seconds", "0.2"]) == 0
+    capsys.readouterr()
+    assert main(["generate", *flags, "--continue", str(tmp_path / "out" / "t" / "takes" / "2"), "--seconds",
+                 "0.4"]) == 0
+    assert json.loads(capsys.readouterr().out)["id"] == "t.t2.0.4s"
+    assert main(["generate", *flags, "--style", "pop", "--lyrics", "la", "--seed", "4", "--id", "t.t2.0.4s",
+                 "--seconds", "0.4", "--output", str(tmp_path / "fresh")]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "fresh" / "t.t2.0.4s" / "audio.flac").read_bytes() == \
+        (tmp_path / "out" / "t.t2.0.4s" / "audio.flac").read_bytes()
     (tmp_path / "rows.jsonl").write_text(json.dumps({"id": "r", "style": "pop", "lyrics": "la", "seed": 3,
                                                      "seconds": 0.2}) + "\n")
     assert main(["batch", *flags, "--input", str(tmp_path / "rows.jsonl")]) == 0
