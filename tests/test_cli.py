@@ -1035,7 +1035,7 @@ def test_seconds_caps_a_song_and_continue_makes_the_longer_one(tiny_model_dir, t
                                                                      "own request; leave --style out"),
     (["--continue", "{parent}", "--seconds", "2", "--takes", "2"], "--continue: makes one whole song"),
     (["--continue", "{parent}", "--seconds", "2"], "holds no finished song (no result.json); finish it first"),
-    (["--continue", "{tmp}/none", "--seconds", "2"], "continue: {tmp}/none is not a song's directory"),
+    (["--continue", "{tmp}/none", "--seconds", "2"], "continue: {tmp}/none: is not a song's directory"),
     (["--seconds", "0"], "--seconds: SongRequest.seconds must be a positive number of seconds, got 0.0"),
     (["--seconds", "1000"], "--seconds: SongRequest.seconds must be at most 983.04"),
 ])

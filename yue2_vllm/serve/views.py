@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..checkpoint import write_json_atomic
 from ..protocol import SongRequest
+from ..song.continuation import CONTINUE_KEY
 from ..scheduler import STATES
 from .errors import Conflict, NotFound, RequestInvalid
 from .picture import PICTURE_VERSION, song_picture
@@ -31,7 +32,7 @@ def urls(job_id: str) -> dict:
 
 
 def sampling_of(record: JobRecord) -> dict:
-    return {k: v for k, v in record.overrides.items() if k != "takes"}
+    return {k: v for k, v in record.overrides.items() if k not in ("takes", CONTINUE_KEY)}
 
 
 
@@ -85,6 +86,9 @@ class Views:
         takes = self.takes_view(record)
         if takes is not None:
             document["takes"] = takes
+        continued = record.overrides.get(CONTINUE_KEY)
+        if continued:  # the song it continues (its job, and take)
+            document["continued_from"] = {"id": continued["parent"], "take": continued["take"]}
         return document
 
     def summary(self, record: JobRecord) -> dict:

@@ -32,7 +32,7 @@ class ContinueRefused(ValueError):
     """A song that cannot be continued (unfinished, not capped, another model, ...); the message is one line."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class ParentSong:
     """A finished, capped song read from its run directory: what a continuation needs of it."""
 
@@ -46,6 +46,10 @@ class ParentSong:
     plan_files: dict[str, bytes]  # the plan stage's files, verified against its record
     plan_meta: dict
     rng_state: bytes | None = None
+    name: str = ""  # what refusals call the song (default: its directory)
+
+    def __post_init__(self):
+        self.name = self.name or str(self.directory)
 
     @property
     def seconds(self) -> float:
@@ -99,27 +103,29 @@ def continued_id(song_id: str, seconds: float) -> str:
     return song_id[:180 - len(suffix)] + suffix
 
 
-def read_parent(directory: str | os.PathLike) -> ParentSong:
-    """The finished, capped song in `directory`; ContinueRefused (one line) for anything else."""
+def read_parent(directory: str | os.PathLike, name: str | None = None) -> ParentSong:
+    """The finished, capped song in `directory`; ContinueRefused (one line, `continue: <name>: ...`; the name
+    defaults to the directory) for anything else."""
     path = Path(directory)
+    name = name or str(path)
     result = path / art.RESULT_FILE
     if not path.is_dir():
-        raise ContinueRefused(f"continue: {path} is not a song's directory")
+        raise ContinueRefused(f"continue: {name}: is not a song's directory")
     if not result.is_file():
         state = (art.RunDirectory(path).state() or {}).get("state")
-        raise ContinueRefused(f"continue: {path} holds no finished song (no {art.RESULT_FILE}"
+        raise ContinueRefused(f"continue: {name}: holds no finished song (no {art.RESULT_FILE}"
                               + (f"; its run is {state}" if state else "") + "); finish it first (--resume)")
     try:
         document = art.verify_result(path)
     except (OSError, ValueError, KeyError) as exc:
-        raise ContinueRefused(f"continue: {path} is not a finished song that verifies: {exc}") from None
+        raise ContinueRefused(f"continue: {name}: is not a finished song that verifies: {exc}") from None
     truncated = document.get("truncated") or {}
     if not truncated.get("semantic"):
-        raise ContinueRefused(f"continue: {path}: the song ended by itself (</music>) after "
+        raise ContinueRefused(f"continue: {name}: the song ended by itself (</music>) after "
                               f"{(document.get('audio_seconds') or 0):.2f} s; only a song its cap cut can continue")
     run = art.RunDirectory(path)
-    plan = _stage(run, "plan")
-    semantic = _stage(run, "semantic")
+    plan = _stage(run, "plan", name)
+    semantic = _stage(run, "semantic", name)
     try:
         request = SongRequest.from_dict(read_json(path / "request.json"))
         config = read_json(path / "config.json")
@@ -127,36 +133,36 @@ def read_parent(directory: str | os.PathLike) -> ParentSong:
         plan_files = {name: (path / name).read_bytes() for name in plan["files"]}
         rng = art.load_npy(path / RNG_FILE).tobytes() if (path / RNG_FILE).is_file() else None
     except (OSError, ValueError, TypeError) as exc:
-        raise ContinueRefused(f"continue: {path}: cannot read the song ({exc})") from None
+        raise ContinueRefused(f"continue: {name}: cannot read the song ({exc})") from None
     if any(not 0 <= t < CODEC_SIZE for t in tokens):
-        raise ContinueRefused(f"continue: {path / 'semantic.npy'}: holds ids outside the codec range")
+        raise ContinueRefused(f"continue: {name}: its semantic.npy holds ids outside the codec range")
     return ParentSong(path, request, document["identity"], tokens, config, document.get("weights") or {},
-                      dict(semantic["meta"].get("timing") or {}), plan_files, dict(plan["meta"]), rng)
+                      dict(semantic["meta"].get("timing") or {}), plan_files, dict(plan["meta"]), rng, name)
 
 
-def _stage(run: art.RunDirectory, stage: str) -> dict:
+def _stage(run: art.RunDirectory, stage: str, name: str) -> dict:
     record = art.read_stage_record(run.path, stage)
     if record is None:
-        raise ContinueRefused(f"continue: {run.path}: its {stage} stage record is missing or unreadable")
+        raise ContinueRefused(f"continue: {name}: its {stage} stage record is missing or unreadable")
     return record
 
 
 def check_continuable(parent: ParentSong, weights: dict, generation: GenerationConfig, directory: Path) -> None:
     """Refuse (one line naming the problem) a continuation this pipeline cannot make into `directory`."""
     if weights.get("mot") != parent.weights.get("mot"):
-        raise ContinueRefused(f"continue: {parent.directory}: the song was made by another model (its MoT weights "
+        raise ContinueRefused(f"continue: {parent.name}: the song was made by another model (its MoT weights "
                               "differ from this pipeline's); continue it with the model that made it")
     asked = generation.to_dict()
     had = parent.config.get("generation") or {}
     for key in SHARED_GENERATION:
         if key in had and had[key] != asked[key]:
-            raise ContinueRefused(f"continue: {parent.directory}: the song was made with {key} {had[key]!r}, this "
+            raise ContinueRefused(f"continue: {parent.name}: the song was made with {key} {had[key]!r}, this "
                                   f"pipeline runs {asked[key]!r}; continue it with the same generation config")
     target = Path(os.path.abspath(directory))
     source = Path(os.path.abspath(parent.directory))
     if target == source or source in target.parents:
-        raise ContinueRefused(f"continue: the continued song is a new song; write it outside {parent.directory} "
-                              "(another --output or --id)")
+        raise ContinueRefused(f"continue: {parent.name}: the continued song is a new song; write it outside its "
+                              "directory (another --output or --id)")
 
 
 def exactness(parent: ParentSong, config: dict, timing: dict) -> dict:
