@@ -210,10 +210,10 @@ class FullDisk:
         return self.real(fd)
 
 
-# The 18 writes of a run: run_state (1), plan files (2-4) and record (5), run_state (6), semantic (7-8),
-# run_state (9), latents (10-11), run_state (12), audio (13-14), request.json, config.json, result.json (15-17),
-# run_state "complete" (18).
-RUN_WRITES = 18
+# The 19 writes of a capped torch-backend run: run_state (1), plan files (2-4) and record (5), run_state (6), semantic
+# (7-9: its tokens, the generator state a continuation needs, the record), run_state (10), latents (11-12),
+# run_state (13), audio (14-15), request.json, config.json, result.json (16-18), run_state "complete" (19).
+RUN_WRITES = 19
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +252,7 @@ def test_disk_full_at_any_write_fails_cleanly(cli_pipe, tmp_path, monkeypatch, a
 
 
 @pytest.mark.parametrize("at,state,kept", [(7, "semantic_failed", ["plan"]),
-                                           (17, "decode_failed", ["plan", "semantic", "synthesis", "audio"])])
+                                           (18, "decode_failed", ["plan", "semantic", "synthesis", "audio"])])
 def test_disk_full_in_the_cli_is_one_line_and_resumable(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
                                                         monkeypatch, capsys, at, state, kept):
     from yue2_vllm.artifacts import verify_result
@@ -282,7 +282,7 @@ def test_batch_on_a_filling_disk_goes_on_keeps_batch_json_valid_and_resumes(tiny
     rows = [{"id": name, "style": "pop", "lyrics": "x", "cot": "off", "seed": i} for i, name in enumerate("abc")]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out"
-    disk = FullDisk(out, RUN_WRITES + 2, stays_full=True)  # song a's 18 writes and batch.json land
+    disk = FullDisk(out, RUN_WRITES + 2, stays_full=True)  # song a's 19 writes and batch.json land
     monkeypatch.setattr(os, "fsync", disk)
     command = ["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
                str(tmp_path / "in.jsonl"), "--output", str(out)]

@@ -15,8 +15,9 @@ class Progress:
     LABELS = {"abc": "Planning score", "semantic": "Generating song", "nar": "Synthesizing audio",
               "vae": "Decoding audio"}
 
-    def __init__(self, enabled: bool, token_budget: dict[str, int]):
+    def __init__(self, enabled: bool, token_budget: dict[str, int], done: dict[str, int] | None = None):
         self.enabled, self.token_budget = enabled, token_budget
+        self.done = done or {}  # tokens a phase has before it starts (a continued song's)
         self.stage, self.bar = None, None
 
     def _switch(self, stage: str, total: int | None) -> None:
@@ -28,7 +29,8 @@ class Progress:
             from tqdm import tqdm
 
             unit = "tok" if stage in ("abc", "semantic") else ("step" if stage == "nar" else "tile")
-            self.bar = tqdm(total=total, desc=self.LABELS[stage], unit=unit, file=sys.stderr, leave=True)
+            self.bar = tqdm(total=total, desc=self.LABELS[stage], unit=unit, file=sys.stderr, leave=True,
+                            initial=self.done.get(stage, 0))
 
     def on_token(self, phase: str, token: int) -> None:
         self._switch(phase, self.token_budget.get(phase))
@@ -69,7 +71,8 @@ def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, s
              parent=None) -> dict:
     """Generate one song into `directory` (with `parent`: continue that capped song); returns the status line
     (failure.json is written on error)."""
-    progress = Progress(not quiet, token_budgets(pipe, request, overrides))
+    progress = Progress(not quiet, token_budgets(pipe, request, overrides),
+                        {"semantic": len(parent.tokens)} if parent is not None else None)
     try:
         document = pipe.generate_to(directory, request, resume=resume, stage=stage,
                                     abc_sampling=overrides.get("abc"), semantic_sampling=overrides.get("semantic"),
