@@ -342,6 +342,11 @@ def test_generate_instrumental_takes_resume_and_refusals(tiny_model_dir, tiny_va
     assert main(["generate", *models, *FAST, "--style", "piano", "--instrumental", "--abc-file",
                  str(tmp_path / "bad.abc"), "--output", str(tmp_path / "p")]) == 2
     assert "--abc-file: SongRequest.abc: score line 8: unsupported key 'H'" in capsys.readouterr().err
+    (tmp_path / "bad.abc").write_text(SCORE.replace("% verse", "% Chorus"))
+    assert main(["generate", *models, *FAST, "--style", "piano", "--instrumental", "--abc-file",
+                 str(tmp_path / "bad.abc"), "--output", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err  # one line naming the score line and the reason, no traceback
+    assert err.count("\n") == 1 and "score line 14: unknown section label 'Chorus'" in err and "Traceback" not in err
     assert not (tmp_path / "p").exists()
 
 
