@@ -159,6 +159,7 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
         document = run.write_result({
             # resumed: as upstream, only a finished result reused untouched (reuse_result) says True
             "status": "complete", "identity": run_id, "resumed": False, "stages_reused": list(reused),
+            **({"instrumental": True} if request.instrumental else {}),  # its steps: instrumental.json
             **batch_record(plan.timing, semantic.timing),
             **{key: config[key] for key in ("kv_cache_dtype",) if key in config},  # an FP8 KV engine's form
             "sources": song.source_records(),
