@@ -2,8 +2,9 @@
 
 Every expected score below is the text upstream's recipe writes for its source: each was obtained by running
 upstream's own scripts (`skills/yue2-music` instrumental `convert_score(overlap="vocal", keep_chords=True)`, then
-its `validate_score`, `lyric_tags` and `validate_request` as `examples/instrumental_clip.py` calls them) on the
-same source, and each refused source is one upstream refuses too (docs/instrumental.md)."""
+its `validate_score`, `lyric_tags` and `validate_request` as `examples/instrumental_clip.py` calls them, with the
+parser `skills/yue2-music/scripts/abc_tools.py` of commit fcb5b96, which reads tuplets) on the same source, and each
+refused source is one upstream refuses too (docs/instrumental.md)."""
 import json
 from types import SimpleNamespace
 
@@ -97,6 +98,29 @@ CASES = {
         header("C") + '% verse\nV: Vocal\nz8E8z16|\nV: Ins\nC32|\n',
         header("C") + '% verse\nV: Vocal\nZ|\nV: Ins\nC8E8C16|\n', "[Verse]\n", "melody"),
     "an already-instrumental score is its own edit": (EDITED, EDITED, "[Intro]\n\n[Verse]\n", "full"),
+    # Tuplets: upstream's parser scales the next r notes or rests by q/p; its serializer writes plain notes.
+    # (3 of 12 units = 8 each; (3:2:2 scales two (the z16 after it is plain); (4 of 8 = 6 each, the vocal c over
+    # the Ins F and G; a chord inside a triplet keeps its scaled time (beat 2 of bar 2: 8 units).
+    "tuplets on the L:1/32 grid are written as plain notes": (
+        HEADER + '% verse\nV: Vocal\n"G"(3B12d12g12z8|(3:2:2z12"C"c12z16|\nV: Ins\nZ|(4E8F8G8A8z8|\n',
+        HEADER + '% verse\nV: Vocal\n"G"z32|"G"z8"C"z24|\nV: Ins\nB8d8g8z8|E6F2c8G2A6z8|\n', "[Verse]\n", "full"),
+    "a duplet of single units needs L:1/64": (  # (2: two notes of 1 unit last 3/2 units each
+        header("C") + '% chorus\nV: Vocal\n(2CDz24z4z|\nV: Ins\nZ|\n',
+        header("C", unit=64) + '% chorus\nV: Vocal\nZ|\nV: Ins\nC3D3z48z8z2|\n', "[Chorus]\n", "melody"),
+    "a duplet in 6/8: 9 units, tied as 8 and 1": (
+        header(meter="6/8") + '% verse\nV: Vocal\n(2B6d6z6|\nV: Ins\nZ|\n',
+        header(meter="6/8") + '% verse\nV: Vocal\nZ|\nV: Ins\nB8-Bd8-dz6|\n', "[Verse]\n", "melody"),
+    "ties out of and into a triplet, over barlines": (
+        HEADER + '% verse\nV: Vocal\nz8(3B12d12g12-|g32|\nV: Ins\nZ2|\nV: Vocal\nz16B16-|(3B12d12g12z8|\nV: Ins\nZ2|\n',
+        HEADER + '% verse\nV: Vocal\nZ4|\nV: Ins\nz8B8d8g8-|g32|z16B16-|B8d8g8z8|\n', "[Verse]\n", "melody"),
+    # (5 has no default ratio; (5:4 of five rests lands on the grid; a note tied through a triplet is one note.
+    "a (5:4 of rests and a note tied through a triplet": (
+        HEADER + '% verse\nV: Vocal\n(5:4z4z4z4z4z4B16|(3B6-B6-B6 d8z12|\nV: Ins\nZ2|\n',
+        HEADER + '% verse\nV: Vocal\nZ2|\nV: Ins\nz16B16|B12d8z12|\n', "[Verse]\n", "melody"),
+    # Upstream checks the grid on the notes it writes: an off-grid Ins triplet wholly under the vocal note is gone.
+    "an off-grid Ins triplet under the vocal line is dropped, not refused": (
+        HEADER + '% verse\nV: Vocal\nB32|\nV: Ins\n(3C8D8E8z16|\n',
+        HEADER + '% verse\nV: Vocal\nZ|\nV: Ins\nB32|\n', "[Verse]\n", "melody"),
 }
 
 
@@ -150,7 +174,24 @@ REFUSED = [
     (SCORE.replace("B8d8g16|", "B8d8g10z6|"), 13, "unsupported length 10"),
     (SCORE.replace("e32|\n", "e32\n"), 13, "must end with a plain barline"),
     (SCORE.replace("e32|\n", "e32||\n"), 13, "an empty bar or a double/repeat barline"),
-    (SCORE.replace("B8d8g16|", "(3B8d8g8z8|"), 13, "does not have at '\\(3B8d8g8z8'.*no tuplets"),
+    # tuplets upstream's parser refuses, and ones off the power-of-two grid its serializer writes
+    (SCORE.replace("B8d8g16|", "(3B8d8g8z16|"), 13, "group 1, Ins, bar 1: a note at quarter 0 lasting 2/3 quarter "
+     "notes is off the power-of-two grid .*quantize the tuplet"),
+    (HEADER + '% verse\nV: Vocal\n(3z8"C"z8z8z16|\nV: Ins\nB32|\n', 11,
+     "group 1, Vocal, bar 1: a chord symbol 'C' at quarter 2/3 is off the power-of-two grid"),
+    (HEADER + '% verse\nV: Vocal\n(3z8B8z8z16|\nV: Ins\nC32|\n', 11,  # the vocal note cuts the Ins note off-grid
+     "group 1, Vocal, bar 1: a note at quarter 2/3 lasting 2/3 quarter notes is off the power-of-two grid"),
+    (header("C", unit=1024, meter="1/32") + '% verse\nV: Vocal\n(2CDz24z4z|\nV: Ins\nZ|\n', 11,
+     "lasting 3/512 quarter notes is off the power-of-two grid \\(no L:1/N with N a power of two up to 1024"),
+    (SCORE.replace("B8d8g16|", "(5B4d4g4b4d4z12|"), 13,
+     "the tuplet \\(5 has no default ratio \\(the dialect has one for \\(2, \\(3, \\(4, \\(6, \\(8\\); write \\(5:q"),
+    (SCORE.replace("B8d8g16|", "(3B12(3d8g8z8z8|"), 13, "a tuplet inside a tuplet at '\\(3d8g8z8z8'"),
+    (SCORE.replace("B8d8g16|", "(3B12d12|"), 13, "bar 1: a tuplet is still open at the end of the bar \\(1 more "
+     "note or rest expected\\)"),
+    (SCORE.replace("B8d8g16|", "B8d8g16(3|"), 13, "a tuplet is still open at the end of the bar \\(3 more notes"),
+    (SCORE.replace("B8d8g16|", "( 3B12d12g12z8|"), 13, "does not have at '\\( 3B12d12g12z8' \\(a tuplet is "
+     "written \\(p, \\(p:q or \\(p:q:r, each a digit from 2 to 9\\)"),
+    (SCORE.replace("B8d8g16|", "(3::3B12d12g12z8|"), 13, "does not have at '::3B12d12g12z8' \\(a tuplet"),
     (SCORE.replace("Z|\nV: Ins\nB8", "Z4|\nV: Ins\nB8"), 11, "5 bars"),
     (SCORE.replace('"G"z32|Z|', 'z32|Z|').replace("B8d8g16|e32|", '"G"B8d8g16|e32|'), 13,
      "a chord symbol in Ins \\('G'\\); the native dialect keeps chord symbols in Vocal"),

@@ -4,17 +4,20 @@ Upstream (`examples/instrumental_clip.py` and the `skills/yue2-music` instrument
 1. plans a score with `cot="full"` and the lyrics `PLANNING_LYRICS` (section tags, no words),
 2. refuses a planned score that is empty or truncated,
 3. edits the score (`convert_score(overlap="vocal", keep_chords=True)`): it reads the score's sounding notes,
-   chord symbols, bars, keys and `% section` labels, moves every Vocal note to Ins, where the vocal note wins (an
+   chord symbols, bars, keys and `% section` labels (a tuplet's notes at their scaled lengths, as its parser
+   `abc_tools.py` reads them), moves every Vocal note to Ins, where the vocal note wins (an
    Ins note it overlaps keeps only its parts outside it), and writes a fresh score from those events with its own
    serializer (`compile_events`): Vocal holds only the current chord symbol at every bar start and each chord change,
    over rests; Ins the notes, spelled against the bar's key; bars are grouped four to a line where meter, key and
    section stay the same; a section label is written where the section changes; the unit length is L:1/32 unless
-   the events need a finer one,
+   the events need a finer one (a tuplet is written as plain notes; one that lands off the power-of-two grid is
+   refused),
 4. renders the edited score as an external score with the style `instrumental_style(style)`, the lyrics
    `lyric_tags(score)` (its `% section` labels as `[Section]` tags, never sung words; none when it has no label) and
    the cot the score allows (`full` when Vocal keeps chord symbols, else `melody`), with the same seed.
 
-This module is our own implementation of those rules (read from upstream's scripts, not copied): `edit_score` writes
+This module is our own implementation of those rules (read from upstream's scripts, not copied; the parser's rules
+are those of `skills/yue2-music/scripts/abc_tools.py` at commit fcb5b96, the one with tuplets): `edit_score` writes
 byte for byte the score upstream's `convert_score` writes, and refuses what upstream's parser, editor and request
 check refuse, naming the score line and the reason. It is pure: no model, no files.
 """
@@ -48,6 +51,10 @@ _QUALITIES = ("", "m", "dim", "aug", "7", "maj7", "m7", "dim7", "m7b5", "sus4", 
 _CHORD = re.compile(_PITCH_NAME + "(?:" + "|".join(re.escape(q) for q in _QUALITIES) + ")(?:/" + _PITCH_NAME + ")?")
 _TOKEN = re.compile(r'"(?P<chord>[^"\n]*)"|\[K:(?P<key>[^\]\n]+)\]|(?P<acc>\^\^|__|\^|_|=)?(?P<note>[A-Ga-gz])'
                     r"(?P<oct>[,']*)(?P<units>[0-9]*)(?P<tie>-?)")
+# A tuplet `(p`, `(p:q` or `(p:q:r` (each 2-9): the next r notes or rests (r = p when omitted) last q/p of their
+# written length; without q, the ratio is the dialect's default for p (none for 5, 7 or 9).
+_TUPLET = re.compile(r"\((?P<p>[2-9])(?::(?P<q>[2-9]))?(?::(?P<r>[2-9]))?")
+TUPLET_DEFAULT_Q = {2: 3, 3: 2, 4: 3, 6: 2, 8: 3}
 _ACCIDENTALS = {"=": 0, "_": -1, "__": -2, "^": 1, "^^": 2}
 _MARKS = {0: "=", -1: "_", 1: "^"}
 RECIPE = ("upstream examples/instrumental_clip.py: plan (cot full, PLANNING_LYRICS), "
@@ -74,12 +81,13 @@ class Voice:
     key: str
     time: Fraction = Fraction(0)
     notes: list = field(default_factory=list)
+    note_places: list = field(default_factory=list)  # each note's (line, group/voice/bar) where it starts
     bars: list = field(default_factory=list)  # (start, length, meter)
     chords: list = field(default_factory=list)  # (time, symbol)
     keys: list = field(default_factory=list)  # (time, key)
     pending: tuple | None = None  # a tie into the next note: (pitch, written pitch)
     bar_lines: list = field(default_factory=list)  # the line of each bar
-    chord_lines: list = field(default_factory=list)
+    chord_places: list = field(default_factory=list)  # each chord's (line, group/voice/bar)
     key_lines: list = field(default_factory=list)
 
 
@@ -115,10 +123,20 @@ def _meter(text: str, line: int) -> tuple[int, int]:
     return n, d
 
 
+def _open_tuplet(match: re.Match, line: int, where: str) -> list:
+    """A tuplet's [notes left in it, length factor]."""
+    p, q, r = (int(match.group(name)) if match.group(name) else None for name in ("p", "q", "r"))
+    if q is None and p not in TUPLET_DEFAULT_Q:
+        raise _fail(line, f"{where}: the tuplet ({p} has no default ratio (the dialect has one for "
+                          f"{', '.join(f'({k}' for k in TUPLET_DEFAULT_Q)}); write ({p}:q")
+    return [r or p, Fraction(q or TUPLET_DEFAULT_Q[p], p)]
+
+
 def _read_bar(body: str, voice: Voice, unit: Fraction, line: int, where: str) -> None:
     n, d = voice.meter
     length, start, offset = Fraction(4 * n, d), voice.time, Fraction(0)
     local: dict[str, int] = {}  # accidentals hold for the rest of the bar, by letter (every octave), as upstream
+    tuplet = None  # an open tuplet: [notes left in it, length factor]
     cursor = len(body) if body == "Z" else 0
     if body == "Z":
         if voice.pending is not None:
@@ -128,9 +146,17 @@ def _read_bar(body: str, voice: Voice, unit: Fraction, line: int, where: str) ->
         if body[cursor].isspace():
             cursor += 1
             continue
+        opened = _TUPLET.match(body, cursor)
+        if opened:
+            if tuplet is not None:
+                raise _fail(line, f"{where}: a tuplet inside a tuplet at {body[cursor:cursor + 24]!r} (upstream "
+                                  "reads no nested tuplets)")
+            tuplet, cursor = _open_tuplet(opened, line, where), opened.end()
+            continue
         match = _TOKEN.match(body, cursor)
         if match is None:
-            hint = " (upstream's recipe takes no tuplets)" if body[cursor] == "(" else ""
+            hint = (" (a tuplet is written (p, (p:q or (p:q:r, each a digit from 2 to 9)"
+                    if body[cursor] in "(:" else "")
             raise _fail(line, f"{where}: notation the native dialect does not have at {body[cursor:cursor + 24]!r}"
                               + hint)
         cursor = match.end()
@@ -141,7 +167,7 @@ def _read_bar(body: str, voice: Voice, unit: Fraction, line: int, where: str) ->
             if _CHORD.fullmatch(chord) is None:
                 raise _fail(line, f"{where}: unsupported chord symbol {chord!r}")
             voice.chords.append((start + offset, chord))
-            voice.chord_lines.append(line)
+            voice.chord_places.append((line, where))
             continue
         if key is not None:
             key_alterations(key, line)
@@ -156,6 +182,10 @@ def _read_bar(body: str, voice: Voice, unit: Fraction, line: int, where: str) ->
             raise _fail(line, f"{where}: unsupported length {units} (the dialect writes {sorted(DURATIONS)} units; "
                               "tie longer notes)")
         duration = units * unit * 4
+        if tuplet is not None:
+            duration *= tuplet[1]
+            tuplet[0] -= 1
+            tuplet = tuplet if tuplet[0] else None
         if offset + duration > length:
             raise _fail(line, f"{where}: a note or rest runs past the end of the bar")
         if "," in octave and "'" in octave:
@@ -183,8 +213,12 @@ def _read_bar(body: str, voice: Voice, unit: Fraction, line: int, where: str) ->
                 if not 0 <= pitch <= 127:
                     raise _fail(line, f"{where}: pitch {pitch} is outside the MIDI range 0-127")
                 voice.notes.append([start + offset, pitch, duration])
+                voice.note_places.append((line, where))
             voice.pending = (pitch, written) if tie else None
         offset += duration
+    if tuplet is not None:
+        raise _fail(line, f"{where}: a tuplet is still open at the end of the bar ({tuplet[0]} more note"
+                          f"{'s' if tuplet[0] > 1 else ''} or rest{'s' if tuplet[0] > 1 else ''} expected)")
     if offset != length:
         raise _fail(line, f"{where}: the bar holds {offset} quarter notes, its meter {n}/{d} takes {length}")
     voice.bars.append((start, length, voice.meter))
@@ -295,8 +329,8 @@ def read_score(text: str) -> Score:
         if voice.pending is not None:
             raise _fail(voice.bar_lines[-1], f"{name}: a tie is left open at the end of the score")
     if ins.chords:
-        raise _fail(ins.chord_lines[0], f"a chord symbol in Ins ({ins.chords[0][1]!r}); the native dialect keeps "
-                                        "chord symbols in Vocal")
+        raise _fail(ins.chord_places[0][0], f"a chord symbol in Ins ({ins.chords[0][1]!r}); the native dialect "
+                                            "keeps chord symbols in Vocal")
     if vocal.bars != ins.bars:
         bar = next((i for i, (a, b) in enumerate(zip(vocal.bars, ins.bars)) if a != b), len(ins.bars) - 1)
         raise _fail(ins.bar_lines[bar], f"Vocal and Ins differ in meter from bar {bar + 1} on")
@@ -484,7 +518,7 @@ def _event_bars(score: Score) -> list[_Bar]:
 
 def _chords(vocal: Voice) -> list:
     chords = []
-    for (when, symbol), line in zip(vocal.chords, vocal.chord_lines):
+    for (when, symbol), (line, _) in zip(vocal.chords, vocal.chord_places):
         if chords and chords[-1][0] == when:
             if chords[-1][1] != symbol:
                 raise _fail(line, f"two different chord symbols at the same time ({chords[-1][1]!r}, {symbol!r})")
@@ -493,8 +527,30 @@ def _chords(vocal: Voice) -> list:
     return chords
 
 
+def _on_grid(quarters: Fraction) -> bool:
+    return _power_of_two((quarters / 4).denominator)
+
+
+def _refuse_off_grid(vocal: Voice, kept_ins: list) -> None:
+    """Refuse the first event whose onset or length no L:1/N (N a power of two up to FINEST_UNIT) writes (only a
+    tuplet makes one): Vocal's notes and chords first, in time order, then the kept Ins pieces `(onset, length,
+    line, where)`; an off-grid Ins piece is its Ins note's own, or cut by an off-grid vocal note, named first."""
+    vocal_events = sorted([(t, d, line, f"{where}: a note") for (t, _, d), (line, where) in
+                           zip(vocal.notes, vocal.note_places)]
+                          + [(t, None, line, f"{where}: a chord symbol {symbol!r}") for (t, symbol), (line, where) in
+                             zip(vocal.chords, vocal.chord_places)], key=lambda event: (event[0], event[2]))
+    events = vocal_events + [(t, d, line, f"{where}: a note") for t, d, line, where in sorted(kept_ins)]
+    for onset, length, line, what in events:
+        if not _on_grid(onset) or (length is not None and not _on_grid(length)):
+            lasting = f" lasting {length} quarter notes" if length is not None else ""
+            raise _fail(line, f"{what} at quarter {onset}{lasting} is off the power-of-two grid (no L:1/N with N "
+                              f"a power of two up to {FINEST_UNIT} writes it); upstream's recipe refuses a rhythm "
+                              "outside its training grid: quantize the tuplet")
+
+
 def _unit(bars: list[_Bar], notes: list, chords: list) -> int:
-    """Upstream's unit: L:1/32, made finer until every meter's beat quarter and every onset and length fits."""
+    """Upstream's unit: L:1/32, made finer until every meter's beat quarter and every onset and length fits (the
+    events are on the grid: `_refuse_off_grid`)."""
     unit = BASE_UNIT
     for bar in bars:
         unit = lcm(unit, 4 * bar.meter[1])
@@ -520,7 +576,7 @@ def edit_score(text: str) -> ScoreEdit:
         raise _fail(min(score.music_lines), "the score has no sounding notes (Vocal and Ins hold only rests)")
     occupied = [(t, t + d) for t, _, d in vocal.notes]
     merged = [list(n) for n in vocal.notes]
-    trimmed, unchanged = [], 0
+    trimmed, unchanged, kept_ins = [], 0, []
     for index, (start, pitch, duration) in enumerate(ins.notes):
         pieces = _outside(start, duration, occupied)
         if pieces == [(start, start + duration)]:
@@ -529,9 +585,11 @@ def edit_score(text: str) -> ScoreEdit:
             trimmed.append({"ins_note": index, "onset": str(start), "pitch": pitch, "duration": str(duration),
                             "kept": [[str(a), str(b - a)] for a, b in pieces]})
         merged.extend([a, pitch, b - a] for a, b in pieces)
+        kept_ins += [(a, b - a, *ins.note_places[index]) for a, b in pieces]
     merged.sort()
     bars = _event_bars(score)
     chords = _chords(vocal)
+    _refuse_off_grid(vocal, kept_ins)
     unit = _unit(bars, merged, chords)
     edited = _write(bars, merged, chords, score.bpm, unit)
     check = read_score(edited)  # upstream reads its output back: the same notes, harmony, grid and tempo
