@@ -5,6 +5,7 @@ import shutil
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -226,7 +227,8 @@ def test_song_on_vllm_and_recorded_fallbacks(vllm_pipe, monkeypatch):
     off = vllm_pipe(SongRequest("pop", "la", cot="off", id="v2"))
     assert off.timing["semantic"]["backend_actual"] == "vllm" and off.timing["semantic"]["cfg_branches"] == 2
     assert off.timing["semantic"]["fallback_reason"] is None
-    monkeypatch.setattr(vllm_pipe, "cfg_engine", "torch")  # the documented switch back to the torch CFG path
+    options = vllm_pipe.options  # --cfg-engine torch, the documented switch back to the torch CFG path
+    monkeypatch.setattr(vllm_pipe, "options", replace(options, ar=replace(options.ar, cfg_engine="torch")))
     guided = vllm_pipe(SongRequest("pop", "la", cfg_scale=1.5, id="v3"))
     assert guided.timing["abc"]["backend_actual"] == "vllm"
     assert guided.timing["semantic"]["backend_actual"] == "torch"

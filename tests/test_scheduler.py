@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -140,7 +141,8 @@ def artifacts_or_none(directory):
 
 @needs_vllm
 def test_torch_lane_songs_run_beside_engine_songs(pipe, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipe, "cfg_engine", "torch")  # CFG songs on the torch lane
+    options = pipe.options  # --cfg-engine torch: CFG songs on the torch lane
+    monkeypatch.setattr(pipe, "options", replace(options, ar=replace(options.ar, cfg_engine="torch")))
     guided = SongRequest("jazz", "oh", seed=3, cfg_scale=1.5, id="guided")
     with SongScheduler(pipe, concurrency=3) as scheduler:
         handles = [scheduler.submit(r, tmp_path / r.id) for r in [guided] + songs(2, prefix="p")]

@@ -188,7 +188,7 @@ class YuE2Pipeline:
         """`(backend, fallback_reason)`: vLLM whenever it can serve, else torch with the reason why not."""
         if self.backend_requested == "torch":
             return self.torch_backend, None
-        vllm, reason = self.engine_life.select(cfg_scale, legacy_off)
+        vllm, reason = self.engine_life.select(cfg_scale, legacy_off, self.options.ar.cfg_engine)
         return (vllm, None) if vllm is not None else (self.torch_backend, reason)
 
     # -- memory admission and placement (song/admission.py, song/models.py)

@@ -136,6 +136,7 @@ class SongSetup:
         from ..devices import resolve_device
         from ..pipeline import YuE2Pipeline, check_kv_form
 
+        check_device(self.device.device)  # again on a replica: its machine, not the head's
         model, vae = self.sources if self.sources is not None else self.weights.resolve()
         ar, engine = self.ar, self.engine
         if engine.kv_cache_dtype != "auto":  # refused naming the flag, before anything loads
@@ -182,12 +183,9 @@ def song_setup(args, need_vae: bool = True, patterns: tuple | None = None) -> So
     """A song command's `SongSetup` from its flags (the model flags, `--config`, --concurrency as the engine's rows):
     the embedded tiny default with its 10-second budgets when --model and --vae are both left out, else upstream's
     names (model_names); `--backend` left out is default_backend's choice for these weights."""
-    from ..pipeline import device_problem
     from ..testing import TINY_GENERATION
 
-    problem = device_problem(args.device)
-    if problem is not None:
-        raise UsageError(f"--device {args.device}: {problem}")
+    check_device(args.device)
     generation = read_json_file(Path(args.config), "--config") if args.config else None
     weights = Weights.of(args, need_vae)
     model_dir, vae_dir = weights.resolve(patterns)
@@ -212,6 +210,15 @@ def song_setup(args, need_vae: bool = True, patterns: tuple | None = None) -> So
     return SongSetup(weights, (model_dir, vae_dir), generation,
                      LoadOptions(ar_checkpoint=checkpoint, verify_hashes=args.verify_hashes), ar, engine,
                      DeviceOptions(device=args.device, budget_gib=args.budget, offload_ar=args.offload_ar))
+
+
+def check_device(device: str) -> None:
+    """`--device`, refused (naming the flag) when this machine cannot run it."""
+    from ..devices import device_problem
+
+    problem = device_problem(device)
+    if problem is not None:
+        raise UsageError(f"--device {device}: {problem}")
 
 
 def head_files(model_dir, vae_dir) -> dict:

@@ -192,13 +192,13 @@ class EngineLife:
             self._prestart = None
         return self._prestart_error
 
-    def select(self, cfg_scale: float, legacy_off: bool):
+    def select(self, cfg_scale: float, legacy_off: bool, cfg_engine: str):
         """`(vllm, None)` whenever the engine can serve, else `(None, reason)`: the song runs on torch.
 
         An engine that never started is a recorded fallback; one that died is restarted (bounded) and
         a song it cannot serve any more fails with `EngineError`, never silently on another backend.
         """
-        if (cfg_scale != 1.0 or legacy_off) and self.inputs.options.ar.cfg_engine == "torch":
+        if (cfg_scale != 1.0 or legacy_off) and cfg_engine == "torch":
             what = f"cfg_scale {cfg_scale} ≠ 1" if cfg_scale != 1.0 else "cot=off legacy sampling"
             return None, f"{what}: paired CFG on vLLM is switched off (--cfg-engine torch)"
         from ..engine.backend import EngineError, EngineStartAborted
