@@ -14,6 +14,7 @@ from yue2_vllm.instrumental import (PLANNING_LYRICS, SECTIONS, ScoreError, edit_
                                     lyric_tags, plan_steps, read_score, render_request)
 from yue2_vllm.protocol import SongRequest
 from yue2_vllm.request_json import UsageError, request_from_json
+from yue2_vllm.options import AROptions, EngineOptions, LoadOptions
 
 
 def header(key="G", unit=32, meter="4/4", bpm=100, extra_voice=""):
@@ -306,7 +307,8 @@ def pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
     from yue2_vllm.pipeline import YuE2Pipeline
 
     cache = HashCache(tmp_path_factory.mktemp("hashes") / "cache.json")
-    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, hash_cache=cache)
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                        load=LoadOptions(hash_cache=cache))
 
 
 def test_an_instrumental_song_on_the_torch_backend_records_each_step_and_resumes(pipe, tmp_path):
@@ -411,7 +413,7 @@ from yue2_vllm.engine.backend import vllm_version  # noqa: E402
 def test_an_instrumental_song_on_vllm_is_its_render_request_song(tiny_model_dir, tiny_vae_dir, tmp_path):
     from yue2_vllm.pipeline import YuE2Pipeline
 
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION) as pipe:
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(backend="vllm")) as pipe:
         request = SongRequest("jazz", "", abc=SCORE, instrumental=True, seed=9, id="v")
         document = pipe.generate_to(tmp_path / "v", request)
         assert document["status"] == "complete"
@@ -486,8 +488,9 @@ def test_under_reproducible_an_instrumental_song_is_its_seeds_song_whatever_else
 
     mine = SongRequest("jazz", "", abc=SCORE, instrumental=True, seed=21, id="mine")
     others = [SongRequest("pop", f"la la {i}", seed=i, id=f"o{i}", cot="off") for i in range(4)]
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
-                      engine_options={"max_num_seqs": 8, "max_num_batched_tokens": 64}, reproducible=True) as pipe:
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                      ar=AROptions(backend="vllm", reproducible=True),
+                      engine=EngineOptions(max_num_seqs=8, max_num_batched_tokens=64)) as pipe:
         alone = generate_many(pipe, [mine], tmp_path / "alone", concurrency=1)
         together = generate_many(pipe, [mine, *others], tmp_path / "together", concurrency=5)
     assert {h.state for h in [*alone, *together]} == {"complete"}

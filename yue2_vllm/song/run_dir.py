@@ -122,7 +122,7 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
         start = time.perf_counter()
         latents = (synthesizer or song.synthesize)(semantic, cancelled=cancelled, on_progress=on_progress)
         return {"latent.npy": art.npy_bytes(latents)}, {"nar_seconds": time.perf_counter() - start,
-                                                        "offload_ar": song.offload_ar,
+                                                        "offload_ar": song.options.device.offload_ar,
                                                         "peak_memory_bytes": peak_memory_bytes(song.device),
                                                         **semantic.synthesis}
 
