@@ -47,12 +47,12 @@ def song_length(args) -> dict:
     chunks that song is rendered in."""
     from ..protocol import (CONTEXT, TOKENS_PER_SECOND, GenerationConfig, SongRequest, SongRules, chunk_ranges,
                             tokens_seconds)
-    from ..testing import TINY_GENERATION, tiny_default
+    from ..testing import TINY_GENERATION
     from ..tokenizer import YuE2Tokenizer
 
-    sources = model_sources(args)
-    model_dir = (sources or tiny_default())[0]
-    generation = GenerationConfig.from_dict(TINY_GENERATION if sources is None else None)
+    weights = Weights.of(args)
+    model_dir = weights.resolve()[0]
+    generation = GenerationConfig.from_dict(TINY_GENERATION if weights.model is None else None)
     rules = SongRules(generation, YuE2Tokenizer.from_model_dir(Path(model_dir)))
     shortest = SongRequest("pop", "la")
     longest = {"with_a_generated_score": rules.longest_song(shortest),

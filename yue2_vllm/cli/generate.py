@@ -206,7 +206,7 @@ def cmd_continue(args) -> int:
         message = str(exc).removeprefix("seconds: ")
         flag = "--id" if "SongRequest.id" in message else "--seconds"
         raise UsageError(f"{flag}: {message}") from None
-    with _pipeline(args) as pipe:
+    with song_setup(args).pipeline() as pipe:
         status = run_song(pipe, request, parent.overrides(), Path(args.output) / request.id, resume=args.resume,
                           stage="audio", quiet=args.quiet, parent=parent)
     print_status(status)
