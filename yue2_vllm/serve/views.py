@@ -14,6 +14,7 @@ from ..scheduler import STATES
 from .errors import Conflict, NotFound, RequestInvalid
 from .picture import PICTURE_VERSION, song_picture
 from .store import JobRecord
+from .submission import song_length
 from .take_jobs import take_info
 
 PICTURE_CACHE = "page-cache/picture.json"  # a directory: never among a run's artifacts
@@ -44,6 +45,10 @@ class Views:
 
     def document(self, job_id: str) -> dict:
         return self.describe(self.get_record(job_id))
+
+    def song_length(self, body: bytes) -> dict:
+        """POST /v1/songs/length: the longest song a body can reach and whether its own length fits."""
+        return song_length(self.rules, body, self.config.max_takes)
 
     def describe(self, record: JobRecord) -> dict:
         """A job as GET /v1/songs/{id} shows it."""
