@@ -174,25 +174,25 @@ def test_a_capped_phase_continued_is_the_phase_with_the_larger_budget(tiny_model
 
     backend = TorchARBackend(tiny_model, execution)
     kwargs = {"negative": PREFIX[:5] + [MUSIC_START], "cfg_scale": cfg_scale} if cfg_scale != 1.0 else {}
-    longer, shorter = Sampling(min_tokens=12, max_tokens=30), Sampling(min_tokens=12, max_tokens=15)
+    longer, shorter = Sampling(min_tokens=6, max_tokens=20), Sampling(min_tokens=6, max_tokens=8)
     full = backend.generate(PREFIX, longer, 5, "semantic", **kwargs)
     capped = backend.generate(PREFIX, shorter, 5, "semantic", **kwargs)
     assert capped.truncated and capped.rng_state is not None
     if execution == "eager":
-        assert capped.ids == full.ids[:15]
+        assert capped.ids == full.ids[:8]
     for state in (capped.rng_state, None):
         streamed = []
         continued = backend.generate(PREFIX, longer, 5, "semantic", **kwargs,
-                                     continuation=ARContinuation(full.ids[:15], state, "cpu" if state else None),
+                                     continuation=ARContinuation(full.ids[:8], state, "cpu" if state else None),
                                      on_token=lambda phase, token: streamed.append(token))
         assert (continued.ids, continued.truncated, continued.rng_state) == (full.ids, full.truncated, full.rng_state)
-        assert streamed == full.ids[15:] + ([] if full.truncated else [MUSIC_END])  # the replay streams nothing
+        assert streamed == full.ids[8:] + ([] if full.truncated else [MUSIC_END])  # the replay streams nothing
         timing = continued.timing
         assert timing["mean_logprob"] == full.timing["mean_logprob"]  # of every token, the replayed ones too
         assert (timing["continued_tokens"], timing["output_tokens"], timing["rng_device"]) == \
-            (15, full.timing["output_tokens"] - 15, "cpu")
+            (8, full.timing["output_tokens"] - 8, "cpu")
         assert timing["continuation"] == "replayed (generator " + ("restored)" if state else "redrawn)")
-    with pytest.raises(ValueError, match="max_tokens 15 leaves nothing to continue after 15 tokens"):
+    with pytest.raises(ValueError, match="max_tokens 8 leaves nothing to continue after 8 tokens"):
         backend.generate(PREFIX, shorter, 5, "semantic", continuation=ARContinuation(capped.ids))
     with pytest.raises(ValueError, match=r"continuation's tokens\[1\] = 184621 is not a semantic id"):
         backend.generate(PREFIX, longer, 5, "semantic", continuation=ARContinuation([CODEC_OFFSET, 184621]))

@@ -98,6 +98,24 @@ def test_the_song_scheduler_continues_a_song_its_overrides_name(pipe, songs, tmp
     assert (tmp_path / "job" / "audio.flac").read_bytes() == (songs / "longer" / "audio.flac").read_bytes()
 
 
+def test_an_instrumental_song_continues_to_its_longer_song(tiny_model_dir, tiny_vae_dir, tmp_path):
+    """The recipe's steps are the parent's (copied), its render request with the longer length, in the plan's
+    record and instrumental.json as the longer request writes them; the song is the longer request's."""
+    from test_instrumental import SCORE
+
+    generation = {key: value for key, value in GENERATION.items() if key != "context"}  # a score's longer prompt
+    request = SongRequest("jazz", "", abc=SCORE, instrumental=True, seed=21, id="ins", seconds=0.8)
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=generation) as plain:
+        plain.generate_to(tmp_path / "ins", request)
+        longer = plain.generate_to(tmp_path / "longer", replace(request, seconds=1.6, id="ins.1.6s"))
+        result = plain.continue_song(tmp_path / "ins", tmp_path / "ins.1.6s", 1.6)
+    for name in ("instrumental.json", "planned.abc", "score.abc", "prefix.npy", "semantic.npy", "audio.flac"):
+        assert (tmp_path / "ins.1.6s" / name).read_bytes() == (tmp_path / "longer" / name).read_bytes(), name
+    assert result["identity"] == longer["identity"] and result["instrumental"] is True
+    record = json.loads((tmp_path / "ins.1.6s" / "instrumental.json").read_text())
+    assert record["render_request"]["seconds"] == 1.6
+
+
 def _copy(songs, tmp_path, edit=None):
     copy = tmp_path / "parent"
     shutil.copytree(songs / "song", copy)

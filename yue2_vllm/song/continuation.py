@@ -77,15 +77,18 @@ class ParentSong:
                               timing.get("backend_actual"))
 
     def child_plan(self, child: SongRequest) -> tuple[dict[str, bytes], dict]:
-        """The plan stage of the continued song: the parent's files and meta, an instrumental's render request
-        (in its record and instrumental.json) with the child's `seconds`, as the longer request's would be."""
+        """The plan stage of the continued song: the parent's files and meta; an instrumental's planning and render
+        requests (in its record and instrumental.json) with the child's id and `seconds`, as the longer request
+        writes them."""
         files, meta = dict(self.plan_files), dict(self.plan_meta)
         record = meta.get("instrumental")
         if record:
-            render = {k: v for k, v in record["render_request"].items() if k != "seconds"}
-            if child.seconds is not None:
-                render["seconds"] = child.seconds
-            record = {**record, "render_request": render}
+            record = dict(record)
+            for key in ("planning_request", "render_request"):
+                if record.get(key) is not None:  # the song's own request with its recipe's changes: id, seconds too
+                    steps = {**record[key], "id": child.id}
+                    steps.pop("seconds", None)
+                    record[key] = {**steps, **({"seconds": child.seconds} if child.seconds is not None else {})}
             meta["instrumental"] = record
             files["instrumental.json"] = (json_text(record, indent=2) + "\n").encode("utf-8")
         return files, meta
