@@ -18,7 +18,7 @@ from .. import artifacts as art
 from ..checkpoint import json_text, read_json
 from ..model.sampling import ARContinuation
 from ..protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, SongRequest, seconds_for_tokens, seconds_tokens,
-                        tokens_seconds, valid_song_id)
+                        tokens_seconds)
 
 RNG_FILE = "semantic_rng.npy"  # the torch backend's generator state after a capped song's last token
 CONTINUE_KEY = "continue"  # a song's overrides under it name the capped song it continues: {"directory", ...}
