@@ -1042,6 +1042,8 @@ def test_seconds_caps_a_song_and_continue_makes_the_longer_one(tiny_model_dir, t
     assert "--seconds: 0.1 caps the song at 2 tokens, and it has 5 (0.2 s) already" in capsys.readouterr().err
     assert main(["generate", *flags, "--continue", str(tmp_path / "out" / "s"), "--seconds", "1", "--id", "../x"]) == 2
     assert "--id: SongRequest.id must match" in capsys.readouterr().err
+    assert main(["generate", *flags, "--continue", str(tmp_path / "out" / "s"), "--seconds", "1e309"]) == 2
+    assert "--seconds: seconds must be a positive number of seconds, got inf" in capsys.readouterr().err
     assert (tmp_path / "fresh" / "s.0.4s" / "audio.flac").read_bytes() == \
         (tmp_path / "out" / "s.0.4s" / "audio.flac").read_bytes()
     # a take is a song like any other: take 2 (seed 4) of a capped job continues to take 2's longer song
@@ -1073,6 +1075,7 @@ def test_seconds_caps_a_song_and_continue_makes_the_longer_one(tiny_model_dir, t
     (["--continue", "{tmp}/none", "--seconds", "2"], "continue: {tmp}/none: is not a song's directory"),
     (["--seconds", "0"], "--seconds: SongRequest.seconds must be a positive number of seconds, got 0.0"),
     (["--seconds", "1000"], "--seconds: SongRequest.seconds must be at most 983.04"),
+    (["--seconds", "inf"], "--seconds: SongRequest.seconds must be a positive number of seconds, got inf"),
 ])
 def test_seconds_and_continue_refusals_are_one_line_naming_the_flag(argv, message, tiny_model_dir, tiny_vae_dir,
                                                                     config_file, tmp_path, capsys):

@@ -114,12 +114,12 @@ def check_seconds(value, what: str = "seconds") -> float:
     """A song length in seconds as a float: a finite number > 0 that caps at least one token and fits the context."""
     if not _is_real(value) or not value > 0:
         raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+    if value > MAX_SECONDS:  # first: 1e308 seconds would overflow the count
+        raise ValueError(f"{what} must be at most {MAX_SECONDS:g} (the whole {CONTEXT}-token context at "
+                         f"{TOKENS_PER_SECOND} tokens a second), got {value!r}")
     if seconds_tokens(value) < 1:
         raise ValueError(f"{what} must be at least {1 / TOKENS_PER_SECOND:g} (one semantic token at "
                          f"{TOKENS_PER_SECOND} a second), got {value!r}")
-    if value > MAX_SECONDS:
-        raise ValueError(f"{what} must be at most {MAX_SECONDS:g} (the whole {CONTEXT}-token context at "
-                         f"{TOKENS_PER_SECOND} tokens a second), got {value!r}")
     return float(value)
 
 

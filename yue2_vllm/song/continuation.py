@@ -17,8 +17,8 @@ from pathlib import Path
 from .. import artifacts as art
 from ..checkpoint import json_text, read_json
 from ..model.sampling import ARContinuation
-from ..protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, SongRequest, seconds_for_tokens, seconds_tokens,
-                        tokens_seconds)
+from ..protocol import (CODEC_OFFSET, CODEC_SIZE, GenerationConfig, SongRequest, check_seconds, seconds_for_tokens,
+                        seconds_tokens, tokens_seconds)
 
 RNG_FILE = "semantic_rng.npy"  # the torch backend's generator state after a capped song's last token
 CONTINUE_KEY = "continue"  # a song's overrides under it name the capped song it continues: {"directory", ...}
@@ -64,6 +64,7 @@ class ParentSong:
 
     def child_request(self, seconds: float, song_id: str | None = None) -> SongRequest:
         """The parent's request with the longer `seconds` (and a new id: `<parent id>.<seconds>s` by default)."""
+        seconds = check_seconds(seconds)
         cap = seconds_tokens(seconds)
         if cap <= len(self.tokens):
             raise ContinueRefused(f"seconds: {seconds:g} caps the song at {cap} tokens, and it has {len(self.tokens)} "
