@@ -1,14 +1,15 @@
 """Where a decode step's time goes, with the phase-sliced lm_head and with vLLM's own full head, side by side.
 
 One in-process vLLM engine (the V1 runner, our model `YuE2ARForCausalLM` and sampler, as the worker builds it)
-decodes `--rows` rows of one phase after a 512-token prompt; `compute_logits` runs either our sliced head or
-the full head exactly as vLLM's Qwen3 computes it (`mrv2_step.vllm_full_head`: the weight prepacked by vLLM's
-own CPU dispatch), alternating run by run. torch.profiler splits each step into the model's forward, the head
+decodes `--rows` rows of one phase after a 512-token prompt; `compute_logits` runs our sliced head, the full
+head exactly as vLLM's Qwen3 computes it (`mrv2_step.vllm_full_head`: the weight prepacked by vLLM's own CPU
+dispatch), or (`--heads ...,plain-slice`) the slice as it ran before issue 48 (a plain `F.linear` on the weight's
+rows into a −inf buffer), alternating run by run. torch.profiler splits each step into the model's forward, the head
 (`compute_logits`), the sampler (vLLM's, with our logits processor) and the rest (scheduler, engine), and lists
 the ops inside the head. Medians over `--repeats`; speeds drift on a shared machine, so read the ratios.
 
     python bench/profile_head.py [--model one-layer|DIR] [--dtype bfloat16] [--rows 1,8] [--steps 16]
-                                 [--repeats 3] [--top 6] [--workdir DIR]
+                                 [--heads sliced,full,plain-slice] [--repeats 3] [--top 6] [--workdir DIR]
 """
 from __future__ import annotations
 
@@ -24,6 +25,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PARTS = ("forward", "head", "sampler")
+HEADS = ("sliced", "full", "plain-slice")
+
+
+def plain_slice_logits(model, hidden):
+    """The slice as it ran before issue 48: `F.linear` on the phase's rows of the unpacked weight, into −inf."""
+    import torch.nn.functional as F
+
+    phases = model._row_phases(len(hidden))
+    if phases is None:
+        return model.logits_processor(model.lm_head, hidden)
+    logits = torch_full_inf(len(hidden), model.config.vocab_size, hidden)
+    for phase, index in phases.items():
+        low, high = (0, model.config.vocab_size) if phase is None else model.lm_head.quant_method.head.columns(phase)
+        logits[index, low:high] = F.linear(hidden[index], model.lm_head.weight[low:high])
+    return logits
+
+
+def torch_full_inf(rows: int, columns: int, like):
+    import torch
+
+    return torch.full((rows, columns), float("-inf"), dtype=like.dtype, device=like.device)
 
 
 def build(checkpoint: Path, dtype: str, max_rows: int):
@@ -52,6 +74,8 @@ def labelled(mode: dict):
         with torch.profiler.record_function("head"):
             if mode["head"] == "full":
                 return self.logits_processor(vllm_full_head(self), hidden_states)
+            if mode["head"] == "plain-slice":
+                return plain_slice_logits(self, hidden_states)
             return saved[0](self, hidden_states)
 
     def forward(self, *args, **kwargs):
@@ -119,6 +143,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--heads", default="sliced,full", help=f"comma list of {', '.join(HEADS)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--workdir", default=None)
@@ -139,6 +164,9 @@ def main() -> None:
     model_dir = (one_layer_slice(workdir / "one-layer") if args.model == "one-layer"
                  else Path(args.model) if args.model else tiny_default()[0])
     rows = [int(r) for r in args.rows.split(",")]
+    heads = args.heads.split(",")
+    if set(heads) - set(HEADS) or "full" not in heads:
+        parser.error(f"--heads: a comma list of {', '.join(HEADS)} that names full")
     engine = build(derive_ar_checkpoint(model_dir, workdir / "arcache"), args.dtype, max(rows))
     mode = {"head": "sliced"}
     m = machine()
@@ -146,28 +174,28 @@ def main() -> None:
           f"{torch.get_num_threads()} thread(s), vLLM {m['vllm']}, torch {m['torch']}\n")
     print("Step ms: median of the unprofiled runs; forward / head / sampler / other: ms per step of one profiled run "
           "(its mean step in brackets).\n")
-    print("| phase | rows | head | step ms | sliced / full | forward | head | sampler | other |")
+    print("| phase | rows | head | step ms | / full | forward | head | sampler | other |")
     print("|---|---|---|---|---|---|---|---|---|")
     ops = []
     with labelled(mode):
         for phase in ("abc", "semantic"):
             for count in rows:
-                for head in ("sliced", "full"):  # warm both paths (kernel caches, the full head's packing)
+                for head in heads:  # warm every path (kernel caches, the full head's packing)
                     mode["head"] = head
                     decode(engine, phase, count, 2)
-                step = {"sliced": [], "full": []}
+                step: dict[str, list[float]] = {head: [] for head in heads}
                 for _ in range(args.repeats):
                     for head in step:
                         mode["head"] = head
                         step[head].append(statistics.median(decode(engine, phase, count, args.steps)) * 1e3)
                 medians = {head: statistics.median(values) for head, values in step.items()}
-                for head in ("sliced", "full"):
+                for head in heads:
                     mode["head"] = head
                     profiler = profile(activities=[ProfilerActivity.CPU])
                     profiled = statistics.mean(decode(engine, phase, count, args.steps, profiler)) * 1e3
                     parts, inside = breakdown(profiler, args.steps, args.top)
                     other = max(0.0, profiled - sum(parts.values()))
-                    ratio = f"{medians['sliced'] / medians['full']:.2f}" if head == "full" else ""
+                    ratio = f"{medians[head] / medians['full']:.2f}"
                     print(f"| {phase} | {count} | {head} | {medians[head]:.1f} | {ratio} | {parts['forward']:.1f} | "
                           f"{parts['head']:.1f} | {parts['sampler']:.1f} | {other:.1f} ({profiled:.1f}) |", flush=True)
                     ops.append((phase, count, head, inside))
