@@ -185,9 +185,9 @@ HEAD_NUMERICS = ("bf16", "reproducible")
 
 def bench_head(config: BenchConfig) -> dict:
     """The sliced vs the full lm_head, per phase at 1 and `concurrency` rows, side by side: decode tok/s on the vLLM
-    engine (bf16, and as `--reproducible` runs it) with the head sliced and switched off, alternating round by round
-    (`repeats` rounds; the ratio is the median of the per-round ratios: this machine's speed drifts over minutes),
-    and MRV2's model state + head + sampler (`engine.mrv2_step`, no forward) in the same two numerics."""
+    engine (bf16, and as `--reproducible` runs it) with the head sliced and switched off, alternating (`repeats`
+    times; the ratio is the median of the per-repeat ratios: this machine's speed drifts over minutes), and MRV2's
+    model state + head + sampler (`engine.mrv2_step`, no forward) in the same two numerics."""
     rows = []
     for numerics in HEAD_NUMERICS:
         rows += _engine_head_rows(config, numerics)
@@ -196,31 +196,62 @@ def bench_head(config: BenchConfig) -> dict:
 
 
 def _engine_head_rows(config: BenchConfig, numerics: str) -> list[dict]:
+    """Both engines resident and the cells alternating sliced/full where two engines fit in this host's memory (a
+    CPU engine), else one engine at a time, alternating round by round (a GPU's memory plan holds one engine)."""
     n = config.concurrency
     cells = [(phase, count) for phase in ("abc", "semantic") for count in (1, n)]
     rates: dict[tuple, dict[str, list[float]]] = {cell: {"sliced": [], "full": []} for cell in cells}
-    record: dict = {}
     path = "vllm-bf16" + ("-reproducible" if numerics == "reproducible" else "")
-    for _ in range(config.repeats):
-        for kind in ("sliced", "full"):
-            backend, _verdict = open_engine(config, path + ("-full-head" if kind == "full" else ""))
-            try:
+
+    def engine(kind: str):
+        return open_engine(config, path + ("-full-head" if kind == "full" else ""))[0]
+
+    def measure(backend, kind: str, phase: str, count: int) -> None:
+        run = run_ar(backend, phase, config.tokens, count)
+        rates[(phase, count)][kind].append(run["decode_tok_s"] if count == 1 else run["aggregate_tok_s"])
+
+    backends = {kind: engine(kind) for kind in ("sliced", "full")}
+    record = backends["sliced"].runner_record()
+    together = _fit_together(backends["sliced"])
+    try:
+        if together:
+            for backend in backends.values():
                 backend.start()
-                if kind == "sliced":
-                    record = backend.runner_record()
+        for _ in range(config.repeats):
+            if together:
                 for phase, count in cells:
-                    run = run_ar(backend, phase, config.tokens, count)
-                    rates[(phase, count)][kind].append(run["decode_tok_s"] if count == 1 else run["aggregate_tok_s"])
-            finally:
-                backend.close()
+                    for kind, backend in backends.items():
+                        measure(backend, kind, phase, count)
+                continue
+            for kind in backends:
+                backends[kind] = engine(kind)
+                backends[kind].start()
+                for phase, count in cells:
+                    measure(backends[kind], kind, phase, count)
+                backends[kind].close()
+    finally:
+        for backend in backends.values():
+            backend.close()
     rows = []
     for (phase, count), measured in rates.items():
         ratios = [s / f for s, f in zip(measured["sliced"], measured["full"])]
-        rows.append({"runner": record.get("vllm_runner"), "numerics": numerics, "phase": phase, "rows": count,
+        rows.append({"runner": record["vllm_runner"], "numerics": numerics, "phase": phase, "rows": count,
                      "sliced_tok_s": median(measured["sliced"]), "full_tok_s": median(measured["full"]),
-                     "sliced_over_full": median(ratios),
-                     "choice": (record.get("sliced_head_phases") or {}).get(phase) or record.get("sliced_head_reason")})
+                     "sliced_over_full": median(ratios), "alternated": "per cell" if together else "per round",
+                     "choice": (record["sliced_head_phases"] or {}).get(phase) or record["sliced_head_reason"]})
     return rows
+
+
+def _fit_together(backend) -> bool:
+    """Whether two such engines fit in host memory at once, with a fifth to spare (CPU engines only; each counted as
+    its plan plus its weights again, for the copies vLLM-CPU packs)."""
+    from .checkpoint import weights_bytes
+    from .memory import read_meminfo
+
+    if backend.settings.device_type != "cpu":
+        return False
+    one = backend.plan.engine + weights_bytes(backend.settings.checkpoint.path)
+    return 2 * one < 0.8 * read_meminfo().get("MemAvailable", 0)
 
 
 def _mrv2_head_rows(config: BenchConfig) -> list[dict]:
