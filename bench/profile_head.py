@@ -4,9 +4,10 @@ One in-process vLLM engine (the V1 runner, our model `YuE2ARForCausalLM` and sam
 decodes `--rows` rows of one phase after a 512-token prompt; `compute_logits` runs our sliced head, the full
 head exactly as vLLM's Qwen3 computes it (`mrv2_step.vllm_full_head`: the weight prepacked by vLLM's own CPU
 dispatch), or (`--heads ...,plain-slice`) the slice as it ran before issue 48 (a plain `F.linear` on the weight's
-rows into a −inf buffer), alternating run by run. torch.profiler splits each step into the model's forward, the head
-(`compute_logits`), the sampler (vLLM's, with our logits processor) and the rest (scheduler, engine), and lists
-the ops inside the head. Medians over `--repeats`; speeds drift on a shared machine, so read the ratios.
+rows into a −inf buffer), the heads taking turns step by step, so that the machine's drift falls on all of them
+alike (step ms: the median over `--repeats` runs of each head's steps). Then one profiled run per head:
+torch.profiler splits its steps into the model's forward, the head (`compute_logits`), the sampler (vLLM's,
+with our logits processor) and the rest (scheduler, engine), and lists the ops inside the head.
 
     python bench/profile_head.py [--model one-layer|DIR] [--dtype bfloat16] [--rows 1,8] [--steps 16]
                                  [--heads sliced,full,plain-slice] [--repeats 3] [--top 6] [--workdir DIR]
@@ -93,8 +94,9 @@ def labelled(mode: dict):
         YuE2ARForCausalLM.compute_logits, YuE2ARForCausalLM.forward, Sampler.forward = saved
 
 
-def decode(engine, phase: str, rows: int, steps: int, profiler=None) -> list[float]:
-    """Seconds of each decode step of `rows` fresh requests of `phase` (their prefill steps excluded)."""
+def decode(engine, phase: str, rows: int, steps: int, profiler=None, turns=None) -> list[float]:
+    """Seconds of each decode step of `rows` fresh requests of `phase` (their prefill steps excluded); `turns`,
+    if given, is called with each step's index before the step (to switch heads)."""
     from yue2_vllm.bench import prompts
     from yue2_vllm.engine.plugin import row_args
     from yue2_vllm.engine.worker import sampling_params
@@ -112,6 +114,8 @@ def decode(engine, phase: str, rows: int, steps: int, profiler=None) -> list[flo
     if profiler is not None:
         profiler.__enter__()
     while engine.has_unfinished_requests():
+        if turns is not None:
+            turns(len(times))
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
@@ -172,8 +176,9 @@ def main() -> None:
     m = machine()
     print(f"# decode step profile: {args.model or 'tiny default'}, {args.dtype}, {m['cpu_isa']}, "
           f"{torch.get_num_threads()} thread(s), vLLM {m['vllm']}, torch {m['torch']}\n")
-    print("Step ms: median of the unprofiled runs; forward / head / sampler / other: ms per step of one profiled run "
-          "(its mean step in brackets).\n")
+    print("Step ms: the median over the unprofiled runs of each head's median step (the heads take turns step by "
+          "step); forward / head / sampler / other: ms per step of one profiled run per head (its mean step in "
+          "brackets).\n")
     print("| phase | rows | head | step ms | / full | forward | head | sampler | other |")
     print("|---|---|---|---|---|---|---|---|---|")
     ops = []
@@ -184,10 +189,13 @@ def main() -> None:
                     mode["head"] = head
                     decode(engine, phase, count, 2)
                 step: dict[str, list[float]] = {head: [] for head in heads}
-                for _ in range(args.repeats):
-                    for head in step:
-                        mode["head"] = head
-                        step[head].append(statistics.median(decode(engine, phase, count, args.steps)) * 1e3)
+                for repeat in range(args.repeats):
+                    def turn(index: int, repeat: int = repeat) -> None:
+                        mode["head"] = heads[(index + repeat) % len(heads)]
+                    times = decode(engine, phase, count, args.steps * len(heads), turns=turn)
+                    for head_index, head in enumerate(heads):
+                        own = [t for i, t in enumerate(times) if (i + repeat) % len(heads) == head_index]
+                        step[head].append(statistics.median(own) * 1e3)
                 medians = {head: statistics.median(values) for head, values in step.items()}
                 for head in heads:
                     mode["head"] = head

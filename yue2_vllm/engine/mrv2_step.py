@@ -144,10 +144,10 @@ class SlotRunner:
 def head_rates(checkpoint: Path, dtype: str, rows: tuple[int, ...], steps: int, repeats: int,
                phases: tuple[str, ...] = ("abc", "semantic")) -> dict:
     """Decode steps of `rows` YuE2 rows of each phase through MRV2's model state, head and sampler (no forward: the
-    hidden states are random): tok/s with the sliced and with vLLM's own full head, sliced and full alternating
-    within each repeat, medians of `repeats`, and their ratio. Torch runs on the engine worker's share of the cores
-    (`worker_process.cpu_split`), as an engine here would: with every core, each parallel op waits at its barrier
-    for the core the other side holds."""
+    hidden states are random): tok/s with the sliced and with vLLM's own full head, the two heads taking turns step
+    by step (the machine's drift falls on both alike), medians of `repeats` runs, and their ratio. Torch runs on the
+    engine worker's share of the cores (`worker_process.cpu_split`), as an engine here would: with every core, each
+    parallel op waits at its barrier for the core the other side holds."""
     from .head import choice_record
     from .worker_process import cpu_split
 
@@ -159,12 +159,9 @@ def head_rates(checkpoint: Path, dtype: str, rows: tuple[int, ...], steps: int, 
             result["choice"] = choice_record(model.config.hidden_size, model.config.vocab_size, max(rows))
             for phase in phases:
                 for count in rows:
-                    measured: dict[str, list[float]] = {"sliced": [], "full": []}
-                    for repeat in range(repeats):
-                        for kind in measured:
-                            measured[kind].append(_step_rate(model, state, getattr(torch, dtype), count, steps,
-                                                             kind == "sliced", repeat, phase))
-                    rates = {kind: statistics.median(values) for kind, values in measured.items()}
+                    measured = [_step_rates(model, state, getattr(torch, dtype), count, steps, repeat, phase)
+                                for repeat in range(repeats)]
+                    rates = {kind: statistics.median(m[kind] for m in measured) for kind in ("sliced", "full")}
                     result[f"{phase}_tok_s_x{count}"] = rates
                     result[f"{phase}_sliced_over_full_x{count}"] = rates["sliced"] / rates["full"]
         return result
@@ -172,25 +169,29 @@ def head_rates(checkpoint: Path, dtype: str, rows: tuple[int, ...], steps: int, 
         torch.set_num_threads(threads)
 
 
-def _step_rate(model, state, dtype: torch.dtype, count: int, steps: int, sliced: bool, seed: int,
-               phase: str = "semantic") -> float:
-    """tok/s of `steps` decode steps of `count` fresh rows of `phase` (model state, head, sampler, commit)."""
+def _step_rates(model, state, dtype: torch.dtype, count: int, steps: int, seed: int,
+                phase: str = "semantic") -> dict[str, float]:
+    """tok/s of `count` fresh rows of `phase` over `steps` decode steps with each head (model state, head, sampler,
+    commit), the sliced and the full head taking turns step by step; each head's rate from its median step."""
     from vllm import SamplingParams
 
     from ..protocol import ABC_START, MUSIC_START, Sampling
     from .mrv2 import YuE2SamplerV2
     from .plugin import row_args
 
-    runner = SlotRunner(YuE2SamplerV2, model, state, dtype, count, 32 + steps)
-    sampling = Sampling(min_tokens=steps, max_tokens=steps)
+    runner = SlotRunner(YuE2SamplerV2, model, state, dtype, count, 32 + 2 * steps)
+    sampling = Sampling(min_tokens=2 * steps, max_tokens=2 * steps)
     prompt = [1, 2, ABC_START] if phase == "abc" else [1, 2, MUSIC_START]
-    slots = [runner.add(prompt, SamplingParams(temperature=0, max_tokens=steps, extra_args=row_args(
+    slots = [runner.add(prompt, SamplingParams(temperature=0, max_tokens=2 * steps, extra_args=row_args(
         phase, sampling, 100 + i))) for i in range(count)]
     generator = torch.Generator().manual_seed(seed)
     hidden = [torch.randn(count, model.config.hidden_size, generator=generator).to(dtype) for _ in range(4)]
-    start = time.perf_counter()
-    for step in range(steps):
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for step in range(2 * steps):
+        sliced = (step + seed) % 2 == 0
+        start = time.perf_counter()
         tokens = runner.step(runner.logits(hidden[step % 4], slots, sliced), slots).argmax(dim=1)
         for slot, token in zip(slots, tokens.tolist()):
             runner.commit(slot, token)
-    return count * steps / (time.perf_counter() - start)
+        times[sliced].append(time.perf_counter() - start)
+    return {"sliced": count / statistics.median(times[True]), "full": count / statistics.median(times[False])}
