@@ -40,7 +40,7 @@ the GPU machines of this project do not have, so it is skipped there with the re
 * `engine.sliced_head`: bench's `head` rows for a GPU: a decode step's head + sampler with the phase-sliced head
   (`engine.head.PhaseHead`, each phase's choice) vs the full head, per phase at 1/8/64 rows, in bf16, vLLM's
   batch-invariant bf16 (where vLLM imports) and float32 at 2048 x 184,704 (tok/s, ratio, choice, max |Δ|, equal
-  tokens); with `--quick` or no CUDA, small shapes on the CPU.
+  tokens); with `--quick` or no CUDA, small shapes.
 * `engine.mrv2_sliced_head`: Model Runner V2's sliced head (model state layout + `head.PhaseHead`) vs the
   full head in bf16 at 2048 x 184,704, M 1/8/64, semantic-only and half-abc batches (ms, ratio, host syncs).
 * `engine.runners`: the engine on each model runner with the tiny checkpoint (runner, async scheduling,
@@ -793,15 +793,16 @@ def engine_sliced_head(args) -> Rows:
     rows for a GPU): the phase-sliced head (`engine.head.PhaseHead`, each phase's choice for 64 rows, its parts
     views of the weight) vs the full head (one GEMM over all 184,704 rows, what `--no-sliced-head` runs), each
     followed by the V1 sampler on YuE2 rows of that phase, in bf16, batch-invariant bf16 and float32 at
-    2048 x 184,704 (`--quick` or no CUDA: 64 x 184,704, 1 and 4 rows, on the CPU): tok/s of head + sampler,
+    2048 x 184,704 (`--quick` or no CUDA: 64 x 184,704, 1 and 4 rows): tok/s of head + sampler,
     sliced / full, the choice, max |Δ| on the phase's columns and the share of equal tokens."""
     from yue2_vllm.engine import sampling as es
     from yue2_vllm.engine.head import PhaseHead, choice_record
     from yue2_vllm.engine.plugin import parse_row, row_args, sample_rows, step_layout
     from yue2_vllm.protocol import VOCAB_SIZE, Sampling
 
-    cuda = torch.cuda.is_available() and not args.quick
-    device, width, counts = ("cuda", 2048, (1, 8, 64)) if cuda else ("cpu", 64, (1, 4))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    full_size = device == "cuda" and not args.quick
+    width, counts = (2048, (1, 8, 64)) if full_size else (64, (1, 4))
     rows = []
     for numerics in ("bf16", "batch-invariant", "float32"):
         try:
@@ -833,7 +834,7 @@ def engine_sliced_head(args) -> Rows:
                     sample_rows(forced, states, layout, dtype)
                     return raw, forced.argmax(-1)
 
-                repeats = 7 if cuda else 2
+                repeats = 7 if full_size else 2
                 full_s, (full_raw, full_tokens) = timed(lambda: step(False), repeats)
                 sliced_s, (sliced_raw, sliced_tokens) = timed(lambda: step(True), repeats)
                 rows.append({"row": f"{numerics} {phase} rows={count}", "device": device,

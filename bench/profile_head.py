@@ -105,7 +105,8 @@ def decode(engine, phase: str, rows: int, steps: int, profiler=None, turns=None)
     stop = ABC_END if phase == "abc" else MUSIC_END
     sampling = Sampling(min_tokens=steps + 1, max_tokens=steps + 1)
     for index, prompt in enumerate(prompts(phase, rows)):
-        params = sampling_params({"max_tokens": steps + 1, "stop": [stop], "extra_args": row_args(phase, sampling, index)})
+        params = sampling_params({"max_tokens": steps + 1, "stop": [stop],
+                                  "extra_args": row_args(phase, sampling, index)})
         engine.add_request(f"{phase}-{time.monotonic_ns()}-{index}", {"prompt_token_ids": prompt}, params)
     started = set()
     while len(started) < rows:  # prefill (chunked) until every request has its first token
