@@ -264,6 +264,25 @@ CHECKS: list[tuple[str, str | None, str, str, str]] = [
     ("0.28.0", None, M + "model_executor/layers/vocab_parallel_embedding.py", r"if envs\.VLLM_BATCH_INVARIANT and",
      "lm_head apply: batch-invariant branch"),
     ("0.28.0", None, M + "model_executor/layers/linear.py", r"^class UnquantizedLinearMethod\(", "UnquantizedLinearMethod"),
+    # the sliced head's kernels (engine.ar_model.PhaseHeadMethod, issue 48): vLLM's own, built per part of the head
+    ("0.28.0", None, M + "model_executor/layers/vocab_parallel_embedding.py",
+     r"def process_weights_after_loading\(self, layer: torch\.nn\.Module\) -> None:\s+if current_platform\.is_cpu\(\):"
+     r"\s+from vllm\.model_executor\.layers\.utils import dispatch_cpu_unquantized_gemm"
+     r"\s+dispatch_cpu_unquantized_gemm\(layer, remove_weight=False\)",
+     "lm_head method: CPU prepack at weight processing"),
+    ("0.28.0", None, M + "model_executor/layers/vocab_parallel_embedding.py",
+     r"def apply\(\s*self,\s*layer: torch\.nn\.Module,\s*x: torch\.Tensor,\s*bias: torch\.Tensor \| None = None,?\s*\)"
+     r" -> torch\.Tensor:\s+if envs\.VLLM_BATCH_INVARIANT[\s\S]*?"
+     r"return dispatch_unquantized_gemm\(\)\(layer, x, layer\.weight, bias\)",
+     "lm_head apply(layer, x, bias): layer.weight through the dispatch"),
+    ("0.28.0", None, M + "model_executor/layers/utils.py",
+     r"def dispatch_cpu_unquantized_gemm\(\s*layer: torch\.nn\.Module,\s*remove_weight: bool,?\s*\) -> None:",
+     "dispatch_cpu_unquantized_gemm(layer, remove_weight)"),
+    ("0.28.0", None, M + "model_executor/layers/utils.py",
+     r"def cpu_unquantized_gemm\([^)]*\):\s+return layer\.cpu_linear\(x, weight, bias\)",
+     "CPU GEMM = layer.cpu_linear"),
+    ("0.28.0", None, M + "model_executor/model_loader/utils.py",
+     r"quant_method\.process_weights_after_loading\(module\)", "loader processes every module's quant method"),
     # 6. engine API used by the worker
     *[("0.28.0", None, M + "engine/arg_utils.py", rf"^    {name}: ", f"EngineArgs.{name}") for name in (
         "model", "skip_tokenizer_init", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",

@@ -42,3 +42,20 @@ def test_bench_takes_row_compares_takes_with_separate_requests(tmp_path):
     assert takes["cached_prompt_tokens"] > 0.5 * takes["prompt_tokens"]  # the shared prompt is prefilled once
     assert ratio["wall_s"] > 0
     assert "| takes |" in (tmp_path / "out" / "bench.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
+def test_bench_head_rows_set_the_sliced_and_the_full_head_side_by_side(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "yue2_vllm.cli", "bench", "--paths", "head", "--tokens", "4",
+                             "--repeats", "1", "--concurrency", "2", "--nar-steps", "1", "--workdir",
+                             str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True, check=True)
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    rows = report["head"]["rows"]
+    assert {(r["runner"], r["numerics"], r["phase"], r["rows"]) for r in rows} == {
+        (runner, numerics, phase, count) for runner in ("v1", "mrv2 head+sampler")
+        for numerics in ("bf16", "reproducible") for phase in ("abc", "semantic") for count in (1, 2)}
+    for row in rows:
+        assert row["sliced_tok_s"] > 0 and row["full_tok_s"] > 0 and row["choice"] == "sliced"
+    assert "| v1 | reproducible | abc | 2 |" in result.stdout and "sliced / full" in result.stdout

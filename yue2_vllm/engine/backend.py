@@ -32,6 +32,7 @@ from ..model.modeling import YuE2Config
 from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, ar_signals, check_budget
 from ..startup import ENGINE_START_TIMEOUT_S
 from ..model.sampling import ARResult, Cancelled, OnToken
+from .head import choice_record
 from .runner import BatchInvariance, RunnerChoice, resolve_runner, sliced_head_blocker
 from .runs import PairRun, SingleRun
 from .worker_process import (POLL_SECONDS, EngineError, EngineStartAborted, Stream, WorkerProcess, cpu_split,
@@ -156,6 +157,9 @@ class VLLMBackend:
         else:
             self.sliced_head_reason = sliced_head_blocker(self.runner.runner, vllm_version())
         self.sliced_head = self.sliced_head_reason is None
+        # Per phase, the slice or the full head plus a mask: what the engine's model decides for its rows (engine.head).
+        self.sliced_head_phases = (choice_record(config.hidden_size, config.vocab_size, self.settings.max_num_seqs)
+                                   if self.sliced_head else None)
         # Batch-invariant by request, or anyway: a float32 engine on vLLM-CPU does not depend on the batch.
         self.invariance = self.settings.batch_invariance
         if self.invariance is None and self.settings.device_type == "cpu" and self.settings.dtype == "float32":
@@ -334,7 +338,8 @@ class VLLMBackend:
         return {**self.settings.kernel_env(), "unified_memory": self.plan.unified is not None,
                 "vllm_runner": self.runner.runner, "vllm_runner_reason": self.runner.reason,
                 "async_scheduling": self.runner.async_scheduling, "sliced_head": self.sliced_head,
-                "sliced_head_reason": self.sliced_head_reason, "batch_invariant": invariance is not None,
+                "sliced_head_reason": self.sliced_head_reason, "sliced_head_phases": self.sliced_head_phases,
+                "batch_invariant": invariance is not None,
                 "batch_invariance": invariance.how if invariance is not None else None}
 
     # -- admission
