@@ -79,7 +79,8 @@ class YuE2Pipeline:
         self.device = resolve_device(device)
         resolve_execution(torch_execution, self.device)  # refuse e.g. graph on the CPU before loading anything
         check_dtype_support(self.device, DTYPES[dtype])
-        self.kv_cache_dtype = check_kv_form(kv_cache_dtype, self.device, backend, cfg_engine)
+        self.kv_cache_dtype = check_kv_form(kv_cache_dtype, self.device, backend, cfg_engine, reproducible=reproducible,
+                                            dtype=dtype, ar_checkpoint=ar_checkpoint)
         self.numerics = set_upstream_numerics()  # process-wide, as upstream sets them at construction
         target = memory_target(self.device, memory_budget_gib)
         self.unified, self.memory_budget_gib = target.unified, target.budget_gib

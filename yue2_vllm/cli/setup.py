@@ -3,6 +3,7 @@ flags (backend, runner, hub ids), the JSON status line.
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -99,10 +100,7 @@ def _pipeline(args, need_vae: bool = True):
     from ..pipeline import YuE2Pipeline
 
     model_dir, vae_dir, generation, backend = _models(args, need_vae)
-    if getattr(args, "kv_cache_dtype", "auto") != "auto":  # refused naming the flag, before anything loads
-        from ..pipeline import check_kv_form, resolve_device
-
-        check_kv_form(args.kv_cache_dtype, resolve_device(args.device), backend, args.cfg_engine, "--kv-cache-dtype")
+    check_kv_flag(args, backend)
     engine_options = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
                       if getattr(args, name, None) is not None}
     if getattr(args, "no_sliced_head", False):
@@ -126,6 +124,26 @@ def _pipeline(args, need_vae: bool = True):
 
         logging.getLogger("yue2_vllm").warning("%s", note)
     return pipe
+
+
+def check_kv_flag(args, backend: str, device_checks: bool = True) -> None:
+    """--kv-cache-dtype refused naming the flag, before anything loads or is printed: against the backend, the AR
+    checkpoint's kv_cache_scheme and (`device_checks`) this machine's device. A Ray head leaves the device to the
+    replicas (their own pipelines check it there)."""
+    from ..derive import OVERRIDE_ENV
+    from ..kv_cache import option_problem
+
+    form = getattr(args, "kv_cache_dtype", "auto")
+    if not device_checks:
+        problem = option_problem(form, backend=backend, cfg_engine=args.cfg_engine, flag="--kv-cache-dtype",
+                                 checkpoint=args.ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None)
+        if problem:
+            raise ValueError(problem)
+        return
+    from ..pipeline import check_kv_form, resolve_device
+
+    check_kv_form(form, resolve_device(args.device), backend, args.cfg_engine, "--kv-cache-dtype",
+                  reproducible=getattr(args, "reproducible", False), dtype=args.dtype, ar_checkpoint=args.ar_checkpoint)
 
 
 def replica_admission(args, device_type: str) -> tuple:
@@ -185,7 +203,8 @@ def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float | None, 
     """The engine / torch split (memory.plan_memory) of these weights on `device_type`; with `generation`, rows
     sized for its songs (a prompt + the larger phase budget) instead of upstream's. On this machine's integrated
     GPU the split is one pool with the host (`budget_gib` None: the pool). `weights`: the (MoT, VAE) file bytes
-    where the files are not here (a Ray head), else they are read from the directories. `kv_cache_dtype`: the
+    where the files are not here (a Ray head), else they are read from the directories; the VAE is planned by its
+    config.json, the release's where the directory has none (so the rows never hang on it). `kv_cache_dtype`: the
     engine's KV form, counted by its element size."""
     from ..checkpoint import read_json, weights_bytes
     from ..kv_cache import element_bytes
@@ -204,9 +223,10 @@ def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float | None, 
     card = (total_memory_bytes(device_type) if device_type.startswith("cuda") and pool is None
             and torch.cuda.is_available() else None)
     budget_gib = budget_gib or default_budget_gib(pool, card)
-    vae, tile = weights[1] if weights else weights_bytes(vae_dir), 0
-    if vae_dir is not None and (Path(vae_dir) / "config.json").is_file():  # the decoder we keep, by its config
-        vae_config = VAEConfig.from_dict(read_json(Path(vae_dir) / "config.json"))
+    vae, tile = 0, 0
+    if vae_dir is not None:  # the decoder we keep, by its config (the release's where none is here yet)
+        config_file = Path(vae_dir) / "config.json"
+        vae_config = VAEConfig.from_dict(read_json(config_file)) if config_file.is_file() else VAEConfig()
         vae = decoder_bytes(vae_config)
         tile = vae_decode_bytes(vae_config, default_vae_core_frames(budget_gib), VAE_HALO_FRAMES)
     return plan_memory(config, device=device_type, budget_gib=budget_gib, engine_weights=ar_expert_bytes(config),

@@ -88,18 +88,24 @@ def engine_settings(inputs: EngineInputs, checkpoint) -> "EngineSettings":
                           **options)
 
 
-def check_kv_form(form: str, device: torch.device, backend: str, cfg_engine: str,
-                  flag: str = "kv_cache_dtype") -> str:
-    """The engine's KV cache form, refused (ValueError, one line naming `flag`, the device and what works) before
-    anything loads where this device, the installed vLLM or the backend cannot run it (kv_cache.kv_cache_problem)."""
+def check_kv_form(form: str, device: torch.device, backend: str, cfg_engine: str, flag: str = "kv_cache_dtype", *,
+                  reproducible: bool = False, dtype: str = "bfloat16", ar_checkpoint=None) -> str:
+    """The engine's KV cache form, refused (ValueError, one line naming `flag`, the card and what works) before
+    anything loads where vLLM would not start with it here, or would store another form, or where the AR
+    checkpoint's own `kv_cache_scheme` would switch it (kv_cache.kv_cache_problem, attention.choose)."""
+    from ..attention import installed_packages
     from ..engine.backend import vllm_version
 
-    check_form(form, flag)
-    if not is_fp8(form):
-        return form
-    capability = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+    checkpoint = ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None
+    if not is_fp8(check_form(form, flag)):
+        return check_kv_cache(form, device_type=device.type, vllm_version=None, backend=backend,
+                              cfg_engine=cfg_engine, checkpoint=checkpoint, flag=flag)
+    cuda = device.type == "cuda"
     return check_kv_cache(form, device_type=device.type, vllm_version=vllm_version(), backend=backend,
-                          cfg_engine=cfg_engine, capability=capability, flag=flag)
+                          cfg_engine=cfg_engine, capability=tuple(torch.cuda.get_device_capability(device))
+                          if cuda else None, device_name=torch.cuda.get_device_name(device) if cuda else None,
+                          packages=installed_packages() if cuda else None, reproducible=reproducible, dtype=dtype,
+                          checkpoint=checkpoint, flag=flag)
 
 
 def check_split(inputs: EngineInputs) -> None:
