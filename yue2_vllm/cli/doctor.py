@@ -119,14 +119,16 @@ def kv_cache_report(device: str, reproducible: bool = False) -> dict:
     from ..engine.backend import vllm_version
     from ..kv_cache import FORMS, engine_setup, kv_cache_problem
 
-    cuda = device == "cuda" and torch.cuda.is_available()
+    cuda = device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():  # a replica's GPU seen from a machine without one (a Ray head)
+        return {"note": "no CUDA GPU on this machine: docs/kv-cache.md's table says what each GPU gets"}
     capability = tuple(torch.cuda.get_device_capability()) if cuda else None
     where = {"device_type": "cuda" if cuda else "cpu", "vllm_version": vllm_version(), "capability": capability,
              "reproducible": reproducible, "packages": installed_packages() if cuda else None}
     report = {}
     for form in FORMS:
         problem = kv_cache_problem(form, device_name=torch.cuda.get_device_name() if cuda else None, **where)
-        choice = choose(engine_setup(form, **{k: v for k, v in where.items() if k != "device_name"}))
+        choice = choose(engine_setup(form, **where))
         report[form] = {"runs": problem is None, **({"problem": problem} if problem else {}), **choice.describe()}
     if cuda:
         invariant = engine_setup("auto", **where).batch_invariant
