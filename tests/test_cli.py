@@ -841,6 +841,7 @@ def test_doctor_plans_each_kv_form(capsys):
     assert set(release["kv_cache"]) == {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"} and release["kv_cache"]["auto"]["runs"]
     bf16 = release["forms"]["bf16"]
     assert bf16["fp8_kv"]["rows"] >= bf16["rows"] and "(FP8 K/V)" in bf16["fp8_kv"]["summary"]
+    assert f"(margin {bf16['margin_bytes'] / 2**30:.2f} GiB)" in bf16["summary"]  # what the split leaves, shown
 
 
 def test_doctor_names_the_attention_backend_and_flashinfers_decode_kernels_on_a_faked_gpu(fake_gpu, monkeypatch):

@@ -99,6 +99,7 @@ def release_split(args, device: str | None = None) -> dict:
                                total=None if device != "cuda" or torch.cuda.is_available() else int(budget * 2**30))
             entry = {"rows": 0 if plan.problems() else plan.max_num_seqs, "summary": plan.describe()["summary"],
                      "resident_bytes": plan.resident, "room_bytes": plan.room, "song_room_bytes": plan.song_room,
+                     "margin_bytes": plan.margin,
                      "ar_expert": "device" if plan.ar_on_device else "pinned host memory (streamed to the prefill)",
                      "problems": plan.problems()}
             if element == 2:
