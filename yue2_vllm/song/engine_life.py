@@ -97,6 +97,7 @@ def check_kv_form(form: str, device: torch.device, backend: str, cfg_engine: str
     from ..engine.backend import vllm_version
 
     checkpoint = ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None
+    checkpoint = checkpoint if vllm_version() is not None else None  # no engine: its checkpoint is never served
     if not is_fp8(check_form(form, flag)):
         return check_kv_cache(form, device_type=device.type, vllm_version=None, backend=backend,
                               cfg_engine=cfg_engine, checkpoint=checkpoint, flag=flag)
