@@ -6,6 +6,7 @@ from pathlib import Path
 
 from yue2_vllm.kv_cache import (FORMS, check_form, check_kv_cache, checkpoint_kv_scheme, element_bytes, explicit,
                                 kv_cache_problem, record_problem, support_table_markdown)
+from yue2_vllm.options import AROptions, EngineOptions, LoadOptions
 
 CHECKED = dict(vllm_version="0.32.0")
 
@@ -94,16 +95,19 @@ def test_a_checkpoint_with_a_kv_cache_scheme_is_refused_under_auto_before_anythi
 
     monkeypatch.setattr("yue2_vllm.song.models.LoadedModels.__init__", no_load)
     with pytest.raises(ValueError) as info:
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", ar_checkpoint=checkpoint)
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, load=LoadOptions(ar_checkpoint=checkpoint),
+                     ar=AROptions(backend="vllm"))
     assert str(info.value) == (
-        f"kv_cache_dtype auto: the AR checkpoint {checkpoint} declares a kv_cache_scheme, which makes vLLM store K/V "
-        "in FP8 with the checkpoint's scales although auto was asked; pass kv_cache_dtype fp8 to run it so (recorded "
-        "with its scales), or serve a checkpoint without a kv_cache_scheme")
+        f"EngineOptions.kv_cache_dtype auto: the AR checkpoint {checkpoint} declares a kv_cache_scheme, which makes "
+        "vLLM store K/V in FP8 with the checkpoint's scales although auto was asked; pass EngineOptions.kv_cache_dtype "
+        "fp8 to run it so (recorded with its scales), or serve a checkpoint without a kv_cache_scheme")
     monkeypatch.setenv("YUE2_AR_CHECKPOINT", str(checkpoint))  # the same through the environment
     with pytest.raises(ValueError, match="declares a kv_cache_scheme"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm")
-    with pytest.raises(ValueError, match="refuses fp8_e5m2 with it at engine start; what works: kv_cache_dtype fp8"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", kv_cache_dtype="fp8_e5m2")
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="vllm"))
+    with pytest.raises(ValueError, match="refuses fp8_e5m2 with it at engine start; what works: "
+                                         "EngineOptions.kv_cache_dtype fp8"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="vllm"),
+                     engine=EngineOptions(kv_cache_dtype="fp8_e5m2"))
     # The torch backend runs no engine: the checkpoint's scheme does not concern it.
     assert kv_cache_problem("auto", device_type="cpu", vllm_version="0.32.0", backend="torch",
                             checkpoint=checkpoint) is None
@@ -135,8 +139,9 @@ def fp8_pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
     from yue2_vllm.pipeline import YuE2Pipeline
 
     derived = derive_ar_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("arcache"))
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
-                        ar_checkpoint=derived, kv_cache_dtype="fp8")
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                        load=LoadOptions(ar_checkpoint=derived), ar=AROptions(backend="vllm"),
+                        engine=EngineOptions(kv_cache_dtype="fp8"))
     yield pipe
     pipe.close()
 
@@ -214,7 +219,8 @@ def test_auto_adds_nothing_to_the_effective_config(tiny_model_dir, tiny_vae_dir)
     from yue2_vllm.protocol import SongRequest
 
     with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION) as pipe:
-        assert pipe.kv_cache_dtype == "auto" and "kv_cache_dtype" not in pipe.effective_config(SongRequest("a", "b"))
+        assert pipe.options.engine.kv_cache_dtype == "auto"
+        assert "kv_cache_dtype" not in pipe.effective_config(SongRequest("a", "b"))
 
 
 def test_the_pipeline_refuses_a_form_before_anything_loads(tiny_model_dir, tiny_vae_dir, monkeypatch):
@@ -224,15 +230,19 @@ def test_the_pipeline_refuses_a_form_before_anything_loads(tiny_model_dir, tiny_
         raise AssertionError("weights were read before the refusal")
 
     monkeypatch.setattr("yue2_vllm.song.models.LoadedModels.__init__", no_load)
-    with pytest.raises(ValueError, match=r"^kv_cache_dtype 'fp4': unknown KV cache form"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", kv_cache_dtype="fp4")
-    with pytest.raises(ValueError, match=r"^kv_cache_dtype fp8 sets the vLLM engine's KV cache, and the torch backend"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="torch", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"^EngineOptions.kv_cache_dtype must be one of \('auto', 'fp8', "):
+        EngineOptions(kv_cache_dtype="fp4")  # an unknown form: refused before any pipeline is made
+    with pytest.raises(ValueError, match=r"^EngineOptions.kv_cache_dtype fp8 sets the vLLM engine's KV cache, and the "
+                                         r"torch backend"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="torch"),
+                     engine=EngineOptions(kv_cache_dtype="fp8"))
     with pytest.raises(ValueError, match="CFG songs on the torch backend"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", cfg_engine="torch", kv_cache_dtype="fp8")
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="vllm", cfg_engine="torch"),
+                     engine=EngineOptions(kv_cache_dtype="fp8"))
     monkeypatch.setattr("yue2_vllm.kv_cache.cpu_fp8_isa", lambda: False)
     with pytest.raises(ValueError, match="on this CPU: vLLM-CPU stores FP8 K/V only on x86 with AVX-512 or AMX"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", kv_cache_dtype="fp8_e5m2")
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="vllm"),
+                     engine=EngineOptions(kv_cache_dtype="fp8_e5m2"))
 
 
 @pytest.mark.slow  # a second engine (float32, the CPU's --reproducible) beside the default run's; CI runs -m slow
@@ -247,9 +257,9 @@ def test_reproducible_takes_on_fp8_kv_are_the_one_take_songs_of_their_seeds(tiny
 
     generation = {"abc": {"max_tokens": 8, "min_tokens": 8}, "semantic": {"max_tokens": 24, "min_tokens": 24},
                   "ode_steps": 2}
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=generation,
-                      engine_options={"max_num_seqs": 8, "max_num_batched_tokens": 256}, reproducible=True,
-                      kv_cache_dtype="fp8") as pipe:
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=generation,
+                      ar=AROptions(backend="vllm", reproducible=True),
+                      engine=EngineOptions(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_dtype="fp8")) as pipe:
         request = SongRequest("pop, piano", "[verse]\ncity lights are fading slow\n" * 3, seed=60, id="t")
         with SongScheduler(pipe, concurrency=3) as scheduler:
             document = run_takes(scheduler, request, tmp_path / "takes", TakeOptions(3))

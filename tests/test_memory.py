@@ -309,14 +309,15 @@ def sparse_release(tmp_path):
 @pytest.mark.parametrize("card", list(CARDS_MIB))
 def test_patched_cards_plan_the_release_as_the_table_says(fake_gpu, tmp_path, monkeypatch, card):
     from yue2_vllm.cli.setup import memory_plan
+    from yue2_vllm.options import EngineOptions
 
     fake_gpu("H100", total=CARDS_MIB[card] * 2**20)
     monkeypatch.setattr("yue2_vllm.memory.MEMINFO", str(write_meminfo(tmp_path / "meminfo", 64 * GIB, 60 * GIB)))
     model, vae = sparse_release(tmp_path)
-    plan = memory_plan(model, vae, "cuda", None)
+    plan = memory_plan(model, vae, "cuda")
     row = table_row(card)
     assert plan == row["plan"] and plan.engine + plan.torch_side <= plan.total
-    fp8 = memory_plan(model, vae, "cuda", None, kv_cache_dtype="fp8")  # the flag's plan is the FP8 KV row
+    fp8 = memory_plan(model, vae, "cuda", engine=EngineOptions(kv_cache_dtype="fp8"))  # the flag's plan: FP8 KV
     assert fp8 == table_row(card, kv="FP8")["plan"] and fp8.kv_dtype_bytes == 1
 
 
@@ -328,7 +329,7 @@ def test_a_patched_gb10_plans_the_release_in_its_pool(fake_gpu, tmp_path, monkey
     meminfo = write_meminfo(tmp_path / "meminfo", GB10_MEMINFO["MemTotal"], GB10_MEMINFO["MemAvailable"])
     monkeypatch.setattr("yue2_vllm.memory.MEMINFO", str(meminfo))
     model, vae = sparse_release(tmp_path)
-    plan = memory_plan(model, vae, "cuda", None)
+    plan = memory_plan(model, vae, "cuda")
     row = table_row("GB10 (DGX Spark), MemAvailable 110 GiB")
     assert plan.max_num_seqs == row["rows"] >= 32
     assert plan.unified.pool == row["plan"].unified.pool and plan.total == gpu["total"]
@@ -347,6 +348,7 @@ def test_the_16gb_card_shows_its_margin_and_plans_the_same_rows_without_a_vae_co
     """The FP8-KV plan on a 16 GB card leaves a margin the table and `doctor` show; a VAE directory without its
     config.json (a download in progress, a Ray head) is planned as the release's VAE, not by its file size."""
     from yue2_vllm.cli.setup import memory_plan
+    from yue2_vllm.options import EngineOptions
 
     row = table_row("RTX 4080/5080 16 GB", kv="FP8")
     assert row["rows"] == 2 and row["margin"] == row["limit"] - row["need"] == row["plan"].margin > 0
@@ -356,7 +358,7 @@ def test_the_16gb_card_shows_its_margin_and_plans_the_same_rows_without_a_vae_co
     fake_gpu("L40S", total=CARDS_MIB["RTX 4080/5080 16 GB"] * 2**20)
     monkeypatch.setattr("yue2_vllm.memory.MEMINFO", str(write_meminfo(tmp_path / "meminfo", 64 * GIB, 60 * GIB)))
     model, vae = sparse_release(tmp_path)
-    with_config = memory_plan(model, vae, "cuda", None, kv_cache_dtype="fp8")
+    with_config = memory_plan(model, vae, "cuda", engine=EngineOptions(kv_cache_dtype="fp8"))
     (vae / "config.json").unlink()
-    without = memory_plan(model, vae, "cuda", None, kv_cache_dtype="fp8")
+    without = memory_plan(model, vae, "cuda", engine=EngineOptions(kv_cache_dtype="fp8"))
     assert without == with_config == row["plan"] and without.problems() == []

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..request_json import UsageError
-from .setup import _pipeline, check_kv_flag, print_status, replica_admission
+from .setup import check_kv_flag, print_status, song_setup
 
 def cmd_derive(args) -> int:
     import time
@@ -28,7 +28,7 @@ def cmd_calibrate(args) -> int:
     from ..quant.calibration import DEFAULT_REQUESTS, build_corpus, load_request_set, summary
 
     request_set = load_request_set(args.requests or DEFAULT_REQUESTS)
-    with _pipeline(args, need_vae=False) as pipe:
+    with song_setup(args, need_vae=False).pipeline() as pipe:
         manifest = build_corpus(pipe, request_set, args.output, window=args.window, limit=args.limit,
                                 on_request=lambda i, n, rid: print(f"Request {i}/{n}: {rid}", file=sys.stderr))
     print(summary(manifest))
@@ -70,8 +70,8 @@ def cmd_serve(args) -> int:
 
     # Refused before the "starting" line; a Ray head checks what does not depend on the replicas' devices.
     local = getattr(args, "replicas", None) is None and getattr(args, "ray_address", None) is None
-    check_kv_flag(args, args.backend, device_checks=local)
-    return serve(args, _pipeline, print_status, admission=replica_admission)
+    check_kv_flag(args, on_this_machine=local)
+    return serve(args, song_setup, print_status)
 
 
 def cmd_quantize(args) -> int:
