@@ -45,6 +45,8 @@ the GPU machines of this project do not have, so it is skipped there with the re
   full head in bf16 at 2048 x 184,704, M 1/8/64, semantic-only and half-abc batches (ms, ratio, host syncs).
 * `engine.runners`: the engine on each model runner with the tiny checkpoint (runner, async scheduling,
   a float32 song's tokens equal across runners).
+* `engine.kv_cache`: per KV form this GPU runs (`attention.choose`), the engine's peak device memory against the
+  plan's engine figure, tok/s at 1 and 8 rows, and the attention backend the engine reports against the predicted.
 """
 from __future__ import annotations
 
@@ -963,53 +965,65 @@ def kv_rows_tps(backend, prompt: list[int], tokens: int, rows: int) -> float:
 
 @section("engine.kv_cache")
 def engine_kv_cache(args) -> Rows:
-    """The engine with bf16 K/V and with an FP8 KV cache (--kv-cache-dtype fp8): the plan's KV bytes, the memory
-    the engine took on the GPU against the plan's engine share, and tok/s at 1 and 8 rows. CUDA (not --quick): a
-    full-size random AR checkpoint; otherwise the tiny one on this device (the code path; no peaks on the CPU)."""
+    """Per KV form this device runs (attention.choose on this GPU with the packages installed): the engine's
+    peak memory against the plan's engine figure (CUDA: the device's least free memory while it starts and serves,
+    sampled; the CPU: the worker's VmHWM), tok/s at 1 and 8 rows, and the attention backend the engine reports
+    against the one predicted. CUDA (not --quick): a full-size random AR checkpoint; otherwise the tiny one."""
+    from yue2_vllm.attention import choose, installed_packages
+    from yue2_vllm.bench import PeakSampler, peak_rss_bytes
     from yue2_vllm.engine.backend import EngineSettings, VLLMBackend, unsupported_reason, vllm_version
-    from yue2_vllm.kv_cache import kv_cache_problem
+    from yue2_vllm.kv_cache import FORMS, engine_setup, kv_cache_problem
 
     reason = unsupported_reason(vllm_version())
     if reason:
         return [skipped("engine KV forms", reason)]
     from yue2_vllm.derive import ARCheckpoint, derive_ar_checkpoint
-    from yue2_vllm.memory import GIB, total_memory_bytes
+    from yue2_vllm.memory import default_budget_gib, total_memory_bytes
     from yue2_vllm.model.modeling import YuE2Config
     from yue2_vllm.protocol import ABC_START, EOD, MUSIC_START
-    from yue2_vllm.testing import TINY_CONFIG, write_tiny_model
+    from yue2_vllm.testing import TINY_CONFIG, write_random_model
 
     cuda = torch.cuda.is_available()
     full = cuda and not args.quick
     device, config = ("cuda" if cuda else "cpu"), (YuE2Config() if full else TINY_CONFIG)
     root = Path(tempfile.mkdtemp(prefix="yue2-gpu-check-kv-"))
-    derived = derive_ar_checkpoint(write_tiny_model(root / "mot", config=config), root / "arcache")
+    mot = write_random_model(root / "mot", config=config)
+    derived = derive_ar_checkpoint(mot, root / "arcache")
     capability = tuple(torch.cuda.get_device_capability()) if cuda else None
-    budget = total_memory_bytes("cuda") * 0.9 / GIB if cuda else 24.0
+    budget = default_budget_gib(None, total_memory_bytes("cuda") if cuda else None)
+    packages = installed_packages() if cuda else None
     prompt, tokens = [EOD, 40, 1771, 285, 9, 10, ABC_START, 300, 301, MUSIC_START], 512 if full else 48
     rows = []
-    for form in ("auto", "fp8"):
-        problem = kv_cache_problem(form, device_type=device, vllm_version=vllm_version(), capability=capability,
-                                   head_dim=config.head_dim)
+    for form in FORMS if full else ("auto", "fp8"):  # --quick / the CPU: the code path, two engines
+        where = dict(device_type=device, vllm_version=vllm_version(), capability=capability, packages=packages,
+                     head_dim=config.head_dim)
+        problem = kv_cache_problem(form, **where)
         if problem:
             rows.append(skipped(f"engine, KV {form}", problem))
             continue
+        predicted = choose(engine_setup(form, **where))
         settings = EngineSettings(ARCheckpoint(derived, "derived", None), device_type=device, max_num_seqs=8,
                                   memory_budget_gib=budget, kv_cache_dtype=form)
         free_before = torch.cuda.mem_get_info()[0] if cuda else None
         backend = VLLMBackend(config, settings)
+        row = {"row": f"engine, KV {form}", "kv_element_bytes": backend.plan.kv_dtype_bytes,
+               "plan_kv_bytes": backend.settings.kv_cache_bytes, "plan_engine_bytes": backend.plan.engine,
+               "predicted_backend": predicted.backend, "predicted_stored_as": predicted.stored_as}
         try:
-            backend.start()
-            row = {"row": f"engine, KV {form}", "kv_element_bytes": backend.plan.kv_dtype_bytes,
-                   "plan_kv_bytes": backend.settings.kv_cache_bytes, "plan_engine_bytes": backend.plan.engine}
-            if cuda:
-                used = free_before - torch.cuda.mem_get_info()[0]
-                row.update(engine_used_bytes=used, used_over_plan=used / backend.plan.engine,
-                           within_plan=used <= backend.plan.engine)
-            row.update(tps_1_row=kv_rows_tps(backend, prompt, tokens, 1), tps_8_rows=kv_rows_tps(backend, prompt,
-                                                                                                tokens, 8))
+            with PeakSampler() as sampler:
+                backend.start()
+                record = backend.engine_info.get("kv_cache") or {}
+                row.update(engine_backend=record.get("attention_backend"), engine_stored_as=record.get("stored_as"),
+                           engine_scales=record.get("scales"),
+                           backend_as_predicted=record.get("attention_backend") == predicted.backend)
+                row.update(tps_1_row=kv_rows_tps(backend, prompt, tokens, 1),
+                           tps_8_rows=kv_rows_tps(backend, prompt, tokens, 8))
+            peak = free_before - sampler.least if cuda else peak_rss_bytes(backend.process.pid)
+            row.update(peak_bytes=peak, peak_over_plan=peak / backend.plan.engine,
+                       within_plan=peak <= backend.plan.engine)
             rows.append(row)
         except Exception as exc:
-            rows.append({"row": f"engine, KV {form}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            rows.append({**row, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
         finally:
             backend.close()
     return rows

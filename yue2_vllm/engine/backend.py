@@ -25,7 +25,7 @@ from typing import Sequence
 
 from ..checkpoint import drop_page_cache, weights_bytes
 from ..derive import ARCheckpoint
-from ..kv_cache import element_bytes, explicit, release
+from ..kv_cache import element_bytes, explicit, record_problem, release
 from ..memory import MEMINFO, MemoryPlan, UnifiedPool, kv_cache_bytes, plan_memory, read_meminfo, row_kv_bytes
 from ..quant.schemes import engine_kernel_env
 from ..model.modeling import YuE2Config
@@ -298,9 +298,14 @@ class VLLMBackend:
                                   f"{'on' if event.get('async_scheduling') else 'off'}, not the {runner.runner} runner "
                                   f"with it {'on' if runner.async_scheduling else 'off'} that its sampler was chosen "
                                   f"for; log kept at {worker.log_path}")
+            kv_cache = event.get("kv_cache") or {"error": "the worker sent no record"}
+            problem = record_problem(kv_cache, s.kv_cache_dtype, s.dtype)
+            if problem:
+                worker.close(keep_log=True)
+                raise EngineError(f"{problem}; log kept at {worker.log_path}")
             self._worker, self._starts, self._fresh = worker, self._starts + 1, True
             self.engine_info = {"vllm_version": event["vllm_version"],
-                                "engine_load_seconds": event["engine_load_seconds"]}
+                                "engine_load_seconds": event["engine_load_seconds"], "kv_cache": kv_cache}
             if self.plan.unified is not None:  # the engine has read its weights: their cached pages are the pool's
                 drop_page_cache(s.checkpoint.path)
 
@@ -327,7 +332,7 @@ class VLLMBackend:
     def describe(self) -> dict:
         """The engine's settings and memory split (for `doctor` and per-song records)."""
         return {"max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
-                "kv_cache_dtype": self.settings.kv_cache_dtype,
+                "kv_cache_dtype": self.settings.kv_cache_dtype, "kv_cache": self.engine_info.get("kv_cache"),
                 "max_num_batched_tokens": self.settings.max_num_batched_tokens, "dtype": self.settings.dtype,
                 **self.runner_record(), "memory": self.plan.describe()}
 
@@ -413,7 +418,7 @@ class VLLMBackend:
                   "content_tokens": len(content), "output_tps": count / seconds if seconds > 0 else 0.0,
                   "prefix_tokens": len(prefix), "cfg_branches": len(prompts), "backend_actual": self.name,
                   "vllm_version": self.engine_info.get("vllm_version"), "engine_dtype": self.settings.dtype,
-                  "kv_cache_dtype": self.settings.kv_cache_dtype,
+                  "kv_cache_dtype": self.settings.kv_cache_dtype, "kv_cache": self.engine_info.get("kv_cache"),
                   "max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
                   "kv_reserved_bytes": kv, "mean_batch_rows": info["mean_batch_rows"], **self.runner_record(),
                   "admission_wait_seconds": waited, "engine_restarts": restarts_before,
