@@ -17,7 +17,7 @@ from ..checkpoint import identity, write_json_atomic
 from ..protocol import CODEC_SIZE, SongRequest
 from .continuation import RNG_FILE, ParentSong, check_continuable, exactness
 from .results import (SAMPLE_RATE, Cancelled, Decoder, OnProgress, OnStage, OnToken, SemanticResult, SymbolicPlan,
-                      Synthesizer, batch_record, truncation_record)
+                      Synthesizer, batch_record, kv_cache_record, truncation_record)
 
 LOG = logging.getLogger(__name__)
 # Per stage: the files its record must list (with hashes) and the meta keys the later stages read.
@@ -172,6 +172,7 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
             **({"instrumental": True} if request.instrumental else {}),  # its steps: instrumental.json
             **batch_record(plan.timing, semantic.timing),
             **{key: config[key] for key in ("kv_cache_dtype",) if key in config},  # an FP8 KV engine's form
+            **kv_cache_record(plan.timing, semantic.timing),  # what the engine ran, read back from it
             "sources": song.source_records(),
             "truncated": {"abc": plan.truncated, "semantic": semantic.truncated},
             "truncation": truncation_record(request.seconds, {"abc": plan.truncated, "semantic": semantic.truncated},
