@@ -119,3 +119,44 @@ def test_the_longest_song_a_body_can_reach(server, pipe):
     refused(client, "/v1/songs/length", {**SONG, "seconds": 1, "semantic_sampling": {"max_tokens": 20}}, "seconds",
             "seconds and semantic_sampling.max_tokens both set the song's token budget")
     assert client.get("/v1/songs").json()["songs"] == []  # nothing was queued
+
+
+def test_a_continue_job_survives_a_restart_from_the_durable_store(pipe, tmp_path):
+    """A continue job still queued when the server stops is in the job store with the song it continues: the next
+    start runs it, and it is the longer song (the store's record, not the stopped server's memory, names the
+    parent)."""
+    import json
+
+    from yue2_vllm.serve.store import JobStore
+    from yue2_vllm.song.continuation import CONTINUE_KEY
+
+    config = ServeConfig(tmp_path / "data", concurrency=1, shutdown_seconds=5)
+    service = SongService(pipe, config)
+    service.start()
+    try:
+        capped, _ = service.submit(json.dumps({**SONG, "seconds": 0.48}).encode())
+        longer, _ = service.submit(json.dumps({**SONG, "seconds": 0.8}).encode())
+        for record in (capped, longer):
+            wait_for(lambda: service.store.get(record.id).status, lambda s: s in FINAL, timeout=180)
+        # a song of 3,000 tokens holds the one worker, so the continue job waits in the queue
+        blocker, _ = service.submit(json.dumps({**SONG, "semantic_sampling": {"min_tokens": 3000,
+                                                                              "max_tokens": 3000}}).encode())
+        wait_for(lambda: service.store.get(blocker.id).status, lambda s: s == "generating", timeout=60)
+        job, _ = service.continue_song(capped.id, json.dumps({"seconds": 0.8}).encode())
+        assert service.store.get(job.id).status == "queued"
+    finally:
+        service.close()
+    store = JobStore(config.database)
+    assert store.get(job.id).status == "queued" and store.get(job.id).overrides[CONTINUE_KEY]["parent"] == capped.id
+    store.update(blocker.id, cancel_requested=1)  # asked before the restart: kept, so the continue job runs next
+    store.close()
+    server = ThreadServer(SongService(pipe, config))
+    try:
+        doc = final(server.client, job.id)
+        assert doc["status"] == "complete", doc["error"]
+        assert doc["continued_from"] == {"id": capped.id, "take": 1} and doc["result"]["continuation"]["exact"]
+        assert server.client.get(f"/v1/songs/{job.id}/audio").content == \
+            server.client.get(f"/v1/songs/{longer.id}/audio").content
+        assert final(server.client, blocker.id)["status"] == "cancelled"
+    finally:
+        server.stop()

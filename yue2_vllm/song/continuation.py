@@ -26,6 +26,7 @@ CONTINUE_KEY = "continue"  # a song's overrides under it name the capped song it
 SHARED_GENERATION = ("ode_steps", "ode_method", "context", "version")
 # Effective-config keys that change the tokens: a continuation with others differs from the longer song.
 TOKEN_CONFIG = ("quantization", "ar_checkpoint", "dtype", "kv_cache_dtype")
+ENGINE_CONFIG = ("ar_checkpoint", "kv_cache_dtype")  # the vLLM engine's alone: no torch-backend token depends on them
 
 
 class ContinueRefused(ValueError):
@@ -173,10 +174,11 @@ def exactness(parent: ParentSong, config: dict, timing: dict) -> dict:
     """Whether the continued song is token for token (and so sample for sample) the song its request makes from
     the start, and why not where it is not (or not shown)."""
     made, went = parent.semantic_timing.get("backend_actual"), timing.get("backend_actual")
-    differs = [key for key in TOKEN_CONFIG if parent.config.get(key) != config.get(key)]
     if made != went:
         return {"exact": False, "why": f"the song's semantic phase ran on {made}, its continuation on {went}: "
                                        "another sampler and arithmetic"}
+    differs = [key for key in TOKEN_CONFIG if parent.config.get(key) != config.get(key)
+               and not (went == "torch" and key in ENGINE_CONFIG)]  # a torch song continued by a vLLM pipeline
     if differs:
         return {"exact": False, "why": f"the song was made with other {', '.join(differs)}"}
     if went == "torch":
