@@ -1,7 +1,8 @@
 """A song's length over HTTP on real uvicorn servers (serve/routes/length.py): `seconds` on POST /v1/songs caps a
 song on the record, POST /v1/songs/length says the longest song a body can reach, and POST /v1/songs/{id}/continue
 makes a new, durable job: the song the capped one's request with the longer length makes (its takes too); what
-cannot continue is a 422 in one line naming the field, and the parent is left as it was."""
+cannot continue is a 422 in one line naming the field, and the parent is left as it was; a continue job is
+durable (it survives a restart)."""
 import pytest
 
 from yue2_vllm.protocol import SongRequest
@@ -127,6 +128,7 @@ def test_a_continue_job_survives_a_restart_from_the_durable_store(pipe, tmp_path
     parent)."""
     import json
 
+    from yue2_vllm.serve.errors import RequestInvalid
     from yue2_vllm.serve.store import JobStore
     from yue2_vllm.song.continuation import CONTINUE_KEY
 
@@ -144,6 +146,11 @@ def test_a_continue_job_survives_a_restart_from_the_durable_store(pipe, tmp_path
         wait_for(lambda: service.store.get(blocker.id).status, lambda s: s == "generating", timeout=60)
         job, _ = service.continue_song(capped.id, json.dumps({"seconds": 0.8}).encode())
         assert service.store.get(job.id).status == "queued"
+        for unfinished, status in ((blocker.id, "generating"), (job.id, "queued")):  # not songs yet: one line each
+            with pytest.raises(RequestInvalid, match=f"^job_id: song {unfinished} is {status}; only a finished song "
+                                                     "whose cap cut it can continue$") as refused:
+                service.continue_song(unfinished, json.dumps({"seconds": 0.8}).encode())
+            assert refused.value.field == "job_id"
     finally:
         service.close()
     store = JobStore(config.database)
