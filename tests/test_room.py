@@ -154,3 +154,31 @@ def test_a_torch_backend_phase_is_admitted_into_the_same_room(pipe, monkeypatch)
 
     tokens = len(abc_prompt(REQUEST, pipe.tokenizer)) + pipe.sampling_for(None, "abc").max_tokens
     assert admitted == torch_decode_bytes(pipe.model.config, tokens, 1)  # the AR expert is resident on the CPU
+
+
+def test_a_long_or_continued_songs_torch_phase_is_admitted_by_its_real_length(pipe, monkeypatch, tmp_path):
+    """The semantic phase's K/V is sized by the song's own budget: a `seconds` cap past the configured max_tokens,
+    and a continued song's longer cap over the parent's prompt (not the parent's cap, not only the new tokens)."""
+    from dataclasses import replace
+
+    from yue2_vllm.memory import torch_decode_bytes
+
+    roomy = DeviceRoom(2**40, "cpu")
+    monkeypatch.setattr(pipe.engine_life, "room", roomy)
+    holders = []
+    original = roomy.admit
+
+    def watched(need_bytes, what, **kwargs):
+        holders.append((what, need_bytes))
+        return original(need_bytes, what, **kwargs)
+
+    monkeypatch.setattr(roomy, "admit", watched)
+    capped = replace(REQUEST, seconds=0.48, id="capped")  # 12 tokens
+    pipe.generate_to(tmp_path / "capped", capped)
+    prefix = len(np.load(tmp_path / "capped" / "prefix.npy"))
+    branches = 2 if capped.guidance != 1.0 else 1
+    pipe.continue_song(tmp_path / "capped", tmp_path / "longer", 2)  # 50 tokens, past max_tokens 12
+    semantic = [need for what, need in holders if what == "semantic phase on the torch backend"]
+    assert semantic == [torch_decode_bytes(pipe.model.config, prefix + 12, branches),
+                        torch_decode_bytes(pipe.model.config, prefix + 50, branches)]
+    assert roomy.used == 0
