@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import soundfile
 
@@ -138,6 +139,13 @@ def test_doctor(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["versions"]["torch"].startswith("2.") and report["backends"]["torch"]["usable"]
     assert report["default_cfg"] == {"full": 1.0, "melody": 1.0, "off": 1.01}
+    length = report["song_length"]  # the embedded tiny model: its 10 s default, the context's longest songs
+    assert (length["tokens_per_second"], length["context_tokens"], length["default_song"]) == \
+        (25, 24576, {"tokens": 250, "seconds": 10.0})
+    for longest in length["longest_song"].values():
+        assert longest["tokens"] == 24576 - longest["prompt_tokens"] - longest["score_budget_tokens"]
+        assert longest["seconds"] == longest["tokens"] / 25 and longest["nar_chunks"] == 3
+    assert length["longest_song"]["with_a_generated_score"]["score_budget_tokens"] == 48
 
 
 def test_external_abc_is_read_byte_exact(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
@@ -203,10 +211,10 @@ class FullDisk:
         return self.real(fd)
 
 
-# The 18 writes of a run: run_state (1), plan files (2-4) and record (5), run_state (6), semantic (7-8),
-# run_state (9), latents (10-11), run_state (12), audio (13-14), request.json, config.json, result.json (15-17),
-# run_state "complete" (18).
-RUN_WRITES = 18
+# The 19 writes of a capped torch-backend run: run_state (1), plan files (2-4) and record (5), run_state (6), semantic
+# (7-9: its tokens, the generator state a continuation needs, the record), run_state (10), latents (11-12),
+# run_state (13), audio (14-15), request.json, config.json, result.json (16-18), run_state "complete" (19).
+RUN_WRITES = 19
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +254,7 @@ def test_disk_full_at_any_write_fails_cleanly(cli_pipe, tmp_path, monkeypatch, a
 
 
 @pytest.mark.parametrize("at,state,kept", [(7, "semantic_failed", ["plan"]),
-                                           (17, "decode_failed", ["plan", "semantic", "synthesis", "audio"])])
+                                           (18, "decode_failed", ["plan", "semantic", "synthesis", "audio"])])
 def test_disk_full_in_the_cli_is_one_line_and_resumable(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
                                                         monkeypatch, capsys, at, state, kept):
     from yue2_vllm.artifacts import verify_result
@@ -276,7 +284,7 @@ def test_batch_on_a_filling_disk_goes_on_keeps_batch_json_valid_and_resumes(tiny
     rows = [{"id": name, "style": "pop", "lyrics": "x", "cot": "off", "seed": i} for i, name in enumerate("abc")]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out"
-    disk = FullDisk(out, RUN_WRITES + 2, stays_full=True)  # song a's 18 writes and batch.json land
+    disk = FullDisk(out, RUN_WRITES + 2, stays_full=True)  # song a's 19 writes and batch.json land
     monkeypatch.setattr(os, "fsync", disk)
     command = ["batch", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--input",
                str(tmp_path / "in.jsonl"), "--output", str(out)]
@@ -1039,3 +1047,73 @@ def test_a_flag_that_is_no_number_is_named_with_what_it_takes(argv, message, cap
     with pytest.raises(SystemExit) as exited:
         main(argv)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_seconds_caps_a_song_and_continue_makes_the_longer_one(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
+                                                              capsys):
+    """`generate --seconds` caps the song (on record); `generate --continue RUN_DIR --seconds N` makes the song the
+    same request with N makes, into OUTPUT/<id>.<N>s, and names its parent; a batch row takes `seconds` too."""
+    flags = [*model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--output", str(tmp_path / "out")]
+    assert main(["generate", *flags, "--style", "pop", "--lyrics", "la", "--seed", "3", "--id", "s",
+                 "--seconds", "0.2"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["audio_seconds"] == round((1920 * 5 - 64) / 48000, 3) and status["truncated"]["semantic"]
+    assert status["truncation"]["semantic"] == {"by": "seconds", "tokens": 5, "seconds": 0.2}
+    assert main(["generate", *flags, "--continue", str(tmp_path / "out" / "s"), "--seconds", "0.4"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["id"], status["continued_from"], status["continuation"]["exact"]) == \
+        ("s.0.4s", str(tmp_path / "out" / "s"), True)
+    assert main(["generate", *flags, "--style", "pop", "--lyrics", "la", "--seed", "3", "--id", "s.0.4s",
+                 "--seconds", "0.4", "--output", str(tmp_path / "fresh")]) == 0
+    fresh = json.loads(capsys.readouterr().out)
+    assert fresh["identity"] == status["identity"]
+    assert main(["generate", *flags, "--continue", str(tmp_path / "out" / "s"), "--seconds", "0.1"]) == 2
+    assert "--seconds: 0.1 caps the song at 2 tokens, and it has 5 (0.2 s) already" in capsys.readouterr().err
+    assert main(["generate", *flags, "--continue", str(tmp_path / "out" / "s"), "--seconds", "1", "--id", "../x"]) == 2
+    assert "--id: SongRequest.id must match" in capsys.readouterr().err
+    assert main(["generate", *flags, "--continue", str(tmp_path / "out" / "s"), "--seconds", "1e309"]) == 2
+    assert "--seconds: seconds must be a positive number of seconds, got inf" in capsys.readouterr().err
+    assert (tmp_path / "fresh" / "s.0.4s" / "audio.flac").read_bytes() == \
+        (tmp_path / "out" / "s.0.4s" / "audio.flac").read_bytes()
+    # a take is a song like any other: take 2 (seed 4) of a capped job continues to take 2's longer song
+    assert main(["generate", *flags, "--style", "pop", "--lyrics", "la", "--seed", "3", "--id", "t", "--takes", "2",
+                 "--seconds", "0.2"]) == 0
+    capsys.readouterr()
+    assert main(["generate", *flags, "--continue", str(tmp_path / "out" / "t" / "takes" / "2"), "--seconds",
+                 "0.4"]) == 0
+    assert json.loads(capsys.readouterr().out)["id"] == "t.t2.0.4s"
+    assert main(["generate", *flags, "--style", "pop", "--lyrics", "la", "--seed", "4", "--id", "t.t2.0.4s",
+                 "--seconds", "0.4", "--output", str(tmp_path / "fresh")]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "fresh" / "t.t2.0.4s" / "audio.flac").read_bytes() == \
+        (tmp_path / "out" / "t.t2.0.4s" / "audio.flac").read_bytes()
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"id": "r", "style": "pop", "lyrics": "la", "seed": 3,
+                                                     "seconds": 0.2}) + "\n")
+    assert main(["batch", *flags, "--input", str(tmp_path / "rows.jsonl")]) == 0
+    capsys.readouterr()
+    assert np.array_equal(np.load(tmp_path / "out" / "r" / "semantic.npy"),
+                          np.load(tmp_path / "out" / "s" / "semantic.npy"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--continue", "{parent}"], "--continue: give --seconds, the longer length to continue the song to"),
+    (["--continue", "{parent}", "--seconds", "2", "--style", "rock"], "--style: --continue goes on with the song's "
+                                                                     "own request; leave --style out"),
+    (["--continue", "{parent}", "--seconds", "2", "--takes", "2"], "--continue: makes one whole song"),
+    (["--continue", "{parent}", "--seconds", "2"], "holds no finished song (no result.json); finish it first"),
+    (["--continue", "{tmp}/none", "--seconds", "2"], "continue: {tmp}/none: is not a song's directory"),
+    (["--seconds", "0"], "--seconds: SongRequest.seconds must be a positive number of seconds, got 0.0"),
+    (["--seconds", "1000"], "--seconds: SongRequest.seconds must be at most 983.04"),
+    (["--seconds", "inf"], "--seconds: SongRequest.seconds must be a positive number of seconds, got inf"),
+])
+def test_seconds_and_continue_refusals_are_one_line_naming_the_flag(argv, message, tiny_model_dir, tiny_vae_dir,
+                                                                    config_file, tmp_path, capsys):
+    parent = tmp_path / "p"
+    parent.mkdir()  # refused before it is read, or read and found not to be a song
+    argv = [a.format(parent=parent, tmp=tmp_path) for a in argv]
+    code = main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--output",
+                 str(tmp_path / "out"), *argv])
+    status = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 2 and status["status"] == "failed"
+    assert message.format(tmp=tmp_path) in status["reason"], status["reason"]
+    assert not (tmp_path / "out").exists()

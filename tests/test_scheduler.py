@@ -217,6 +217,45 @@ def test_on_unified_memory_nar_admission_reads_the_pool_the_plan_reads(fake_gpu,
     assert admitted == jobs[:2] and lane._queues["nar"].get_nowait() is jobs[2]
 
 
+def test_nar_admission_sizes_a_long_song_by_its_chunks_at_the_pipelines_context(monkeypatch):
+    """A song past one NAR chunk is admitted by its chunks (each one the whole prefix plus its frames), counted at
+    the pipeline's context: a 480 s song behind 4,000 prompt tokens takes two chunks at YuE2-3B's real sizes, and
+    a smaller `context` in the generation config (what the tests force) splits a short song too."""
+    import queue
+    from types import SimpleNamespace
+
+    import torch
+
+    import yue2_vllm.devices as devices
+    from yue2_vllm.memory import nar_song_bytes
+    from yue2_vllm.model.modeling import YuE2Config
+    from yue2_vllm.protocol import GenerationConfig
+    from yue2_vllm.scheduler import SynthesisLane, _LaneJob
+
+    config = YuE2Config()
+
+    def admitted(songs, free, generation=None):
+        jobs = [_LaneJob("nar", SimpleNamespace(plan=SimpleNamespace(prefix=[0] * prefix), tokens=[0] * frames),
+                         None, None) for prefix, frames in songs]
+        monkeypatch.setattr(devices, "cuda_free_bytes", lambda device: free)
+        pipe = SimpleNamespace(device=torch.device("cuda", 0), model=SimpleNamespace(config=config))
+        if generation is not None:
+            pipe.generation_config = generation
+        lane = SimpleNamespace(pipe=pipe, _queues={"nar": queue.Queue()})
+        return len(SynthesisLane._admit(lane, jobs))
+
+    # 12,000 frames behind 4,000 tokens: chunks of (24576 - 4000 - 3) // 2 = 10,286 frames, so two
+    one_chunk_reading = nar_song_bytes(config, [4000 + 12000 + 3]) + nar_song_bytes(config, [500 + 1000 + 3])
+    assert admitted([(4000, 12000), (500, 1000)], one_chunk_reading) == 1  # the long song's two prefixes count
+    two_chunks = nar_song_bytes(config, [4000 + 10286 + 3, 4000 + 1714 + 3, 500 + 1000 + 3])
+    assert admitted([(4000, 12000), (500, 1000)], two_chunks) == 2
+    # at a 2,997-token context a 1,000-frame song behind 997 tokens is two chunks: room for two one-chunk songs
+    # holds one of them
+    room = 2 * nar_song_bytes(config, [997 + 1000 + 3])
+    assert admitted([(997, 1000)] * 2, room) == 2 == admitted([(997, 1000)] * 2, room, GenerationConfig())
+    assert admitted([(997, 1000)] * 2, room, GenerationConfig(context=2997)) == 1
+
+
 @pytest.fixture(scope="module")
 def reproducible_pipe(tiny_model_dir, tiny_vae_dir):
     """The default bf16 numerics with --reproducible: the engine becomes batch-invariant (float32 on vLLM-CPU)."""

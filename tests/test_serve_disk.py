@@ -1,6 +1,8 @@
 """Disk admission by the song: the bytes a request's budgets can write (real figures of a 6-minute song), the
 FLAC bound against real soundfile output, and a server refusing a song the free disk cannot hold beside the
 songs it already admitted."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -38,6 +40,9 @@ def test_request_bytes_read_the_servers_budgets(tokenizer):
     eight_minutes = request_bytes(rules, request, {"semantic": {"max_tokens": 12000}, "abc": {"max_tokens": 512}})
     assert eight_minutes == song_bytes(prompt, 512, 12000, text)
     assert round(eight_minutes.total / MB, 1) == 142.5  # 480 s
+    # a song's own length sizes it: a 60 s cap, or a continued song's longer one (beyond the default budget)
+    assert request_bytes(rules, replace(request, seconds=60), {}) == song_bytes(prompt, 4096, 1500, text)
+    assert request_bytes(rules, replace(request, seconds=480), {"abc": {"max_tokens": 512}}) == eight_minutes
 
 
 def test_the_flac_bound_holds_for_audio_that_does_not_compress():

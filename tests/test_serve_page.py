@@ -4,6 +4,7 @@ model flags (the embedded tiny default, the vLLM engine when installed).
 The screenshot is kept in the test's tmp dir; with YUE2_UPDATE_SCREENSHOT=1 it also replaces docs/serve-page.png
 (docs/serving.md's picture), so a plain test run leaves the checkout as it was.
 """
+import contextlib
 import io
 import os
 import shutil
@@ -55,6 +56,21 @@ def server(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
         yield server
     finally:
         assert server.stop() == 0
+
+
+@contextlib.contextmanager
+def keyed_page(server, problems: list):
+    """A fresh chromium page on the server's page with the API key entered; its page errors go to `problems`."""
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.on("pageerror", lambda error: problems.append(str(error)))
+        page.goto(server.url + "/")
+        page.locator("#health.ok").wait_for()
+        page.fill("#api-key", KEY)
+        page.dispatch_event("#api-key", "change")
+        yield page
+        browser.close()
 
 
 def test_make_a_song_with_the_form_and_hear_it(server, tmp_path):
@@ -281,14 +297,7 @@ def test_an_instrumental_from_the_form_plans_the_edited_score_without_lyrics(ser
     from test_instrumental import EDITED, SCORE
 
     problems = []
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        page = browser.new_page(viewport={"width": 1200, "height": 900})
-        page.on("pageerror", lambda error: problems.append(str(error)))
-        page.goto(server.url + "/")
-        page.locator("#health.ok").wait_for()
-        page.fill("#api-key", KEY)
-        page.dispatch_event("#api-key", "change")
+    with keyed_page(server, problems) as page:
         page.check("#instrumental")  # lyrics become optional
         assert page.evaluate("document.getElementById('lyrics').required") is False
         page.fill("#lyrics", "")
@@ -309,5 +318,35 @@ def test_an_instrumental_from_the_form_plans_the_edited_score_without_lyrics(ser
         assert doc["status"] == "complete" and doc["request"]["instrumental"] is True
         assert doc["request"]["lyrics"] == ""
         assert server.client.get(f"/v1/songs/{job_id}/score").text == EDITED
-        browser.close()
+    assert not problems, problems
+
+
+def test_a_length_from_the_form_and_the_continue_button(server):
+    """The form's length caps the song (the hint under it says the longest song the request can reach, and a length
+    the server would refuse, as you type); a capped song's Continue makes the longer song as a new job."""
+    problems = []
+    with keyed_page(server, problems) as page:
+        page.fill("#seconds", "2")  # the tiny model's songs have at least 200 tokens: 8 s
+        wait_for(lambda: page.inner_text("#longest"), lambda text: "below the semantic phase's min_tokens 200" in text,
+                 timeout=30)
+        page.fill("#seconds", "8")
+        wait_for(lambda: page.inner_text("#longest"),
+                 lambda text: text.startswith("The longest song this request can reach: 16 min"), timeout=30)
+        page.focus("#style")
+        page.keyboard.press("Control+Enter")
+        page.locator("#current").wait_for(state="visible")
+        capped = page.evaluate("location.hash").lstrip("#")
+        page.locator("#continue-box").wait_for(state="visible", timeout=300_000)
+        doc = server.client.get(f"/v1/songs/{capped}").json()
+        assert doc["request"]["seconds"] == 8 and doc["result"]["truncation"]["semantic"]["tokens"] == 200
+        assert "capped at 8.0 s (its length)" in page.inner_text("#current-meta")
+        page.fill("#continue-seconds", "9")
+        page.click("#continue")
+        wait_for(lambda: page.evaluate("location.hash").lstrip("#"), lambda shown: shown != capped, timeout=30)
+        job_id = page.evaluate("location.hash").lstrip("#")
+        doc = wait_for(lambda: server.client.get(f"/v1/songs/{job_id}").json(),
+                       lambda d: d["status"] in ("complete", "failed", "cancelled"), timeout=300)
+        assert doc["status"] == "complete" and doc["continued_from"] == {"id": capped, "take": 1}
+        assert doc["result"]["audio_seconds"] == (225 * 1920 - 64) / 48000
+        wait_for(lambda: page.inner_text("#current-meta"), lambda text: f"continues {capped}" in text, timeout=30)
     assert not problems, problems

@@ -87,6 +87,15 @@ def _read_record(path: Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def read_stage_record(directory: Path, stage: str) -> dict | None:
+    """A stage's record (`<stage>.stage.json`: its identity, meta and files), None when unreadable; its files are
+    not checked here (`verify_result` checks a finished song's)."""
+    record = _read_record(Path(directory) / f"{stage}.stage.json")
+    if record is None or not isinstance(record.get("meta"), dict) or not isinstance(record.get("files"), dict):
+        return None
+    return record
+
+
 def _files_verify(directory: Path, entries, required) -> bool:
     """Every required name is listed, and every listed file is a regular file with the recorded size and sha256."""
     if not isinstance(entries, dict) or not set(required) <= set(entries):

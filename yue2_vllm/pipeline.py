@@ -25,7 +25,7 @@ from .derive import OVERRIDE_ENV
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
                       resolve_device, set_upstream_numerics)
 from .hub import DEFAULT_MODEL, DEFAULT_VAE, HubOptions, ModelSource, resolve_model
-from .model.sampling import ARBackend, TorchARBackend, resolve_execution
+from .model.sampling import ARBackend, ARContinuation, TorchARBackend, resolve_execution
 from .model.torch_quant import apply_memory_cap, module_bytes
 from .options import AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions
 from .protocol import GenerationConfig, Sampling, SongRequest, SongRules, default_cfg_scale
@@ -39,6 +39,7 @@ from .song.results import (BATCH_NOTE, SAMPLE_RATE, Cancelled, Decoder, OnProgre
                            SemanticResult, SongResult, SymbolicPlan, Synthesizer, batch_record, check_semantic)
 from .song.run_dir import (AUDIO_CONFIG_KEYS, FAILED_STATES, STAGE_RECORDS, generate_to, latent_identity,  # noqa: F401
                             peak_memory_bytes, run_identity)
+from .song.continuation import ContinueRefused, ParentSong, read_parent  # noqa: F401
 from .song.stages import SongStages
 
 
@@ -222,8 +223,8 @@ class YuE2Pipeline:
         return self.rules.sampling_for(request_overrides, phase)
 
     def effective_config(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> dict:
-        generation = replace(self.generation_config, abc=self.sampling_for(abc_sampling, "abc"),
-                             semantic=self.sampling_for(semantic_sampling, "semantic"))
+        generation = replace(self.generation_config, abc=self.rules.phase_sampling(request, abc_sampling, "abc"),
+                             semantic=self.rules.phase_sampling(request, semantic_sampling, "semantic"))
         defaults = GenerationConfig().to_dict()
         overrides = sorted(f"{phase}.{key}" for phase in ("abc", "semantic")
                            for key, value in generation.to_dict()[phase].items() if defaults[phase][key] != value)
@@ -269,8 +270,11 @@ class YuE2Pipeline:
         return self.stages.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token)
 
     def generate_semantic(self, plan: SymbolicPlan, *, sampling=None, cancelled: Cancelled | None = None,
-                          on_token: OnToken | None = None) -> SemanticResult:
-        return self.stages.generate_semantic(plan, sampling=sampling, cancelled=cancelled, on_token=on_token)
+                          on_token: OnToken | None = None,
+                          continuation: ARContinuation | None = None) -> SemanticResult:
+        """The song's codec tokens; `continuation`: go on from a capped song's (see `continue_song`)."""
+        return self.stages.generate_semantic(plan, sampling=sampling, cancelled=cancelled, on_token=on_token,
+                                             continuation=continuation)
 
     def synthesize(self, semantic: SemanticResult, *, cancelled: Cancelled | None = None,
                    on_progress: OnProgress | None = None) -> np.ndarray:
@@ -312,14 +316,31 @@ class YuE2Pipeline:
                     abc_sampling=None, semantic_sampling=None, stage: str = "audio",
                     cancelled: Cancelled | None = None, on_token: OnToken | None = None,
                     on_progress: OnProgress | None = None, on_stage: OnStage | None = None,
-                    synthesizer: Synthesizer | None = None, decoder: Decoder | None = None) -> dict:
+                    synthesizer: Synthesizer | None = None, decoder: Decoder | None = None,
+                    parent: ParentSong | None = None) -> dict:
         """Run into `directory`, checkpointing each stage; returns the `result.json` document
         (or, with `stage="plan"`, the plan record). Resuming redoes only stages that do not verify.
 
         `on_stage(stage, event, meta)` reports each stage as it starts (`"start"`), is reused from a
         verified checkpoint (`"reused"`) or finishes (`"done"`, with the stage's record). A song
         scheduler passes `synthesizer` / `decoder` to run those stages in its shared synthesis lane
-        (defaults: `self.synthesize` / `self.decode`)."""
+        (defaults: `self.synthesize` / `self.decode`). `parent` continues that capped song (`continue_song`)."""
         return generate_to(self, directory, request, resume=resume, abc_sampling=abc_sampling,
                            semantic_sampling=semantic_sampling, stage=stage, cancelled=cancelled, on_token=on_token,
-                           on_progress=on_progress, on_stage=on_stage, synthesizer=synthesizer, decoder=decoder)
+                           on_progress=on_progress, on_stage=on_stage, synthesizer=synthesizer, decoder=decoder,
+                           parent=parent)
+
+    def continue_song(self, parent_dir: str | os.PathLike, directory: str | os.PathLike, seconds: float, *,
+                      song_id: str | None = None, resume: bool = False, cancelled: Cancelled | None = None,
+                      on_token: OnToken | None = None, on_progress: OnProgress | None = None,
+                      on_stage: OnStage | None = None) -> dict:
+        """Continue the capped song in `parent_dir` to `seconds` into `directory` (a new song, `<parent id>.
+        <seconds>s` unless `song_id`): the song the parent's request with this `seconds` makes, its semantic
+        phase going on from the parent's codes (song/continuation.py). Returns its result.json; a song that is
+        unfinished, not capped or from another model is refused (ContinueRefused, one line)."""
+        parent = read_parent(parent_dir)
+        request = parent.child_request(seconds, song_id)
+        overrides = parent.overrides()
+        return self.generate_to(directory, request, resume=resume, abc_sampling=overrides["abc"],
+                                semantic_sampling=overrides["semantic"], cancelled=cancelled, on_token=on_token,
+                                on_progress=on_progress, on_stage=on_stage, parent=parent)

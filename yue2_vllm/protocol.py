@@ -88,6 +88,41 @@ def default_cfg_scale(cot: str) -> float:
     return 1.01 if cot == "off" else 1.0
 
 
+def seconds_tokens(seconds: float) -> int:
+    """Semantic tokens (= latent frames) in `seconds` of song at YuE2's 25 a second, counted as upstream's tools
+    count them (`examples/instrumental_clip.py`: `int(seconds * TOKENS_PER_SECOND)`, rounding down)."""
+    return int(seconds * TOKENS_PER_SECOND)
+
+
+def tokens_seconds(tokens: int) -> float:
+    """The seconds of song `tokens` semantic tokens make (each is one 1,920-sample frame at 48 kHz)."""
+    return tokens / TOKENS_PER_SECOND
+
+
+def seconds_for_tokens(tokens: int) -> float:
+    """The largest `seconds` (to 0.01 s) whose cap is at most `tokens` tokens (0.0 when none is)."""
+    seconds = math.floor(tokens * 100 / TOKENS_PER_SECOND) / 100
+    while seconds > 0 and seconds_tokens(seconds) > tokens:
+        seconds = round(seconds - 0.01, 2)
+    return max(seconds, 0.0)
+
+
+MAX_SECONDS = CONTEXT / TOKENS_PER_SECOND  # the whole 24,576-token context as song: 983.04 s
+
+
+def check_seconds(value, what: str = "seconds") -> float:
+    """A song length in seconds as a float: a finite number > 0 that caps at least one token and fits the context."""
+    if not _is_real(value) or not value > 0:
+        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+    if value > MAX_SECONDS:  # first: 1e308 seconds would overflow the count
+        raise ValueError(f"{what} must be at most {MAX_SECONDS:g} (the whole {CONTEXT}-token context at "
+                         f"{TOKENS_PER_SECOND} tokens a second), got {value!r}")
+    if seconds_tokens(value) < 1:
+        raise ValueError(f"{what} must be at least {1 / TOKENS_PER_SECOND:g} (one semantic token at "
+                         f"{TOKENS_PER_SECOND} a second), got {value!r}")
+    return float(value)
+
+
 def end_token(phase: str) -> int:
     """The token that closes a phase: `</abc>` for abc, MUSIC_END for semantic."""
     if phase == "abc":
@@ -123,6 +158,9 @@ class SongRequest:
     # Upstream's instrumental recipe (see instrumental.py): plan a score, move its vocal melody to the instrument,
     # render that. Lyrics are optional then ("" plans with upstream's section tags).
     instrumental: bool = False
+    # A length to cap the song at: its semantic tokens (= latent frames) at 25 a second, as upstream's tools count
+    # them (`seconds_tokens`). None: the semantic phase's max_tokens, as always.
+    seconds: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.instrumental, bool):
@@ -150,6 +188,8 @@ class SongRequest:
             check_unicode(self.abc, "SongRequest.abc")
             if self.cot == "off":
                 raise ValueError("SongRequest.abc needs cot 'melody' or 'full' (cot 'off' has no score)")
+        if self.seconds is not None:
+            object.__setattr__(self, "seconds", check_seconds(self.seconds, "SongRequest.seconds"))
         if self.cfg_scale is not None and (not _is_real(self.cfg_scale)
                                            or not 0 <= self.cfg_scale <= MAX_CFG_SCALE):
             raise ValueError(f"SongRequest.cfg_scale must be a finite number in [0, 20], got {self.cfg_scale!r}")
@@ -174,10 +214,13 @@ class SongRequest:
         return f"{INSTRUCTIONS[self.cot]}\n[Tags]\n{self.style}\n[Lyrics]\n{self.lyrics}\n"
 
     def to_dict(self) -> dict:
-        """The fields; `instrumental` only when set, so every other song keeps the identity it always had."""
+        """The fields; `instrumental` and `seconds` only when set, so every other song keeps the identity it always
+        had."""
         data = asdict(self)
         if not self.instrumental:
             del data["instrumental"]
+        if self.seconds is None:
+            del data["seconds"]
         return data
 
     @classmethod
@@ -390,6 +433,56 @@ def check_budget(prompt: Sequence[int], max_tokens: int, what: str = "prompt") -
 
 
 @dataclass(frozen=True)
+class ContextBudget:
+    """What a request asks of the 24,576-token context: the prompt before the song (the text, and a given score or
+    the `</abc>` MUSIC_START a generated one is closed with), the generated score's budget (0: none is generated)
+    and the song's (semantic max_tokens, or `seconds` at 25 a second)."""
+
+    prompt: int
+    score: int
+    song: int
+    seconds: float | None = None  # the request's length, when it set the song's budget
+    given_score: bool = False  # the prompt holds a given (external) score
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.score + self.song
+
+    @property
+    def over(self) -> int:
+        """Tokens past the context (<= 0: it fits)."""
+        return self.total - CONTEXT
+
+    @property
+    def longest_song(self) -> int:
+        """The most semantic tokens this prompt and score budget leave the song."""
+        return max(0, CONTEXT - self.prompt - self.score)
+
+    def refusal(self, song_min_tokens: int = 1, score_min_tokens: int = 1) -> str:
+        """One line naming what to shorten and by how much (for a budget that does not fit)."""
+        over = self.over
+        if self.score:
+            what = f"semantic prompt (with a score of up to abc max_tokens {self.score}) of {self.prompt + self.score}"
+        else:
+            what = f"semantic prompt of {self.prompt}"
+        line = (f"the request is too long: {what} tokens + max_tokens {self.song} = {self.total} exceeds the "
+                f"{CONTEXT}-token context")
+        texts = "lyrics, style or score" if self.given_score else "lyrics or style"
+        fixes = [f"shorten the {texts} by {over} tokens"]
+        room = self.song - over
+        if room >= max(1, song_min_tokens):
+            if self.seconds is not None:
+                fixes.insert(0, f"lower seconds to at most {seconds_for_tokens(room):g} ({room} tokens; asked: "
+                                f"{self.seconds:g})")
+            else:
+                fixes.append(f"lower semantic_sampling.max_tokens to {room} ({tokens_seconds(room):g} s of song)")
+        if self.score and self.score - over >= max(1, score_min_tokens):
+            fixes.append(f"lower abc_sampling.max_tokens to {self.score - over}")
+        line += "; " + ", or ".join(fixes)
+        return f"seconds: {line}" if self.seconds is not None else line
+
+
+@dataclass(frozen=True)
 class SongRules:
     """What admitting a song takes, without any weights: each phase's sampling defaults, the tokenizer (the
     prompt's length) and whether the engine is batch-invariant. The pipeline holds one; so does a server whose
@@ -402,34 +495,71 @@ class SongRules:
     def sampling_for(self, overrides: dict | Sampling | None, phase: str) -> Sampling:
         return resolve_sampling(overrides, getattr(self.generation, phase))
 
-    def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
-        """Refuse, before any stage runs, overrides that do not resolve and prompts that cannot fit the
-        context with their token budgets (a generated score can only make the semantic prompt longer)."""
-        if request.instrumental:  # a given score's render request, else the request that plans the score
+    def phase_sampling(self, request: SongRequest, overrides: dict | Sampling | None, phase: str) -> Sampling:
+        """How `request` samples `phase`: the overrides over the defaults and, for the semantic phase, the request's
+        `seconds` as its token budget (max_tokens). A `seconds` that cannot be one raises a ValueError beginning
+        `seconds:`; bad overrides one beginning `<phase>_sampling:`."""
+        if phase != "semantic" or request.seconds is None:
+            try:
+                return self.sampling_for(overrides, phase)
+            except ValueError as exc:
+                raise ValueError(f"{phase}_sampling: {exc}") from None
+        if isinstance(overrides, dict) and "max_tokens" in overrides:
+            raise ValueError("seconds: seconds and semantic_sampling.max_tokens both set the song's token budget; "
+                             "give one of them")
+        cap = seconds_tokens(request.seconds)
+        if isinstance(overrides, Sampling):
+            overrides = overrides.to_dict()
+        min_tokens = (overrides or {}).get("min_tokens", self.generation.semantic.min_tokens)
+        if _is_int(min_tokens) and cap < min_tokens:
+            least = seconds_for_tokens(min_tokens)
+            least = least if seconds_tokens(least) >= min_tokens else round(least + 0.01, 2)
+            raise ValueError(f"seconds: {request.seconds:g} caps the song at {cap} tokens, below the semantic phase's "
+                             f"min_tokens {min_tokens}; ask for at least {least:g} seconds, or lower "
+                             "semantic_sampling.min_tokens")
+        try:
+            return self.sampling_for({**(overrides or {}), "max_tokens": cap}, phase)
+        except ValueError as exc:
+            raise ValueError(f"{phase}_sampling: {exc}") from None
+
+    def budget(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> ContextBudget:
+        """What the request asks of the context (see ContextBudget); an instrumental is counted as the request that
+        plans its score, or renders its given one."""
+        prompt, score, given = self._before_song(request, abc_sampling)
+        song = self.phase_sampling(request, semantic_sampling, "semantic").max_tokens
+        return ContextBudget(prompt, score, song, request.seconds, given)
+
+    def _before_song(self, request: SongRequest, abc_sampling) -> tuple[int, int, bool]:
+        """`(prompt tokens, score budget, whether a score is given)` of what precedes the song."""
+        if request.instrumental:
             from .instrumental import admission_request
 
             request = admission_request(request)
-        sampling = {}
-        for phase, value in (("abc", abc_sampling), ("semantic", semantic_sampling)):
-            try:
-                sampling[phase] = self.sampling_for(value, phase)
-            except ValueError as exc:
-                raise ValueError(f"{phase}_sampling: {exc}") from None
-        try:
-            if request.cot == "off" or request.abc is not None:
-                check_budget(semantic_prompt(request, self.tokenizer), sampling["semantic"].max_tokens,
-                             "semantic prompt")
-            else:
-                prompt = abc_prompt(request, self.tokenizer)
-                score = sampling["abc"].max_tokens
-                check_budget(prompt, score, "abc prompt")
-                # As upstream, nothing is truncated: the semantic prompt will hold the generated score, so it is
-                # admitted only if a score of the abc phase's whole budget leaves the semantic budget room.
-                check_budget(prompt + [0] * score + [ABC_END, MUSIC_START], sampling["semantic"].max_tokens,
-                             f"semantic prompt (with a score of up to abc max_tokens {score})")
-        except ValueError as exc:
-            raise ValueError(f"the request is too long: {exc}; shorten the lyrics, style or score, or lower "
-                             "max_tokens (abc_sampling's or semantic_sampling's)") from None
+        if request.cot == "off" or request.abc is not None:
+            return len(semantic_prompt(request, self.tokenizer)), 0, request.abc is not None
+        # As upstream, nothing is truncated: the semantic prompt will hold the generated score, so a song is
+        # admitted only if a score of the abc phase's whole budget leaves its budget room.
+        return len(abc_prompt(request, self.tokenizer)) + 2, self.phase_sampling(request, abc_sampling, "abc").max_tokens, \
+            False
+
+    def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
+        """Refuse, before any stage runs, overrides that do not resolve, a `seconds` that cannot cap the song, and
+        prompts that cannot fit the context with their token budgets (a generated score can only make the semantic
+        prompt longer): one line naming what to shorten and by how much."""
+        budget = self.budget(request, abc_sampling, semantic_sampling)
+        if budget.over > 0:
+            semantic = self.phase_sampling(request, semantic_sampling, "semantic")
+            score_min = self.phase_sampling(request, abc_sampling, "abc").min_tokens if budget.score else 1
+            raise ValueError(budget.refusal(semantic.min_tokens, score_min))
+
+    def longest_song(self, request: SongRequest, abc_sampling=None) -> dict:
+        """The longest song this request's prompt (and score budget) leaves room for, whatever its `seconds`: its
+        tokens and seconds, and the prompt and score budget that take the rest of the context."""
+        prompt, score, _ = self._before_song(request, abc_sampling)
+        tokens = max(0, CONTEXT - prompt - score)
+        return {"tokens": tokens, "seconds": seconds_for_tokens(tokens), "prompt_tokens": prompt,
+                "score_budget_tokens": score, "context_tokens": CONTEXT}
+
 
 def chunk_ranges(frames: int, prefix_tokens: int, context: int = CONTEXT) -> list[tuple[int, int]]:
     """NAR chunks `[a, b)` over the codec frames so that prefix + n + 1 AR and n + 2 NAR fit the context."""

@@ -31,6 +31,7 @@ import numpy as np
 
 from .pipeline import SemanticResult, YuE2Pipeline
 from .protocol import SongRequest
+from .song.continuation import CONTINUE_KEY, read_parent
 from .takes import TakeOptions, run_takes
 
 STATES = ("queued", "planning", "generating", "synthesizing", "decoding", "complete", "failed", "cancelled")
@@ -317,7 +318,7 @@ class SynthesisLane:
         if len(jobs) == 1 or (room is None and self.pipe.device.type != "cuda"):
             return jobs
         from .memory import nar_song_bytes
-        from .protocol import chunk_ranges
+        from .protocol import CONTEXT, chunk_ranges
 
         if room is not None:
             free = room.free
@@ -331,11 +332,13 @@ class SynthesisLane:
             free = cuda_free_bytes(self.pipe.device)
         streamed = not getattr(self.pipe, "ar_on_device", True)
         config = self.pipe.model.config
+        generation = getattr(self.pipe, "generation_config", None)  # its NAR context sets the chunks (a long song's)
+        context = generation.context if generation is not None else CONTEXT
         admitted, need = [], 0
         for job in jobs:
             semantic = job.payload
             prefix = len(semantic.plan.prefix)
-            chunks = [prefix + (b - a) + 3 for a, b in chunk_ranges(len(semantic.tokens), prefix)]
+            chunks = [prefix + (b - a) + 3 for a, b in chunk_ranges(len(semantic.tokens), prefix, context)]
             need += nar_song_bytes(config, chunks, streamed=streamed and not admitted)
             if admitted and need > free:
                 self._queues["nar"].put(job)
@@ -529,11 +532,13 @@ class SongScheduler:
 
     def _generate(self, handle: SongHandle) -> None:
         try:
+            continued = handle.overrides.get(CONTINUE_KEY)  # a capped song to go on from: its run directory
+            parent = read_parent(continued["directory"]) if continued else None
             document = self.pipe.generate_to(
                 handle.directory, handle.request, resume=handle.resume, stage=handle.stage,
                 abc_sampling=handle.overrides.get("abc"), semantic_sampling=handle.overrides.get("semantic"),
                 cancelled=handle.cancelled, on_token=handle.on_token, on_progress=handle.on_progress,
-                on_stage=handle.on_stage, synthesizer=self.lane.synthesize, decoder=self.lane.decode)
+                on_stage=handle.on_stage, synthesizer=self.lane.synthesize, decoder=self.lane.decode, parent=parent)
         except (InterruptedError, KeyboardInterrupt) as exc:
             handle._finish("cancelled", error=exc)
         except BaseException as exc:  # recorded on the song; the other songs go on

@@ -33,9 +33,39 @@ def cmd_doctor(args) -> int:
     required = ("torch", "numpy", "safetensors", "tiktoken", "soundfile", "tqdm")
     report = {"python": platform.python_version(), "versions": versions, "devices": devices, "backends": backends,
               "default_cot": "full", "default_cfg": {"full": 1.0, "melody": 1.0, "off": 1.01},
-              "memory": memory_split(args), "memory_release": release_split(args), "cluster": cluster_report(args)}
+              "song_length": song_length(args), "memory": memory_split(args), "memory_release": release_split(args),
+              "cluster": cluster_report(args)}
     print(json.dumps(report, indent=2))
     return 0 if all(versions[name] for name in required) else 1
+
+
+def song_length(args) -> dict:
+    """How long a song can be with this model's tokenizer and default budgets: 25 semantic tokens a second, the
+    semantic phase's default budget, and the longest song a request can reach in the 24,576-token context (the
+    shortest request: a one-word style and lyrics) with a generated score (its whole abc budget counted) and with
+    cot off or a given score; each 1,000 tokens of prompt (lyrics, style, score) take 40 s of that; and the NAR
+    chunks that song is rendered in."""
+    from ..protocol import (CONTEXT, TOKENS_PER_SECOND, GenerationConfig, SongRequest, SongRules, chunk_ranges,
+                            tokens_seconds)
+    from ..testing import TINY_GENERATION
+    from ..tokenizer import YuE2Tokenizer
+
+    weights = Weights.of(args)
+    model_dir = weights.resolve()[0]
+    generation = GenerationConfig.from_dict(TINY_GENERATION if weights.model is None else None)
+    rules = SongRules(generation, YuE2Tokenizer.from_model_dir(Path(model_dir)))
+    shortest = SongRequest("pop", "la")
+    longest = {"with_a_generated_score": rules.longest_song(shortest),
+               "cot_off_or_given_score": rules.longest_song(SongRequest("pop", "la", cot="off"))}
+    for entry in longest.values():
+        entry["nar_chunks"] = len(chunk_ranges(entry["tokens"], entry["prompt_tokens"] + entry["score_budget_tokens"],
+                                               generation.context))
+    default = generation.semantic.max_tokens
+    return {"tokens_per_second": TOKENS_PER_SECOND, "context_tokens": CONTEXT,
+            "default_song": {"tokens": default, "seconds": tokens_seconds(default)},
+            "longest_song": longest, "seconds_per_1000_prompt_tokens": tokens_seconds(1000),
+            "note": "a request's own longest song: its prompt (and score budget) less; POST /v1/songs/length, "
+                    "or a too-long request's refusal, says it"}
 
 
 def gpu_report(index: int, meminfo_path: str | None = None) -> dict:

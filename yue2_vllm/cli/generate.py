@@ -15,8 +15,9 @@ class Progress:
     LABELS = {"abc": "Planning score", "semantic": "Generating song", "nar": "Synthesizing audio",
               "vae": "Decoding audio"}
 
-    def __init__(self, enabled: bool, token_budget: dict[str, int]):
+    def __init__(self, enabled: bool, token_budget: dict[str, int], done: dict[str, int] | None = None):
         self.enabled, self.token_budget = enabled, token_budget
+        self.done = done or {}  # tokens a phase has before it starts (a continued song's)
         self.stage, self.bar = None, None
 
     def _switch(self, stage: str, total: int | None) -> None:
@@ -28,7 +29,8 @@ class Progress:
             from tqdm import tqdm
 
             unit = "tok" if stage in ("abc", "semantic") else ("step" if stage == "nar" else "tile")
-            self.bar = tqdm(total=total, desc=self.LABELS[stage], unit=unit, file=sys.stderr, leave=True)
+            self.bar = tqdm(total=total, desc=self.LABELS[stage], unit=unit, file=sys.stderr, leave=True,
+                            initial=self.done.get(stage, 0))
 
     def on_token(self, phase: str, token: int) -> None:
         self._switch(phase, self.token_budget.get(phase))
@@ -54,14 +56,27 @@ def _summary(document: dict) -> dict:
     return {**phases, **{k: timing[k] for k in ("nar_seconds", "vae_seconds") if k in timing}}
 
 
-def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, stage: str, quiet: bool) -> dict:
-    """Generate one song into `directory`; returns the status line (failure.json is written on error)."""
-    budget = {phase: pipe.sampling_for(overrides.get(phase), phase).max_tokens for phase in ("abc", "semantic")}
-    progress = Progress(not quiet, budget)
+def token_budgets(pipe, request, overrides: dict) -> dict:
+    """Each phase's token budget (the progress bars' totals; None where it does not resolve: refused later)."""
+    budget = {}
+    for phase in ("abc", "semantic"):
+        try:
+            budget[phase] = pipe.rules.phase_sampling(request, overrides.get(phase), phase).max_tokens
+        except ValueError:
+            budget[phase] = None
+    return budget
+
+
+def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, stage: str, quiet: bool,
+             parent=None) -> dict:
+    """Generate one song into `directory` (with `parent`: continue that capped song); returns the status line
+    (failure.json is written on error)."""
+    progress = Progress(not quiet, token_budgets(pipe, request, overrides),
+                        {"semantic": len(parent.tokens)} if parent is not None else None)
     try:
         document = pipe.generate_to(directory, request, resume=resume, stage=stage,
                                     abc_sampling=overrides.get("abc"), semantic_sampling=overrides.get("semantic"),
-                                    on_token=progress.on_token, on_progress=progress.on_progress)
+                                    on_token=progress.on_token, on_progress=progress.on_progress, parent=parent)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: recorded, then the whole command stops
         progress.close()
         exc.status = cancelled_status(request, directory, f"cancelled by {_signal_name(exc)}; rerun with --resume")
@@ -117,7 +132,10 @@ def song_outcome(request, directory: Path, *, document: dict | None = None, erro
               "stages_reused": document.get("stages_reused", [])}
     if document["status"] == "complete":
         status.update(audio_seconds=round(document["audio_seconds"], 3), truncated=document["truncated"],
+                      **{key: document[key] for key in ("truncation", "continuation") if document.get(key)},
                       timing=_summary(document))
+        if "continued_from" in document:
+            status["continued_from"] = document["continued_from"]["directory"]
     return status
 
 
@@ -163,7 +181,44 @@ def run_takes_cli(pipe, request, overrides: dict, directory: Path, options, *, r
     return statuses + [summary]
 
 
+# What `generate --continue` takes from the song it continues, not from flags.
+CONTINUE_TAKES_OWN = (("request", "--request"), ("style", "--style"), ("lyrics", "--lyrics"),
+                      ("lyrics_file", "--lyrics-file"), ("abc_file", "--abc-file"), ("cot", "--cot"),
+                      ("seed", "--seed"), ("cfg_scale", "--cfg-scale"), ("instrumental", "--instrumental"))
+
+
+def cmd_continue(args) -> int:
+    """`generate --continue RUN_DIR --seconds N`: the capped song in RUN_DIR continued to N seconds."""
+    from ..request_json import UsageError
+    from ..song.continuation import read_parent
+
+    if args.seconds is None:
+        raise UsageError("--continue: give --seconds, the longer length to continue the song to")
+    for name, flag in CONTINUE_TAKES_OWN:
+        if getattr(args, name, None) not in (None, False):
+            raise UsageError(f"{flag}: --continue goes on with the song's own request; leave {flag} out")
+    if args.stage != "audio" or args.takes != 1:
+        raise UsageError("--continue: makes one whole song; leave out --stage plan and --takes")
+    parent = read_parent(args.continue_from)  # one line and exit 2 when it cannot continue: nothing is loaded
+    try:
+        request = parent.child_request(args.seconds, args.id)
+    except ValueError as exc:  # a bad --seconds or --id, named
+        message = str(exc).removeprefix("seconds: ")
+        flag = "--id" if "SongRequest.id" in message else "--seconds"
+        raise UsageError(f"{flag}: {message}") from None
+    with song_setup(args).pipeline() as pipe:
+        status = run_song(pipe, request, parent.overrides(), Path(args.output) / request.id, resume=args.resume,
+                          stage="audio", quiet=args.quiet, parent=parent)
+    print_status(status)
+    if status["status"] == "failed":
+        print(f"yue2-vllm: error: {status['reason']}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_generate(args) -> int:
+    if getattr(args, "continue_from", None):
+        return cmd_continue(args)
     request, overrides = build_request(args)
     options = take_options(args)
     if options.many:

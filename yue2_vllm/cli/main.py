@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate = command("generate", "generate one song")
     _model_flags(generate)
     generate.add_argument("--request", help="request JSON (style/tags, lyrics, cot, seed, abc or abc_path, cfg_scale, "
-                                            "id, abc_sampling, semantic_sampling); flags override its fields")
+                                            "id, abc_sampling, semantic_sampling, seconds, instrumental); flags "
+                                            "override its fields")
     generate.add_argument("--style", help="style tags, e.g. 'pop, piano, female vocal' (default: the request's)")
     generate.add_argument("--lyrics", help="lyrics text with [verse]/[chorus] sections (default: the request's)")
     generate.add_argument("--lyrics-file", help="read the lyrics from this UTF-8 file")
@@ -225,6 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--instrumental", action="store_true", default=None,
                           help="upstream's instrumental recipe: plan a score (with section tags when no lyrics are "
                                "given), move its vocal melody to the instrument, render that (docs/instrumental.md)")
+    generate.add_argument("--seconds", type=float,
+                          help="cap the song at this many seconds: its semantic tokens at 25 a second (upstream's "
+                               "count), refused when the prompt, score and song cannot fit the 24,576-token context; "
+                               "a capped song records truncated.semantic and can be continued (default: the "
+                               "semantic phase's max_tokens, 360 s)")
+    generate.add_argument("--continue", dest="continue_from", metavar="RUN_DIR",
+                          help="continue the capped song in RUN_DIR to --seconds: the song its request with that "
+                               "cap makes, going on from its codes; a new song in OUTPUT/<its id>.<seconds>s "
+                               "(or --id), whose result.json names its parent")
     generate.add_argument("--stage", choices=("plan", "audio"), default="audio",
                           help="stop after the score (plan) or make the whole song (audio)")
     generate.add_argument("--takes", type=lambda t: _integer_in(t, 1, 8, "an integer in [1, 8]"), default=1,

@@ -44,8 +44,8 @@ def build_request(args) -> tuple[object, dict]:
         data = dict(DEFAULT_REQUEST)
     fields, overrides = request_from_json(data, base_dir, where)
     flags = {"style": "--style", "lyrics": "--lyrics", "cot": "--cot", "seed": "--seed", "cfg_scale": "--cfg-scale",
-             "id": "--id"}
-    flag_values = {name: getattr(args, name) for name in flags}
+             "id": "--id", "seconds": "--seconds"}
+    flag_values = {name: getattr(args, name, None) for name in flags}
     if args.lyrics_file:
         flags["lyrics"], flag_values["lyrics"] = "--lyrics-file", read_text_file(Path(args.lyrics_file),
                                                                                  "--lyrics-file")

@@ -31,7 +31,7 @@ from ..quant.schemes import engine_kernel_env
 from ..model.modeling import YuE2Config
 from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, ar_signals, check_budget
 from ..startup import ENGINE_START_TIMEOUT_S
-from ..model.sampling import ARResult, Cancelled, OnToken
+from ..model.sampling import ARContinuation, ARResult, Cancelled, OnToken, check_continuation
 from .head import choice_record
 from .runner import BatchInvariance, RunnerChoice, resolve_runner, sliced_head_blocker
 from .runs import PairRun, SingleRun
@@ -386,9 +386,14 @@ class VLLMBackend:
 
     def generate(self, prefix: Sequence[int], sampling: Sampling, seed: int, phase: str, *,
                  negative: Sequence[int] | None = None, cfg_scale: float = 1.0, legacy_off: bool = False,
-                 on_token: OnToken | None = None, cancelled: Cancelled | None = None) -> ARResult:
+                 on_token: OnToken | None = None, cancelled: Cancelled | None = None,
+                 continuation: ARContinuation | None = None) -> ARResult:
         """One phase on the engine: a single row, or a CFG pair (cond `prefix`, uncond `negative`) when
-        `cfg_scale != 1`, sampled with cot=off's legacy numerics when `legacy_off`."""
+        `cfg_scale != 1`, sampled with cot=off's legacy numerics when `legacy_off`. A `continuation` goes on from
+        a capped phase's tokens: they end the prompt (prefilled; the prefix cache holds them while the engine
+        keeps the blocks) and the sampler goes on from their position (its RNG is keyed by position)."""
+        history = list(continuation.tokens) if continuation is not None else []
+        check_continuation(continuation, sampling, phase)
         paired = cfg_scale != 1.0
         if paired and negative is None:
             raise ValueError("cfg_scale != 1 needs a negative (unconditional) prompt")
@@ -407,13 +412,14 @@ class VLLMBackend:
             self.start()
             restarts_before = self.restarts
             run = PairRun if paired else SingleRun
-            ids, info = run(self, prompts, sampling, seed, phase, legacy_off, cfg_scale, on_token, cancelled).result()
+            ids, info = run(self, prompts, sampling, seed, phase, legacy_off, cfg_scale, on_token, cancelled,
+                            history).result()
         finally:
             self._release(len(prompts), reserved)
         seconds = time.perf_counter() - start
         ended = info["ended"]
         content = ids[:-1] if ended else ids
-        count = len(content) + int(ended)
+        count = len(content) + int(ended) - len(history)  # what this run made (a continuation's tokens aside)
         timing = {"seconds": seconds, "ttft_seconds": info["ttft_seconds"], "output_tokens": count,
                   "content_tokens": len(content), "output_tps": count / seconds if seconds > 0 else 0.0,
                   "prefix_tokens": len(prefix), "cfg_branches": len(prompts), "backend_actual": self.name,
@@ -423,7 +429,10 @@ class VLLMBackend:
                   "kv_reserved_bytes": kv, "mean_batch_rows": info["mean_batch_rows"], **self.runner_record(),
                   "admission_wait_seconds": waited, "engine_restarts": restarts_before,
                   "ar_checkpoint": self.settings.checkpoint.describe()}
-        timing.update(ar_signals(info.get("logprobs") or [], count, info.get("cached_prompt_tokens"), len(prefix)))
+        timing.update(ar_signals(info.get("logprobs") or [], count, info.get("cached_prompt_tokens"),
+                                 len(prefix) + len(history)))
+        if history:
+            timing.update(continued_tokens=len(history), continuation="prefilled")
         if paired:
             timing.update(cfg_scale=cfg_scale, pair_restarts=info["pair_restarts"])
         with self._start_lock:

@@ -31,19 +31,25 @@ def request_message(rid: str, prompt: Sequence[int], max_tokens: int, stop: list
 
 
 class SingleRun:
-    """One row: stream its tokens until it ends, is cancelled (abort) or the engine dies."""
+    """One row: stream its tokens until it ends, is cancelled (abort) or the engine dies. With `history` (a capped
+    phase's tokens) the row goes on after them: they end its prompt (prefilled, from the prefix cache where the
+    engine still holds them) and count for the sampler's position, `min_tokens` and penalty window."""
 
     def __init__(self, backend: EngineLink, prompts, sampling: Sampling, seed: int, phase: str, legacy: bool,
-                 cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None):
+                 cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None,
+                 history: Sequence[int] = ()):
         from .plugin import row_args
 
         self.backend, self.phase, self.on_token, self.cancelled = backend, phase, on_token, cancelled
+        self.history = list(history)
         self.rid = uuid.uuid4().hex
-        self.request = request_message(self.rid, prompts[0], sampling.max_tokens, [end_token(phase)],
-                                row_args(phase, sampling, seed, legacy=legacy))
+        self.request = request_message(self.rid, list(prompts[0]) + self.history,
+                                       sampling.max_tokens - len(self.history), [end_token(phase)],
+                                       row_args(phase, sampling, seed, legacy=legacy, history=self.history))
 
     def result(self) -> tuple[list[int], dict]:
-        backend, rid, ids = self.backend, self.rid, []
+        """The phase's ids (the history first; the end token last when it came) and the engine's record."""
+        backend, rid, ids = self.backend, self.rid, list(self.history)
         stream = backend.open_stream([rid])
         settled, abort_sent = False, False
         try:
@@ -89,12 +95,13 @@ class PairRun:
     MAX_PAIR_RESTARTS = 50
 
     def __init__(self, backend: EngineLink, prompts, sampling: Sampling, seed: int, phase: str, legacy: bool,
-                 cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None):
+                 cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None,
+                 history: Sequence[int] = ()):
         self.backend, self.prompts, self.sampling, self.seed = backend, prompts, sampling, seed
         self.phase, self.legacy, self.cfg_scale = phase, legacy, cfg_scale
         self.on_token, self.cancelled = on_token, cancelled
         self.end = end_token(phase)
-        self.accepted: list[int] = []
+        self.accepted: list[int] = list(history)  # a capped phase's tokens: accepted before the first attempt
         self.first_token: float | None = None
         self.rows_seen: list[float] = []
         self.logprobs: list[float | None] = []  # the cond row's, per accepted token

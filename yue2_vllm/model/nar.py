@@ -93,13 +93,16 @@ def synthesize(model: YuE2Model, prefix: Sequence[int], codec: Sequence[int], se
                on_progress: ProgressFn | None = None, query_block: int | None = None,
                offload_ar: bool = False, record: dict | None = None) -> torch.Tensor:
     """Latents `[len(codec), 64]` (CPU fp32), chunk after chunk; each chunk's prefix cache is freed after use.
-    Progress counts chunk-steps: `steps × chunks` in all (as `synthesize_many`, which runs the chunks at once).
+    Progress counts chunk-steps: `steps × chunks` in all (as `synthesize_many`, which runs the chunks at once);
+    `record["nar_chunks"]` says how many chunks.
 
     This is upstream's one-song path, bit for bit; `synthesize_many` batches songs. `record` (a dict) gets how
     the prefix prefill got its AR weights ("resident" or "streamed", and the bytes streamed).
     """
     chunks = song_chunks(prefix, codec, seed, context)
     total = steps * len(chunks)
+    if record is not None:
+        record["nar_chunks"] = len(chunks)
     latents = []
     for index, chunk in enumerate(chunks):
         if cancelled is not None and cancelled():
@@ -160,6 +163,8 @@ def synthesize_many(model: YuE2Model, songs: Sequence[SongInput], *, steps: int 
             continue
         items += [(index, chunk) for chunk in chunks]
         chunk_counts[index] = len(chunks)
+        if song.record is not None:
+            song.record["nar_chunks"] = len(chunks)
     if steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps}")
     nars: list[CachedNAR] = []

@@ -22,7 +22,7 @@ import torch
 from .decode_step import BranchDecoder, PhaseRows, graph_refusal
 from .modeling import YuE2Model
 from ..options import TORCH_EXECUTIONS as EXECUTIONS
-from ..protocol import CODEC_OFFSET, CODEC_SIZE, EOD, Sampling, ar_signals, check_budget, end_token
+from ..protocol import CODEC_OFFSET, CODEC_SIZE, EOD, Sampling, ar_signals, check_budget, check_token_ids, end_token
 
 OnToken = Callable[[str, int], None]
 Cancelled = Callable[[], bool]
@@ -30,11 +30,29 @@ LOG = logging.getLogger(__name__)
 
 
 class ARResult(NamedTuple):
-    """Generated content ids (end token excluded), a timing record, and whether `max_tokens` cut it."""
+    """Generated content ids (end token excluded), a timing record, and whether `max_tokens` cut it; the torch
+    backend adds its generator's state after the last token (what a continuation needs to draw on from there)."""
 
     ids: list[int]
     timing: dict
     truncated: bool
+    rng_state: bytes | None = None
+
+
+@dataclass(frozen=True)
+class ARContinuation:
+    """A capped phase going on from where it stopped: the content ids it made (vocabulary ids, end token
+    excluded) and, when the torch backend made them, its generator's state after the last of them
+    (`rng_device`: the generator's device type). Both backends go on as the phase would have gone on with the
+    larger `max_tokens`: the tokens count for the penalty window, `min_tokens` and the sampler's position."""
+
+    tokens: tuple[int, ...]
+    rng_state: bytes | None = None
+    rng_device: str | None = None
+    backend: str | None = None  # the AR backend that made the tokens ("torch" or "vllm")
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
 
 
 class ARBackend(Protocol):
@@ -44,7 +62,20 @@ class ARBackend(Protocol):
 
     def generate(self, prefix: Sequence[int], sampling: Sampling, seed: int, phase: str, *,
                  negative: Sequence[int] | None = None, cfg_scale: float = 1.0, legacy_off: bool = False,
-                 on_token: OnToken | None = None, cancelled: Cancelled | None = None) -> ARResult: ...
+                 on_token: OnToken | None = None, cancelled: Cancelled | None = None,
+                 continuation: ARContinuation | None = None) -> ARResult: ...
+
+
+def check_continuation(continuation: ARContinuation | None, sampling: Sampling, phase: str) -> int:
+    """The tokens a continuation brings (0 without one): ids the phase may emit, fewer than its max_tokens."""
+    if continuation is None:
+        return 0
+    low, high = (CODEC_OFFSET, CODEC_OFFSET + CODEC_SIZE) if phase == "semantic" else (0, EOD)
+    check_token_ids(continuation.tokens, f"the {phase} continuation's tokens", low, high, f"a {phase} id")
+    if len(continuation.tokens) >= sampling.max_tokens:
+        raise ValueError(f"the {phase} phase's max_tokens {sampling.max_tokens} leaves nothing to continue after "
+                         f"{len(continuation.tokens)} tokens")
+    return len(continuation.tokens)
 
 
 # --------------------------------------------------------------------------- logits pipeline
@@ -162,12 +193,24 @@ class RowSampler:
 
     def sample(self, logits: torch.Tensor, step: int, generator: torch.Generator) -> torch.Tensor:
         """The next vocabulary id `[1, 1]` (on the device), counted into the penalty window."""
+        next_id = self._choose(logits, step, generator)
+        self._count(next_id.view(1), step)
+        return next_id
+
+    def force(self, logits: torch.Tensor, step: int, token: int, generator: torch.Generator | None) -> torch.Tensor:
+        """`token` as the id of `step` (a continuation's replay), counted into the penalty window; with a
+        `generator`, the draw `sample` would make is made and dropped, so the generator advances as it did."""
+        if generator is not None:
+            self._choose(logits, step, generator)
+        next_id = torch.tensor([[token]], dtype=torch.long, device=self.row_ids.device)
+        self._count(next_id.view(1), step)
+        return next_id
+
+    def _choose(self, logits: torch.Tensor, step: int, generator: torch.Generator) -> torch.Tensor:
         scores = self.scores(logits, step)
         full = torch.full((1, self.vocab_size), -torch.inf, dtype=scores.dtype, device=scores.device)
         full.index_copy_(1, self.row_ids, scores)
-        next_id = full.argmax(-1, keepdim=True) if self.sampling.temperature == 0 else draw(full.softmax(-1), generator)
-        self._count(next_id.view(1), step)
-        return next_id
+        return full.argmax(-1, keepdim=True) if self.sampling.temperature == 0 else draw(full.softmax(-1), generator)
 
     def _count(self, token: torch.Tensor, step: int) -> None:
         self.window[step:step + 1] = token
@@ -210,6 +253,24 @@ def resolve_execution(requested: str, device: torch.device) -> tuple[str, str | 
 def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
     """A phase's generator, fresh and seeded: on the model's device, the CPU for MPS (as upstream)."""
     return torch.Generator(device=device if device.type in ("cpu", "cuda") else "cpu").manual_seed(seed)
+
+
+def phase_generator(device: torch.device, seed: int,
+                    continuation: ARContinuation | None) -> tuple[torch.Generator, bool]:
+    """The phase's generator and whether a continuation's replay must draw to advance it: not when the
+    continuation saved the state of a generator of this kind (it is restored), else from the seed, as the
+    original run drew."""
+    generator = seeded_generator(device, seed)
+    if continuation is None:
+        return generator, False
+    if continuation.rng_state is not None and continuation.rng_device == generator.device.type:
+        generator.set_state(torch.frombuffer(bytearray(continuation.rng_state), dtype=torch.uint8))
+        return generator, False
+    return generator, True
+
+
+def generator_state(generator: torch.Generator) -> bytes:
+    return generator.get_state().numpy().tobytes()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -259,8 +320,14 @@ class TorchARBackend:
     @torch.inference_mode()
     def generate(self, prefix: Sequence[int], sampling: Sampling, seed: int, phase: str, *,
                  negative: Sequence[int] | None = None, cfg_scale: float = 1.0, legacy_off: bool = False,
-                 on_token: OnToken | None = None, cancelled: Cancelled | None = None) -> ARResult:
+                 on_token: OnToken | None = None, cancelled: Cancelled | None = None,
+                 continuation: ARContinuation | None = None) -> ARResult:
+        """One phase; a `continuation` goes on from a capped phase's tokens: they are replayed through the same
+        decode steps the phase first ran (a forward per token, nothing sampled or streamed), so the K/V and
+        logits are those of the original run and the tokens after them those of one run with the larger
+        max_tokens; its saved generator state is restored (or, without one, redrawn in the replay)."""
         check_budget(prefix, sampling.max_tokens, f"{phase} prompt")
+        check_continuation(continuation, sampling, phase)
         if cfg_scale != 1.0:
             if negative is None:
                 raise ValueError("cfg_scale != 1 needs a negative (unconditional) prompt")
@@ -268,7 +335,9 @@ class TorchARBackend:
         if cancelled is not None and cancelled():
             raise InterruptedError(f"cancelled before the {phase} prefill")
         branches = [list(prefix)] + ([list(negative)] if cfg_scale != 1.0 else [])
-        run = _Phase(branches, sampling, seed, phase, cfg_scale, legacy_off, on_token, cancelled)
+        run = _Phase(branches, sampling, seed, phase, cfg_scale, legacy_off, on_token, cancelled,
+                     continuation.tokens if continuation is not None else ())
+        run.generator, run.redraw = phase_generator(self.model.device, seed, continuation)
         execution, reason = self.execution, self.execution_reason
         if execution == "cuda_graph":
             reason = graph_refusal(self.model)
@@ -285,7 +354,7 @@ class TorchARBackend:
     def _eager(self, run: "_Phase", reason: str | None) -> ARResult:
         """The two-forward path: one static cache and one forward per branch and token."""
         model, device, sampling, phase = self.model, self.model.device, run.sampling, run.phase
-        generator = seeded_generator(device, run.seed)
+        generator = run.generator
         caches = [model.new_cache(len(ids) + sampling.max_tokens) for ids in run.branches]
 
         _synchronize(device)
@@ -302,8 +371,12 @@ class TorchARBackend:
                 state["logits"] = [model.forward_ar(state["next_id"], cache)[:, -1, :] for cache in caches]
             logits = state["logits"]
             mixed = mix_cfg(logits[0], logits[1] if len(logits) > 1 else None, run.cfg_scale)
-            state["next_id"] = sample(phase_scores(mixed, sampling, history, step, phase, run.legacy_off),
-                                      sampling.temperature, generator)
+            forced = step < len(run.forced)
+            if not forced or run.redraw:
+                state["next_id"] = sample(phase_scores(mixed, sampling, history, step, phase, run.legacy_off),
+                                          sampling.temperature, generator)
+            if forced:
+                state["next_id"] = torch.tensor([[run.forced[step]]], dtype=torch.long, device=device)
             token = int(state["next_id"].item())
             cond = logits[0][0].float()
             run.logprob(cond[token] - torch.logsumexp(cond.index_select(0, row_ids), 0))
@@ -313,13 +386,13 @@ class TorchARBackend:
         _synchronize(device)
         timing = run.timing(time.perf_counter() - start, prefill_seconds, first_token_seconds, len(history), ended)
         timing.update(execution="eager", attention="sdpa", graph_fallback_reason=reason)
-        return ARResult(history, timing, not ended)
+        return ARResult(history, timing, not ended, generator_state(generator))
 
     def _batched(self, run: "_Phase", *, capture: bool, reason: str | None) -> ARResult:
         """Both branches as one batch through `BranchDecoder` (captured on CUDA when `capture`)."""
         model, device, sampling, phase = self.model, self.model.device, run.sampling, run.phase
         rows = PhaseRows.for_phase(phase)
-        generator = seeded_generator(device, run.seed)
+        generator = run.generator
         sampler = RowSampler(rows, sampling, phase, model.config.vocab_size, device, run.legacy_off)
         host = _HostToken(device)
         _synchronize(device)
@@ -339,7 +412,10 @@ class TorchARBackend:
             def pick(step: int, history: list[int]) -> int:
                 logits = state["logits"]
                 mixed = mix_cfg(logits[0:1], logits[1:2] if len(logits) > 1 else None, run.cfg_scale)
-                next_id = sampler.sample(mixed, step, generator)
+                if step < len(run.forced):
+                    next_id = sampler.force(mixed, step, run.forced[step], generator if run.redraw else None)
+                else:
+                    next_id = sampler.sample(mixed, step, generator)
                 cond = torch.log_softmax(logits[0].float(), -1)  # before a captured step overwrites the logits
                 host.send(next_id)
                 if step + 1 < sampling.max_tokens:
@@ -356,7 +432,7 @@ class TorchARBackend:
                           attention=decoder.attention, graph_fallback_reason=reason,
                           capture_seconds=decoder.capture_seconds, graph_bytes=decoder.graph_bytes,
                           kv_bytes=decoder.kv_bytes)
-            return ARResult(history, timing, not ended)
+            return ARResult(history, timing, not ended, generator_state(generator))
         finally:
             decoder.close()
 
@@ -377,7 +453,10 @@ class _Phase:
     legacy_off: bool
     on_token: OnToken | None
     cancelled: Cancelled | None
+    forced: tuple[int, ...] = ()  # a continuation's tokens: replayed, not sampled
     logprobs: list = field(default_factory=list)  # per sampled token: the cond branch's raw log-prob (device)
+    generator: torch.Generator | None = None
+    redraw: bool = False  # the replay draws (and drops) each forced step's sample to advance the generator
 
     def logprob(self, value: torch.Tensor) -> None:
         self.logprobs.append(value.reshape(()))
@@ -393,6 +472,9 @@ class _Phase:
         for step in range(self.sampling.max_tokens):
             self.check_cancelled(step)
             token = pick(step, history)
+            if step < len(self.forced):  # a continuation's replay: the phase's tokens so far, not new ones
+                history.append(token)
+                continue
             if first_token_seconds is None:
                 first_token_seconds = time.perf_counter() - start
             if self.on_token is not None:
@@ -404,12 +486,17 @@ class _Phase:
 
     def timing(self, seconds: float, prefill_seconds: float, first_token_seconds: float | None, content: int,
                ended: bool) -> dict:
-        output_tokens = content + int(ended)
+        output_tokens = content + int(ended)  # the logprobs: of every token, the replayed ones included
+        new_tokens = output_tokens - len(self.forced)
         return {
             "seconds": seconds, "prefill_seconds": prefill_seconds, "ttft_seconds": first_token_seconds,
-            "output_tokens": output_tokens, "content_tokens": content,
-            "output_tps": output_tokens / seconds if seconds > 0 else 0.0, "prefix_tokens": len(self.branches[0]),
+            "output_tokens": new_tokens, "content_tokens": content,
+            **({"continued_tokens": len(self.forced),
+                "continuation": "replayed" + (" (generator redrawn)" if self.redraw else " (generator restored)")}
+               if self.forced else {}),
+            "output_tps": new_tokens / seconds if seconds > 0 else 0.0, "prefix_tokens": len(self.branches[0]),
             "cfg_branches": len(self.branches), "backend_actual": TorchARBackend.name,
+            "rng_device": self.generator.device.type if self.generator is not None else None,
             **ar_signals(torch.stack(self.logprobs).double().cpu().tolist() if self.logprobs else [], output_tokens,
                          None, len(self.branches[0])),
         }

@@ -24,7 +24,8 @@ from .routes.events import events_router
 from .routes.files import OpenFileResponse, files_router, signed_audio_router  # noqa: F401 (OpenFileResponse)
 from .routes.health import health_router
 from .routes.page import page_router
-from .routes.songs import songs_router
+from .routes.length import length_router
+from .routes.songs import JobIntake, songs_router
 from .routes.takes import takes_router
 from .safety import Guard, ResponseCounter, host_allowed, redact, redact_text  # noqa: F401 (re-exported)
 from .service import SongService
@@ -51,8 +52,10 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
     api = Api(service, api_key)
     add_error_handlers(app, api)
     # In this order, the order of /openapi.json's paths: the signed audio route (which checks the key itself) last.
-    for router in (page_router(), health_router(api), songs_router(api, max_body_bytes), files_router(api),
-                   takes_router(api), events_router(api, max_sse_clients), signed_audio_router(api)):
+    intake = JobIntake(max_body_bytes)  # both routes that queue a job: one Idempotency-Key in flight at a time
+    for router in (page_router(), health_router(api), songs_router(api, intake), length_router(api, intake),
+                   files_router(api), takes_router(api), events_router(api, max_sse_clients),
+                   signed_audio_router(api)):
         app.include_router(router)
     app.openapi = lambda: openapi_document(app, reproducible=bool(service.rules.reproducible),
                                            max_takes=service.config.max_takes)

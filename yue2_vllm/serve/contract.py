@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..protocol import CONTEXT, DEFAULT_SEED, MAX_CFG_SCALE, MAX_SEED
+from ..protocol import CONTEXT, DEFAULT_SEED, MAX_CFG_SCALE, MAX_SECONDS, MAX_SEED, TOKENS_PER_SECOND
 from ..takes import MAX_TAKES
 
 # At least one character that is not white space as Python's str.strip() (the CLI's check) counts it, spelled out:
@@ -62,6 +62,11 @@ class SongBody(BaseModel):
     instrumental: bool = Field(False, description="upstream's instrumental recipe: plan a score, move its vocal "
                                "melody to the instrument (or edit the given abc so), render that with an "
                                "instrumental style and section tags; not with cot off (docs/instrumental.md)")
+    seconds: float | None = Field(None, ge=1 / TOKENS_PER_SECOND, le=MAX_SECONDS, description="cap the song at this "
+                                  "length: its semantic tokens at 25 a second, the semantic phase's budget (not with "
+                                  "semantic_sampling.max_tokens; at least its min_tokens / 25); prompt, score budget "
+                                  "and song must fit the context (POST /v1/songs/length says the longest song a body "
+                                  "can reach; docs/length.md)")
     stage: Literal["plan", "audio"] = Field("audio", description="plan: the score only (render its audio later)")
     reproducible: bool = Field(False, description="ask for a batch-invariant song (only on a server started with "
                                                   "--reproducible)")
@@ -74,6 +79,32 @@ class SongBody(BaseModel):
     lang: Any = Field(None, description="upstream's request JSON: accepted and ignored")
     eval_index: Any = Field(None, description="upstream's request JSON: accepted and ignored")
     clip_id: Any = Field(None, description="upstream's request JSON: accepted and ignored")
+
+
+class ContinueBody(BaseModel):
+    """Continue a capped song: the song its request with this longer `seconds` makes (docs/length.md)."""
+
+    model_config = ConfigDict(extra="forbid", title="ContinueBody", json_schema_extra={"examples": [
+        {"seconds": 90}, {"seconds": 120, "take": 2, "id": "ballad-2min"}]})
+    seconds: float = Field(..., ge=1 / TOKENS_PER_SECOND, le=MAX_SECONDS, description="the longer length (more "
+                           "than the song's), at 25 semantic tokens a second")
+    take: int = Field(1, ge=1, le=MAX_TAKES, description="which take of the job to continue (1: the job itself)")
+    id: str | None = Field(None, pattern=SONG_ID, description="the new job's label (default: the song's label or "
+                           "id, then .<seconds>s)")
+
+
+class SongLength(BaseModel):
+    """The longest song a body's prompt and score budget leave room for, the song it asks for, and whether that fits
+    the context (else the one line POST /v1/songs would refuse it with)."""
+
+    longest: dict = Field(..., description="tokens and seconds", examples=[{"tokens": 20417, "seconds": 816.68}])
+    asked: dict = Field(..., description="tokens, seconds and by (seconds or max_tokens)")
+    fits: bool
+    problem: str | None
+    prompt_tokens: int
+    score_budget_tokens: int
+    context_tokens: int
+    tokens_per_second: int
 
 
 class ErrorDetail(BaseModel):
@@ -142,6 +173,7 @@ class Song(BaseModel):
     result: dict | None
     urls: Urls
     takes: Takes | None = None
+    continued_from: dict | None = Field(None, description="the job (and take) of the capped song this one continues")
 
 
 class SongSummary(BaseModel):
@@ -224,14 +256,18 @@ def song_body_schemas(*, reproducible: bool, max_takes: int = MAX_TAKES) -> dict
     instrumental = {"required": ["instrumental"], "properties": {"instrumental": {"const": True}}}
     lyrics_needed = {"if": {"not": instrumental}, "then": {"required": ["lyrics"]}}
     no_score_to_edit = {"if": instrumental, "then": {"properties": {"cot": {"enum": ["melody", "full"]}}}}
+    one_budget = {"not": {"required": ["seconds", "semantic_sampling"], "properties": {
+        "seconds": {"type": "number"}, "semantic_sampling": {"type": "object", "required": ["max_tokens"]}}}}
     schema["allOf"] = [{"if": {"required": ["cot"], "properties": {"cot": {"const": "off"}}},
                         "then": {"properties": {"abc": {"type": "null"}}}}, *needs_takes, nothing_to_plan,
-                       lyrics_needed, no_score_to_edit]
+                       lyrics_needed, no_score_to_edit, one_budget]
     if not reproducible:
         schema["properties"]["reproducible"] = {**schema["properties"]["reproducible"], "const": False,
                                                 "description": "this server's engine is not batch-invariant: "
                                                                "only false (start it with --reproducible)"}
-    return {"SongBody": schema, **definitions}
+    continue_body = ContinueBody.model_json_schema()
+    continue_body["properties"]["take"] = {**continue_body["properties"]["take"], "maximum": max_takes}
+    return {"SongBody": schema, **definitions, "ContinueBody": _drop_null_defaults(continue_body)}
 
 
 # --------------------------------------------------------------------------- the routes' statuses and media

@@ -67,7 +67,7 @@ def song_bytes(prompt_tokens: int, abc_tokens: int, semantic_tokens: int, reques
 
 def request_bytes(rules: SongRules, request: SongRequest, overrides: dict, stage: str = "audio") -> SongBytes:
     """`song_bytes` for a request under a server's rules (its sampling defaults and tokenizer)."""
-    semantic = rules.sampling_for(overrides.get("semantic"), "semantic").max_tokens
+    semantic = rules.phase_sampling(request, overrides.get("semantic"), "semantic").max_tokens  # seconds: its cap
     if request.cot == "off" or request.abc is not None:
         prompt, abc = len(semantic_prompt(request, rules.tokenizer)), 0
     else:

@@ -8,13 +8,14 @@ import sqlite3
 import time
 from dataclasses import replace
 
-from ..protocol import PHASES
+from ..protocol import PHASES, SongRequest
 from ..scheduler import STAGE_STATES
+from ..song.continuation import CONTINUE_KEY, check_continuable, continued_id, read_parent
 from .disk import request_bytes, written_bytes
-from .errors import Conflict, NotFound, Unavailable
+from .errors import Conflict, NotFound, RequestInvalid, Unavailable
 from .owner import LiveJob
 from .store import IdempotencyConflict, JobRecord, NewJob, QueueFull
-from .submission import check_idempotency_key, new_job_id, parse_submission
+from .submission import canonical_sha256, check_idempotency_key, new_job_id, parse_continue, parse_submission
 from .take_jobs import take_info, take_jobs
 from .worker import SongOrder
 
@@ -60,6 +61,59 @@ class JobActions:
                     LOG.warning("job %s: accepted; it starts once the job owner's pending store write lands", take.id)
         return record, created
 
+    def continue_song(self, job_id: str, body: bytes, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
+        """POST /v1/songs/{id}/continue: a new job, the capped song of job `job_id` (or of its `take`) continued to
+        `seconds` (song/continuation.py): the song its request with that length makes. What cannot continue is a
+        422 in one line naming the field (`job_id` for the song's state or model, `seconds` for the length); the
+        parent is only read. `(record, created)` as `submit`'s."""
+        key = check_idempotency_key(idempotency_key)
+        down = self.workers.down_for_good()
+        if down is not None:
+            raise Unavailable(f"no song can be served now: {down}", headers={"Retry-After": "60"})
+        asked = parse_continue(body, self.config.max_takes)
+        source = self.take_job(job_id, asked.take) if asked.take != 1 else job_id
+        parent_record = self.get_record(source)
+        what = f"song {job_id}" + (f" take {asked.take}" if asked.take != 1 else "")
+        if parent_record.status != "complete" or parent_record.stage != "audio":
+            raise RequestInvalid(f"job_id: {what} is {parent_record.status}"
+                                 + (" (stage=plan: render it first)" if parent_record.stage == "plan" else "")
+                                 + "; only a finished song whose cap cut it can continue", field="job_id")
+        new_id = new_job_id()
+        try:
+            parent = read_parent(self.directory(source), what)
+            request = parent.child_request(asked.seconds, new_id)
+            weights = getattr(self.workers, "weights", None)  # a replica pool's run checks the model instead
+            check_continuable(parent, weights if weights is not None else parent.weights, self.rules.generation,
+                              self.directory(new_id))
+            overrides = {**parent.overrides(), CONTINUE_KEY: {"parent": job_id, "take": asked.take,
+                                                              "directory": str(self.directory(source))}}
+            self.rules.check_request(request, overrides["abc"], overrides["semantic"])
+        except ValueError as exc:  # continue: <what>: why, or seconds: why
+            message = str(exc)
+            field = "seconds" if message.startswith("seconds:") else "job_id"
+            raise RequestInvalid(message.replace("continue: ", "job_id: ", 1), field=field) from None
+        label = asked.label or continued_id(parent_record.label or job_id, asked.seconds)
+        stages = {stage: {"state": "pending"} for stage in STAGES}
+        job = NewJob(new_id, label, "audio", request.to_dict(), overrides,
+                     canonical_sha256({"continue": source, "body": asked.body_sha256}), key, stages)
+        need = request_bytes(self.rules, request, overrides, "audio").total
+        with self.disk.lock:
+            self._check_disk(need)
+            try:
+                record, created = self.store.admit(job, self.config.queue_size)
+            except IdempotencyConflict as exc:
+                raise Conflict(str(exc), field="Idempotency-Key") from None
+            except QueueFull as exc:
+                raise self._too_many(exc) from None
+            except sqlite3.OperationalError as exc:
+                raise self._store_refused(exc) from None
+        if created:
+            try:
+                self._call(self._launch, record)
+            except Unavailable:
+                LOG.warning("job %s: accepted; it starts once the job owner's pending store write lands", record.id)
+        return record, created
+
     def _launch(self, record: JobRecord) -> None:
         """Hand a queued job to the workers (owner only); held back while they cannot serve any song."""
         info = take_info(record)
@@ -76,7 +130,9 @@ class JobActions:
             if record.id not in self._held:
                 self._held.append(record.id)
             return
-        budgets = {phase: self.rules.sampling_for(record.overrides.get(phase), phase).max_tokens for phase in PHASES}
+        request = SongRequest.from_dict(record.request)
+        budgets = {phase: self.rules.phase_sampling(request, record.overrides.get(phase), phase).max_tokens
+                   for phase in PHASES}
         # A stage an earlier attempt was running is pending again (a finished one may still be reused).
         stages = {name: entry if entry.get("state") != "running" else {"state": "pending"}
                   for name, entry in record.stages.items()}

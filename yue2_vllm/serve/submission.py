@@ -9,7 +9,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from ..protocol import SongRequest, SongRules, valid_song_id
+from ..protocol import TOKENS_PER_SECOND, SongRequest, SongRules, check_seconds, tokens_seconds, valid_song_id
 from ..request_json import UsageError, parse_json, request_from_json
 from ..takes import MAX_TAKES, TAKE_FIELDS, TakeOptions, check_takes_for, pop_take_options
 from .errors import RequestInvalid
@@ -37,6 +37,7 @@ class Submission:
 
 _FIELD_PATTERNS = (
     re.compile(r"SongRequest\.(\w+)"),
+    re.compile(r"^(seconds):"),
     re.compile(r"^body: ((?:abc|semantic)_sampling):"),
     re.compile(r"^((?:abc|semantic)_sampling):"),
     re.compile(r"unknown field\(s\) \['([^']*)'"),
@@ -83,9 +84,12 @@ def canonical_sha256(data) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-def parse_submission(rules: SongRules, body: bytes, job_id: str, max_takes: int = MAX_TAKES) -> Submission:
+def parse_submission(rules: SongRules, body: bytes, job_id: str, max_takes: int = MAX_TAKES, *,
+                     check_context: bool = True) -> Submission:
     """A POST body → the song it asks for, with the CLI's validation and the context check (`rules`: the
-    server's SongRules, or a pipeline, which holds them); `max_takes`: the server's --max-takes."""
+    server's SongRules, or a pipeline, which holds them); `max_takes`: the server's --max-takes. Without
+    `check_context` a body whose prompt and budgets overflow the context passes (its fields are checked all the
+    same): what `song_length` explains."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -133,7 +137,10 @@ def parse_submission(rules: SongRules, body: bytes, job_id: str, max_takes: int 
         raise RequestInvalid(message.replace(f"SongRequest.{name}", name) if name else message, field=name) \
             from None
     try:
-        rules.check_request(request, overrides.get("abc"), overrides.get("semantic"))
+        if check_context:
+            rules.check_request(request, overrides.get("abc"), overrides.get("semantic"))
+        else:
+            rules.budget(request, overrides.get("abc"), overrides.get("semantic"))
     except ValueError as exc:
         message = str(exc)
         name = field_of(message)
@@ -153,3 +160,69 @@ def check_idempotency_key(key: str | None) -> str | None:
     if not 1 <= len(key) <= 255 or not all(33 <= ord(c) <= 126 for c in key):
         raise RequestInvalid("Idempotency-Key: must be 1-255 visible ASCII characters", field="Idempotency-Key")
     return key
+
+
+def song_length(rules: SongRules, body: bytes, max_takes: int = MAX_TAKES) -> dict:
+    """For a body `POST /v1/songs` would take: the longest song its prompt and score budget leave room for in the
+    context, the song it asks for (its `seconds`, else the semantic budget), and whether that fits (else the
+    refusal's one line, as a POST would answer it). Bad fields are refused as the POST refuses them."""
+    song = parse_submission(rules, body, new_job_id(), max_takes, check_context=False)
+    abc, semantic = song.overrides.get("abc"), song.overrides.get("semantic")
+    longest = rules.longest_song(song.request, abc)
+    budget = rules.budget(song.request, abc, semantic)
+    problem = None
+    if budget.over > 0:
+        try:
+            rules.check_request(song.request, abc, semantic)
+        except ValueError as exc:
+            problem = str(exc)
+    return {"longest": {"tokens": longest["tokens"], "seconds": longest["seconds"]},
+            "asked": {"tokens": budget.song, "seconds": tokens_seconds(budget.song),
+                      "by": "seconds" if song.request.seconds is not None else "max_tokens"},
+            "fits": problem is None, "problem": problem, "prompt_tokens": longest["prompt_tokens"],
+            "score_budget_tokens": longest["score_budget_tokens"], "context_tokens": longest["context_tokens"],
+            "tokens_per_second": TOKENS_PER_SECOND}
+
+
+CONTINUE_FIELDS = ("seconds", "take", "id")
+
+
+@dataclass
+class ContinueBody:
+    """What `POST /v1/songs/{id}/continue` asks: the longer length, which take (1: the job), a label."""
+
+    seconds: float
+    take: int
+    label: str | None
+    body_sha256: str
+
+
+def parse_continue(body: bytes, max_takes: int = MAX_TAKES) -> ContinueBody:
+    """A continue body → its fields (RequestInvalid naming the field)."""
+    try:
+        data = parse_json(body.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RequestInvalid(f"body: not UTF-8 text (byte 0x{body[exc.start]:02x} at offset {exc.start})") from None
+    except UsageError as exc:
+        raise RequestInvalid(f"body: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestInvalid(f"body: must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(CONTINUE_FIELDS))
+    if unknown:
+        raise RequestInvalid(f"body: unknown field(s) {unknown}; a continue takes {list(CONTINUE_FIELDS)}",
+                             field=unknown[0])
+    if "seconds" not in data:
+        raise RequestInvalid("seconds: missing (the longer length to continue the song to)", field="seconds")
+    try:
+        seconds = check_seconds(data["seconds"])
+    except ValueError as exc:
+        raise RequestInvalid(str(exc), field="seconds") from None
+    take = _integral(data.get("take", 1))
+    if isinstance(take, bool) or not isinstance(take, int) or not 1 <= take <= max_takes:
+        raise RequestInvalid(f"take: must be an integer in [1, {max_takes}] (1: the job itself), got {take!r}",
+                             field="take")
+    label = data.get("id")
+    if label is not None and not valid_song_id(label):
+        raise RequestInvalid(f"id: must match [A-Za-z0-9][A-Za-z0-9_.-]{{0,179}} (it is kept as the job's label), "
+                             f"got {label!r}", field="id")
+    return ContinueBody(seconds, take, label, canonical_sha256(integers_as_integers(data)))

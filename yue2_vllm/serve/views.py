@@ -8,10 +8,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..checkpoint import write_json_atomic
+from ..protocol import SongRequest
+from ..song.continuation import CONTINUE_KEY
 from ..scheduler import STATES
 from .errors import Conflict, NotFound, RequestInvalid
 from .picture import PICTURE_VERSION, song_picture
 from .store import JobRecord
+from .submission import song_length
 from .take_jobs import take_info
 
 PICTURE_CACHE = "page-cache/picture.json"  # a directory: never among a run's artifacts
@@ -30,7 +33,7 @@ def urls(job_id: str) -> dict:
 
 
 def sampling_of(record: JobRecord) -> dict:
-    return {k: v for k, v in record.overrides.items() if k != "takes"}
+    return {k: v for k, v in record.overrides.items() if k not in ("takes", CONTINUE_KEY)}
 
 
 
@@ -42,6 +45,10 @@ class Views:
 
     def document(self, job_id: str) -> dict:
         return self.describe(self.get_record(job_id))
+
+    def song_length(self, body: bytes) -> dict:
+        """POST /v1/songs/length: the longest song a body can reach and whether its own length fits."""
+        return song_length(self.rules, body, self.config.max_takes)
 
     def describe(self, record: JobRecord) -> dict:
         """A job as GET /v1/songs/{id} shows it."""
@@ -56,8 +63,9 @@ class Views:
                 tokens = stages[stage].get("tokens") or 0
             else:
                 tokens = live.tokens[phase] if running else 0
-            progress[phase] = {"tokens": tokens,
-                               "max_tokens": self.rules.sampling_for(record.overrides.get(phase), phase).max_tokens}
+            budget = self.rules.phase_sampling(SongRequest.from_dict(record.request), record.overrides.get(phase),
+                                               phase).max_tokens
+            progress[phase] = {"tokens": tokens, "max_tokens": budget}
         if running:
             for stage, (done, total) in list(live.progress.items()):
                 progress[stage] = {"done": done, "total": total}
@@ -83,6 +91,9 @@ class Views:
         takes = self.takes_view(record)
         if takes is not None:
             document["takes"] = takes
+        continued = record.overrides.get(CONTINUE_KEY)
+        if continued:  # the song it continues (its job, and take)
+            document["continued_from"] = {"id": continued["parent"], "take": continued["take"]}
         return document
 
     def summary(self, record: JobRecord) -> dict:

@@ -95,6 +95,11 @@ class SongWorker:
     def rules(self):
         return self.pipe.rules
 
+    @property
+    def weights(self) -> dict:
+        """The weights' identities songs here are made with (a continuation must be of a song they made)."""
+        return self.pipe.weights
+
     def start(self) -> None:
         if not self._watchdog.is_alive() and not self._stop.is_set():
             self._watchdog.start()
@@ -152,7 +157,8 @@ class SongWorker:
         return {"identity": document["identity"], "audio_seconds": document["audio_seconds"],
                 "sample_rate": document["sample_rate"], "truncated": document["truncated"],
                 "resumed": document["resumed"], "audio_bytes": document["artifacts"]["audio.flac"]["bytes"],
-                "batch_invariant": document.get("batch_invariant", False), "signals": take_signals(document)}
+                "batch_invariant": document.get("batch_invariant", False), "signals": take_signals(document),
+                **{key: document[key] for key in ("truncation", "continuation") if document.get(key)}}
 
     # -- the engine
 

@@ -39,6 +39,7 @@ class SemanticResult:
     timing: dict = field(default_factory=dict)
     truncated: bool = False
     synthesis: dict = field(default_factory=dict)  # the NAR's record: prefill weights, room admitted/waited
+    rng_state: bytes | None = None  # the torch backend's generator after the last token (a continuation's)
 
 
 @dataclass
@@ -65,8 +66,25 @@ class SongResult:
         return {"abc": self.plan.truncated, "semantic": self.semantic.truncated}
 
     @property
+    def truncation(self) -> dict:
+        """Why each cut phase stopped (see `truncation_record`)."""
+        return truncation_record(self.request.seconds, self.truncated, self.config["generation"])
+
+    @property
     def audio_seconds(self) -> float:
         return len(self.audio) / self.sample_rate
+
+
+def truncation_record(seconds: float | None, truncated: dict, generation: dict) -> dict:
+    """Per phase its budget cut, what cut it: `by` "seconds" (the request's length, for the song) or "max_tokens"
+    (the phase's budget), the token budget and the seconds asked. A song cut either way can be continued."""
+    record = {}
+    for phase in ("abc", "semantic"):
+        if truncated.get(phase):
+            by = "seconds" if phase == "semantic" and seconds is not None else "max_tokens"
+            record[phase] = {"by": by, "tokens": generation[phase]["max_tokens"],
+                             **({"seconds": seconds} if by == "seconds" else {})}
+    return record
 
 
 def check_semantic(semantic: SemanticResult) -> None:

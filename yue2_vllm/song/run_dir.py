@@ -15,8 +15,9 @@ from .. import artifacts as art
 from .. import instrumental
 from ..checkpoint import identity, write_json_atomic
 from ..protocol import CODEC_SIZE, SongRequest
+from .continuation import RNG_FILE, ParentSong, check_continuable, exactness
 from .results import (SAMPLE_RATE, Cancelled, Decoder, OnProgress, OnStage, OnToken, SemanticResult, SymbolicPlan,
-                      Synthesizer, batch_record, kv_cache_record)
+                      Synthesizer, batch_record, kv_cache_record, truncation_record)
 
 LOG = logging.getLogger(__name__)
 # Per stage: the files its record must list (with hashes) and the meta keys the later stages read.
@@ -57,12 +58,16 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
                 abc_sampling=None, semantic_sampling=None, stage: str = "audio",
                 cancelled: Cancelled | None = None, on_token: OnToken | None = None,
                 on_progress: OnProgress | None = None, on_stage: OnStage | None = None,
-                synthesizer: Synthesizer | None = None, decoder: Decoder | None = None) -> dict:
+                synthesizer: Synthesizer | None = None, decoder: Decoder | None = None,
+                parent: ParentSong | None = None) -> dict:
     """Run `song` (a pipeline: its stages, identities and records) into `directory`; see
-    `YuE2Pipeline.generate_to`."""
+    `YuE2Pipeline.generate_to`. With `parent` the run continues that capped song (song/continuation.py): its plan
+    is copied and its semantic phase goes on from the parent's codes."""
     if stage not in ("plan", "audio"):
         raise ValueError(f"stage must be 'plan' or 'audio', got {stage!r}")
     song.check_request(request, abc_sampling, semantic_sampling)  # before anything is written
+    if parent is not None:
+        check_continuable(parent, song.weights, song.generation_config, directory)
     config = song.effective_config(request, abc_sampling, semantic_sampling)
     run_id = song.run_identity(request, config)
     # The directory belongs to the latents' identity, so a changed VAE redoes only the audio stage.
@@ -102,6 +107,8 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
         return meta
 
     def compute_plan():
+        if parent is not None:  # a cap changes no score: the parent's plan is the longer request's
+            return parent.child_plan(request)
         plan = song.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token)
         files = {"prefix.npy": art.npy_bytes(np.asarray(plan.prefix, np.int32)),
                  "abc_tokens.npy": art.npy_bytes(np.asarray(plan.abc_ids, np.int32))}
@@ -114,9 +121,12 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
         return files, meta
 
     def compute_semantic():
-        semantic = song.generate_semantic(plan, sampling=semantic_sampling, cancelled=cancelled, on_token=on_token)
-        return ({"semantic.npy": art.npy_bytes(np.asarray(semantic.tokens, np.int32))},
-                {"timing": semantic.timing, "truncated": semantic.truncated})
+        semantic = song.generate_semantic(plan, sampling=semantic_sampling, cancelled=cancelled, on_token=on_token,
+                                          continuation=parent.ar_continuation() if parent is not None else None)
+        files = {"semantic.npy": art.npy_bytes(np.asarray(semantic.tokens, np.int32))}
+        if semantic.truncated and semantic.rng_state is not None:  # what a continuation's generator goes on from
+            files[RNG_FILE] = art.npy_bytes(np.frombuffer(semantic.rng_state, dtype=np.uint8))
+        return files, {"timing": semantic.timing, "truncated": semantic.truncated}
 
     def compute_latents():
         start = time.perf_counter()
@@ -165,6 +175,10 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
             **kv_cache_record(plan.timing, semantic.timing),  # what the engine ran, read back from it
             "sources": song.source_records(),
             "truncated": {"abc": plan.truncated, "semantic": semantic.truncated},
+            "truncation": truncation_record(request.seconds, {"abc": plan.truncated, "semantic": semantic.truncated},
+                                            config["generation"]),
+            **({"continued_from": parent.record(), "continuation": exactness(parent, config, semantic.timing)}
+               if parent is not None else {}),
             "sample_rate": SAMPLE_RATE, "audio_seconds": audio_meta["samples"] / SAMPLE_RATE,
             "weights": song.weights, "timing": timing,
         })

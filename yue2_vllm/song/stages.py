@@ -16,7 +16,7 @@ from .. import instrumental
 from ..memory import vae_decode_bytes
 from ..model.nar import SongInput, synthesize_many
 from ..model.nar import synthesize as nar_synthesize
-from ..model.sampling import ARBackend
+from ..model.sampling import ARBackend, ARContinuation, ARResult
 from ..model.torch_quant import prepare_ar_proxies, restore_ar
 from ..options import PipelineOptions
 from ..protocol import (CODEC_OFFSET, Sampling, SongRequest, SongRules, abc_prompt, check_abc_ids,
@@ -51,20 +51,24 @@ class SongStages:
 
     # -- the AR half
 
-    def generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, **kwargs):
+    def generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, **kwargs) -> ARResult:
         backend, reason = self.select_backend(kwargs.get("cfg_scale", 1.0), kwargs.get("legacy_off", False))
+        continuation: ARContinuation | None = kwargs.get("continuation")
+        if continuation is not None and continuation.backend == "torch" and backend is not self.torch_backend:
+            backend, reason = self.torch_backend, ("continuing a song whose semantic phase ran on the torch "
+                                                   "backend: its tokens and generator go on there")
         if reason is not None:
             LOG.info("%s phase: torch backend (%s)", phase, reason)
         if backend is self.torch_backend:
             with self.torch_lock, torch_ar_admitted(self.room(), self.model, len(prefix), sampling, phase, kwargs):
                 if self.proxy_mode:
                     prepare_ar_proxies(self.model, self.proxy_mode)  # idempotent; undone before each NAR stage
-                ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
+                result = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
         else:
-            ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
-        timing = {**timing, "backend_requested": self.options.ar.backend, "fallback_reason": reason}
+            result = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
+        timing = {**result.timing, "backend_requested": self.options.ar.backend, "fallback_reason": reason}
         timing.setdefault("batch_invariant", True)  # the torch backend serves one song per forward pass
-        return ids, timing, truncated
+        return result._replace(timing=timing)
 
     def plan(self, request: SongRequest, *, abc_sampling=None, cancelled: Cancelled | None = None,
              on_token: OnToken | None = None) -> SymbolicPlan:
@@ -81,14 +85,17 @@ class SongStages:
             abc_ids = tokenizer.encode(request.abc)
             return SymbolicPlan(request, request.abc, abc_ids, semantic_prompt(request, tokenizer, abc_ids),
                                 {"seconds": 0.0, "output_tokens": 0, "external_prefix_tokens": len(abc_ids)})
-        ids, timing, truncated = self.generate_ar(
-            abc_prompt(request, tokenizer), self.rules.sampling_for(abc_sampling, "abc"), request, "abc",
+        ids, timing, truncated, _ = self.generate_ar(
+            abc_prompt(request, tokenizer), self.rules.phase_sampling(request, abc_sampling, "abc"), request, "abc",
             on_token=on_token, cancelled=cancelled)
         return SymbolicPlan(request, tokenizer.decode(ids), ids, semantic_prompt(request, tokenizer, ids),
                             timing, truncated)
 
     def generate_semantic(self, plan: SymbolicPlan, *, sampling=None, cancelled: Cancelled | None = None,
-                          on_token: OnToken | None = None) -> SemanticResult:
+                          on_token: OnToken | None = None,
+                          continuation: ARContinuation | None = None) -> SemanticResult:
+        """The song's codec tokens; a `continuation` goes on from a capped song's (song/continuation.py), on the
+        backend that made them where it can."""
         request, tokenizer = plan.request, self.tokenizer
         check_token_ids(plan.prefix, "plan.prefix")  # 1.0 == 1 would pass the comparison below
         expected = semantic_prompt(request, tokenizer, check_abc_ids(plan.abc_ids) if request.cot != "off"
@@ -98,10 +105,12 @@ class SongStages:
         negative = None
         if request.guidance != 1.0:
             negative = negative_prompt(request, tokenizer, plan.abc_ids)
-        ids, timing, truncated = self.generate_ar(
-            plan.prefix, self.rules.sampling_for(sampling, "semantic"), request, "semantic", negative=negative,
-            cfg_scale=request.guidance, legacy_off=request.cot == "off", on_token=on_token, cancelled=cancelled)
-        return SemanticResult(plan, [i - CODEC_OFFSET for i in ids], timing, truncated)
+        extra = {"continuation": continuation} if continuation is not None else {}
+        ids, timing, truncated, rng_state = self.generate_ar(
+            plan.prefix, self.rules.phase_sampling(request, sampling, "semantic"), request, "semantic",
+            negative=negative, cfg_scale=request.guidance, legacy_off=request.cot == "off", on_token=on_token,
+            cancelled=cancelled, **extra)
+        return SemanticResult(plan, [i - CODEC_OFFSET for i in ids], timing, truncated, rng_state=rng_state)
 
     # -- the NAR and the VAE
 

@@ -21,47 +21,71 @@ def song_answers(api: Api) -> dict:
     return {200: {"model": contract.Song}, **error_docs(*api.denied, 404)}
 
 
-def songs_router(api: Api, max_body_bytes: int) -> APIRouter:
-    router, service, denied = APIRouter(prefix="/v1", dependencies=api.auth), api.service, api.denied
-    in_flight_keys: set[str] = set()
-    body_doc = {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/SongBody"}}}}}
+def body_doc(schema: str) -> dict:
+    """`openapi_extra` for a JSON request body of the named components schema (contract.py)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{schema}"}}}}}
 
-    @router.post("/songs", status_code=202, summary="Queue a song", openapi_extra=body_doc, responses={
+
+def job_answers(api: Api, s422: str) -> dict:
+    """What a request that queues a job answers: 202 (or 200, an Idempotency-Key's job), and every refusal."""
+    return {
         202: {"model": contract.SongCreated, "description": "queued", "headers": LOCATION},
         200: {"model": contract.SongCreated, "description": "the job an earlier request with this Idempotency-Key "
                                                             "made (the same body)", "headers": LOCATION},
-        **error_docs(*denied, 403, 413, 415, 422, s422="a field is invalid (named), or the Idempotency-Key was used "
-                  "with another body (the IETF Idempotency-Key draft's answer)"),
+        **error_docs(*api.denied, 403, 413, 415, 422, s422=s422),
         409: {"model": contract.ErrorBody, "description": "a request with this Idempotency-Key is still being "
                                                           "processed", "headers": RETRY_AFTER},
         429: {"model": contract.ErrorBody, "description": "the queue is full", "headers": RETRY_AFTER},
         503: {"model": contract.ErrorBody, "description": "the engine is down for good", "headers": RETRY_AFTER},
         507: {"model": contract.ErrorBody, "description": "the free disk cannot hold what the song may write beside "
-                                                          "the admitted songs", "headers": RETRY_AFTER}})
-    async def create_song(request: Request, idempotency_key: str | None = Header(
-            None, pattern=contract.IDEMPOTENCY_KEY, max_length=255,
-            description="the same key and body again → the same job (200); another body → 422")):
+                                                          "the admitted songs", "headers": RETRY_AFTER}}
+
+
+class JobIntake:
+    """Bodies that queue a job (POST /v1/songs, POST /v1/songs/{id}/continue): JSON only, within the size limit,
+    one request per Idempotency-Key at a time; the job as 202 (or 200: the key's earlier job)."""
+
+    def __init__(self, max_body_bytes: int):
+        self.max_body_bytes = max_body_bytes
+        self.in_flight_keys: set[str] = set()
+
+    async def accept(self, request: Request, idempotency_key: str | None, queue) -> Response:
+        """`queue(body, key)` -> `(record, created)` runs in a worker thread."""
         if not is_json(request.headers.get("content-type")):
             return error_response(415, "body: send it as Content-Type: application/json", "Content-Type")
-        body = await read_body(request, max_body_bytes)
-        if idempotency_key is not None and idempotency_key in in_flight_keys:
+        body = await read_body(request, self.max_body_bytes)
+        if idempotency_key is not None and idempotency_key in self.in_flight_keys:
             raise Conflict("Idempotency-Key: a request with this key is still being processed; retry in a moment",
                            field="Idempotency-Key", headers={"Retry-After": "1"})
         if idempotency_key is not None:
-            in_flight_keys.add(idempotency_key)
+            self.in_flight_keys.add(idempotency_key)
         try:
-            record, created = await run_in_threadpool(service.submit, body, idempotency_key)
+            record, created = await run_in_threadpool(queue, body, idempotency_key)
         except ServiceError as exc:
             if exc.status == 409 and exc.field == "Idempotency-Key":  # reused with another body: IETF draft → 422
                 raise RequestInvalid(exc.message, field=exc.field) from None
             raise
         finally:
-            in_flight_keys.discard(idempotency_key)
+            self.in_flight_keys.discard(idempotency_key)
         document = {"id": record.id, "label": record.label, "status": record.status, "stage": record.stage,
                     "created": created, "urls": urls(record.id)}
         return JSONResponse(document, status_code=202 if created else 200,
                             headers={"Location": document["urls"]["self"]})
+
+
+IDEMPOTENCY_HEADER = dict(pattern=contract.IDEMPOTENCY_KEY, max_length=255,
+                          description="the same key and body again → the same job (200); another body → 422")
+
+
+def songs_router(api: Api, intake: JobIntake) -> APIRouter:
+    router, service, denied = APIRouter(prefix="/v1", dependencies=api.auth), api.service, api.denied
+
+    @router.post("/songs", status_code=202, summary="Queue a song", openapi_extra=body_doc("SongBody"),
+                 responses=job_answers(api, "a field is invalid (named), or the Idempotency-Key was used with another "
+                                            "body (the IETF Idempotency-Key draft's answer)"))
+    async def create_song(request: Request, idempotency_key: str | None = Header(None, **IDEMPOTENCY_HEADER)):
+        return await intake.accept(request, idempotency_key, service.submit)
 
     @router.get("/songs", summary="Jobs, newest first", responses={200: {"model": contract.SongList},
                                                                    **error_docs(*denied, 422)})

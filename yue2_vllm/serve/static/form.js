@@ -9,7 +9,7 @@ import { takesOf } from "./takes.js";
 const FIELDS = {  // an error's field -> the control to mark
   style: "style", tags: "style", lyrics: "lyrics", cot: "cot", seed: "seed", cfg_scale: "cfg_scale", abc: "abc",
   abc_sampling: "abc-temperature", semantic_sampling: "semantic-temperature", stage: "plan-only",
-  takes: "takes", best_of: "takes", instrumental: "instrumental",
+  takes: "takes", best_of: "takes", instrumental: "instrumental", seconds: "seconds",
 };
 
 let pendingKey = null;  // {body, key}: reused only when the last attempt got no answer at all
@@ -19,8 +19,9 @@ export function randomSeed() {
   return ((BigInt(words[0] & 0x7fffffff) << 32n) | BigInt(words[1])).toString();
 }
 
-function collect() {
+export function collect() {
   const body = { style: $("style").value, lyrics: $("lyrics").value, cot: $("cot").value };
+  if ($("seconds").value.trim() !== "") body.seconds = Number($("seconds").value);
   const cfg = $("cfg_scale").value.trim();
   if (cfg !== "") body.cfg_scale = Number(cfg);
   if ($("abc").value.trim()) body.abc = $("abc").value;

@@ -3,8 +3,9 @@
 // takes, jobs (the list and health); this one wires them to the page.
 
 import { $, auth, needKey, saveKey, show } from "./api.js";
-import { randomSeed, submit } from "./form.js";
+import { collect, randomSeed, submit } from "./form.js";
 import { forgetListed, refreshHealth, refreshJobs } from "./jobs.js";
+import { continueSong, refreshLongest } from "./length.js";
 import { wirePlayer } from "./player.js";
 import { act, drawPicture, pictureSeconds, select, view } from "./song.js";
 
@@ -17,7 +18,12 @@ function start() {
   $("song-form").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("song-form").requestSubmit();
   });
-  $("song-form").addEventListener("input", (event) => event.target.removeAttribute("aria-invalid"));
+  $("song-form").addEventListener("input", (event) => {
+    event.target.removeAttribute("aria-invalid");
+    refreshLongest(collect);
+  });
+  $("continue").addEventListener("click", () => view.current && continueSong(view.current.id, select));
+  $("continue-seconds").addEventListener("input", () => $("continue-seconds").removeAttribute("aria-invalid"));
   $("random-seed").addEventListener("click", () => { $("seed").value = randomSeed(); });
   $("instrumental").addEventListener("change", () => { $("lyrics").required = !$("instrumental").checked; });
   for (const action of ["cancel", "render", "resume", "delete"]) {
@@ -35,6 +41,7 @@ function start() {
   setInterval(() => { if (!document.hidden) { refreshHealth(); refreshJobs(); } }, 4000);
   refreshHealth().then(() => {  // whether a key is needed is known before anything under /v1 is asked
     refreshJobs();
+    refreshLongest(collect);
     const id = location.hash.slice(1);
     if (/^j[0-9a-f]{20}$/.test(id) && !needKey()) {
       select(id).catch(() => history.replaceState(null, "", location.pathname));

@@ -5,6 +5,7 @@ import { $, FINAL, api, auth, blobOf, describeError, show } from "./api.js";
 import { drawPictureInto, fetchPicture } from "./picture.js";
 import { clearPlayer, movePlayhead, streamInto } from "./player.js";
 import { follow } from "./stream.js";
+import { minutes, renderContinue } from "./length.js";
 import { renderTakes } from "./takes.js";
 
 const STAGES = [  // stage, label, progress key, unit
@@ -119,6 +120,10 @@ function render() {
   const parts = [doc.id, `cot ${doc.request.cot}`, `seed ${doc.request.seed}`];
   if (doc.queue_position !== undefined && doc.status === "queued") parts.push(`${doc.queue_position} ahead in the queue`);
   if (doc.result && doc.result.audio_seconds) parts.push(`${doc.result.audio_seconds.toFixed(1)} s of audio`);
+  const cut = doc.result && doc.result.truncation && doc.result.truncation.semantic;
+  if (cut) parts.push(`capped at ${minutes(cut.tokens / 25)} (${cut.by === "seconds" ? "its length" : "max tokens"})`);
+  if (doc.continued_from) parts.push(`continues ${doc.continued_from.id}` +
+    (doc.continued_from.take > 1 ? ` take ${doc.continued_from.take}` : ""));
   if (doc.retries && doc.retries.length) parts.push(`retried: ${doc.retries[doc.retries.length - 1].reason}`);
   $("current-meta").textContent = parts.join(" · ");
   renderBars(doc);
@@ -126,6 +131,7 @@ function render() {
   $("cancel").hidden = FINAL.has(doc.status);
   $("render").hidden = !(doc.stage === "plan" && doc.status === "complete");
   $("resume").hidden = !(doc.status === "failed" || doc.status === "cancelled");
+  renderContinue(doc);
   const plan = doc.stages.plan || {};
   const planned = plan.state === "done" || plan.state === "reused";
   if (planned && current.score === null && doc.request.cot !== "off") {
