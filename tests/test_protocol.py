@@ -318,3 +318,12 @@ def test_the_longest_song_a_request_can_reach():
     off = rules.longest_song(_prompt_of(4576, cot="off"))
     assert (off["tokens"], off["seconds"], off["score_budget_tokens"]) == (20000, 800.0, 0)
     assert rules.longest_song(SongRequest("pop", "x", seconds=5)) == rules.longest_song(SongRequest("pop", "x"))
+
+
+def test_a_phase_the_request_skips_still_has_its_overrides_checked():
+    """A given score (or cot off) skips the abc phase, yet its abc_sampling is refused as for any song."""
+    rules = p.SongRules(GenerationConfig(), ENC)
+    for request in (SongRequest("pop", "la", abc="X:1\n"), SongRequest("pop", "la", cot="off")):
+        with pytest.raises(ValueError, match=r"^abc_sampling: Sampling.max_tokens must be"):
+            rules.check_request(request, abc_sampling={"max_tokens": p.CONTEXT + 1})
+        rules.check_request(request, abc_sampling={"max_tokens": p.CONTEXT})

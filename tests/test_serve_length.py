@@ -120,6 +120,10 @@ def test_the_longest_song_a_body_can_reach(server, pipe):
     refused(client, "/v1/songs/length", {**SONG, "seconds": 1, "semantic_sampling": {"max_tokens": 20}}, "seconds",
             "seconds and semantic_sampling.max_tokens both set the song's token budget")
     assert client.get("/v1/songs").json()["songs"] == []  # nothing was queued
+    # its own resource, though /v1/songs/{job_id} would match the path too: Allow names what the schema documents
+    wrong = client.request("PUT", "/v1/songs/length")
+    assert (wrong.status_code, wrong.headers["Allow"]) == (405, "POST")
+    assert client.request("PUT", "/v1/songs/j1").headers["Allow"] == "DELETE, GET"
 
 
 def test_a_continue_job_survives_a_restart_from_the_durable_store(pipe, tmp_path):

@@ -258,7 +258,7 @@ class Sampling:
             (self.top_k >= 1, "top_k must be >= 1"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (1 <= self.penalty_window <= 100, "penalty_window must be in [1, 100]"),
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (1 <= self.max_tokens <= CONTEXT, f"max_tokens must be in [1, {CONTEXT}] (the context)"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
         ]
         for ok, message in checks:
@@ -546,6 +546,8 @@ class SongRules:
         """Refuse, before any stage runs, overrides that do not resolve, a `seconds` that cannot cap the song, and
         prompts that cannot fit the context with their token budgets (a generated score can only make the semantic
         prompt longer): one line naming what to shorten and by how much."""
+        for phase, overrides in (("abc", abc_sampling), ("semantic", semantic_sampling)):
+            self.phase_sampling(request, overrides, phase)  # both, also a phase this request skips (a given score)
         budget = self.budget(request, abc_sampling, semantic_sampling)
         if budget.over > 0:
             semantic = self.phase_sampling(request, semantic_sampling, "semantic")

@@ -70,11 +70,15 @@ def add_error_handlers(app: FastAPI, api: Api) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         headers = dict(getattr(exc, "headers", None) or {})
         if exc.status_code == 405:  # every method of every route at this path, not just the first route's
-            methods = set()
+            matches = []
             for route in app.router.routes:
-                match, _ = route.matches({**request.scope, "method": "GET"})
+                match, child = route.matches({**request.scope, "method": "GET", "path_params": {}})
                 if match != Match.NONE and getattr(route, "methods", None):
-                    methods |= set(route.methods)
+                    matches.append((route.methods, bool(child.get("path_params"))))
+            # a fixed path (/v1/songs/length) is its own resource, though a templated one (/v1/songs/{job_id})
+            # would match it too
+            fixed = [methods for methods, templated in matches if not templated]
+            methods = set().union(*(fixed or [methods for methods, _ in matches]))
             if methods:
                 headers["Allow"] = ", ".join(sorted(methods))
         return error_response(exc.status_code, message, headers=headers or None)
