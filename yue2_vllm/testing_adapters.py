@@ -69,6 +69,18 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata or {"format": "pt"})
 
 
+def _emit(path: Path, tensors: dict[str, torch.Tensor], config: tuple[str, dict] | None = None,
+          weights: str = "", metadata: dict[str, str] | None = None) -> None:
+    """A single safetensors file at `path` (no config), or a directory holding `config` and the `weights` file."""
+    if config is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _save(path, tensors, metadata)
+        return
+    with atomic_directory(path) as tmp:
+        write_json_atomic(tmp / config[0], config[1])
+        _save(tmp / weights, tensors, metadata)
+
+
 def _tag(site: str, nar: bool) -> str:
     return ("nar_" if nar else "") + site
 
@@ -125,19 +137,14 @@ def write_tiny_adapter(path: str | os.PathLike, layout: str, *, half: str = "ar"
         if layout == "plain" and half != "ar" and replacements:
             extras("full")
         if layout == "plain":
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _save(path, tensors)
+            _emit(path, tensors)
+        elif layout == "alpha-rank":
+            _emit(path, tensors, ("adapter_config.json", {"alpha": alpha, "rank": rank}), "lora.safetensors")
         else:
-            with atomic_directory(path) as tmp:
-                if layout == "alpha-rank":
-                    write_json_atomic(tmp / "adapter_config.json", {"alpha": alpha, "rank": rank})
-                    _save(tmp / "lora.safetensors", tensors)
-                else:
-                    write_json_atomic(tmp / "adapter_config.json", {
-                        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-                        "use_rslora": layout == "peft-rslora", "bias": "none",
-                        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules})})
-                    _save(tmp / "adapter_model.safetensors", tensors)
+            _emit(path, tensors, ("adapter_config.json", {
+                "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+                "use_rslora": layout == "peft-rslora", "bias": "none",
+                "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules})}), "adapter_model.safetensors")
         return TinyAdapter(path, "peft" if layout.startswith("peft") else layout, half, truth)
 
     if layout in ("comfyui", "lora.json"):
@@ -178,12 +185,10 @@ def write_tiny_adapter(path: str | os.PathLike, layout: str, *, half: str = "ar"
         if half != "ar" and replacements:
             extras("diff")
         if layout == "comfyui":
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _save(path, tensors)
+            _emit(path, tensors)
         else:
-            with atomic_directory(path) as tmp:
-                write_json_atomic(tmp / "lora.json", {"alpha": alpha, "triggers": ["tinystyle"]})
-                _save(tmp / f"{path.name}.safetensors", tensors)
+            _emit(path, tensors, ("lora.json", {"alpha": alpha, "triggers": ["tinystyle"]}),
+                  f"{path.name}.safetensors")
         return TinyAdapter(path, layout, half, truth)
 
     if layout == "slider-distill":
@@ -193,9 +198,8 @@ def write_tiny_adapter(path: str | os.PathLike, layout: str, *, half: str = "ar"
             tensors[f"{key}.lora_down.weight"], tensors[f"{key}.lora_up.weight"] = a, b
             tensors[f"{key}.alpha"] = torch.tensor(alpha)
             truth[module] = [LowRank(a.float(), b.float(), alpha / rank)]
-        metadata = {"conceptmod": json.dumps({"format": "conceptmod-yue2-ar-v1", "rank": rank, "alpha": alpha})}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _save(path, tensors, metadata)
+        _emit(path, tensors, metadata={"conceptmod": json.dumps({"format": "conceptmod-yue2-ar-v1", "rank": rank,
+                                                                 "alpha": alpha})})
         return TinyAdapter(path, layout, "ar", truth)
 
     # Refused layouts: the real marker tensors beside otherwise ordinary LoRA pairs.
@@ -212,14 +216,12 @@ def write_tiny_adapter(path: str | os.PathLike, layout: str, *, half: str = "ar"
         tensors["lm_head.lora_B"] = torch.zeros(config.vocab_size, rank, dtype=dtype)
     if layout == "dora":
         stem = "base_model.model.model.layers.0.self_attn.q_proj"
-        with atomic_directory(path) as tmp:
-            write_json_atomic(tmp / "adapter_config.json", {"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
-                                                            "use_dora": True, "target_modules": ["q_proj"]})
-            _save(tmp / "adapter_model.safetensors", {f"{stem}.lora_A.weight": a, f"{stem}.lora_B.weight": b,
-                                                      f"{stem}.lora_magnitude_vector": torch.ones(b.shape[0])})
+        _emit(path, {f"{stem}.lora_A.weight": a, f"{stem}.lora_B.weight": b,
+                     f"{stem}.lora_magnitude_vector": torch.ones(b.shape[0])},
+              ("adapter_config.json", {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_dora": True,
+                                       "target_modules": ["q_proj"]}), "adapter_model.safetensors")
     else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _save(path, tensors, metadata)
+        _emit(path, tensors, metadata=metadata)
     return TinyAdapter(path, layout, "ar", {})
 
 
