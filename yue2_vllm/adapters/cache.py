@@ -98,7 +98,7 @@ def peft_config(rank: int, modules, scale: float = 1.0) -> dict:
             "use_rslora": False, "base_model_name_or_path": None}
 
 
-def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata=metadata)
@@ -157,7 +157,7 @@ class Converted:
                 pass  # another process made it
         return target
 
-    def _load(self, name: str) -> dict[str, torch.Tensor]:
+    def load_part(self, name: str) -> dict[str, torch.Tensor]:
         if name not in self._tensors:
             infos, _ = read_header(self.directory / name)
             self._tensors[name] = dict(load_tensors(infos.values()))
@@ -168,13 +168,13 @@ class Converted:
         replacements at strength `scale` (`model.lora`)."""
         edits: dict[str, list] = {}
         if half in ("ar", "both") and self.record.get("ar"):
-            for key, a in self._load(f"{AR_DIR}/{PEFT_WEIGHTS}").items():
+            for key, a in self.load_part(f"{AR_DIR}/{PEFT_WEIGHTS}").items():
                 if key.endswith(".lora_A.weight"):
                     module = key[len(PEFT_PREFIX):-len(".lora_A.weight")]
                     b = self._tensors[f"{AR_DIR}/{PEFT_WEIGHTS}"][key.replace(".lora_A.", ".lora_B.")]
                     edits[module] = [LowRank(a, b, scale)]
         if half in ("nar", "both") and self.record.get("nar"):
-            tensors = self._load(NAR_FILE)
+            tensors = self.load_part(NAR_FILE)
             for key in tensors:
                 module, _, role = key.rpartition(".")
                 if role == "lora_A":
@@ -255,11 +255,11 @@ def convert_adapter(path: str | os.PathLike, config: YuE2Config, *, cache_dir: s
             if ar:
                 (tmp / AR_DIR).mkdir()
                 write_json_atomic(tmp / AR_DIR / PEFT_CONFIG, peft_config(summary.ar_rank, ar))
-                _save(tmp / AR_DIR / PEFT_WEIGHTS, _peft_tensors(ar), metadata)
+                save_tensors(tmp / AR_DIR / PEFT_WEIGHTS, _peft_tensors(ar), metadata)
                 outputs[f"{AR_DIR}/{PEFT_CONFIG}"] = sha256_file(tmp / AR_DIR / PEFT_CONFIG)
                 outputs[f"{AR_DIR}/{PEFT_WEIGHTS}"] = sha256_file(tmp / AR_DIR / PEFT_WEIGHTS)
             if nar:
-                _save(tmp / NAR_FILE, _nar_tensors(nar), metadata)
+                save_tensors(tmp / NAR_FILE, _nar_tensors(nar), metadata)
                 outputs[NAR_FILE] = sha256_file(tmp / NAR_FILE)
             record["outputs"] = outputs
             write_json_atomic(tmp / RECORD, record)
