@@ -23,6 +23,7 @@ from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import SongRequest
 from yue2_vllm.scheduler import SongScheduler
 from yue2_vllm.testing import TINY_GENERATION, tiny_default
+from yue2_vllm.options import AROptions, EngineOptions
 
 GENERATION = {**TINY_GENERATION, "abc": {"max_tokens": 48, "min_tokens": 48}}  # fixed budgets: 48 + 250 tokens
 
@@ -85,8 +86,8 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-concurrency-"))
     model_dir, vae_dir = tiny_default()
     start = time.perf_counter()
-    pipe = YuE2Pipeline(model_dir, vae_dir, backend="vllm", generation_config=GENERATION,
-                        engine_options={"max_num_seqs": max(args.songs)}, start_engine=True)
+    pipe = YuE2Pipeline(model_dir, vae_dir, generation_config=GENERATION, ar=AROptions(backend="vllm"),
+                        engine=EngineOptions(max_num_seqs=max(args.songs), start=True))
     pipe.select_ar_backend(1.0, False)  # wait for the engine
     print(f"pipeline + engine start: {time.perf_counter() - start:.1f} s "
           f"({pipe.engine.engine_info['engine_load_seconds']:.1f} s engine build)", flush=True)

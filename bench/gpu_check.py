@@ -63,6 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from yue2_vllm.options import DeviceOptions, LoadOptions  # noqa: E402
+
 Rows = list[dict]
 
 
@@ -133,8 +135,9 @@ def torch_devices(args) -> Rows:
     names = ["cpu"] + (["auto", "cuda", "cuda:0"] if torch.cuda.is_available() else [])
     for name in names:
         try:
-            pipe = YuE2Pipeline(model_dir, vae_dir, device=name, memory_budget_gib=8,
-                                hash_cache=HashCache(model_dir.parent / "hashes.json"))
+            pipe = YuE2Pipeline(model_dir, vae_dir,
+                                load=LoadOptions(hash_cache=HashCache(model_dir.parent / "hashes.json")),
+                                device=DeviceOptions(device=name, budget_gib=8))
             row = {"row": f"pipeline device={name}", "device": str(pipe.device), "cap_bytes": pipe.memory_cap_bytes,
                    "engine_env": engine_cuda_env(pipe.device)}
             if pipe.device.type == "cuda":

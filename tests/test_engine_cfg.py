@@ -13,6 +13,7 @@ from yue2_vllm.protocol import CODEC_OFFSET, Sampling, SongRequest, negative_pro
 from yue2_vllm.model.sampling import mix_cfg, phase_scores
 from yue2_vllm.scheduler import SongScheduler
 from yue2_vllm.engine.backend import vllm_version
+from yue2_vllm.options import AROptions, EngineOptions
 
 pytestmark = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 GREEDY = {"abc": {"max_tokens": 16, "min_tokens": 16, "temperature": 0},
@@ -26,7 +27,7 @@ PLAIN = [SongRequest("rock", f"la {i}\n", seed=20 + i, id=f"plain{i}") for i in 
 
 @pytest.fixture(scope="module")
 def torch_pipe(tiny_model_dir, tiny_vae_dir):
-    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GREEDY, dtype="float32")
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GREEDY, ar=AROptions(dtype="float32"))
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,9 @@ def tokens_of(directory):
 
 def test_greedy_cfg_alone_and_in_a_chunked_batch_equals_torch(tiny_model_dir, tiny_vae_dir, reference, tmp_path):
     """Step budget 96 < the ~250-token prompts: every prefill is chunked, also inside the batch."""
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GREEDY, dtype="float32",
-                      engine_options={"max_num_seqs": 12, "max_num_batched_tokens": 96}) as pipe:
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GREEDY,
+                      ar=AROptions(backend="vllm", dtype="float32"),
+                      engine=EngineOptions(max_num_seqs=12, max_num_batched_tokens=96)) as pipe:
         for request in GUIDED:
             plan = pipe.plan(request)
             semantic = pipe.generate_semantic(plan)
@@ -71,9 +73,10 @@ def test_greedy_cfg_under_preemption_equals_torch(tiny_model_dir, tiny_vae_dir, 
     from yue2_vllm.testing import TINY_CONFIG
 
     small = kv_cache_bytes(TINY_CONFIG, 1, 1024 + 64, 32, dtype_bytes=4)  # 1,088 tokens for 6 rows of ~300
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GREEDY, dtype="float32",
-                      engine_options={"max_num_seqs": 8, "kv_cache_bytes": small, "kv_admission": False,
-                                      "max_model_len": 1024}) as pipe:
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GREEDY,
+                      ar=AROptions(backend="vllm", dtype="float32"),
+                      engine=EngineOptions(max_num_seqs=8, tuning={"kv_cache_bytes": small, "kv_admission": False,
+                                                                   "max_model_len": 1024})) as pipe:
         with SongScheduler(pipe, concurrency=4) as scheduler:
             handles = [scheduler.submit(r, tmp_path / r.id) for r in GUIDED]
             assert {h.state for h in scheduler.as_completed(handles)} == {"complete"}
@@ -116,8 +119,9 @@ def test_seeded_sampled_cfg_song_is_the_same_alone_and_in_a_batch(tiny_model_dir
     sampled = {"abc": {"max_tokens": 12, "min_tokens": 12}, "semantic": {"max_tokens": 30, "min_tokens": 30},
                "ode_steps": 2}
     guided = SongRequest("pop", LONG_LYRICS, cfg_scale=1.5, seed=77, id="sampled")
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=sampled, dtype="float32",
-                      engine_options={"max_num_seqs": 8, "max_num_batched_tokens": 128}) as pipe:
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=sampled,
+                      ar=AROptions(backend="vllm", dtype="float32"),
+                      engine=EngineOptions(max_num_seqs=8, max_num_batched_tokens=128)) as pipe:
         alone = pipe.generate_semantic(pipe.plan(guided)).tokens
         with SongScheduler(pipe, concurrency=4) as scheduler:
             handles = [scheduler.submit(r, tmp_path / r.id) for r in [guided] + PLAIN]

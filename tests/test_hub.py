@@ -152,7 +152,8 @@ def test_the_model_card_command_runs_from_the_cache(hub, tmp_path, capsys):
 def test_the_python_api_takes_repo_ids(hub):
     from yue2_vllm.pipeline import YuE2Pipeline
 
-    pipe = YuE2Pipeline("m-a-p/YuE2-3B", "m-a-p/YuE2-Vae", revision=COMMIT, generation_config={"ode_steps": 1})
+    pipe = YuE2Pipeline.from_pretrained("m-a-p/YuE2-3B", vae="m-a-p/YuE2-Vae", revision=COMMIT,
+                                        generation_config={"ode_steps": 1})
     assert (pipe.model_dir, pipe.vae_dir) == (hub["model"], hub["vae"])
     assert pipe.source_records()["mot"] == {"path": str(hub["model"]), "repo_id": "m-a-p/YuE2-3B",
                                             "revision": COMMIT, "commit": COMMIT}
@@ -161,11 +162,11 @@ def test_the_python_api_takes_repo_ids(hub):
 
 def test_serve_and_derive_take_repo_ids(hub, tmp_path, capsys):
     from yue2_vllm.cli import build_parser, main
-    from yue2_vllm.cli.setup import _pipeline
+    from yue2_vllm.cli.setup import song_setup
 
     args = build_parser().parse_args(["serve", "--model", "m-a-p/YuE2-3B", "--vae", "m-a-p/YuE2-Vae", "--backend",
                                       "torch"])  # no engine for this check
-    with _pipeline(args) as pipe:
+    with song_setup(args).pipeline() as pipe:
         assert (pipe.model_dir, pipe.vae_dir) == (hub["model"], hub["vae"])
     assert main(["derive", "m-a-p/YuE2-3B", "--revision", COMMIT, "--out", str(tmp_path / "ar")]) == 0
     derived = Path(json.loads(capsys.readouterr().out)["ar_checkpoint"])
@@ -220,11 +221,12 @@ def hub_calls(monkeypatch):
 
 def test_the_cli_takes_upstreams_names_from_the_cache(hub, hub_calls, tmp_path, capsys):
     from yue2_vllm.cli import build_parser, main
-    from yue2_vllm.cli.setup import _pipeline
+    from yue2_vllm.cli.setup import song_setup
 
-    with _pipeline(build_parser().parse_args(["serve", "--vae", "standard", "--backend", "torch"])) as pipe:
+    parse = build_parser().parse_args
+    with song_setup(parse(["serve", "--vae", "standard", "--backend", "torch"])).pipeline() as pipe:
         assert (pipe.model_dir, pipe.vae_dir) == (hub["model"], hub["vae"])
-    with _pipeline(build_parser().parse_args(["generate", "--model", "m-a-p/YuE2-3B", "--quiet"])) as pipe:
+    with song_setup(parse(["generate", "--model", "m-a-p/YuE2-3B", "--quiet"])).pipeline() as pipe:
         assert pipe.source_records()["vae"]["repo_id"] == "m-a-p/YuE2-Vae"
     assert [repo for repo, _ in hub_calls] == ["m-a-p/YuE2-3B", "m-a-p/YuE2-Vae"] * 2
     # download bars on stderr unless --quiet
@@ -320,7 +322,7 @@ def test_a_ray_head_resolves_only_the_files_it_reads_and_says_so(tmp_path, monke
     import yue2_vllm.hub as hub_module
     from yue2_vllm.checkpoint import weights_bytes
     from yue2_vllm.cli import build_parser
-    from yue2_vllm.cli.setup import memory_plan, replica_admission
+    from yue2_vllm.cli.setup import memory_plan, song_setup
     from yue2_vllm.hub import HEAD_PATTERNS
 
     mot = tmp_path / "mot"
@@ -345,14 +347,15 @@ def test_a_ray_head_resolves_only_the_files_it_reads_and_says_so(tmp_path, monke
     args = build_parser().parse_args(["serve", "--vae", "standard", "--backend", "vllm", "--replicas", "2",
                                       "--device", "cpu", "--quiet"])
     with caplog.at_level("WARNING", logger="yue2_vllm"):
-        rules, backend, rows = replica_admission(args, "cpu")
+        head = song_setup(args, patterns=HEAD_PATTERNS)
+        rules, rows = head.admission("cpu")
     assert [(repo, kwargs["allow_patterns"]) for repo, kwargs in hub_calls] == [
         ("m-a-p/YuE2-3B", list(HEAD_PATTERNS)), ("m-a-p/YuE2-Vae", list(HEAD_PATTERNS))]
     assert asked == [("m-a-p/YuE2-Vae", COMMIT)]  # the MoT's size came from its manifest
     assert not list(home.rglob("*.safetensors"))
     # The split the head plans equals the one a machine holding the weights plans.
-    expected = memory_plan(mot, tiny_vae_dir, "cpu", None, generation=rules.generation).max_num_seqs
-    assert backend == "vllm" and rows == expected
+    expected = memory_plan(mot, tiny_vae_dir, "cpu", generation=rules.generation).max_num_seqs
+    assert head.ar.backend == "vllm" and rows == expected
     manifest_bytes = (mot / "weights_manifest.json").stat().st_size
     config_bytes, tokenizer_bytes = ((mot / name).stat().st_size for name in ("config.json", "qwen.tiktoken"))
     assert caplog.messages == [

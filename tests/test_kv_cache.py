@@ -3,6 +3,7 @@ import pytest
 
 from yue2_vllm.kv_cache import (FORMS, check_form, check_kv_cache, cuda_backend, element_bytes, explicit,
                                 kv_cache_problem)
+from yue2_vllm.options import AROptions, EngineOptions, LoadOptions
 
 CHECKED = dict(vllm_version="0.32.0")
 CARDS = {"sm89 (L4, L40S, RTX 4090/4080)": (8, 9), "sm90 (H100, H200)": (9, 0), "sm100 (B200)": (10, 0),
@@ -85,8 +86,9 @@ def fp8_pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
     from yue2_vllm.pipeline import YuE2Pipeline
 
     derived = derive_ar_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("arcache"))
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
-                        ar_checkpoint=derived, kv_cache_dtype="fp8")
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                        load=LoadOptions(ar_checkpoint=derived), ar=AROptions(backend="vllm"),
+                        engine=EngineOptions(kv_cache_dtype="fp8"))
     yield pipe
     pipe.close()
 
@@ -128,7 +130,8 @@ def test_auto_adds_nothing_to_the_effective_config(tiny_model_dir, tiny_vae_dir)
     from yue2_vllm.protocol import SongRequest
 
     with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION) as pipe:
-        assert pipe.kv_cache_dtype == "auto" and "kv_cache_dtype" not in pipe.effective_config(SongRequest("a", "b"))
+        assert pipe.options.engine.kv_cache_dtype == "auto"
+        assert "kv_cache_dtype" not in pipe.effective_config(SongRequest("a", "b"))
 
 
 def test_the_pipeline_refuses_a_form_before_anything_loads(tiny_model_dir, tiny_vae_dir, monkeypatch):
@@ -138,15 +141,19 @@ def test_the_pipeline_refuses_a_form_before_anything_loads(tiny_model_dir, tiny_
         raise AssertionError("weights were read before the refusal")
 
     monkeypatch.setattr("yue2_vllm.song.models.LoadedModels.__init__", no_load)
-    with pytest.raises(ValueError, match=r"^kv_cache_dtype 'fp4': unknown KV cache form"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", kv_cache_dtype="fp4")
-    with pytest.raises(ValueError, match=r"^kv_cache_dtype fp8 sets the vLLM engine's KV cache, and the torch backend"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="torch", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"^EngineOptions.kv_cache_dtype must be one of \('auto', 'fp8', "):
+        EngineOptions(kv_cache_dtype="fp4")  # an unknown form: refused before any pipeline is made
+    with pytest.raises(ValueError, match=r"^EngineOptions.kv_cache_dtype fp8 sets the vLLM engine's KV cache, and the "
+                                         r"torch backend"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="torch"),
+                     engine=EngineOptions(kv_cache_dtype="fp8"))
     with pytest.raises(ValueError, match="CFG songs on the torch backend"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", cfg_engine="torch", kv_cache_dtype="fp8")
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="vllm", cfg_engine="torch"),
+                     engine=EngineOptions(kv_cache_dtype="fp8"))
     monkeypatch.setattr("yue2_vllm.kv_cache.cpu_fp8_isa", lambda: False)
     with pytest.raises(ValueError, match="this CPU has neither"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", kv_cache_dtype="fp8_e5m2")
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="vllm"),
+                     engine=EngineOptions(kv_cache_dtype="fp8_e5m2"))
 
 
 @pytest.mark.slow  # a second engine (float32, the CPU's --reproducible) beside the default run's; CI runs -m slow
@@ -161,9 +168,9 @@ def test_reproducible_takes_on_fp8_kv_are_the_one_take_songs_of_their_seeds(tiny
 
     generation = {"abc": {"max_tokens": 8, "min_tokens": 8}, "semantic": {"max_tokens": 24, "min_tokens": 24},
                   "ode_steps": 2}
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=generation,
-                      engine_options={"max_num_seqs": 8, "max_num_batched_tokens": 256}, reproducible=True,
-                      kv_cache_dtype="fp8") as pipe:
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=generation,
+                      ar=AROptions(backend="vllm", reproducible=True),
+                      engine=EngineOptions(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_dtype="fp8")) as pipe:
         request = SongRequest("pop, piano", "[verse]\ncity lights are fading slow\n" * 3, seed=60, id="t")
         with SongScheduler(pipe, concurrency=3) as scheduler:
             document = run_takes(scheduler, request, tmp_path / "takes", TakeOptions(3))

@@ -143,3 +143,23 @@ def test_the_walker_sees_imports():
     edges = graph()
     assert "yue2_vllm.engine.backend" in edges["yue2_vllm.song.engine_life"]  # a lazy import in a function counts
     assert "yue2_vllm.model.modeling" in edges["yue2_vllm.model.loader"]
+
+
+ROUTES = "yue2_vllm.serve.routes"
+# What a router never reads: the app that composes the routers, and the process and cluster around the app.
+ROUTES_FORBIDDEN = ("yue2_vllm.serve.app", "yue2_vllm.serve.runner", "yue2_vllm.serve.cluster",
+                    "yue2_vllm.serve.ray_cluster", "yue2_vllm.serve.replica")
+
+
+def test_the_http_api_is_routers_that_only_the_app_composes():
+    """serve/routes/ holds one router per resource (and `common`, what they share): only serve.app includes them, and
+    a router reads the service below it, never the app, the server process or the cluster above it."""
+    edges = graph()
+    assert {name for name in edges if inside(name, [ROUTES])} >= {f"{ROUTES}.{name}" for name in (
+        "common", "page", "health", "songs", "files", "takes", "events")}
+    problems = [f"{name} imports {target}" for name, targets in edges.items() if inside(name, [ROUTES])
+                for target in sorted(targets) if inside(target, ROUTES_FORBIDDEN)]
+    problems += [f"{name} imports {target}" for name, targets in edges.items()
+                 if not inside(name, [ROUTES]) and name != "yue2_vllm.serve.app"
+                 for target in sorted(targets) if inside(target, [ROUTES])]
+    assert not problems, "\n".join(problems)

@@ -309,14 +309,15 @@ def sparse_release(tmp_path):
 @pytest.mark.parametrize("card", list(CARDS_MIB))
 def test_patched_cards_plan_the_release_as_the_table_says(fake_gpu, tmp_path, monkeypatch, card):
     from yue2_vllm.cli.setup import memory_plan
+    from yue2_vllm.options import EngineOptions
 
     fake_gpu("H100", total=CARDS_MIB[card] * 2**20)
     monkeypatch.setattr("yue2_vllm.memory.MEMINFO", str(write_meminfo(tmp_path / "meminfo", 64 * GIB, 60 * GIB)))
     model, vae = sparse_release(tmp_path)
-    plan = memory_plan(model, vae, "cuda", None)
+    plan = memory_plan(model, vae, "cuda")
     row = table_row(card)
     assert plan == row["plan"] and plan.engine + plan.torch_side <= plan.total
-    fp8 = memory_plan(model, vae, "cuda", None, kv_cache_dtype="fp8")  # the flag's plan is the FP8 KV row
+    fp8 = memory_plan(model, vae, "cuda", engine=EngineOptions(kv_cache_dtype="fp8"))  # the flag's plan: FP8 KV
     assert fp8 == table_row(card, kv="FP8")["plan"] and fp8.kv_dtype_bytes == 1
 
 
@@ -328,7 +329,7 @@ def test_a_patched_gb10_plans_the_release_in_its_pool(fake_gpu, tmp_path, monkey
     meminfo = write_meminfo(tmp_path / "meminfo", GB10_MEMINFO["MemTotal"], GB10_MEMINFO["MemAvailable"])
     monkeypatch.setattr("yue2_vllm.memory.MEMINFO", str(meminfo))
     model, vae = sparse_release(tmp_path)
-    plan = memory_plan(model, vae, "cuda", None)
+    plan = memory_plan(model, vae, "cuda")
     row = table_row("GB10 (DGX Spark), MemAvailable 110 GiB")
     assert plan.max_num_seqs == row["rows"] >= 32
     assert plan.unified.pool == row["plan"].unified.pool and plan.total == gpu["total"]

@@ -9,6 +9,7 @@ from yue2_vllm.artifacts import ResumeError, verify_result
 from yue2_vllm.checkpoint import HashCache
 from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import CODEC_SIZE, SongRequest
+from yue2_vllm.options import AROptions, DeviceOptions, EngineOptions, LoadOptions
 
 GENERATION = {"abc": {"max_tokens": 10, "min_tokens": 4}, "semantic": {"max_tokens": 30, "min_tokens": 10},
               "ode_steps": 4}
@@ -18,7 +19,8 @@ REQUEST = SongRequest("piano pop", "[verse]\nla la la\n", seed=11, id="song1")
 @pytest.fixture(scope="module")
 def pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
     cache = HashCache(tmp_path_factory.mktemp("hashes") / "cache.json")
-    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, hash_cache=cache)
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                        load=LoadOptions(hash_cache=cache))
 
 
 def test_song_end_to_end(pipe):
@@ -158,11 +160,13 @@ def test_plan_stage_only(pipe, tmp_path):
 def test_torch_execution_is_recorded_per_phase_and_batched_gives_the_same_song(tiny_model_dir, tiny_vae_dir,
                                                                               tmp_path):
     with pytest.raises(ValueError, match="--torch-execution graph needs a CUDA device; the model is on cpu"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, torch_execution="graph", hash_cache=HashCache(tmp_path / "c"))
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, load=LoadOptions(hash_cache=HashCache(tmp_path / "c")),
+                     ar=AROptions(torch_execution="graph"))
     songs = {}
     for execution in ("auto", "batched"):
-        pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, dtype="float32",
-                            torch_execution=execution, hash_cache=HashCache(tmp_path / "cache.json"))
+        pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                            load=LoadOptions(hash_cache=HashCache(tmp_path / "cache.json")),
+                            ar=AROptions(dtype="float32", torch_execution=execution))
         plan = pipe.plan(REQUEST)
         songs[execution] = (plan, pipe.generate_semantic(plan))
     (plan, semantic), (batched_plan, batched) = songs["auto"], songs["batched"]
@@ -195,10 +199,11 @@ def test_weight_identity_is_cached(tiny_model_dir, tiny_vae_dir, tmp_path):
 def test_int8_proxies_serve_ar_and_are_restored_before_nar(tiny_model_dir, tiny_vae_dir, tmp_path):
     import torch
 
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, quantization="int8",
-                        hash_cache=HashCache(tmp_path / "c.json"))
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                        load=LoadOptions(hash_cache=HashCache(tmp_path / "c.json")),
+                        ar=AROptions(quantization="int8"))
     bf16 = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
-                        hash_cache=HashCache(tmp_path / "c.json"))
+                        load=LoadOptions(hash_cache=HashCache(tmp_path / "c.json")))
     song = pipe(REQUEST)
     assert song.config["quantization"] == "int8" and song.config["quantization_status"]["active_ar_linears"] == 14
     reference = {k: v for k, v in bf16.model.state_dict().items()}
@@ -213,13 +218,15 @@ def test_song_from_an_int8_ar_checkpoint(tiny_model_dir, tiny_vae_dir, tmp_path)
     from yue2_vllm.model.torch_quant import export_int8_ar
 
     export_int8_ar(tiny_model_dir, tmp_path / "int8ar")
-    pipe = YuE2Pipeline(tmp_path / "int8ar", tiny_vae_dir, generation_config=GENERATION, quantization="auto",
-                        hash_cache=HashCache(tmp_path / "c.json"))
+    pipe = YuE2Pipeline(tmp_path / "int8ar", tiny_vae_dir, generation_config=GENERATION,
+                        load=LoadOptions(hash_cache=HashCache(tmp_path / "c.json")),
+                        ar=AROptions(quantization="auto"))
     song = pipe(REQUEST)
     assert song.config["quantization_status"]["source"] == "checkpoint"
     assert song.audio.shape == (1920 * 30 - 64, 2) and np.isfinite(song.audio).all()
     with pytest.raises(ValueError, match="yue2-int8-ar"):
-        YuE2Pipeline(tmp_path / "int8ar", tiny_vae_dir, quantization="none", hash_cache=HashCache(tmp_path / "c.json"))
+        YuE2Pipeline(tmp_path / "int8ar", tiny_vae_dir, load=LoadOptions(hash_cache=HashCache(tmp_path / "c.json")),
+                     ar=AROptions(quantization="none"))
 
 
 def test_float_or_bool_ids_are_rejected_by_the_stages(pipe):
@@ -375,7 +382,8 @@ def test_an_invalid_vae_is_rejected_when_the_pipeline_starts(tiny_model_dir, tin
     state = load_file(str(bf16 / "model.safetensors"))
     save_file({k: v.bfloat16() for k, v in state.items()}, str(bf16 / "model.safetensors"))
     with pytest.raises(CheckpointError, match="the VAE must be float32"):
-        YuE2Pipeline(tiny_model_dir, bf16, generation_config=GENERATION, hash_cache=HashCache(tmp_path / "c.json"))
+        YuE2Pipeline(tiny_model_dir, bf16, generation_config=GENERATION,
+                     load=LoadOptions(hash_cache=HashCache(tmp_path / "c.json")))
 
 
 def test_a_changed_vae_redoes_only_the_audio_stage(pipe, tiny_model_dir, tmp_path):
@@ -385,7 +393,7 @@ def test_a_changed_vae_redoes_only_the_audio_stage(pipe, tiny_model_dir, tmp_pat
     with pytest.raises(Crash):
         pipe.generate_to(tmp_path / "s", REQUEST, on_token=on_token, on_progress=on_progress)
     other = YuE2Pipeline(tiny_model_dir, write_tiny_vae(tmp_path / "vae2", seed=1), generation_config=GENERATION,
-                         hash_cache=HashCache(tmp_path / "c.json"))
+                         load=LoadOptions(hash_cache=HashCache(tmp_path / "c.json")))
     seen = set()
     document = other.generate_to(tmp_path / "s", REQUEST, resume=True, on_token=recorder(seen)[0],
                                  on_progress=recorder(seen)[1])
@@ -470,7 +478,7 @@ def test_without_room_the_ar_leaves_for_the_decode_and_everything_comes_back(fre
     monkeypatch.setattr(models_module, "offloaded_ar", offloaded)
     monkeypatch.setattr(pipe.vae, "to", lambda device: moves.append(str(device)) or pipe.vae)  # records the moves
     monkeypatch.setattr(pipe, "device", torch.device("meta"))
-    need = vae_decode_bytes(pipe.vae.config, pipe.vae_core_frames, 16)
+    need = vae_decode_bytes(pipe.vae.config, pipe.options.device.vae_core_frames, 16)
     monkeypatch.setattr(pipe, "_device_room", lambda: need)  # not enough for the tile and the VAE's weights
     with contextlib.suppress(Crash):
         with pipe._vae_on_device() as vae:
@@ -484,7 +492,7 @@ def test_without_room_the_ar_leaves_for_the_decode_and_everything_comes_back(fre
 
 def test_decode_on_the_cpu_moves_nothing_and_is_unchanged(pipe):
     latents = np.random.default_rng(0).standard_normal((12, 64)).astype(np.float32)
-    expected = pipe.vae.decode_tiled(torch.from_numpy(latents).T[None], core_frames=pipe.vae_core_frames,
+    expected = pipe.vae.decode_tiled(torch.from_numpy(latents).T[None], core_frames=pipe.options.device.vae_core_frames,
                                      halo_frames=16)[0].clamp(-1, 1).T.numpy()
     pipe.vae_placement = None
     assert np.array_equal(pipe.decode(latents), expected) and pipe.vae_placement is None
@@ -495,8 +503,9 @@ def test_slow_int8_proxies_are_declined_on_the_record(tiny_model_dir, tiny_vae_d
     import yue2_vllm.song.models as models_module
 
     monkeypatch.setattr(models_module, "proxy_slow_reason", lambda mode, device, dtype: f"{mode} is slow here")
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, quantization="int8",
-                        quantized_policy=policy, hash_cache=HashCache(tmp_path / "cache.json"))
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                        load=LoadOptions(hash_cache=HashCache(tmp_path / "cache.json")),
+                        ar=AROptions(quantization="int8", quantized_policy=policy))
     if policy == "auto":
         assert pipe.proxy_mode is None and pipe.quantization_status["mode"] == "none"
         assert pipe.quantization_status["declined"] == "int8 is slow here"
@@ -525,9 +534,10 @@ def test_unified_memory_split_is_refused_before_any_weights_load(fake_gpu, tiny_
 
     monkeypatch.setattr(models, "load_model", no_loading)
     with pytest.raises(MemoryError, match=r"unified memory: .* MemAvailable is .* the pool 3\.00 GiB"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device="cuda", backend="vllm")
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="vllm"), device=DeviceOptions(device="cuda"))
     with pytest.raises(ValueError, match=r"--budget 24\.00 GiB is above the unified memory pool of 3\.00 GiB"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device="cuda", backend="torch", memory_budget_gib=24)
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="torch"),
+                     device=DeviceOptions(device="cuda", budget_gib=24))
 
 
 @pytest.mark.parametrize("name", ["GB10", "H100"])
@@ -552,7 +562,8 @@ def test_the_engine_starts_after_the_mot_loads_on_unified_memory_only(fake_gpu, 
     monkeypatch.setattr(models, "load_model", load)
     monkeypatch.setattr(EngineLife, "start_in_background", lambda self: order.append("engine"))
     with pytest.raises(RuntimeError, match="stop here"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device="cuda", backend="vllm", start_engine=True)
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="vllm"), engine=EngineOptions(start=True),
+                     device=DeviceOptions(device="cuda"))
     assert order == (["load"] if gpu["integrated"] else ["engine", "load"])
 
 
@@ -562,7 +573,7 @@ CHUNKED = {**GENERATION, "context": 126}  # the tiny song's ~83-token prefix + 2
 @pytest.fixture(scope="module")
 def chunked_pipe(tiny_model_dir, tiny_vae_dir, tmp_path_factory):
     cache = HashCache(tmp_path_factory.mktemp("hashes") / "cache.json")
-    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=CHUNKED, hash_cache=cache)
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=CHUNKED, load=LoadOptions(hash_cache=cache))
 
 
 def test_a_song_past_one_nar_chunk_runs_through_the_pipeline(chunked_pipe, pipe, tmp_path):
@@ -609,8 +620,8 @@ def _slow_engine_pipeline(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch, t
         pytest.skip("vLLM is not installed")
     monkeypatch.setenv("YUE2_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("YUE2_TEST_ENGINE_START_DELAY_S", "60")  # the worker takes a minute before importing vLLM
-    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", hash_cache=HashCache(None),
-                        engine_options={"start_timeout_s": timeout_s})
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, load=LoadOptions(hash_cache=HashCache(None)),
+                        ar=AROptions(backend="vllm"), engine=EngineOptions(start_timeout_s=timeout_s))
 
 
 def test_a_failed_first_start_falls_back_and_is_retried_later_with_backoff(tiny_model_dir, tiny_vae_dir, tmp_path,
@@ -668,7 +679,12 @@ def test_a_retried_engine_start_that_succeeds_serves_the_later_songs(tiny_model_
     try:
         assert pipe.select_ar_backend(1.0, False)[0] is pipe.torch_backend and pipe.start_retry.failures == 1
         monkeypatch.delenv("YUE2_TEST_ENGINE_START_DELAY_S")  # the cause is gone (e.g. memory freed, storage back)
-        pipe.engine_options["start_timeout_s"] = 900.0
+        from dataclasses import replace
+
+        life = pipe.engine_life  # a longer timeout for the next start (the options are frozen: new inputs)
+        options = life.inputs.options
+        life.inputs = replace(life.inputs, options=replace(options, engine=replace(options.engine,
+                                                                                    start_timeout_s=900.0)))
         pipe.start_retry.failed_at -= 60
         assert pipe.select_ar_backend(1.0, False)[1].endswith("a new start is under way")
         deadline = time.monotonic() + 600

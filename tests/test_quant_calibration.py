@@ -8,6 +8,7 @@ from yue2_vllm.quant.calibration import (RequestSet, build_corpus, heldout_seque
 from yue2_vllm.checkpoint import HashCache
 from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import ABC_END, CODEC_OFFSET, EOD, MUSIC_END, SongRequest
+from yue2_vllm.options import LoadOptions
 
 GENERATION = {"abc": {"max_tokens": 12, "min_tokens": 4}, "semantic": {"max_tokens": 90, "min_tokens": 10}}
 
@@ -30,7 +31,7 @@ def test_window_ranges():
 @pytest.fixture(scope="module")
 def corpus(tiny_model_dir, tmp_path_factory):
     pipe = YuE2Pipeline(tiny_model_dir, None, generation_config=GENERATION,
-                        hash_cache=HashCache(tmp_path_factory.mktemp("h") / "c.json"))
+                        load=LoadOptions(hash_cache=HashCache(tmp_path_factory.mktemp("h") / "c.json")))
     requests = [SongRequest("pop", "la la", cot="full", seed=1, id="t1"),
                 SongRequest("rock", "yeah", cot="melody", seed=2, id="h1"),
                 SongRequest("民谣", "你好", cot="full", seed=3, id="t2")]

@@ -9,6 +9,7 @@ from yue2_vllm.quant.evaluate import PhaseStats, compare_dense, compare_sparse, 
 from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import CODEC_OFFSET, SongRequest
 from yue2_vllm.engine.backend import vllm_version
+from yue2_vllm.options import LoadOptions
 
 
 def test_dense_identical_and_shifted():
@@ -45,9 +46,10 @@ def test_repeated_ngrams():
 
 @pytest.fixture(scope="module")
 def corpus(tiny_model_dir, tmp_path_factory):
-    pipe = YuE2Pipeline(tiny_model_dir, None, hash_cache=HashCache(tmp_path_factory.mktemp("h") / "c.json"),
+    pipe = YuE2Pipeline(tiny_model_dir, None,
                         generation_config={"abc": {"max_tokens": 16, "min_tokens": 4},
-                                           "semantic": {"max_tokens": 40, "min_tokens": 5}})
+                                           "semantic": {"max_tokens": 40, "min_tokens": 5}},
+                        load=LoadOptions(hash_cache=HashCache(tmp_path_factory.mktemp("h") / "c.json")))
     requests = [SongRequest("pop", "la", seed=1, id="t1"), SongRequest("rock", "yeah", cot="melody", seed=2, id="h1")]
     out = tmp_path_factory.mktemp("corpus") / "c"
     build_corpus(pipe, RequestSet(requests, frozenset({"h1"}), {}), out)

@@ -26,6 +26,7 @@ from yue2_vllm.model.modeling import YuE2Config, ar_tensor_shapes
 from yue2_vllm.protocol import SongRequest
 from yue2_vllm.testing import TINY_CONFIG
 from yue2_vllm.engine.backend import vllm_version
+from yue2_vllm.options import AROptions
 
 REPO = Path(__file__).resolve().parent.parent
 PUBLISHED_FP8 = Path(__file__).parent / "data" / "published-fp8-config.json"  # DKmode22/YuE2-3B-FP8
@@ -331,8 +332,8 @@ def test_song_from_the_export_on_vllm(exports, scheme, tiny_model_dir, tiny_vae_
     monkeypatch.setenv("YUE2_AR_CHECKPOINT", str(path))  # served through the documented override
     fast_here = False
     for policy in ("force", "auto"):
-        with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
-                          quantized_policy=policy) as pipe:
+        with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                          ar=AROptions(backend="vllm", quantized_policy=policy)) as pipe:
             song = pipe(SongRequest("pop", "la la", id=f"q-{scheme}"))
         for phase in ("abc", "semantic"):
             assert (song.timing[phase]["backend_actual"], song.timing[phase]["fallback_reason"]) == ("vllm", None)

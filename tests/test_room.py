@@ -10,6 +10,7 @@ from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import SongRequest
 from yue2_vllm.room import DeviceRoom
 from yue2_vllm.scheduler import SongScheduler
+from yue2_vllm.options import AROptions, DeviceOptions
 
 GENERATION = {"abc": {"max_tokens": 6, "min_tokens": 6}, "semantic": {"max_tokens": 12, "min_tokens": 12},
               "ode_steps": 2}
@@ -42,7 +43,7 @@ def test_a_songs_nar_waits_for_room_in_its_status_and_then_completes(pipe, tmp_p
     semantic = pipe.generate_semantic(plan)
     expected = pipe.synthesize(semantic)
     need = pipe.nar_need([semantic])
-    tile = vae_decode_bytes(pipe.vae.config, pipe.vae_core_frames, 16)
+    tile = vae_decode_bytes(pipe.vae.config, pipe.options.device.vae_core_frames, 16)
     room = DeviceRoom(max(need, tile), "cpu")  # room for the NAR or a tile (the plan's song_room rule)
     held = room.capacity - need + 1  # another song's buffers: the NAR does not fit beside them
     events = []
@@ -98,9 +99,11 @@ def test_a_budget_above_the_card_or_too_small_for_one_song_is_refused_before_any
     monkeypatch.setattr(pipeline_module, "vllm_usable", lambda: True)
     card = gpu["total"] / 2**30
     with pytest.raises(ValueError, match=rf"--budget 60.00 GiB is above this GPU's {card:.2f} GiB: lower --budget"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device="cuda", backend="vllm", memory_budget_gib=60)
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="vllm"),
+                     device=DeviceOptions(device="cuda", budget_gib=60))
     with pytest.raises(MemoryError, match=r"need .* but the budget allows 3.00 GiB .*--concurrency.*FP8"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device="cuda", backend="vllm", memory_budget_gib=3)
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="vllm"),
+                     device=DeviceOptions(device="cuda", budget_gib=3))
     assert loads == []
 
 

@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import SongRequest
 from yue2_vllm.scheduler import SongScheduler, generate_many
 from yue2_vllm.engine.backend import vllm_version
+from yue2_vllm.options import AROptions, EngineOptions
 
 GENERATION = {"abc": {"max_tokens": 8, "min_tokens": 8}, "semantic": {"max_tokens": 24, "min_tokens": 24},
               "ode_steps": 2}
@@ -25,9 +27,10 @@ def songs(count, prefix="s", **fields):
 @pytest.fixture(scope="module")
 def pipe(tiny_model_dir, tiny_vae_dir):
     """float32 AR on both backends (bf16 decoding on vLLM-CPU depends on the batch)."""
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION, dtype="float32",
-                        engine_options={"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_restarts": 2},
-                        start_engine=True)
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                        ar=AROptions(backend="vllm", dtype="float32"),
+                        engine=EngineOptions(max_num_seqs=8, max_num_batched_tokens=64, start=True,
+                                             tuning={"max_restarts": 2}))
     yield pipe
     pipe.close()
 
@@ -138,7 +141,8 @@ def artifacts_or_none(directory):
 
 @needs_vllm
 def test_torch_lane_songs_run_beside_engine_songs(pipe, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipe, "cfg_engine", "torch")  # CFG songs on the torch lane
+    options = pipe.options  # --cfg-engine torch: CFG songs on the torch lane
+    monkeypatch.setattr(pipe, "options", replace(options, ar=replace(options.ar, cfg_engine="torch")))
     guided = SongRequest("jazz", "oh", seed=3, cfg_scale=1.5, id="guided")
     with SongScheduler(pipe, concurrency=3) as scheduler:
         handles = [scheduler.submit(r, tmp_path / r.id) for r in [guided] + songs(2, prefix="p")]
@@ -216,8 +220,9 @@ def test_on_unified_memory_nar_admission_reads_the_pool_the_plan_reads(fake_gpu,
 @pytest.fixture(scope="module")
 def reproducible_pipe(tiny_model_dir, tiny_vae_dir):
     """The default bf16 numerics with --reproducible: the engine becomes batch-invariant (float32 on vLLM-CPU)."""
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
-                        engine_options={"max_num_seqs": 16, "max_num_batched_tokens": 64}, reproducible=True)
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                        ar=AROptions(backend="vllm", reproducible=True),
+                        engine=EngineOptions(max_num_seqs=16, max_num_batched_tokens=64))
     yield pipe
     pipe.close()
 
@@ -244,7 +249,7 @@ def test_under_the_switch_a_seed_fixes_the_song_whatever_else_the_engine_serves(
 @pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_vllm
 def test_without_the_switch_result_json_says_the_tokens_may_depend_on_the_batch(tiny_model_dir, tiny_vae_dir, tmp_path):
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION) as pipe:
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(backend="vllm")) as pipe:
         document = pipe.generate_to(tmp_path / "bf16", SongRequest("pop", "la", seed=3, id="b1"))
     assert document["batch_invariant"] is False and "may depend on the other songs" in document["batch_note"]
     assert document["timing"]["semantic"]["batch_invariant"] is False

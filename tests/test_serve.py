@@ -24,6 +24,7 @@ from yue2_vllm.serve.service import ServeConfig, SongService
 from yue2_vllm.serve.submission import JOB_ID, parse_submission
 from yue2_vllm.serve.store import JobStore, NewJob
 from yue2_vllm.engine.backend import vllm_version
+from yue2_vllm.options import AROptions, EngineOptions
 
 from serving import GENERATION, ProcessServer, ThreadServer, pipe, read_events, wait_for  # noqa: F401 (pipe)
 
@@ -670,9 +671,10 @@ def test_kill_9_mid_song_then_restart_completes_every_job_without_redoing_verifi
 @needs_vllm
 def test_on_the_vllm_engine_a_killed_worker_is_restarted_and_its_songs_retried(tiny_model_dir, tiny_vae_dir,
                                                                                 tmp_path):
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
-                        engine_options={"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_restarts": 2},
-                        start_engine=True, cfg_engine="torch")
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                        ar=AROptions(backend="vllm", cfg_engine="torch"),
+                        engine=EngineOptions(max_num_seqs=4, max_num_batched_tokens=64, start=True,
+                                             tuning={"max_restarts": 2}))
     server = ThreadServer(SongService(pipe, ServeConfig(tmp_path / "data", concurrency=4)))
     client = server.client
     try:

@@ -15,6 +15,7 @@ from yue2_vllm.artifacts import verify_result
 from yue2_vllm.engine.backend import vllm_version
 from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.serve.service import ServeConfig, SongService
+from yue2_vllm.options import AROptions, EngineOptions
 
 FINAL = ("complete", "failed", "cancelled")
 GENERATION = {"abc": {"max_tokens": 6, "min_tokens": 6}, "semantic": {"max_tokens": 12, "min_tokens": 12},
@@ -215,9 +216,9 @@ def test_the_engine_worker_dies_with_a_killed_server(tmp_path):
 @pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_vllm
 def test_while_the_engine_is_down_for_good_queued_jobs_stay_queued(tiny_model_dir, tiny_vae_dir, tmp_path):
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
-                        engine_options={"max_num_seqs": 2, "max_num_batched_tokens": 64, "max_restarts": 0},
-                        start_engine=True)
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(backend="vllm"),
+                        engine=EngineOptions(max_num_seqs=2, max_num_batched_tokens=64, start=True,
+                                             tuning={"max_restarts": 0}))
     server = ThreadServer(SongService(pipe, ServeConfig(tmp_path / "data", concurrency=1, engine_retries=0)))
     client = server.client
     try:
@@ -241,8 +242,8 @@ def test_while_the_engine_is_down_for_good_queued_jobs_stay_queued(tiny_model_di
 @needs_vllm
 def test_health_is_503_while_songs_in_flight_make_no_progress(tiny_model_dir, tiny_vae_dir, tmp_path):
     """A wedged engine (SIGSTOP) with a song in flight: /health says so within the stall bound, and recovers."""
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
-                        engine_options={"max_num_seqs": 2, "max_num_batched_tokens": 64}, start_engine=True)
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(backend="vllm"),
+                        engine=EngineOptions(max_num_seqs=2, max_num_batched_tokens=64, start=True))
     server = ThreadServer(SongService(pipe, ServeConfig(tmp_path / "data", concurrency=1, stall_seconds=3)))
     client = server.client
     try:
@@ -273,8 +274,8 @@ def test_sixteen_long_lyric_songs_at_once_on_the_engine(tiny_model_dir, tiny_vae
         f"walking down the long river road number {i} line {j} singing softly" for j in range(4)) for i in range(40)]
     lyrics = "\n".join(sections) + "\n"
     assert 10000 < len(lyrics) < 12000
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=GENERATION,
-                        engine_options={"max_num_seqs": 16}, start_engine=True)
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(backend="vllm"),
+                        engine=EngineOptions(max_num_seqs=16, start=True))
     server = ThreadServer(SongService(pipe, ServeConfig(tmp_path / "data", concurrency=16)))
     client = server.client
     try:

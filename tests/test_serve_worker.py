@@ -6,6 +6,7 @@ import threading
 
 from yue2_vllm.artifacts import verify_result
 from yue2_vllm.protocol import SongRequest
+from yue2_vllm.options import AROptions, EngineOptions, LoadOptions
 from yue2_vllm.serve.worker import SongOrder, SongWorker
 
 from serving import pipe  # noqa: F401 (a fixture)
@@ -114,8 +115,8 @@ def test_a_failed_first_engine_start_is_in_the_health_words_with_its_next_try(ti
         pytest.skip("vLLM is not installed")
     monkeypatch.setenv("YUE2_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("YUE2_TEST_ENGINE_START_DELAY_S", "60")  # a cold start longer than the timeout below
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", hash_cache=HashCache(None),
-                        engine_options={"start_timeout_s": 1.0})
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, load=LoadOptions(hash_cache=HashCache(None)),
+                        ar=AROptions(backend="vllm"), engine=EngineOptions(start_timeout_s=1.0))
     worker = SongWorker(pipe)
     try:
         assert worker.health()["engine"]["state"] == "starting"  # 503 until the first start has an outcome

@@ -11,7 +11,7 @@ from test_cli import FAST, config_file, model_args  # noqa: F401 (config_file: a
 from yue2_vllm.protocol import MAX_SEED, SongRequest
 from yue2_vllm.takes import (TakeOptions, check_takes_for, pick_take, pop_take_options, take_directory, take_id,
                              take_request, take_seed)
-
+from yue2_vllm.options import AROptions, EngineOptions
 
 
 def test_the_seed_rule_is_one_pure_function_and_take_one_keeps_the_seed():
@@ -179,8 +179,9 @@ ENGINE_GENERATION = {"abc": {"max_tokens": 8, "min_tokens": 8}, "semantic": {"ma
 def reproducible_pipe(tiny_model_dir, tiny_vae_dir):
     from yue2_vllm.pipeline import YuE2Pipeline
 
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm", generation_config=ENGINE_GENERATION,
-                        engine_options={"max_num_seqs": 8, "max_num_batched_tokens": 256}, reproducible=True)
+    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=ENGINE_GENERATION,
+                        ar=AROptions(backend="vllm", reproducible=True),
+                        engine=EngineOptions(max_num_seqs=8, max_num_batched_tokens=256))
     yield pipe
     pipe.close()
 

@@ -302,14 +302,15 @@ def bench_takes(config: BenchConfig) -> dict:
     """TAKES takes of one request vs TAKES separate requests with the same seeds, at the same concurrency, on
     the vLLM engine: prompt tokens computed and from the prefix cache, wall seconds, songs/s (medians). Each run
     has its own style text, so no run finds another's prompt in the cache."""
+    from .options import AROptions, EngineOptions
     from .pipeline import YuE2Pipeline
 
     generation = {"abc": {"max_tokens": config.tokens, "min_tokens": config.tokens},
                   "semantic": {"max_tokens": config.tokens, "min_tokens": config.tokens}, "ode_steps": 2}
     lyrics = "[verse]\n" + "city lights are fading slow, I keep the words you said tonight\n" * 40
     runs: dict[str, list[dict]] = {"separate": [], "takes": []}
-    with YuE2Pipeline(config.model_dir, config.vae_dir, backend="vllm", generation_config=generation,
-                      engine_options={"max_num_seqs": 2 * TAKES}, start_engine=True) as pipe:
+    with YuE2Pipeline(config.model_dir, config.vae_dir, generation_config=generation, ar=AROptions(backend="vllm"),
+                      engine=EngineOptions(max_num_seqs=2 * TAKES, start=True)) as pipe:
         for repeat in range(config.repeats):
             for mode in ("separate", "takes"):
                 style = f"pop, piano, warm female vocal, run {repeat} {mode}"

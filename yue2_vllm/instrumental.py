@@ -3,23 +3,31 @@
 Upstream (`examples/instrumental_clip.py` and the `skills/yue2-music` instrumental scripts) has no switch: it
 1. plans a score with `cot="full"` and the lyrics `PLANNING_LYRICS` (section tags, no words),
 2. refuses a planned score that is empty or truncated,
-3. edits the score (`convert_score(overlap="vocal", keep_chords=True)`): every sounding Vocal note moves to the Ins
-   voice, where the vocal note wins (an Ins note it overlaps keeps only the parts outside it); Vocal keeps its chord
-   symbols over rests; meter, key, tempo and the bar grid stay,
+3. edits the score (`convert_score(overlap="vocal", keep_chords=True)`): it reads the score's sounding notes,
+   chord symbols, bars, keys and `% section` labels (a tuplet's notes at their scaled lengths, as its parser
+   `abc_tools.py` reads them), moves every Vocal note to Ins, where the vocal note wins (an
+   Ins note it overlaps keeps only its parts outside it), and writes a fresh score from those events with its own
+   serializer (`compile_events`): Vocal holds only the current chord symbol at every bar start and each chord change,
+   over rests; Ins the notes, spelled against the bar's key; bars are grouped four to a line where meter, key and
+   section stay the same; a section label is written where the section changes; the unit length is L:1/32 unless
+   the events need a finer one (a tuplet is written as plain notes; one that lands off the power-of-two grid is
+   refused),
 4. renders the edited score as an external score with the style `instrumental_style(style)`, the lyrics
-   `lyric_tags(score)` (the score's `% section` names as `[Section]` tags, never sung words) and the cot the
-   score allows (`full` when Vocal keeps chord symbols, else `melody`), with the same seed.
+   `lyric_tags(score)` (its `% section` labels as `[Section]` tags, never sung words; none when it has no label) and
+   the cot the score allows (`full` when Vocal keeps chord symbols, else `melody`), with the same seed.
 
-The score dialect is the native two-voice one YuE2 writes (X:1, T:, M:, L:1/N, Q:1/4=BPM, the Vocal and Ins voice
-definitions, K:, then groups of `V: Vocal` / `V: Ins` music lines of 1-4 bars under `% section` comments). It has no
-lyric (`w:`) lines, MIDI programs or other voices; a score with them, or with any other line upstream's parser
-refuses, is refused here with its line number. This module is pure: no model, no files.
+This module is our own implementation of those rules (read from upstream's scripts, not copied; the parser's rules
+are those of `skills/yue2-music/scripts/abc_tools.py` at commit fcb5b96, the one with tuplets): `edit_score` writes
+byte for byte the score upstream's `convert_score` writes, and refuses what upstream's parser, editor and request
+check refuse, naming the score line and the reason. It is pure: no model, no files.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from itertools import groupby
+from math import lcm
 from typing import Callable
 
 PLANNING_LYRICS = "[Intro]\n\n[Verse]\n\n[Chorus]\n\n[Outro]\n"  # upstream's planning lyrics: tags, no words
@@ -28,7 +36,11 @@ NO_SINGING = ("no vocals", "no singing", "no choir", "no spoken words")  # upstr
 VOICES = ("Vocal", "Ins")
 VOICE_DEFINITIONS = ('V: Vocal clef=treble name="Vocal Melody" snm="Vocal"',
                      'V: Ins clef=treble name="Ins Melody" snm="Inst."')
+# The section labels upstream's recipe takes (its native labels, lower case as the model writes them).
+SECTIONS = ("intro", "verse", "pre-chorus", "chorus", "bridge", "interlude", "outro", "instrumental")
 DURATIONS = (48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1)  # note lengths (in L units) the dialect writes, longest first
+MIN_LINES = 12  # the 8 header lines and one group (V: Vocal, its music, V: Ins, its music)
+BASE_UNIT, FINEST_UNIT = 32, 1024  # the edited score's L:1/N: 32 unless its events need finer, never past 1024
 NATURAL = dict(zip("CDEFGAB", (0, 2, 4, 5, 7, 9, 11)))
 _SHARP_ORDER, _FLAT_ORDER = "FCGDAEB", "BEADGCF"
 KEYS = {**dict(zip(("Cb", "Gb", "Db", "Ab", "Eb", "Bb", "F", "C", "G", "D", "A", "E", "B", "F#", "C#"), range(-7, 8))),
@@ -37,19 +49,24 @@ KEYS = {**dict(zip(("Cb", "Gb", "Db", "Ab", "Eb", "Bb", "F", "C", "G", "D", "A",
 _PITCH_NAME = r"[A-G](?:bb|##|b|#)?"
 _QUALITIES = ("", "m", "dim", "aug", "7", "maj7", "m7", "dim7", "m7b5", "sus4", "sus2", "6", "m6", "7sus4", "m(maj7)")
 _CHORD = re.compile(_PITCH_NAME + "(?:" + "|".join(re.escape(q) for q in _QUALITIES) + ")(?:/" + _PITCH_NAME + ")?")
-_TOKEN = re.compile(r'"(?P<chord>[^"\n]*)"|(?P<acc>\^\^|__|\^|_|=)?(?P<note>[A-Ga-gz])(?P<oct>[,\']*)'
-                    r"(?P<units>[0-9]*)(?P<tie>-?)")
+_TOKEN = re.compile(r'"(?P<chord>[^"\n]*)"|\[K:(?P<key>[^\]\n]+)\]|(?P<acc>\^\^|__|\^|_|=)?(?P<note>[A-Ga-gz])'
+                    r"(?P<oct>[,']*)(?P<units>[0-9]*)(?P<tie>-?)")
+# A tuplet `(p`, `(p:q` or `(p:q:r` (each 2-9): the next r notes or rests (r = p when omitted) last q/p of their
+# written length; without q, the ratio is the dialect's default for p (none for 5, 7 or 9).
+_TUPLET = re.compile(r"\((?P<p>[2-9])(?::(?P<q>[2-9]))?(?::(?P<r>[2-9]))?")
+TUPLET_DEFAULT_Q = {2: 3, 3: 2, 4: 3, 6: 2, 8: 3}
 _ACCIDENTALS = {"=": 0, "_": -1, "__": -2, "^": 1, "^^": 2}
+_MARKS = {0: "=", -1: "_", 1: "^"}
 RECIPE = ("upstream examples/instrumental_clip.py: plan (cot full, PLANNING_LYRICS), "
           "convert_score(overlap='vocal', keep_chords=True), render with instrumental_style and lyric_tags")
 
 
 class ScoreError(ValueError):
-    """A score the edit cannot take; the message names the line (1-based) that is wrong."""
+    """A score upstream's recipe refuses; the message names the line (1-based) and the reason."""
 
 
-def _fail(line: int | None, message: str) -> ScoreError:
-    return ScoreError(f"score line {line}: {message}" if line is not None else f"score: {message}")
+def _fail(line: int, message: str) -> ScoreError:
+    return ScoreError(f"score line {line}: {message}")
 
 
 # --------------------------------------------------------------------------- reading the native dialect
@@ -57,44 +74,43 @@ def _fail(line: int | None, message: str) -> ScoreError:
 
 @dataclass
 class Voice:
-    """One voice's sounding notes `[onset, pitch, duration]` (quarter notes, ties merged), bars and chords."""
+    """One voice's sounding notes `[onset, pitch, duration]` (quarter notes, ties merged), bars, chords and keys,
+    each with the score line it came from."""
 
     meter: tuple[int, int]
     key: str
     time: Fraction = Fraction(0)
     notes: list = field(default_factory=list)
+    note_places: list = field(default_factory=list)  # each note's (line, group/voice/bar) where it starts
     bars: list = field(default_factory=list)  # (start, length, meter)
     chords: list = field(default_factory=list)  # (time, symbol)
     keys: list = field(default_factory=list)  # (time, key)
     pending: tuple | None = None  # a tie into the next note: (pitch, written pitch)
-
-
-@dataclass
-class Group:
-    """A group of music lines: its `% section` comments, each voice's field lines (M:, K:) and bar count."""
-
-    comments: list[str]
-    fields: dict[str, list[str]]
-    bars: int
-    lines: dict[str, int]  # voice -> the music line's number (1-based)
+    bar_lines: list = field(default_factory=list)  # the line of each bar
+    chord_places: list = field(default_factory=list)  # each chord's (line, group/voice/bar)
+    key_lines: list = field(default_factory=list)
 
 
 @dataclass
 class Score:
-    header: list[str]
+    lines: list[str]
     unit: Fraction
     bpm: int
     voices: dict[str, Voice]
-    groups: list[Group]
+    music_lines: dict[int, str]  # line number -> the voice it holds
     crlf: bool
 
 
-def key_alterations(key: str, line: int | None) -> dict[str, int]:
+def key_alterations(key: str, line: int) -> dict[str, int]:
     if key not in KEYS:
-        raise _fail(line, f"unsupported key {key!r} (a standard major or minor K: field)")
+        raise _fail(line, f"unsupported key {key!r} (a standard major or minor key, as K:G or K:F#m)")
     count = KEYS[key]
     altered = (_SHARP_ORDER if count > 0 else _FLAT_ORDER)[:abs(count)]
     return {letter: (1 if count > 0 else -1) if letter in altered else 0 for letter in NATURAL}
+
+
+def _power_of_two(value: int) -> bool:
+    return value <= FINEST_UNIT and not value & (value - 1)
 
 
 def _meter(text: str, line: int) -> tuple[int, int]:
@@ -102,46 +118,74 @@ def _meter(text: str, line: int) -> tuple[int, int]:
     if match is None:
         raise _fail(line, f"unsupported meter {text!r} (an explicit fraction, as M:4/4)")
     n, d = int(match.group(1)), int(match.group(2))
-    if d > 1024 or d & (d - 1):
-        raise _fail(line, f"unsupported meter denominator {d}")
+    if not _power_of_two(d):
+        raise _fail(line, f"unsupported meter denominator {d} (a power of two up to {FINEST_UNIT})")
     return n, d
 
 
-def _bar(body: str, voice: Voice, unit: Fraction, line: int, where: str) -> None:
+def _open_tuplet(match: re.Match, line: int, where: str) -> list:
+    """A tuplet's [notes left in it, length factor]."""
+    p, q, r = (int(match.group(name)) if match.group(name) else None for name in ("p", "q", "r"))
+    if q is None and p not in TUPLET_DEFAULT_Q:
+        raise _fail(line, f"{where}: the tuplet ({p} has no default ratio (the dialect has one for "
+                          f"{', '.join(f'({k}' for k in TUPLET_DEFAULT_Q)}); write ({p}:q")
+    return [r or p, Fraction(q or TUPLET_DEFAULT_Q[p], p)]
+
+
+def _read_bar(body: str, voice: Voice, unit: Fraction, line: int, where: str) -> None:
     n, d = voice.meter
     length, start, offset = Fraction(4 * n, d), voice.time, Fraction(0)
     local: dict[str, int] = {}  # accidentals hold for the rest of the bar, by letter (every octave), as upstream
+    tuplet = None  # an open tuplet: [notes left in it, length factor]
+    cursor = len(body) if body == "Z" else 0
     if body == "Z":
         if voice.pending is not None:
             raise _fail(line, f"{where}: a tie runs into a full-bar rest")
         offset = length
-    cursor = 0 if body != "Z" else len(body)
     while cursor < len(body):
         if body[cursor].isspace():
             cursor += 1
             continue
-        if body[cursor] == "(":
-            raise _fail(line, f"{where}: a tuplet ({body[cursor:cursor + 4]!r}); the instrumental edit cannot "
-                              "re-spell tuplets")
-        if body.startswith("[K:", cursor):
-            raise _fail(line, f"{where}: an inline key change; the instrumental edit takes key changes as K: lines")
+        opened = _TUPLET.match(body, cursor)
+        if opened:
+            if tuplet is not None:
+                raise _fail(line, f"{where}: a tuplet inside a tuplet at {body[cursor:cursor + 24]!r} (upstream "
+                                  "reads no nested tuplets)")
+            tuplet, cursor = _open_tuplet(opened, line, where), opened.end()
+            continue
         match = _TOKEN.match(body, cursor)
         if match is None:
-            raise _fail(line, f"{where}: unsupported token at {body[cursor:cursor + 24]!r}")
+            hint = (" (a tuplet is written (p, (p:q or (p:q:r, each a digit from 2 to 9)"
+                    if body[cursor] in "(:" else "")
+            raise _fail(line, f"{where}: notation the native dialect does not have at {body[cursor:cursor + 24]!r}"
+                              + hint)
         cursor = match.end()
         if offset >= length:
             raise _fail(line, f"{where}: an event after the end of the bar")
-        chord = match.group("chord")
+        chord, key = match.group("chord", "key")
         if chord is not None:
             if _CHORD.fullmatch(chord) is None:
-                raise _fail(line, f"{where}: unsupported chord {chord!r}")
+                raise _fail(line, f"{where}: unsupported chord symbol {chord!r}")
             voice.chords.append((start + offset, chord))
+            voice.chord_places.append((line, where))
+            continue
+        if key is not None:
+            key_alterations(key, line)
+            voice.key = key
+            voice.keys.append((start + offset, key))
+            voice.key_lines.append(line)
+            local = {}
             continue
         note, acc, octave, tie = match.group("note", "acc", "oct", "tie")
         units = int(match.group("units") or "1")
         if units not in DURATIONS:
-            raise _fail(line, f"{where}: unsupported duration {units} (the dialect writes {sorted(DURATIONS)})")
+            raise _fail(line, f"{where}: unsupported length {units} (the dialect writes {sorted(DURATIONS)} units; "
+                              "tie longer notes)")
         duration = units * unit * 4
+        if tuplet is not None:
+            duration *= tuplet[1]
+            tuplet[0] -= 1
+            tuplet = tuplet if tuplet[0] else None
         if offset + duration > length:
             raise _fail(line, f"{where}: a note or rest runs past the end of the bar")
         if "," in octave and "'" in octave:
@@ -167,215 +211,251 @@ def _bar(body: str, voice: Voice, unit: Fraction, line: int, where: str) -> None
                 voice.notes[-1][2] += duration
             else:
                 if not 0 <= pitch <= 127:
-                    raise _fail(line, f"{where}: pitch {pitch} is outside the MIDI range")
+                    raise _fail(line, f"{where}: pitch {pitch} is outside the MIDI range 0-127")
                 voice.notes.append([start + offset, pitch, duration])
+                voice.note_places.append((line, where))
             voice.pending = (pitch, written) if tie else None
         offset += duration
+    if tuplet is not None:
+        raise _fail(line, f"{where}: a tuplet is still open at the end of the bar ({tuplet[0]} more note"
+                          f"{'s' if tuplet[0] > 1 else ''} or rest{'s' if tuplet[0] > 1 else ''} expected)")
     if offset != length:
         raise _fail(line, f"{where}: the bar holds {offset} quarter notes, its meter {n}/{d} takes {length}")
     voice.bars.append((start, length, voice.meter))
+    voice.bar_lines.append(line)
     voice.time += length
-
-
-def read_score(text: str) -> Score:
-    """The native two-voice score `text`, or a ScoreError naming the line that is wrong (CRLF is read as LF)."""
-    if not isinstance(text, str) or not text.strip():
-        raise _fail(None, "must be non-blank ABC text")
-    crlf = "\r\n" in text
-    lines = text.splitlines()
-    expected_header = [("X:1", "X:1"), ("T:", "a blank title T:")]
-    for number, (wanted, what) in enumerate(expected_header, start=1):
-        if len(lines) < number or lines[number - 1] != wanted:
-            raise _fail(number, f"expected {what} (the native header), got {_shown(lines, number)}")
-    if len(lines) < 3 or not lines[2].startswith("M:"):
-        raise _fail(3, f"expected the meter M:, got {_shown(lines, 3)}")
-    meter = _meter(lines[2][2:], 3)
-    unit_match = re.fullmatch(r"L:1/([1-9][0-9]*)", lines[3] if len(lines) > 3 else "")
-    if unit_match is None or int(unit_match.group(1)) > 1024 or int(unit_match.group(1)) & (int(unit_match.group(1)) - 1):
-        raise _fail(4, f"expected the unit length L:1/<power of two>, got {_shown(lines, 4)}")
-    unit = Fraction(1, int(unit_match.group(1)))
-    tempo = re.fullmatch(r"Q:1/4=([1-9][0-9]*)", lines[4] if len(lines) > 4 else "")
-    if tempo is None:
-        raise _fail(5, f"expected the tempo Q:1/4=<BPM>, got {_shown(lines, 5)}")
-    for offset, (name, definition) in enumerate(zip(VOICES, VOICE_DEFINITIONS)):
-        if len(lines) <= 5 + offset or lines[5 + offset] != definition:
-            raise _fail(6 + offset, f"expected the native {name} voice definition {definition!r}, got "
-                                    f"{_shown(lines, 6 + offset)} (the score must have exactly the Vocal and Ins "
-                                    "voices)")
-    if len(lines) < 8 or not lines[7].startswith("K:"):
-        raise _fail(8, f"expected the key K:, got {_shown(lines, 8)}")
-    key = lines[7][2:]
-    key_alterations(key, 8)
-    voices = {name: Voice(meter, key, keys=[(Fraction(0), key)]) for name in VOICES}
-    groups: list[Group] = []
-    cursor = 8
-    while cursor < len(lines):
-        comments = []
-        while cursor < len(lines) and lines[cursor].startswith("% "):
-            comments.append(lines[cursor])
-            cursor += 1
-        if cursor == len(lines):
-            raise _fail(cursor, "a section comment with no music after it")
-        group = Group(comments, {}, 0, {})
-        counts = []
-        for name in VOICES:
-            where = f"group {len(groups) + 1}, {name}"
-            if cursor >= len(lines) or lines[cursor] != f"V: {name}":
-                raise _fail(cursor + 1, f"{where}: expected 'V: {name}', got {_shown(lines, cursor + 1)}")
-            cursor += 1
-            voice, seen, group.fields[name] = voices[name], set(), []
-            while cursor < len(lines) and lines[cursor].startswith(("M:", "K:")):
-                field_name, value = lines[cursor].split(":", 1)
-                if field_name in seen:
-                    raise _fail(cursor + 1, f"{where}: a second {field_name}: field")
-                seen.add(field_name)
-                if field_name == "M":
-                    voice.meter = _meter(value, cursor + 1)
-                else:
-                    key_alterations(value, cursor + 1)
-                    voice.key = value
-                    voice.keys.append((voice.time, value))
-                group.fields[name].append(lines[cursor])
-                cursor += 1
-            if cursor >= len(lines):
-                raise _fail(cursor, f"{where}: the music line is missing")
-            line = lines[cursor]
-            if not line.endswith("|"):
-                raise _fail(cursor + 1, f"{where}: a music line must end with a plain barline '|', got {line!r}")
-            group.lines[name] = cursor + 1
-            bars = []
-            for bar in line[:-1].split("|"):
-                bar = bar.strip()
-                if not bar:
-                    raise _fail(cursor + 1, f"{where}: an empty bar or a double/repeat barline")
-                rest = re.fullmatch(r"Z([2-4])?", bar)
-                bars.extend(["Z"] * int(rest.group(1) or "1") if rest else [bar])
-            if not 1 <= len(bars) <= 4:
-                raise _fail(cursor + 1, f"{where}: {len(bars)} bars (a line holds 1-4 once Z rests are counted)")
-            counts.append(len(bars))
-            for bar in bars:
-                _bar(bar, voice, unit, cursor + 1, f"{where}, bar {len(voice.bars) + 1}")
-            cursor += 1
-        if counts[0] != counts[1]:
-            raise _fail(cursor, f"group {len(groups) + 1}: Vocal has {counts[0]} bars, Ins {counts[1]}")
-        group.bars = counts[0]
-        groups.append(group)
-    if not groups:
-        raise _fail(len(lines), "the score has no music")
-    for name, voice in voices.items():
-        if voice.pending is not None:
-            raise _fail(len(lines), f"{name}: a tie is left open at the end of the score")
-    if voices["Ins"].chords:
-        raise _fail(None, "Ins holds chord symbols (the native dialect keeps them in Vocal)")
-    if voices["Vocal"].bars != voices["Ins"].bars or voices["Vocal"].keys != voices["Ins"].keys:
-        raise _fail(None, "the Vocal and Ins voices have different meters, bars or key changes")
-    return Score(lines[:8], unit, int(tempo.group(1)), voices, groups, crlf)
 
 
 def _shown(lines: list[str], number: int) -> str:
     return repr(lines[number - 1]) if len(lines) >= number else "the end of the score"
 
 
-# --------------------------------------------------------------------------- writing it back
+def _read_header(lines: list[str]) -> tuple[tuple[int, int], Fraction, int, str]:
+    for number, wanted, what in ((1, "X:1", "'X:1'"), (2, "T:", "a blank title 'T:'")):
+        if lines[number - 1] != wanted:
+            raise _fail(number, f"expected {what} (the native header), got {_shown(lines, number)}")
+    if not lines[2].startswith("M:"):
+        raise _fail(3, f"expected the meter M:, got {_shown(lines, 3)}")
+    meter = _meter(lines[2][2:], 3)
+    unit = re.fullmatch(r"L:1/([1-9][0-9]*)", lines[3])
+    if unit is None:
+        raise _fail(4, f"expected the unit length L:1/<power of two>, got {_shown(lines, 4)}")
+    if not _power_of_two(int(unit.group(1))):
+        raise _fail(4, f"unsupported unit length {lines[3]} (a power of two up to L:1/{FINEST_UNIT})")
+    tempo = re.fullmatch(r"Q:1/4=([1-9][0-9]*)", lines[4])
+    if tempo is None:
+        raise _fail(5, f"expected the tempo Q:1/4=<BPM> (a whole number), got {_shown(lines, 5)}")
+    for number, (name, definition) in enumerate(zip(VOICES, VOICE_DEFINITIONS), start=6):
+        if lines[number - 1] != definition:
+            raise _fail(number, f"expected the native {name} voice definition {definition!r}, got "
+                                f"{_shown(lines, number)}")
+    if not lines[7].startswith("K:"):
+        raise _fail(8, f"expected the key K: (the header defines exactly the Vocal and Ins voices), got "
+                       f"{_shown(lines, 8)}")
+    key_alterations(lines[7][2:], 8)
+    return meter, Fraction(1, int(unit.group(1))), int(tempo.group(1)), lines[7][2:]
 
 
-def _lengths(units: int) -> list[int]:
-    pieces = []
-    while units:
-        piece = next(d for d in DURATIONS if d <= units)
-        pieces.append(piece)
-        units -= piece
+def _read_group(lines: list[str], cursor: int, group: int, voices: dict[str, Voice], unit: Fraction,
+                music_lines: dict[int, str]) -> int:
+    """One group's V: Vocal and V: Ins, their M:/K: fields and music lines from line index `cursor`; the next index."""
+    counts = []
+    for name in VOICES:
+        where = f"group {group}, {name}"
+        if cursor >= len(lines) or lines[cursor] != f"V: {name}":
+            raise _fail(min(cursor, len(lines) - 1) + 1, f"{where}: expected 'V: {name}', got "
+                                                         f"{_shown(lines, cursor + 1)}")
+        cursor += 1
+        voice, seen = voices[name], set()
+        while cursor < len(lines) and lines[cursor].startswith(("M:", "K:")):
+            field_name, value = lines[cursor].split(":", 1)
+            if field_name in seen:
+                raise _fail(cursor + 1, f"{where}: a second {field_name}: field")
+            seen.add(field_name)
+            if field_name == "M":
+                voice.meter = _meter(value, cursor + 1)
+            else:
+                key_alterations(value, cursor + 1)
+                voice.key = value
+                voice.keys.append((voice.time, value))
+                voice.key_lines.append(cursor + 1)
+            cursor += 1
+        if cursor >= len(lines):
+            raise _fail(len(lines), f"{where}: the music line is missing")
+        line, number = lines[cursor], cursor + 1
+        if not line.endswith("|"):
+            raise _fail(number, f"{where}: a music line must end with a plain barline '|', got {line!r}")
+        music_lines[number] = name
+        bars = []
+        for bar in line[:-1].split("|"):
+            bar = bar.strip()
+            if not bar:
+                raise _fail(number, f"{where}: an empty bar or a double/repeat barline")
+            rest = re.fullmatch(r"Z([2-4])?", bar)
+            bars.extend(["Z"] * int(rest.group(1) or "1") if rest else [bar])
+        if not 1 <= len(bars) <= 4:
+            raise _fail(number, f"{where}: {len(bars)} bars (a line holds 1-4 once Z2-Z4 rests are counted)")
+        counts.append(len(bars))
+        for bar in bars:
+            _read_bar(bar, voice, unit, number, f"{where}, bar {len(voice.bars) + 1}")
+        cursor += 1
+    if counts[0] != counts[1]:
+        raise _fail(cursor, f"group {group}: Vocal has {counts[0]} bars, Ins {counts[1]}")
+    return cursor
+
+
+def read_score(text: str) -> Score:
+    """The native two-voice score `text` as upstream's parser reads it (any line ending), or a ScoreError naming
+    the line that is wrong."""
+    if not isinstance(text, str) or not text.strip():
+        raise _fail(1, "the score is blank (upstream's recipe needs a native score)")
+    lines = text.splitlines()
+    if len(lines) < MIN_LINES:
+        raise _fail(len(lines), f"the score ends after {len(lines)} lines; a native score has the 8 header lines "
+                                "and at least one group of V: Vocal and V: Ins music lines")
+    meter, unit, bpm, key = _read_header(lines)
+    voices = {name: Voice(meter, key, keys=[(Fraction(0), key)], key_lines=[8]) for name in VOICES}
+    music_lines: dict[int, str] = {}
+    cursor, group = 8, 0
+    while cursor < len(lines):
+        while cursor < len(lines) and lines[cursor].startswith("% "):
+            cursor += 1
+        if cursor == len(lines):
+            raise _fail(cursor, "a section comment with no music after it")
+        group += 1
+        cursor = _read_group(lines, cursor, group, voices, unit, music_lines)
+    vocal, ins = voices["Vocal"], voices["Ins"]
+    for name, voice in voices.items():
+        if voice.pending is not None:
+            raise _fail(voice.bar_lines[-1], f"{name}: a tie is left open at the end of the score")
+    if ins.chords:
+        raise _fail(ins.chord_places[0][0], f"a chord symbol in Ins ({ins.chords[0][1]!r}); the native dialect "
+                                            "keeps chord symbols in Vocal")
+    if vocal.bars != ins.bars:
+        bar = next((i for i, (a, b) in enumerate(zip(vocal.bars, ins.bars)) if a != b), len(ins.bars) - 1)
+        raise _fail(ins.bar_lines[bar], f"Vocal and Ins differ in meter from bar {bar + 1} on")
+    if vocal.keys != ins.keys:
+        index = next((i for i, (a, b) in enumerate(zip(vocal.keys, ins.keys)) if a != b),
+                     min(len(vocal.keys), len(ins.keys)))
+        longer = ins if index < len(ins.key_lines) else vocal
+        raise _fail(longer.key_lines[index], "Vocal and Ins change key at different times or to different keys")
+    return Score(lines, unit, bpm, voices, music_lines, "\r\n" in text)
+
+
+# --------------------------------------------------------------------------- writing the edited score
+
+
+@dataclass(frozen=True)
+class _Bar:
+    start: Fraction
+    end: Fraction
+    meter: tuple[int, int]
+    key: str
+    section: str | None
+    line: int  # the Vocal music line it was read from
+
+
+def _pieces(units: Fraction) -> list[int]:
+    """A length in units as the dialect's note lengths, longest first (tied)."""
+    pieces, left = [], int(units)
+    for piece in DURATIONS:
+        while left >= piece:
+            pieces.append(piece)
+            left -= piece
     return pieces
 
 
-def _spell(pitch: int, key: dict[str, int], local: dict[str, int]) -> tuple[str, str, int | None]:
-    """(accidental, letter+octave, the alteration it sets or None): no accidental where the key or the bar's
-    earlier accidentals already give the pitch; else a natural, else a sharp (a flat in a flat key)."""
-    options = [(letter, local.get(letter, key[letter]), None) for letter in NATURAL]
-    direction = -1 if any(v < 0 for v in key.values()) else 1
-    options += [(letter, alt, alt) for alt in (0, direction, -direction) for letter in NATURAL]
-    for letter, alteration, sets in options:
-        written = pitch - alteration
-        if (written - NATURAL[letter]) % 12 == 0:
-            octave = (written - 60 - NATURAL[letter]) // 12
-            name = letter.lower() + "'" * (octave - 1) if octave >= 1 else letter + "," * -octave
-            mark = "" if sets is None else {0: "=", 1: "^", -1: "_"}[sets]
-            return mark, name, sets
-    raise AssertionError(pitch)  # every pitch has a sharp or flat spelling
+def _sized(token: str, count: int) -> str:
+    return token + (str(count) if count != 1 else "")
 
 
-def _render_bar(notes: list, chords: list, start: Fraction, length: Fraction, key: dict[str, int], unit: Fraction,
-                held: str | None, line: int) -> tuple[str, str | None]:
-    """One bar's text and the spelling a tie carries into the next bar. `notes` never overlap."""
-    end = start + length
-    inside = [n for n in notes if n[0] < end and n[0] + n[2] > start]
-    times = [t for t, _ in chords if start <= t < end]
-    if not inside and not times:
-        return "Z", None
-    cuts = sorted({start, end, *(max(start, n[0]) for n in inside), *(min(end, n[0] + n[2]) for n in inside),
-                   *times})
-    text, local = [], {}
-    for a, b in zip(cuts, cuts[1:]):
-        text.extend(f'"{symbol}"' for t, symbol in chords if t == a)
-        note = next((n for n in inside if n[0] <= a < n[0] + n[2]), None)
-        units = (b - a) / (4 * unit)
-        if units.denominator != 1:
-            raise _fail(line, f"a length of {b - a} quarter notes cannot be written in L:1/{unit.denominator}")
-        pieces = _lengths(int(units))
-        for index, count in enumerate(pieces):
-            size = str(count) if count != 1 else ""
-            if note is None:
-                text.append("z" + size)
-                continue
-            if held is None:  # the note's first piece: spelled against the key and the bar's accidentals
-                mark, held, sets = _spell(note[1], key, local)
-                if sets is not None:
-                    local[held[0].upper()] = sets
-            else:  # a tied continuation: the same letter and octave, unmarked, keeps the pitch
-                mark = ""
-            more = index < len(pieces) - 1 or b < note[0] + note[2]
-            text.append(mark + held + size + ("-" if more else ""))
-            if not more:
-                held = None
-    return "".join(text), held
+def _rests(length: Fraction, step: Fraction) -> list[str]:
+    return [_sized("z", count) for count in _pieces(length / step)]
+
+
+def _spell(pitch: int, key: str, marks: dict[str, int]) -> str:
+    """Upstream's spelling: the letter whose alteration (-1, 0, +1) best fits the key (the key's own alteration
+    first, then the smallest, then sharps in sharp keys and C, flats in flat keys); an accidental only where the key
+    or the bar's earlier accidentals on that letter do not already give it."""
+    signature = key_alterations(key, 0)
+    sharp_side = sum(signature.values()) >= 0
+    letter, alteration = min(((letter, alteration) for letter in NATURAL for alteration in (-1, 0, 1)
+                              if (pitch - alteration - NATURAL[letter]) % 12 == 0),
+                             key=lambda c: (c[1] != signature[c[0]], abs(c[1]), c[1] < 0 if sharp_side else c[1] > 0))
+    mark = ""
+    if alteration != marks.get(letter, signature[letter]):
+        mark, marks[letter] = _MARKS[alteration], alteration
+    octave = (pitch - alteration - 60 - NATURAL[letter]) // 12
+    name = letter + "," * -octave if octave <= 0 else letter.lower() + "'" * (octave - 1)
+    return mark + name
+
+
+def _ins_bar(bar: _Bar, notes: list, step: Fraction) -> str:
+    inside = [n for n in notes if n[0] < bar.end and n[0] + n[2] > bar.start]
+    if not inside:
+        return "Z"
+    text, cursor, marks = [], bar.start, {}
+    for onset, pitch, duration in inside:
+        a, b = max(bar.start, onset), min(bar.end, onset + duration)
+        if a > cursor:
+            text += _rests(a - cursor, step)
+        parts = _pieces((b - a) / step)
+        for index, count in enumerate(parts):
+            tie = "-" if index < len(parts) - 1 or b < onset + duration else ""
+            text.append(_sized(_spell(pitch, bar.key, marks), count) + tie)
+        cursor = b
+    if cursor < bar.end:
+        text += _rests(bar.end - cursor, step)
+    return "".join(text)
+
+
+def _vocal_bar(bar: _Bar, chords: list, step: Fraction) -> str:
+    """Rests under the chord in force at the bar's start (repeated at every bar) and each change inside the bar."""
+    current = next((symbol for when, symbol in reversed(chords) if when <= bar.start), None)
+    changes = [(bar.start, current)] + [(when, symbol) for when, symbol in chords if bar.start < when < bar.end]
+    if not any(symbol for _, symbol in changes):
+        return "Z"
+    text = []
+    for index, (when, symbol) in enumerate(changes):
+        stop = changes[index + 1][0] if index + 1 < len(changes) else bar.end
+        text += ([f'"{symbol}"'] if symbol else []) + _rests(stop - when, step)
+    return "".join(text)
 
 
 def _line(bars: list[str]) -> str:
-    """A music line: runs of full-bar rests written Z2..Z4, as upstream's scores do."""
-    out, run = [], 0
-    for bar in bars + [None]:
-        if bar == "Z":
-            run += 1
-            continue
-        while run:
-            step = min(run, 4)
-            out.append("Z" if step == 1 else f"Z{step}")
-            run -= step
-        if bar is not None:
-            out.append(bar)
-    return "|".join(out) + "|"
+    """A music line, each run of full-bar rests written as one Z, Z2, Z3 or Z4."""
+    parts = []
+    for rest, run in groupby(bars, key=lambda bar: bar == "Z"):
+        run = list(run)
+        parts += [_sized("Z", len(run))] if rest else run
+    return "".join(part + "|" for part in parts)
 
 
-def _write(score: Score, tracks: dict[str, tuple[list, list]]) -> str:
-    lines = list(score.header)
-    bar = 0
-    held = {name: None for name in VOICES}
-    for group in score.groups:
-        lines.extend(group.comments)
+def _meter_text(meter: tuple[int, int]) -> str:
+    return f"{meter[0]}/{meter[1]}"
+
+
+def _write(bars: list[_Bar], notes: list, chords: list, bpm: int, unit: int) -> str:
+    step = Fraction(4, unit)  # quarter notes per unit
+    texts = {"Vocal": [_vocal_bar(bar, chords, step) for bar in bars],
+             "Ins": [_ins_bar(bar, notes, step) for bar in bars]}
+    lines = ["X:1", "T:", "M:" + _meter_text(bars[0].meter), f"L:1/{unit}", f"Q:1/4={bpm}", *VOICE_DEFINITIONS,
+             "K:" + bars[0].key]
+    index = 0
+    while index < len(bars):
+        first, before = bars[index], bars[index - 1] if index else bars[index]
+        end = index + 1
+        while end < len(bars) and end - index < 4 and (bars[end].meter, bars[end].key, bars[end].section) == \
+                (first.meter, first.key, first.section):
+            end += 1
+        if first.section is not None and (index == 0 or first.section != before.section):
+            lines.append("% " + first.section)
         for name in VOICES:
-            notes, chords = tracks[name]
             lines.append(f"V: {name}")
-            lines.extend(group.fields[name])
-            voice = score.voices[name]
-            texts = []
-            for index in range(bar, bar + group.bars):
-                start, length, _ = voice.bars[index]
-                key = next(k for t, k in reversed(voice.keys) if t <= start)
-                text, held[name] = _render_bar(notes, chords, start, length, key_alterations(key, None), score.unit,
-                                               held[name], group.lines[name])
-                texts.append(text)
-            lines.append(_line(texts))
-        bar += group.bars
+            lines += ["M:" + _meter_text(first.meter)] if first.meter != before.meter else []
+            lines += ["K:" + first.key] if first.key != before.key else []
+            lines.append(_line(texts[name][index:end]))
+        index = end
     return "\n".join(lines) + "\n"
 
 
@@ -403,16 +483,100 @@ def _outside(start: Fraction, duration: Fraction, occupied: list) -> list[tuple[
     return pieces
 
 
+def _section_starts(score: Score) -> dict[Fraction, str]:
+    """Each label's bar start: a `% label` line (the last of a stack) names the next Vocal music line's first bar."""
+    vocal, pending, starts = score.voices["Vocal"], None, {}
+    for number, line in enumerate(score.lines, start=1):
+        if line.startswith("% "):
+            pending = line[2:]
+            if pending not in SECTIONS:
+                raise _fail(number, f"unknown section label {pending!r}; upstream's recipe takes only its native "
+                                    f"labels {list(SECTIONS)}")
+        elif score.music_lines.get(number) == "Vocal" and pending is not None:
+            starts[vocal.bars[vocal.bar_lines.index(number)][0]] = pending
+            pending = None
+    return starts
+
+
+def _event_bars(score: Score) -> list[_Bar]:
+    """Each bar's span, meter, key and section (a label holds until the next), as upstream hands them to its
+    serializer; a key change inside a bar is refused."""
+    vocal, section = score.voices["Vocal"], None
+    sections = _section_starts(score)
+    starts = {start for start, _, _ in vocal.bars}
+    for (when, key), line in zip(vocal.keys, vocal.key_lines):
+        if when not in starts:
+            raise _fail(line, f"a key change inside a bar (K:{key}); upstream's recipe takes key changes at bar "
+                              "starts only")
+    bars = []
+    for (start, length, meter), line in zip(vocal.bars, vocal.bar_lines):
+        section = sections.get(start, section)
+        key = next(key for when, key in reversed(vocal.keys) if when <= start)
+        bars.append(_Bar(start, start + length, meter, key, section, line))
+    return bars
+
+
+def _chords(vocal: Voice) -> list:
+    chords = []
+    for (when, symbol), (line, _) in zip(vocal.chords, vocal.chord_places):
+        if chords and chords[-1][0] == when:
+            if chords[-1][1] != symbol:
+                raise _fail(line, f"two different chord symbols at the same time ({chords[-1][1]!r}, {symbol!r})")
+            continue
+        chords.append((when, symbol))
+    return chords
+
+
+def _on_grid(quarters: Fraction) -> bool:
+    return _power_of_two((quarters / 4).denominator)
+
+
+def _refuse_off_grid(vocal: Voice, kept_ins: list) -> None:
+    """Refuse the first event whose onset or length no L:1/N (N a power of two up to FINEST_UNIT) writes (only a
+    tuplet makes one): Vocal's notes and chords first, in time order, then the kept Ins pieces `(onset, length,
+    line, where)`; an off-grid Ins piece is its Ins note's own, or cut by an off-grid vocal note, named first."""
+    vocal_events = sorted([(t, d, line, f"{where}: a note") for (t, _, d), (line, where) in
+                           zip(vocal.notes, vocal.note_places)]
+                          + [(t, None, line, f"{where}: a chord symbol {symbol!r}") for (t, symbol), (line, where) in
+                             zip(vocal.chords, vocal.chord_places)], key=lambda event: (event[0], event[2]))
+    events = vocal_events + [(t, d, line, f"{where}: a note") for t, d, line, where in sorted(kept_ins)]
+    for onset, length, line, what in events:
+        if not _on_grid(onset) or (length is not None and not _on_grid(length)):
+            lasting = f" lasting {length} quarter notes" if length is not None else ""
+            raise _fail(line, f"{what} at quarter {onset}{lasting} is off the power-of-two grid (no L:1/N with N "
+                              f"a power of two up to {FINEST_UNIT} writes it); upstream's recipe refuses a rhythm "
+                              "outside its training grid: quantize the tuplet")
+
+
+def _unit(bars: list[_Bar], notes: list, chords: list) -> int:
+    """Upstream's unit: L:1/32, made finer until every meter's beat quarter and every onset and length fits (the
+    events are on the grid: `_refuse_off_grid`)."""
+    unit = BASE_UNIT
+    for bar in bars:
+        unit = lcm(unit, 4 * bar.meter[1])
+        if unit > FINEST_UNIT:
+            raise _fail(bar.line, f"meter {_meter_text(bar.meter)} needs a unit finer than L:1/{FINEST_UNIT}, "
+                                  "outside upstream's power-of-two grid")
+    for value in [t for t, _, _ in notes] + [d for _, _, d in notes] + [t for t, _ in chords]:
+        unit = lcm(unit, (value / 4).denominator)
+    return unit
+
+
+def _harmony(chords: list) -> list:
+    """The chord changes, a symbol repeated at a bar start dropped."""
+    return [c for i, c in enumerate(chords) if i == 0 or chords[i - 1][1] != c[1]]
+
+
 def edit_score(text: str) -> ScoreEdit:
-    """Upstream's instrumental edit of a native score: Vocal's sounding notes move to Ins (a vocal note wins over the
-    part of an Ins note it overlaps), Vocal keeps its chord symbols over rests; a ScoreError names a wrong line."""
+    """Upstream's instrumental edit of a native score (its `convert_score(overlap="vocal", keep_chords=True)`): the
+    score upstream writes, byte for byte, or a ScoreError naming the line and the reason upstream refuses it."""
     score = read_score(text)
     vocal, ins = score.voices["Vocal"], score.voices["Ins"]
     if not vocal.notes and not ins.notes:
-        raise _fail(None, "the score has no sounding notes")
+        raise _fail(min(score.music_lines), "the score has no sounding notes (Vocal and Ins hold only rests)")
     occupied = [(t, t + d) for t, _, d in vocal.notes]
     merged = [list(n) for n in vocal.notes]
-    trimmed, unchanged = [], 0
+    trimmed, unchanged, kept_ins = [], 0, []
     for index, (start, pitch, duration) in enumerate(ins.notes):
         pieces = _outside(start, duration, occupied)
         if pieces == [(start, start + duration)]:
@@ -421,24 +585,19 @@ def edit_score(text: str) -> ScoreEdit:
             trimmed.append({"ins_note": index, "onset": str(start), "pitch": pitch, "duration": str(duration),
                             "kept": [[str(a), str(b - a)] for a, b in pieces]})
         merged.extend([a, pitch, b - a] for a, b in pieces)
+        kept_ins += [(a, b - a, *ins.note_places[index]) for a, b in pieces]
     merged.sort()
-    chords = []
-    for when, symbol in vocal.chords:
-        if chords and chords[-1][0] == when:
-            if chords[-1][1] != symbol:
-                raise _fail(None, f"two different chord symbols at quarter note {when}")
-            continue
-        chords.append((when, symbol))
-    for _, _, (_, d) in ins.bars:  # upstream refuses a unit too coarse for four subbeats per beat
-        if score.unit.denominator % (4 * d):
-            raise _fail(4, f"L:1/{score.unit.denominator} is too coarse for the four-subbeat grid of a /{d} meter")
-    edited = _write(score, {"Vocal": ([], chords), "Ins": (merged, [])})
-    check = read_score(edited)  # the written score must read back as the intended events
-    if check.voices["Ins"].notes != merged or check.voices["Vocal"].notes or check.voices["Vocal"].chords != chords \
+    bars = _event_bars(score)
+    chords = _chords(vocal)
+    _refuse_off_grid(vocal, kept_ins)
+    unit = _unit(bars, merged, chords)
+    edited = _write(bars, merged, chords, score.bpm, unit)
+    check = read_score(edited)  # upstream reads its output back: the same notes, harmony, grid and tempo
+    if check.voices["Ins"].notes != merged or check.voices["Vocal"].notes or check.bpm != score.bpm \
+            or _harmony(check.voices["Vocal"].chords) != _harmony(vocal.chords) \
             or check.voices["Ins"].bars != ins.bars:
-        raise _fail(None, "the instrumental edit could not write the moved notes back exactly (please report it "
-                          "with the score)")
-    before, after = text.replace("\r\n", "\n").split("\n"), edited.split("\n")
+        raise _fail(len(score.lines), "the edit could not write the moved notes back exactly (please report it "
+                                      "with the score)")
     changes = {
         "recipe": RECIPE,
         "vocal_notes_moved_to_ins": len(vocal.notes),
@@ -446,9 +605,10 @@ def edit_score(text: str) -> ScoreEdit:
         "ins_notes_trimmed_under_vocal": trimmed,
         "chords_kept_in_vocal": len(chords),
         "render_cot": "full" if chords else "melody",
-        "lines_changed": [n for n, (a, b) in enumerate(zip(before, after), start=1) if a != b],
+        "sections": [line[2:] for line in check.lines if line.startswith("% ")],
+        "unit_length": {"planned": str(score.unit), "edited": str(check.unit)},
         "line_endings": "crlf read as lf" if score.crlf else "lf",
-        "bpm": score.bpm, "nominal_seconds": float(vocal.time * 60 / score.bpm),
+        "bpm": score.bpm, "nominal_seconds": float(ins.time * 60 / score.bpm),
     }
     return ScoreEdit(text, edited, changes)
 
@@ -466,7 +626,7 @@ def instrumental_style(style: str) -> str:
 
 
 def lyric_tags(text: str) -> str:
-    """Upstream's render lyrics: the score's `% section` comments as `[Section]` tags, never sung words."""
+    """Upstream's render lyrics: the score's `% section` labels as `[Section]` tags (none: ''), never sung words."""
     labels = [line[2:] for line in text.splitlines() if line.startswith("% ")]
     return "\n\n".join(f"[{label.title()}]" for label in labels) + ("\n" if labels else "")
 
@@ -477,22 +637,16 @@ def lyric_tags(text: str) -> str:
 def planning_request(request):
     """The request that plans the score: the style as given, the given lyrics (upstream's PLANNING_LYRICS when none)
     and the request's cot (upstream's is full), seed and id."""
-    from dataclasses import replace
-
     lyrics = request.lyrics if request.lyrics.strip() else PLANNING_LYRICS
     return replace(request, lyrics=lyrics, instrumental=False, abc=None)
 
 
 def render_request(request, edit: ScoreEdit):
-    """The request that renders the edited score, as upstream builds it."""
-    from dataclasses import replace
-
-    lyrics = lyric_tags(edit.text)
-    if not lyrics:
-        raise _fail(None, "the score has no '% section' comment, so upstream's recipe has no section tags to render "
-                          "it with")
-    return replace(request, style=instrumental_style(request.style), lyrics=lyrics, abc=edit.text, cot=edit.cot,
-                   instrumental=False)
+    """The request that renders the edited score, as upstream's example builds it and its `validate_request`
+    accepts it: the instrumental style, the score's section tags ('' when it has none), the cot the score allows,
+    the same seed."""
+    return replace(request, style=instrumental_style(request.style), lyrics=lyric_tags(edit.text), abc=edit.text,
+                   cot=edit.cot, instrumental=False)
 
 
 def admission_request(request):

@@ -20,13 +20,14 @@ from typing import Sequence
 
 import numpy as np
 
-from .checkpoint import HashCache, default_hash_cache
+from .checkpoint import default_hash_cache
 from .derive import OVERRIDE_ENV
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
                       resolve_device, set_upstream_numerics)
-from .hub import DEFAULT_MODEL, DEFAULT_VAE, HubOptions, resolve_model
+from .hub import DEFAULT_MODEL, DEFAULT_VAE, HubOptions, ModelSource, resolve_model
 from .model.sampling import ARBackend, TorchARBackend, resolve_execution
 from .model.torch_quant import apply_memory_cap, module_bytes
+from .options import AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions
 from .protocol import GenerationConfig, Sampling, SongRequest, SongRules, default_cfg_scale
 from .song.admission import device_room, memory_target
 from .kv_cache import explicit as explicit_kv
@@ -40,21 +41,6 @@ from .song.run_dir import (AUDIO_CONFIG_KEYS, FAILED_STATES, STAGE_RECORDS, gene
                             peak_memory_bytes, run_identity)
 from .song.stages import SongStages
 
-BACKENDS = ("torch", "vllm", "auto")
-CFG_ENGINES = ("vllm", "torch")  # where cfg_scale != 1 and cot=off songs run when the backend is vllm/auto
-
-
-def check_choices(backend: str, memory_budget_gib: float | None, dtype: str, cfg_engine: str) -> None:
-    """The constructor's named choices, refused (one line naming the field) before anything is resolved."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if memory_budget_gib is not None and not memory_budget_gib > 0:
-        raise ValueError(f"memory_budget_gib must be positive, got {memory_budget_gib!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
-    if cfg_engine not in CFG_ENGINES:
-        raise ValueError(f"cfg_engine must be one of {CFG_ENGINES}, got {cfg_engine!r}")
-
 
 def _part(unit: str, name: str, doc: str) -> property:
     """A read-only attribute of one of the pipeline's parts, under the name callers know it by."""
@@ -63,75 +49,72 @@ def _part(unit: str, name: str, doc: str) -> property:
 
 
 class YuE2Pipeline:
-    def __init__(self, model_dir: str | os.PathLike, vae_dir: str | os.PathLike | None, *, device: str = "auto",
-                 memory_budget_gib: float | None = None, backend: str = "torch",
-                 generation_config: GenerationConfig | dict | None = None, verify_hashes: bool = False,
-                 vae_core_frames: int | None = None, hash_cache: HashCache | None = None,
-                 ar_checkpoint: str | os.PathLike | None = None, keep_engine: bool | None = None,
-                 engine_options: dict | None = None, quantization: str = "none", offload_ar: bool = False,
-                 dtype: str = "bfloat16", start_engine: bool = False, cfg_engine: str = "vllm",
-                 quantized_policy: str = "auto", revision: str | None = None, vae_revision: str | None = None,
-                 reproducible: bool = False, torch_execution: str = "auto", kv_cache_dtype: str = "auto"):
-        check_choices(backend, memory_budget_gib, dtype, cfg_engine)
-        self.backend_requested, self.cfg_engine, self.quantization = backend, cfg_engine, quantization
-        self.dtype, self.offload_ar = dtype, bool(offload_ar)
-        self.reproducible = bool(reproducible)  # the engine is batch-invariant: a seed fixes the song under load
-        self.device = resolve_device(device)
-        resolve_execution(torch_execution, self.device)  # refuse e.g. graph on the CPU before loading anything
-        check_dtype_support(self.device, DTYPES[dtype])
-        self.kv_cache_dtype = check_kv_form(kv_cache_dtype, self.device, backend, cfg_engine)
+    def __init__(self, model_dir: str | os.PathLike | ModelSource, vae_dir: str | os.PathLike | ModelSource | None,
+                 *, generation_config: GenerationConfig | dict | None = None, load: LoadOptions = LoadOptions(),
+                 ar: AROptions = AROptions(), engine: EngineOptions = EngineOptions(),
+                 device: DeviceOptions = DeviceOptions()):
+        """`model_dir` / `vae_dir`: directories, repo ids (their main revision; `from_pretrained` takes revisions and
+        the Hub's keywords) or resolved `hub.ModelSource`s; `vae_dir=None` for a pipeline that never decodes. The
+        options (options.py) are refused before anything loads when this machine cannot run them."""
+        generation = (generation_config if isinstance(generation_config, GenerationConfig)
+                      else GenerationConfig.from_dict(generation_config))
+        given = PipelineOptions(generation, load, ar, engine, device)
+        self.device = resolve_device(device.device)
+        resolve_execution(ar.torch_execution, self.device)  # refuse e.g. graph on the CPU before loading anything
+        check_dtype_support(self.device, DTYPES[ar.dtype])
+        kv_cache_dtype = check_kv_form(engine.kv_cache_dtype, self.device, ar.backend, ar.cfg_engine)
         self.numerics = set_upstream_numerics()  # process-wide, as upstream sets them at construction
-        target = memory_target(self.device, memory_budget_gib)
-        self.unified, self.memory_budget_gib = target.unified, target.budget_gib
-        self.generation_config = (generation_config if isinstance(generation_config, GenerationConfig)
-                                  else GenerationConfig.from_dict(generation_config))
-        self.vae_core_frames = vae_core_frames or default_vae_core_frames(self.memory_budget_gib)
+        target = memory_target(self.device, device.budget_gib)
+        self.unified = target.unified
+        self.options = replace(  # the defaults filled in: what the engine, the stages and the records read
+            given, load=replace(load, ar_checkpoint=load.ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None),
+            engine=replace(engine, kv_cache_dtype=kv_cache_dtype),
+            device=replace(device, device=str(self.device), budget_gib=target.budget_gib,
+                           vae_core_frames=device.vae_core_frames or default_vae_core_frames(target.budget_gib)))
         start = time.perf_counter()
         # A local directory, or a Hugging Face repo id resolved to its cached snapshot (hub.py).
-        sources = {"mot": resolve_model(model_dir, revision=revision, what="model"),
-                   "vae": resolve_model(vae_dir, revision=vae_revision, what="vae") if vae_dir is not None else None}
-        self.models = LoadedModels(sources, hashes=hash_cache if hash_cache is not None else default_hash_cache(),
-                                   verify_hashes=verify_hashes, unified=self.unified is not None)
-        self.rules = SongRules(self.generation_config, self.tokenizer, self.reproducible)
-        self.ar_checkpoint = ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None
-        beside_engine = backend != "torch" and vllm_usable()
+        sources = {"mot": resolve_model(model_dir, what="model"),
+                   "vae": resolve_model(vae_dir, what="vae") if vae_dir is not None else None}
+        self.models = LoadedModels(sources, hashes=load.hash_cache if load.hash_cache is not None
+                                   else default_hash_cache(), verify_hashes=load.verify_hashes,
+                                   unified=self.unified is not None)
+        self.rules = SongRules(generation, self.tokenizer, ar.reproducible)
+        beside_engine = ar.backend != "torch" and vllm_usable()
         # Beside the engine on a discrete GPU the torch side holds the AR expert in host memory (placement.py).
         # (Load-time AR proxies serve torch-backend songs from the device: there the AR expert stays resident.)
-        self.ar_on_device = not (target.card_bytes is not None and beside_engine and quantization in ("none", "auto"))
-        self.engine_life = EngineLife(EngineInputs(
-            self.model_dir, self.device, self.unified, self.memory_budget_gib, dtype, self.offload_ar,
-            self.reproducible, self.generation_config, self.vae_config, self.vae_core_frames, self.ar_on_device,
-            self.ar_checkpoint, quantized_policy, keep_engine, dict(engine_options or {}), self.kv_cache_dtype),
-            self.models.hashes, verify_hashes)
+        self.ar_on_device = not (target.card_bytes is not None and beside_engine
+                                 and ar.quantization in ("none", "auto"))
+        self.engine_life = EngineLife(EngineInputs(self.model_dir, self.device, self.unified, self.vae_config,
+                                                   self.ar_on_device, self.options), self.models.hashes)
         if self.device.type == "cuda" and beside_engine:  # refused before anything loads
             check_split(self.engine_life.inputs)
-        self._load(start_engine and backend != "torch", quantized_policy, torch_execution)
+        self._load(engine.start and ar.backend != "torch")
         self.load_timing = {"identity_seconds": self.models.identity_seconds,
                             "load_seconds": time.perf_counter() - start}
 
-    def _load(self, start_engine: bool, quantized_policy: str, torch_execution: str) -> None:
+    def _load(self, start_engine: bool) -> None:
         """Load the MoT and build the stages on it. The engine worker imports vLLM and starts while this process
         loads the MoT; on unified memory it starts after the load instead (vLLM's start-up check then sees the
         MoT already in the pool). No engine outlives a pipeline that failed to start."""
         if start_engine and self.unified is None:
             self.engine_life.start_in_background()
+        ar, budget_gib = self.options.ar, self.options.device.budget_gib
         try:
-            self.models.load_mot(self.device, self.dtype, self.quantization, quantized_policy, self.ar_on_device)
-            self.memory_cap_bytes = apply_memory_cap(self.device, self.memory_budget_gib, module_bytes(self.model))
+            self.models.load_mot(self.device, ar, self.ar_on_device)
+            self.memory_cap_bytes = apply_memory_cap(self.device, budget_gib, module_bytes(self.model))
         except BaseException:
             self.close()
             raise
         if start_engine and self.unified is not None:
             self.engine_life.start_in_background()
         self.vae_placement: dict | None = None  # the last accelerator decode's placement decision
-        self.torch_backend = TorchARBackend(self.model, torch_execution)
+        self.torch_backend = TorchARBackend(self.model, ar.torch_execution)
         # One torch AR song at a time (the "torch lane"); with load-time proxies the NAR must not run
         # while they are swapped in, so the same lock then also covers synthesis.
         self.torch_lock = threading.RLock()
         self.stages = SongStages(
-            self.model, self.tokenizer, self.rules, self.generation_config, self.torch_backend, self.torch_lock,
-            self.proxy_mode, self.offload_ar, self.ar_on_device, self.vae_core_frames, self.backend_requested,
-            select_backend=self.select_ar_backend, room=lambda: self.room,
+            self.model, self.tokenizer, self.rules, self.options, self.torch_backend, self.torch_lock,
+            self.proxy_mode, self.ar_on_device, select_backend=self.select_ar_backend, room=lambda: self.room,
             release_engine=self.engine_life.release_for_nar, vae_on_device=self._vae_on_device)
 
     @classmethod
@@ -170,8 +153,8 @@ class YuE2Pipeline:
     quantization_status = _part("models", "quantization_status", "what the load did with --quantization")
     proxy_mode = _part("models", "proxy_mode", "the load-time proxies' mode (they serve the torch AR phases)")
     start_retry = _part("engine_life", "start_retry", "a failed engine start, and when it is tried again")
-    keep_engine = _part("engine_life.inputs", "keep_engine", "keep the engine across the NAR (None: when it fits)")
-    engine_options = _part("engine_life.inputs", "options", "the engine options the caller gave")
+    generation_config = _part("options", "generation", "the generation config songs run with")
+    backend_requested = _part("options.ar", "backend", "the AR backend asked for (torch, vllm or auto)")
     room = _part("engine_life", "room", "where songs' buffers are admitted (a discrete GPU beside the engine; "
                                         "None: nothing to admit into)")
 
@@ -205,7 +188,7 @@ class YuE2Pipeline:
         """`(backend, fallback_reason)`: vLLM whenever it can serve, else torch with the reason why not."""
         if self.backend_requested == "torch":
             return self.torch_backend, None
-        vllm, reason = self.engine_life.select(cfg_scale, legacy_off, self.cfg_engine)
+        vllm, reason = self.engine_life.select(cfg_scale, legacy_off, self.options.ar.cfg_engine)
         return (vllm, None) if vllm is not None else (self.torch_backend, reason)
 
     # -- memory admission and placement (song/admission.py, song/models.py)
@@ -228,8 +211,8 @@ class YuE2Pipeline:
             yield vae
             return
         movable = self.room is None and self.unified is None
-        self.vae_placement = vae_placement(vae, self.model, self.device, self.vae_core_frames, self._device_room(),
-                                           movable)
+        self.vae_placement = vae_placement(vae, self.model, self.device, self.options.device.vae_core_frames,
+                                           self._device_room(), movable)
         with vae_on_device(vae, self.model, self.device, self.vae_placement["ar_moved"]):
             yield vae
 
@@ -247,20 +230,21 @@ class YuE2Pipeline:
         overrides += sorted(key for key in ("ode_steps", "context") if getattr(generation, key) != defaults[key])
         if request.guidance != default_cfg_scale(request.cot):
             overrides.append("cfg_scale")
+        load, ar, device = self.options.load, self.options.ar, self.options.device
         return {
             "generation": generation.to_dict(), "overrides": overrides, "cot": request.cot,
             "cfg_scale": request.guidance,
             "cfg_negative": "instruction_only" if request.cot == "off" else "same_instruction_and_exact_abc",
-            "backend": self.backend_requested, "cfg_engine": self.cfg_engine, "quantization": self.quantization,
+            "backend": ar.backend, "cfg_engine": ar.cfg_engine, "quantization": ar.quantization,
             "quantization_status": self.quantization_status,
-            "ar_checkpoint": None if self.backend_requested == "torch" else (self.ar_checkpoint and
-                                                                          str(self.ar_checkpoint)) or "derived", "model_dtype": "bfloat16",
-            "vae_dtype": "float32", "vae_decode": "halo_crop", "vae_core_frames": self.vae_core_frames,
+            "ar_checkpoint": None if ar.backend == "torch" else (load.ar_checkpoint and str(load.ar_checkpoint))
+            or "derived", "model_dtype": "bfloat16",
+            "vae_dtype": "float32", "vae_decode": "halo_crop", "vae_core_frames": device.vae_core_frames,
             "vae_halo_frames": VAE_HALO_FRAMES, "device": str(self.device),
-            "memory_budget_gib": self.memory_budget_gib, "offload_ar": self.offload_ar, "dtype": self.dtype,
+            "memory_budget_gib": device.budget_gib, "offload_ar": device.offload_ar, "dtype": ar.dtype,
             "decoder_release": self.vae_config.release_variant if self.vae_config else None,
-            **({"reproducible": True} if self.reproducible else {}),  # absent: identities of earlier runs hold
-            **explicit_kv(self.kv_cache_dtype),  # auto: absent, so identities of earlier runs hold
+            **({"reproducible": True} if ar.reproducible else {}),  # absent: identities of earlier runs hold
+            **explicit_kv(self.options.engine.kv_cache_dtype),  # auto: absent, so identities of earlier runs hold
         }
 
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:

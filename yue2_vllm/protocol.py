@@ -127,12 +127,15 @@ class SongRequest:
     def __post_init__(self):
         if not isinstance(self.instrumental, bool):
             raise ValueError(f"SongRequest.instrumental must be true or false, got {self.instrumental!r}")
-        for name in ("style", "lyrics"):  # the model is conditioned on both; blank text has no upstream meaning
+        # The model is conditioned on both; blank text has no upstream meaning, except no lyrics ('') for an
+        # instrumental or a given score (upstream renders an instrumental score with empty section lyrics).
+        lyrics_optional = self.instrumental or self.abc is not None
+        for name in ("style", "lyrics"):
             value = getattr(self, name)
-            optional = name == "lyrics" and self.instrumental and value == ""
+            optional = name == "lyrics" and lyrics_optional and value == ""
             if not isinstance(value, str) or not (value.strip() or optional):
                 raise ValueError(f"SongRequest.{name} must be non-blank text"
-                                 + (" (or '' for none)" if name == "lyrics" and self.instrumental else "")
+                                 + (" (or '' for none)" if name == "lyrics" and lyrics_optional else "")
                                  + f", got {value!r}")
             check_unicode(value, f"SongRequest.{name}")
         if self.cot not in COT_MODES:

@@ -410,8 +410,8 @@ class SongScheduler:
         """Refuse, before any song starts, a concurrency whose engine + torch split cannot fit."""
         engine = self.pipe.engine
         if engine is not None:
-            if self.pipe.keep_engine is False:
-                raise ValueError("keep_engine=False stops the engine before each NAR, under the songs still "
+            if self.pipe.options.engine.keep is False:
+                raise ValueError("EngineOptions.keep=False stops the engine before each NAR, under the songs still "
                                  "generating; the scheduler needs a resident engine")
             engine.plan.check()
 

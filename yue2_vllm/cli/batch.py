@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..request_json import UsageError, error_type, parse_json, request_from_json
 from .generate import handle_status
-from .setup import _pipeline, _signal_name, print_status, write_json_atomic
+from .setup import _signal_name, print_status, song_setup, write_json_atomic
 
 class BatchProgress:
     """One tqdm bar per stage across the batch's songs (songs that finished each stage)."""
@@ -153,7 +153,7 @@ class TakesRow:
 
 def cmd_batch(args) -> int:
     _batch_rows(Path(args.input), args.cot)  # an unreadable file stops here, before any model loads
-    with _pipeline(args) as pipe:
+    with song_setup(args).pipeline() as pipe:
         return _run_batch(pipe, _batch_rows(Path(args.input), args.cot, _row_check(pipe)), args)
 
 

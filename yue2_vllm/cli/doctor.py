@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .setup import model_sources
+from .setup import Weights
 
 def cmd_doctor(args) -> int:
     import importlib.metadata
@@ -63,15 +63,16 @@ def gpu_report(index: int, meminfo_path: str | None = None) -> dict:
 def memory_split(args, device: str | None = None) -> dict:
     """The engine / torch split `serve`, `batch` and `generate` would start with (memory.plan_memory) on this
     machine's device, or on a replica's `device` ("cuda": its card, or --budget when this machine has no GPU)."""
+    from ..options import DeviceOptions, EngineOptions
     from ..pipeline import resolve_device
-    from ..testing import tiny_default
     from .setup import memory_plan
 
-    model_dir, vae_dir = model_sources(args) or tiny_default()
+    model_dir, vae_dir = Weights.of(args).resolve()
     model_dir, vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
-    plan = memory_plan(model_dir, vae_dir, device or resolve_device(args.device).type, args.budget,
-                       max_num_seqs=args.concurrency, offload_ar=args.offload_ar,
-                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+    plan = memory_plan(model_dir, vae_dir, device or resolve_device(args.device).type,
+                       DeviceOptions(device=args.device, budget_gib=args.budget, offload_ar=args.offload_ar),
+                       EngineOptions(kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                                     max_num_seqs=args.concurrency))
     return {"model": str(model_dir), **plan.describe(), "problems": plan.problems()}
 
 

@@ -7,7 +7,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from .setup import EXPECTED_ERRORS, _pipeline, _signal_name, build_request, print_status
+from .setup import EXPECTED_ERRORS, _signal_name, build_request, print_status, song_setup
 
 class Progress:
     """tqdm bars on stderr: tokens per AR phase, steps for the NAR, tiles for the VAE."""
@@ -174,7 +174,7 @@ def cmd_generate(args) -> int:
             check_takes_for(request, options, args.stage)
         except ValueError as exc:
             raise UsageError(f"--takes: {exc}") from None
-        with _pipeline(args) as pipe:
+        with song_setup(args).pipeline() as pipe:
             lines = run_takes_cli(pipe, request, overrides, Path(args.output) / request.id, options,
                                   resume=args.resume, stage=args.stage, quiet=args.quiet,
                                   scorer_command=args.scorer)
@@ -184,7 +184,7 @@ def cmd_generate(args) -> int:
         for line in failed:
             print(f"yue2-vllm: error: take {line['take']}: {line.get('reason')}", file=sys.stderr)
         return 1 if failed or lines[-1]["not_complete"] else 0
-    with _pipeline(args) as pipe:
+    with song_setup(args).pipeline() as pipe:
         status = run_song(pipe, request, overrides, Path(args.output) / request.id, resume=args.resume,
                           stage=args.stage, quiet=args.quiet)
     print_status(status)

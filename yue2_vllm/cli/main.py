@@ -8,6 +8,7 @@ import sys
 
 from ..hub import DEFAULT_MODEL
 from ..kv_cache import FORMS as KV_FORMS
+from ..options import BACKENDS, CFG_ENGINES, DTYPES, QUANTIZATIONS, QUANTIZED_POLICIES, RUNNERS
 from ..request_json import error_type
 from ..serve.disk import RETENTION_SECONDS
 from ..startup import ENGINE_START_TIMEOUT_S
@@ -101,20 +102,20 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                         help="memory budget in GiB (the vLLM engine must fit it; <= 12 decodes smaller VAE tiles); "
                              "default: a discrete GPU's memory less 10 %%, on unified memory (DGX Spark) MemAvailable "
                              "less the OS reserve, on the CPU 24; above the card is refused")
-    parser.add_argument("--backend", choices=("torch", "vllm", "auto"),
+    parser.add_argument("--backend", choices=BACKENDS,
                         help="AR backend: torch, or vllm/auto (vLLM whenever it is installed and can serve the "
                              "phase, else torch, shown on screen and recorded); default: auto, but torch for the "
                              "embedded tiny model, whose short songs finish on torch before a vLLM engine starts")
     parser.add_argument("--ar-checkpoint", help="serve the AR half from this Qwen3 checkpoint (e.g. an FP8/int8 "
                                                  "export) instead of deriving one; default: $YUE2_AR_CHECKPOINT, "
                                                  "else derived")
-    parser.add_argument("--quantization", choices=("none", "auto", "int8", "fp8"), default="none",
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                         help="torch AR path: int8/fp8 load-time proxies (restored before the NAR); a yue2-int8-ar "
                              "checkpoint needs auto or int8")
     parser.add_argument("--offload-ar", action="store_true",
                         help="move the AR expert off the accelerator during the NAR's ODE steps, for 16-24 GB "
                              "cards (default: off)")
-    parser.add_argument("--quantized-policy", choices=("auto", "force"), default="auto",
+    parser.add_argument("--quantized-policy", choices=QUANTIZED_POLICIES, default="auto",
                         help="a quantized --ar-checkpoint without a kernel faster than bf16 on this device is served "
                              "as the bf16 derived checkpoint, on the record (auto), or anyway (force); default: auto")
     parser.add_argument("--no-sliced-head", action="store_true",
@@ -124,7 +125,7 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                         help="a seed fixes the song whatever else the engine serves: vLLM's batch-invariant kernels "
                              "on CUDA sm80+, else a float32 engine (slower; result.json records batch_invariant). "
                              "Default: off (bf16 tokens on vLLM may depend on the songs sharing a step)")
-    parser.add_argument("--vllm-runner", choices=("auto", "v1", "v2"), default="auto",
+    parser.add_argument("--vllm-runner", choices=RUNNERS, default="auto",
                         help="vLLM's model runner for our engine: v2 (Model Runner V2, async scheduling on CUDA), v1, "
                              "or auto = what vLLM would choose (v2 on CUDA with vLLM >= 0.31, v1 on CPU); recorded "
                              "per song (default: auto)")
@@ -133,10 +134,10 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                              "CUDA graph step per token; CUDA only), eager (one forward per branch and token), or "
                              "auto = graph on CUDA, eager on CPU/MPS; a failed capture decodes that phase eagerly. "
                              "Recorded per phase (execution, attention, graph_fallback_reason). Default: auto")
-    parser.add_argument("--cfg-engine", choices=("vllm", "torch"), default="vllm",
+    parser.add_argument("--cfg-engine", choices=CFG_ENGINES, default="vllm",
                         help="where songs with cfg_scale != 1 (cot=off included) run when --backend is vllm/auto: as "
                              "paired rows on the engine, or on the torch backend (default: vllm)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="AR numerics of both backends (default bfloat16; float32 for verification runs: bf16 "
                              "decoding on vLLM-CPU depends on the batch)")
     parser.add_argument("--kv-cache-dtype", choices=KV_FORMS, default="auto",

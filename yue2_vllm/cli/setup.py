@@ -1,13 +1,17 @@
-"""What every song command shares: the request from flags and files, the pipeline from the model
-flags (backend, runner, hub ids), the JSON status line.
+"""What every song command shares: the request from flags and files, the `SongSetup` read from the model flags once
+(the weights by their names, the generation config, the pipeline's options) and the pipeline built from it, the
+JSON status line.
 """
 from __future__ import annotations
 
 import re
 import signal
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..options import AROptions, DeviceOptions, EngineOptions, LoadOptions
+from ..protocol import GenerationConfig
 from ..request_json import UsageError, read_abc, read_json_file, read_text_file, request_from_json
 
 def write_json_atomic(path, value) -> None:
@@ -70,82 +74,151 @@ def print_status(status: dict, stream=None) -> None:
     print(json_text(status), file=stream or sys.stdout, flush=True)
 
 
-def _models(args, need_vae: bool = True, patterns: tuple | None = None) -> tuple:
-    """`(model_dir, vae_dir, generation config, backend)` from the model flags (the embedded tiny default with
-    its 10-second budgets when --model and --vae are both left out; else upstream's names, see model_names)."""
-    from ..pipeline import device_problem
-    from ..protocol import GenerationConfig
-    from ..testing import TINY_GENERATION, tiny_default
+@dataclass(frozen=True)
+class Weights:
+    """The MoT and the VAE as a command's flags name them (upstream's names, see model_names; `model` None: the
+    embedded tiny default), resolved where the pipeline loads: a Ray head reads configs only, its replicas the
+    weights."""
 
-    problem = device_problem(args.device)
-    if problem is not None:
-        raise UsageError(f"--device {args.device}: {problem}")
+    model: str | None = None
+    vae: str | None = None
+    revision: str | None = None
+    vae_revision: str | None = None
+    progress: bool = True  # huggingface_hub's download bars on stderr (--quiet: off)
+
+    @classmethod
+    def of(cls, args, need_vae: bool = True) -> "Weights":
+        names = model_names(args, need_vae)
+        if names is None:
+            return cls()
+        return cls(*names, getattr(args, "revision", None), getattr(args, "vae_revision", None),
+                   progress=not getattr(args, "quiet", False))
+
+    def resolve(self, patterns: tuple | None = None) -> tuple:
+        """`(model, vae)`: the tiny default's directories, else local directories or Hugging Face repo ids resolved
+        to their cached snapshots of `patterns` (default: everything the loaders read), each error naming its
+        flag."""
+        from ..hub import HubOptions, is_local_name, resolve_model
+        from ..testing import tiny_default
+
+        if self.model is None:
+            return tiny_default()
+        hub = HubOptions(progress=self.progress)
+        sources = []
+        for flag, name, revision in (("--model", self.model, self.revision), ("--vae", self.vae, self.vae_revision)):
+            if name is None:
+                sources.append(None)
+                continue
+            if is_local_name(name) and not Path(name).expanduser().is_dir():
+                raise UsageError(f"{flag} {name}: " + ("is not a directory" if Path(name).expanduser().exists()
+                                                       else "does not exist"))
+            sources.append(resolve_model(name, revision=revision, what=flag, hub=hub,
+                                         **({"patterns": patterns} if patterns is not None else {})))
+        return sources[0], sources[1]
+
+
+@dataclass(frozen=True)
+class SongSetup:
+    """What a song command runs on, read from its flags once (`song_setup`): the weights, the generation config and
+    the pipeline's options, passed down as they are to the pipeline, a Ray head's admission and every replica."""
+
+    weights: Weights
+    sources: tuple | None  # (model, vae) resolved on this machine; None: resolved where the pipeline is built
+    generation: GenerationConfig
+    load: LoadOptions
+    ar: AROptions
+    engine: EngineOptions
+    device: DeviceOptions
+
+    def pipeline(self):
+        """The pipeline, its engine starting while the MoT loads. What the machine it runs on cannot do is refused
+        first, naming the flag (a KV cache form, a vLLM runner)."""
+        from ..devices import resolve_device
+        from ..pipeline import YuE2Pipeline, check_kv_form
+
+        check_device(self.device.device)  # again on a replica: its machine, not the head's
+        model, vae = self.sources if self.sources is not None else self.weights.resolve()
+        ar, engine = self.ar, self.engine
+        if engine.kv_cache_dtype != "auto":  # refused naming the flag, before anything loads
+            check_kv_form(engine.kv_cache_dtype, resolve_device(self.device.device), ar.backend, ar.cfg_engine,
+                          "--kv-cache-dtype")
+        if engine.runner != "auto":
+            check_runner(engine.runner, self.device.device, ar.backend)
+        pipe = YuE2Pipeline(model, vae, generation_config=self.generation, load=self.load, ar=ar, engine=engine,
+                            device=self.device)
+        note = torch_ar_note(ar.backend, pipe.device.type, vllm_installed())
+        if note is not None:
+            import logging
+
+            logging.getLogger("yue2_vllm").warning("%s", note)
+        return pipe
+
+    def for_replicas(self, concurrency: int) -> "SongSetup":
+        """What each replica builds its pipeline from: the weights resolved there, one engine row per song in
+        flight unless --max-num-seqs says."""
+        engine = replace(self.engine, max_num_seqs=self.engine.max_num_seqs or concurrency)
+        return replace(self, sources=None, engine=engine)
+
+    def admission(self, device_type: str) -> tuple:
+        """What a server whose songs run on replicas needs of these weights, resolved here without the weight files
+        (song_setup with HEAD_PATTERNS): `(SongRules, rows)` — the rules it admits songs by (the pipeline's, without
+        loading any weights), and the songs one replica serves at once when --max-concurrency is not given (the
+        engine's rows as the memory split on a replica's `device_type` sizes them, as `doctor` shows; 1 on the
+        torch backend)."""
+        from ..protocol import SongRules
+        from ..tokenizer import YuE2Tokenizer
+
+        model_dir, vae_dir = self.sources
+        head_files(model_dir, vae_dir)
+        rules = SongRules(self.generation, YuE2Tokenizer.from_model_dir(model_dir), self.ar.reproducible)
+        if self.ar.backend == "torch" or (self.ar.backend == "auto" and not vllm_installed()):
+            return rules, 1
+        sized = replace(self.engine, max_num_seqs=None)  # rows as the split sizes them
+        rows = memory_plan(model_dir, vae_dir, device_type, self.device, sized, generation=self.generation,
+                           weights=head_weights_bytes(model_dir, vae_dir, self.weights.progress)).max_num_seqs
+        return rules, rows
+
+
+def song_setup(args, need_vae: bool = True, patterns: tuple | None = None) -> SongSetup:
+    """A song command's `SongSetup` from its flags (the model flags, `--config`, --concurrency as the engine's rows):
+    the embedded tiny default with its 10-second budgets when --model and --vae are both left out, else upstream's
+    names (model_names); `--backend` left out is default_backend's choice for these weights."""
+    from ..testing import TINY_GENERATION
+
+    check_device(args.device)
     generation = read_json_file(Path(args.config), "--config") if args.config else None
-    sources = model_sources(args, need_vae, patterns)
-    if sources is None:
-        model_dir, vae_dir = tiny_default()
+    weights = Weights.of(args, need_vae)
+    model_dir, vae_dir = weights.resolve(patterns)
+    checkpoint = args.ar_checkpoint
+    if weights.model is None:
         generation = generation or TINY_GENERATION  # a 10 s song, so the default run takes seconds
-    else:
-        model_dir, vae_dir = sources
-    backend = args.backend or default_backend(model_dir)
+    elif checkpoint is not None and not Path(checkpoint).is_dir():
+        raise UsageError(f"--ar-checkpoint {checkpoint}: " + ("is not a directory" if Path(checkpoint).exists()
+                                                             else "does not exist"))
     try:
         generation = GenerationConfig.from_dict(generation)
     except ValueError as exc:
         raise UsageError(f"--config {args.config}: {exc}") from None
-    return model_dir, vae_dir, generation, backend
+    ar = AROptions(backend=args.backend or default_backend(model_dir), dtype=args.dtype,
+                   quantization=args.quantization, quantized_policy=args.quantized_policy,
+                   cfg_engine=args.cfg_engine, torch_execution=args.torch_execution, reproducible=args.reproducible)
+    engine = EngineOptions(kv_cache_dtype=args.kv_cache_dtype,
+                           # one engine row per song in flight (batch --concurrency, serve --max-concurrency)
+                           max_num_seqs=args.max_num_seqs or getattr(args, "concurrency", None),
+                           max_num_batched_tokens=args.max_num_batched_tokens, sliced_head=not args.no_sliced_head,
+                           runner=args.vllm_runner, start_timeout_s=args.engine_start_timeout, start=True)
+    return SongSetup(weights, (model_dir, vae_dir), generation,
+                     LoadOptions(ar_checkpoint=checkpoint, verify_hashes=args.verify_hashes), ar, engine,
+                     DeviceOptions(device=args.device, budget_gib=args.budget, offload_ar=args.offload_ar))
 
 
-def _pipeline(args, need_vae: bool = True):
-    from ..pipeline import YuE2Pipeline
+def check_device(device: str) -> None:
+    """`--device`, refused (naming the flag) when this machine cannot run it."""
+    from ..devices import device_problem
 
-    model_dir, vae_dir, generation, backend = _models(args, need_vae)
-    if getattr(args, "kv_cache_dtype", "auto") != "auto":  # refused naming the flag, before anything loads
-        from ..pipeline import check_kv_form, resolve_device
-
-        check_kv_form(args.kv_cache_dtype, resolve_device(args.device), backend, args.cfg_engine, "--kv-cache-dtype")
-    engine_options = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
-                      if getattr(args, name, None) is not None}
-    if getattr(args, "no_sliced_head", False):
-        engine_options["sliced_head"] = False
-    if getattr(args, "vllm_runner", "auto") != "auto":
-        engine_options["runner"] = check_runner(args.vllm_runner, args.device, backend)
-    if getattr(args, "engine_start_timeout", None) is not None:
-        engine_options["start_timeout_s"] = args.engine_start_timeout
-    if getattr(args, "concurrency", None) and "max_num_seqs" not in engine_options:
-        engine_options["max_num_seqs"] = args.concurrency  # one engine row per song in flight
-    pipe = YuE2Pipeline(model_dir, vae_dir, device=args.device, memory_budget_gib=args.budget, backend=backend,
-                        generation_config=generation, verify_hashes=args.verify_hashes,
-                        ar_checkpoint=args.ar_checkpoint, quantization=args.quantization, offload_ar=args.offload_ar,
-                        dtype=args.dtype, engine_options=engine_options, start_engine=True, cfg_engine=args.cfg_engine,
-                        quantized_policy=args.quantized_policy, reproducible=getattr(args, "reproducible", False),
-                        torch_execution=getattr(args, "torch_execution", "auto"),
-                        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
-    note = torch_ar_note(backend, pipe.device.type, vllm_installed())
-    if note is not None:
-        import logging
-
-        logging.getLogger("yue2_vllm").warning("%s", note)
-    return pipe
-
-
-def replica_admission(args, device_type: str) -> tuple:
-    """What a server whose songs run on replicas needs of the model flags, the weights resolved once:
-    `(SongRules, backend, rows)` — the rules it admits songs by (the pipeline's, without loading any weights), and
-    the songs one replica serves at once when --max-concurrency is not given (the engine's rows as the memory split
-    on a replica's `device_type` sizes them, as `doctor` shows; 1 on the torch backend)."""
-    from ..hub import HEAD_PATTERNS
-    from ..protocol import SongRules
-    from ..tokenizer import YuE2Tokenizer
-
-    model_dir, vae_dir, generation, backend = _models(args, patterns=HEAD_PATTERNS)  # the replicas load weights
-    head_files(model_dir, vae_dir)
-    rules = SongRules(generation, YuE2Tokenizer.from_model_dir(model_dir), getattr(args, "reproducible", False))
-    if backend == "torch" or (backend == "auto" and not vllm_installed()):
-        return rules, backend, 1
-    rows = memory_plan(model_dir, vae_dir, device_type, args.budget, offload_ar=args.offload_ar,
-                       generation=generation, weights=head_weights_bytes(model_dir, vae_dir, args),
-                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto")).max_num_seqs
-    return rules, backend, rows
+    problem = device_problem(device)
+    if problem is not None:
+        raise UsageError(f"--device {device}: {problem}")
 
 
 def head_files(model_dir, vae_dir) -> dict:
@@ -164,12 +237,12 @@ def head_files(model_dir, vae_dir) -> dict:
     return fetched
 
 
-def head_weights_bytes(model_dir, vae_dir, args) -> tuple[int, int]:
+def head_weights_bytes(model_dir, vae_dir, progress: bool = True) -> tuple[int, int]:
     """`(MoT bytes, VAE bytes)` for the memory split without the weights here (hub.weights_bytes_of)."""
     from ..hub import HubOptions, ModelSource, weights_bytes_of
     from ..checkpoint import weights_bytes
 
-    hub = HubOptions(progress=not getattr(args, "quiet", False))
+    hub = HubOptions(progress=progress)
 
     def size(source) -> int:
         if source is None:
@@ -179,14 +252,15 @@ def head_weights_bytes(model_dir, vae_dir, args) -> tuple[int, int]:
     return size(model_dir), size(vae_dir)
 
 
-def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float | None, *, max_num_seqs: int | None = None,
-                offload_ar: bool = False, generation=None, weights: tuple[int, int] | None = None,
-                kv_cache_dtype: str = "auto"):
-    """The engine / torch split (memory.plan_memory) of these weights on `device_type`; with `generation`, rows
-    sized for its songs (a prompt + the larger phase budget) instead of upstream's. On this machine's integrated
-    GPU the split is one pool with the host (`budget_gib` None: the pool). `weights`: the (MoT, VAE) file bytes
-    where the files are not here (a Ray head), else they are read from the directories. `kv_cache_dtype`: the
-    engine's KV form, counted by its element size."""
+def memory_plan(model_dir, vae_dir, device_type: str, device: DeviceOptions = DeviceOptions(),
+                engine: EngineOptions = EngineOptions(), *, generation: GenerationConfig | None = None,
+                weights: tuple[int, int] | None = None):
+    """The engine / torch split (memory.plan_memory) of these weights on `device_type` with these options
+    (options.DeviceOptions: the budget, --offload-ar, the VAE tile; options.EngineOptions: the rows, the KV cache
+    form counted by its element size); with `generation`, rows sized for its songs (a prompt + the larger phase
+    budget) instead of upstream's. On this machine's integrated GPU the split is one pool with the host (no budget:
+    the pool). `weights`: the (MoT, VAE) file bytes where the files are not here (a Ray head), else they are read
+    from the directories."""
     from ..checkpoint import read_json, weights_bytes
     from ..kv_cache import element_bytes
     from ..memory import (PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, default_budget_gib, device_pool, plan_memory,
@@ -203,17 +277,18 @@ def memory_plan(model_dir, vae_dir, device_type: str, budget_gib: float | None, 
 
     card = (total_memory_bytes(device_type) if device_type.startswith("cuda") and pool is None
             and torch.cuda.is_available() else None)
-    budget_gib = budget_gib or default_budget_gib(pool, card)
+    budget_gib = device.budget_gib or default_budget_gib(pool, card)
     vae, tile = weights[1] if weights else weights_bytes(vae_dir), 0
     if vae_dir is not None and (Path(vae_dir) / "config.json").is_file():  # the decoder we keep, by its config
         vae_config = VAEConfig.from_dict(read_json(Path(vae_dir) / "config.json"))
         vae = decoder_bytes(vae_config)
-        tile = vae_decode_bytes(vae_config, default_vae_core_frames(budget_gib), VAE_HALO_FRAMES)
+        tile = vae_decode_bytes(vae_config, device.vae_core_frames or default_vae_core_frames(budget_gib),
+                                VAE_HALO_FRAMES)
     return plan_memory(config, device=device_type, budget_gib=budget_gib, engine_weights=ar_expert_bytes(config),
                        torch_model=weights[0] if weights else weights_bytes(model_dir), vae=vae, vae_tile=tile,
-                       max_num_seqs=max_num_seqs,
-                       offload_ar=offload_ar, total=card_bytes(device_type, budget_gib), unified=pool,
-                       kv_dtype_bytes=element_bytes(kv_cache_dtype), **typical)
+                       max_num_seqs=engine.max_num_seqs, offload_ar=device.offload_ar,
+                       total=card_bytes(device_type, budget_gib), unified=pool,
+                       kv_dtype_bytes=element_bytes(engine.kv_cache_dtype), **typical)
 
 
 def card_bytes(device_type: str, budget_gib: float) -> int | None:
@@ -261,34 +336,6 @@ def model_names(args, need_vae: bool = True) -> tuple[str, str | None] | None:
     if vae is None and need_vae:
         vae = "standard"
     return model or DEFAULT_MODEL, VAE_ALIASES.get(vae, vae)
-
-
-def model_sources(args, need_vae: bool = True, patterns: tuple | None = None) -> tuple | None:
-    """`--model` / `--vae` (and `--ar-checkpoint`) as model_names names them: local directories, or Hugging
-    Face repo ids resolved to their cached snapshots (`--revision` / `--vae-revision`; download bars hidden by
-    `--quiet`), each error naming its flag; None for the embedded tiny default."""
-    from ..hub import HubOptions, is_local_name, resolve_model
-
-    names = model_names(args, need_vae)
-    if names is None:
-        return None
-    hub = HubOptions(progress=not getattr(args, "quiet", False))
-    sources = []
-    for flag, name, revision in (("--model", names[0], getattr(args, "revision", None)),
-                                 ("--vae", names[1], getattr(args, "vae_revision", None))):
-        if name is None:
-            sources.append(None)
-            continue
-        if is_local_name(name) and not Path(name).expanduser().is_dir():
-            raise UsageError(f"{flag} {name}: " + ("is not a directory" if Path(name).expanduser().exists()
-                                                   else "does not exist"))
-        sources.append(resolve_model(name, revision=revision, what=flag, hub=hub,
-                                     **({"patterns": patterns} if patterns is not None else {})))
-    checkpoint = getattr(args, "ar_checkpoint", None)
-    if checkpoint is not None and not Path(checkpoint).is_dir():
-        raise UsageError(f"--ar-checkpoint {checkpoint}: " + ("is not a directory" if Path(checkpoint).exists()
-                                                             else "does not exist"))
-    return sources[0], sources[1]
 
 
 def default_backend(model_dir) -> str:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..request_json import UsageError
-from .setup import _pipeline, print_status, replica_admission
+from .setup import print_status, song_setup
 
 def cmd_derive(args) -> int:
     import time
@@ -28,7 +28,7 @@ def cmd_calibrate(args) -> int:
     from ..quant.calibration import DEFAULT_REQUESTS, build_corpus, load_request_set, summary
 
     request_set = load_request_set(args.requests or DEFAULT_REQUESTS)
-    with _pipeline(args, need_vae=False) as pipe:
+    with song_setup(args, need_vae=False).pipeline() as pipe:
         manifest = build_corpus(pipe, request_set, args.output, window=args.window, limit=args.limit,
                                 on_request=lambda i, n, rid: print(f"Request {i}/{n}: {rid}", file=sys.stderr))
     print(summary(manifest))
@@ -68,7 +68,7 @@ def cmd_make_tiny(args) -> int:
 def cmd_serve(args) -> int:
     from ..serve.runner import serve
 
-    return serve(args, _pipeline, print_status, admission=replica_admission)
+    return serve(args, song_setup, print_status)
 
 
 def cmd_quantize(args) -> int:

@@ -21,7 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-RUNNERS = ("auto", "v1", "v2")
+from ..options import RUNNERS
+
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 V2_INTERFACE = (0, 31)  # vllm.v1.worker.gpu.sample.logits_processor appears in 0.31
 V2_MODEL_STATE_HOOK = (0, 28)  # MRV2's init_model_state honours model.get_model_state_cls() from 0.28

@@ -21,6 +21,7 @@ import torch
 
 from .decode_step import BranchDecoder, PhaseRows, graph_refusal
 from .modeling import YuE2Model
+from ..options import TORCH_EXECUTIONS as EXECUTIONS
 from ..protocol import CODEC_OFFSET, CODEC_SIZE, EOD, Sampling, ar_signals, check_budget, end_token
 
 OnToken = Callable[[str, int], None]
@@ -177,8 +178,6 @@ class RowSampler:
 
 
 # --------------------------------------------------------------------------- torch backend
-
-EXECUTIONS = ("auto", "graph", "eager", "batched")
 
 
 def resolve_execution(requested: str, device: torch.device) -> tuple[str, str | None]:

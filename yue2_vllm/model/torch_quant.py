@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..devices import cuda_index
+from ..options import QUANTIZATIONS as LOAD_MODES  # noqa: F401 (the loader's name for them)
 from .modeling import CONFIG_FILE, YuE2Config, checkpoint_layout, tensor_shapes
 from ..checkpoint import (SINGLE_FILE, CheckpointError, Expected, HashCache, TensorInfo, atomic_directory,
                          check_tensors, model_file, read_json, weight_index, write_json_atomic,
@@ -48,7 +49,6 @@ GIB = 2**30
 AR_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 AR_LINEAR = re.compile(r"model\.layers\.(\d+)\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)")
-LOAD_MODES = ("auto", "none", "int8", "fp8")
 PROXY_MODES = ("int8", "fp8")
 ORIGINALS_ATTR = "_yue2_ar_originals"  # plain dict attribute: model.to() never moves what it holds
 STATUS_ATTR = "quantization_status"

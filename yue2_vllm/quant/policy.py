@@ -9,9 +9,8 @@ from pathlib import Path
 from ..checkpoint import HashCache
 from ..derive import OVERRIDE_ENV, ARCheckpoint, DerivationError, derive_ar_checkpoint, validate_ar_checkpoint
 from ..model.modeling import YuE2Config
+from ..options import QUANTIZED_POLICIES
 from .schemes import device_info, engine_disabled_kernels, runnable_reason, slow_reason, w8a8_kernel
-
-QUANTIZED_POLICIES = ("auto", "force")
 
 
 def resolve_ar_checkpoint(model_dir: str | os.PathLike, *, override: str | os.PathLike | None = None,

@@ -167,7 +167,7 @@ class JobBoard:
 class ReplicaSpec:
     """What every replica is built from (pickled to the replicas by Serve)."""
 
-    build_pipeline: Callable  # () -> YuE2Pipeline, as the single-process server builds its own
+    build_pipeline: Callable  # () -> YuE2Pipeline: the ingress's SongSetup.pipeline, as a single process builds its own
     data_dir: str
     token: str  # the ingress's cluster.json token: the replica proves it sees the same data dir
     concurrency: int  # songs in flight in this replica (= the deployment's max_ongoing_requests)

@@ -8,7 +8,6 @@ stops. In between the first two, every request is answered 503 with what the sta
 from __future__ import annotations
 
 import contextlib
-import functools
 import ipaddress
 import logging
 import os
@@ -119,9 +118,9 @@ def stderr_logging() -> dict:
 
 
 @contextmanager
-def one_process(args, pipeline: Callable):
-    """The single-process server's workers: this process's pipeline."""
-    with pipeline(args) as pipe:
+def one_process(args, song_setup: Callable):
+    """The single-process server's workers: this process's pipeline (its weights resolved while /health says so)."""
+    with song_setup(args).pipeline() as pipe:
         yield pipe, {}
 
 
@@ -135,11 +134,14 @@ class ClusterPlan:
     concurrency: int  # songs in flight per replica
     resources: dict
     joined: bool  # an existing cluster (--ray-address), else a local one this process starts
+    setup: object  # cli.setup.SongSetup: what each replica builds its pipeline from
 
 
-def plan_cluster(args, admission: Callable) -> ClusterPlan:
+def plan_cluster(args, song_setup: Callable) -> ClusterPlan:
     """The replicas' shape and songs in flight, refused (UsageError) when they cannot fit: on this machine's
-    resources for a local cluster (none is started yet), on the joined cluster's otherwise."""
+    resources for a local cluster (none is started yet), on the joined cluster's otherwise. The flags are read once
+    here, the weights resolved without their files (the replicas fetch those)."""
+    from ..hub import HEAD_PATTERNS
     from .cluster import connect, local_resources, shape_replicas
 
     joined = args.ray_address is not None
@@ -149,16 +151,17 @@ def plan_cluster(args, admission: Callable) -> ClusterPlan:
             raise UsageError("--device cpu with --replica-gpus: CPU replicas reserve no GPU")
         resources = {**resources, "GPU": 0.0}
     shape = shape_replicas(resources, args.replicas, args.replica_gpus, args.replica_cpus, strict=not joined)
-    song_rules, backend, rows = admission(args, shape.device)
-    return ClusterPlan(song_rules, backend, shape, args.concurrency or rows, resources, joined)
+    head = song_setup(args, patterns=HEAD_PATTERNS)
+    song_rules, rows = head.admission(shape.device)
+    concurrency = args.concurrency or rows
+    return ClusterPlan(song_rules, head.ar.backend, shape, concurrency, resources, joined,
+                       head.for_replicas(concurrency))
 
 
 @contextmanager
-def replicas(args, pipeline: Callable, plan: ClusterPlan, data_dir: Path):
+def replicas(args, plan: ClusterPlan, data_dir: Path):
     """Ray Serve replicas (the `ray` extra): the local cluster started here (or the joined one), a `ReplicaPool`
     over them, and what the status line says of them."""
-    import argparse
-
     import ray
 
     from .cluster import ReplicaPool, connect, write_cluster_file
@@ -167,8 +170,7 @@ def replicas(args, pipeline: Callable, plan: ClusterPlan, data_dir: Path):
     shape = plan.shape
     connect(args.ray_address, plan.resources)
     # Each replica builds its pipeline as this command would, with one engine row per song it serves.
-    replica_args = argparse.Namespace(**{**vars(args), "concurrency": plan.concurrency})
-    spec = ReplicaSpec(functools.partial(pipeline, replica_args), str(data_dir.resolve()),
+    spec = ReplicaSpec(plan.setup.pipeline, str(data_dir.resolve()),
                        write_cluster_file(data_dir), plan.concurrency,
                        cpus=shape.cpus if shape.device == "cpu" else None)
     pool = ReplicaPool(plan.rules, spec, shape, backend=plan.backend, owns_cluster=not plan.joined)
@@ -181,23 +183,24 @@ def replicas(args, pipeline: Callable, plan: ClusterPlan, data_dir: Path):
             ray.shutdown()  # the local cluster goes with this process (a no-op once the pool has stopped it)
 
 
-def serve(args, pipeline: Callable, print_status: Callable[[dict], None], *, admission: Callable | None = None) -> int:
-    """`yue2-vllm serve`: `pipeline(args)` builds a pipeline; with --replicas / --ray-address each replica builds
-    its own, and this process admits songs by `admission(args, device_type)` -> (SongRules, backend, a replica's
-    songs in flight unless --max-concurrency says)."""
+def serve(args, song_setup: Callable, print_status: Callable[[dict], None]) -> int:
+    """`yue2-vllm serve`: `song_setup(args, patterns=None)` reads the model flags once (cli.setup.SongSetup), whose
+    `pipeline()` builds a pipeline; with --replicas / --ray-address each replica builds its own from what this
+    process read, and this process admits songs by its `admission(device_type)` -> (SongRules, a replica's songs in
+    flight unless --max-concurrency says)."""
     check_installed()
     api_key = api_key_from(args.api_key)
     check_exposure(args.host, api_key, getattr(args, "insecure_no_auth", False))
     if getattr(args, "replicas", None) is None and getattr(args, "ray_address", None) is None:
-        return _serve(args, api_key, lambda data_dir: one_process(args, pipeline), print_status)
+        return _serve(args, api_key, lambda data_dir: one_process(args, song_setup), print_status)
     from .cluster import check_ray
 
     check_ray()
     if args.device.startswith("cuda:"):
         raise UsageError(f"--device {args.device}: Ray gives each replica its GPU; use --device auto or cuda")
     with status_channel(print_status) as status:
-        plan = plan_cluster(args, admission)
-        return _serve(args, api_key, lambda data_dir: replicas(args, pipeline, plan, data_dir), status)
+        plan = plan_cluster(args, song_setup)
+        return _serve(args, api_key, lambda data_dir: replicas(args, plan, data_dir), status)
 
 
 @contextmanager

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from ..kv_cache import check_form, check_kv_cache, is_fp8
 from ..memory import PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, vae_decode_bytes
 from ..model.modeling import YuE2Config
 from ..model.vae import decoder_bytes
-from ..protocol import GenerationConfig
+from ..options import PipelineOptions
 from ..room import DeviceRoom
 from ..startup import STARTUP, StartRetry, StepAborted, block_counter
 from .models import DTYPES, VAE_HALO_FRAMES
@@ -38,58 +38,50 @@ def vllm_usable() -> bool:
     return unsupported_reason(vllm_version()) is None
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineInputs:
-    """What the engine is sized and derived from: the pipeline's device, budget and what its torch side keeps."""
+    """What the engine is sized and derived from: the pipeline's options (their defaults filled in), its device and
+    what its torch side keeps."""
 
     model_dir: Path
     device: torch.device
     unified: object | None
-    memory_budget_gib: float
-    dtype: str
-    offload_ar: bool
-    reproducible: bool
-    generation: GenerationConfig
     vae_config: object | None
-    vae_core_frames: int
     ar_on_device: bool  # where the torch side holds the AR expert (placement.py)
-    ar_checkpoint: str | os.PathLike | None
-    quantized_policy: str
-    keep_engine: bool | None
-    options: dict = field(default_factory=dict)  # engine options given by the caller (win over the sized ones)
-    kv_cache_dtype: str = "auto"  # the engine's KV cache form (kv_cache.py)
+    options: PipelineOptions
 
 
 def engine_settings(inputs: EngineInputs, checkpoint) -> "EngineSettings":
     """The engine a pipeline starts: its options, sized against what the torch side keeps."""
     from ..engine.backend import EngineSettings
 
-    generation, device = inputs.generation, inputs.device
+    options, device = inputs.options, inputs.device
+    generation, ar, placement = options.generation, options.ar, options.device
     typical = PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)
-    mot_bytes = weights_bytes(inputs.model_dir) * DTYPES[inputs.dtype].itemsize // 2  # stored bf16
+    mot_bytes = weights_bytes(inputs.model_dir) * DTYPES[ar.dtype].itemsize // 2  # stored bf16
     vae = inputs.vae_config
     vae_bytes = decoder_bytes(vae) if vae is not None else 0
-    tile = vae_decode_bytes(vae, inputs.vae_core_frames, VAE_HALO_FRAMES) if vae else 0
-    options = {"typical_tokens": typical, "offload_ar": inputs.offload_ar, "dtype": inputs.dtype,
-               "torch_side_bytes": mot_bytes + vae_bytes, "vae_tile_bytes": tile,
-               "torch_ar_on_device": inputs.ar_on_device, "kv_cache_dtype": inputs.kv_cache_dtype, **inputs.options}
-    options.setdefault("cuda_visible_devices", engine_cuda_env(device).get("CUDA_VISIBLE_DEVICES"))
+    tile = vae_decode_bytes(vae, placement.vae_core_frames, VAE_HALO_FRAMES) if vae else 0
+    settings = {"typical_tokens": typical, "offload_ar": placement.offload_ar, "dtype": ar.dtype,
+                "torch_side_bytes": mot_bytes + vae_bytes, "vae_tile_bytes": tile,
+                "torch_ar_on_device": inputs.ar_on_device, "kv_cache_dtype": options.engine.kv_cache_dtype,
+                **options.engine.settings()}  # what the caller set wins over what is sized here
+    settings.setdefault("cuda_visible_devices", engine_cuda_env(device).get("CUDA_VISIBLE_DEVICES"))
     if device.type == "cuda":
-        options.setdefault("cuda_capability", tuple(torch.cuda.get_device_capability(device)))
-        options.setdefault("unified", inputs.unified)
-    if inputs.reproducible:
+        settings.setdefault("cuda_capability", tuple(torch.cuda.get_device_capability(device)))
+        settings.setdefault("unified", inputs.unified)
+    if ar.reproducible:
         from ..engine.runner import batch_invariance
 
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        options["batch_invariance"] = invariance = batch_invariance(device.type, capability)
+        settings["batch_invariance"] = invariance = batch_invariance(device.type, capability)
         if invariance.dtype is not None:
-            options["dtype"] = invariance.dtype
-    return EngineSettings(checkpoint, device_type=device.type, memory_budget_gib=inputs.memory_budget_gib,
-                          **options)
+            settings["dtype"] = invariance.dtype
+    return EngineSettings(checkpoint, device_type=device.type, memory_budget_gib=placement.budget_gib, **settings)
 
 
 def check_kv_form(form: str, device: torch.device, backend: str, cfg_engine: str,
-                  flag: str = "kv_cache_dtype") -> str:
+                  flag: str = "EngineOptions.kv_cache_dtype") -> str:
     """The engine's KV cache form, refused (ValueError, one line naming `flag`, the device and what works) before
     anything loads where this device, the installed vLLM or the backend cannot run it (kv_cache.kv_cache_problem)."""
     from ..engine.backend import vllm_version
@@ -107,7 +99,8 @@ def check_split(inputs: EngineInputs) -> None:
     what to lower; on unified memory MemAvailable) before any weights are loaded. The AR checkpoint is
     estimated: the override's files, else the bf16 AR expert the derived checkpoint will hold."""
     config = YuE2Config.load(inputs.model_dir)
-    override = Path(inputs.ar_checkpoint) if inputs.ar_checkpoint else None
+    ar_checkpoint = inputs.options.load.ar_checkpoint
+    override = Path(ar_checkpoint) if ar_checkpoint else None
     weights = weights_bytes(override) if override is not None and override.is_dir() else ar_expert_bytes(config)
     engine_settings(inputs, None).plan(config, engine_weights=weights).check()
 
@@ -117,8 +110,8 @@ class EngineLife:
     retried with backoff after a failed start, stopped, released for the NAR and closed. `room` is where songs'
     buffers are admitted beside it on a discrete GPU (None: nothing to admit into)."""
 
-    def __init__(self, inputs: EngineInputs, hashes: HashCache, verify_hashes: bool):
-        self.inputs, self.hashes, self.verify_hashes = inputs, hashes, verify_hashes
+    def __init__(self, inputs: EngineInputs, hashes: HashCache):
+        self.inputs, self.hashes = inputs, hashes
         self._vllm = None
         self._vllm_unavailable: str | None = None
         self._vllm_lock = threading.Lock()
@@ -132,7 +125,7 @@ class EngineLife:
     def vllm_backend(self):
         """The vLLM backend, or None with the reason it cannot serve (decided once per pipeline, but for a failed
         start, which `select` tries again with `start_retry`'s backoff)."""
-        inputs = self.inputs
+        inputs, load = self.inputs, self.inputs.options.load
         with self._vllm_lock:
             if self._vllm is None and self._vllm_unavailable is None:
                 from ..engine.backend import VLLMBackend, unsupported_reason, vllm_version
@@ -140,13 +133,13 @@ class EngineLife:
 
                 reason = unsupported_reason(vllm_version())
                 if reason is None:
-                    derived = not (inputs.ar_checkpoint or os.environ.get(OVERRIDE_ENV))
+                    derived = not (load.ar_checkpoint or os.environ.get(OVERRIDE_ENV))
                     with STARTUP.step("deriving", "AR checkpoint",
                                       derivation_bytes(inputs.model_dir) if derived else None) as step:
-                        checkpoint = resolve_ar_checkpoint(inputs.model_dir, override=inputs.ar_checkpoint,
+                        checkpoint = resolve_ar_checkpoint(inputs.model_dir, override=load.ar_checkpoint,
                                                            device_type=inputs.device.type, hashes=self.hashes,
-                                                           verify=self.verify_hashes,
-                                                           quantized_policy=inputs.quantized_policy,
+                                                           verify=load.verify_hashes,
+                                                           quantized_policy=inputs.options.ar.quantized_policy,
                                                            on_block=block_counter(step, self._closing))
                     if checkpoint.declined:
                         LOG.info("AR checkpoint: %s", checkpoint.declined)
@@ -247,7 +240,7 @@ class EngineLife:
 
     def release_for_nar(self) -> None:
         """Keep the engine across the NAR when the memory split fits (always on the CPU), else stop it."""
-        keep = self.inputs.keep_engine
+        keep = self.inputs.options.engine.keep
         if keep is None:
             keep = self.inputs.device.type == "cpu" or self._vllm is None or not self._vllm.plan.problems()
         if not keep:  # a start in progress (another song's) is waited for, not stopped

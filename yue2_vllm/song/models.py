@@ -18,6 +18,7 @@ from ..model.nar import offloaded_ar
 from ..model.placement import placement_of
 from ..model.torch_quant import module_bytes, proxy_slow_reason
 from ..model.vae import check_vae, load_vae
+from ..options import AROptions
 from ..startup import STARTUP, block_counter
 from ..tokenizer import YuE2Tokenizer
 
@@ -60,10 +61,10 @@ class LoadedModels:
             return model_identity(directory, hashes=self.hashes, verify=self.verify_hashes,
                                   on_block=block_counter(step))
 
-    def load_mot(self, device: torch.device, dtype: str, quantization: str, quantized_policy: str,
-                 ar_on_device: bool) -> None:
+    def load_mot(self, device: torch.device, ar: AROptions, ar_on_device: bool) -> None:
         """Load the MoT; load-time proxies without a fast kernel on this device are declined on the record."""
-        declined = proxy_slow_reason(quantization, device, DTYPES[dtype]) if quantized_policy != "force" else None
+        quantization, dtype = ar.quantization, ar.dtype
+        declined = proxy_slow_reason(quantization, device, DTYPES[dtype]) if ar.quantized_policy != "force" else None
         with STARTUP.step("loading", "model", weights_bytes(self.model_dir)):
             time.sleep(float(os.environ.get(SLOW_LOAD_ENV) or 0))  # tests only: a load that takes a while
             self.model = load_model(self.model_dir, device=device, dtype=DTYPES[dtype],

@@ -122,7 +122,7 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
         start = time.perf_counter()
         latents = (synthesizer or song.synthesize)(semantic, cancelled=cancelled, on_progress=on_progress)
         return {"latent.npy": art.npy_bytes(latents)}, {"nar_seconds": time.perf_counter() - start,
-                                                        "offload_ar": song.offload_ar,
+                                                        "offload_ar": song.options.device.offload_ar,
                                                         "peak_memory_bytes": peak_memory_bytes(song.device),
                                                         **semantic.synthesis}
 
@@ -159,6 +159,7 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
         document = run.write_result({
             # resumed: as upstream, only a finished result reused untouched (reuse_result) says True
             "status": "complete", "identity": run_id, "resumed": False, "stages_reused": list(reused),
+            **({"instrumental": True} if request.instrumental else {}),  # its steps: instrumental.json
             **batch_record(plan.timing, semantic.timing),
             **{key: config[key] for key in ("kv_cache_dtype",) if key in config},  # an FP8 KV engine's form
             "sources": song.source_records(),

@@ -18,7 +18,8 @@ from ..model.nar import SongInput, synthesize_many
 from ..model.nar import synthesize as nar_synthesize
 from ..model.sampling import ARBackend
 from ..model.torch_quant import prepare_ar_proxies, restore_ar
-from ..protocol import (CODEC_OFFSET, GenerationConfig, Sampling, SongRequest, SongRules, abc_prompt, check_abc_ids,
+from ..options import PipelineOptions
+from ..protocol import (CODEC_OFFSET, Sampling, SongRequest, SongRules, abc_prompt, check_abc_ids,
                         check_token_ids, negative_prompt, semantic_prompt)
 from ..room import DeviceRoom
 from ..tokenizer import YuE2Tokenizer
@@ -38,14 +39,11 @@ class SongStages:
     model: object
     tokenizer: YuE2Tokenizer
     rules: SongRules
-    generation: GenerationConfig
+    options: PipelineOptions  # the pipeline's, its defaults filled in (the VAE tile, the budget)
     torch_backend: ARBackend
     torch_lock: threading.RLock  # the torch lane; with load-time proxies it also covers synthesis
     proxy_mode: str | None
-    offload_ar: bool
     ar_on_device: bool
-    vae_core_frames: int
-    backend_requested: str
     select_backend: Callable[[float, bool], tuple[ARBackend, str | None]]
     room: Callable[[], DeviceRoom | None]
     release_engine: Callable[[], None]
@@ -64,7 +62,7 @@ class SongStages:
                 ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
         else:
             ids, timing, truncated = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
-        timing = {**timing, "backend_requested": self.backend_requested, "fallback_reason": reason}
+        timing = {**timing, "backend_requested": self.options.ar.backend, "fallback_reason": reason}
         timing.setdefault("batch_invariant", True)  # the torch backend serves one song per forward pass
         return ids, timing, truncated
 
@@ -108,7 +106,7 @@ class SongStages:
     # -- the NAR and the VAE
 
     def nar_need(self, semantics: Sequence[SemanticResult]) -> int:
-        return nar_need(self.model.config, semantics, self.generation.context, self.ar_on_device)
+        return nar_need(self.model.config, semantics, self.options.generation.context, self.ar_on_device)
 
     def _nar_lane(self):
         """With load-time proxies the NAR must not run while they are swapped in: it takes the torch lane."""
@@ -128,10 +126,11 @@ class SongStages:
         with admitted(self.room(), self.nar_need([semantic]), "nar of 1 song", [on_progress], cancelled, [record]), \
                 self._nar_lane():
             self._prepare_nar()
+            generation = self.options.generation
             latents = nar_synthesize(self.model, semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
-                                     steps=self.generation.ode_steps, context=self.generation.context,
-                                     cancelled=cancelled, on_progress=progress, offload_ar=self.offload_ar,
-                                     record=record)
+                                     steps=generation.ode_steps, context=generation.context,
+                                     cancelled=cancelled, on_progress=progress,
+                                     offload_ar=self.options.device.offload_ar, record=record)
         return latents.numpy()
 
     def synthesize_many(self, semantics: Sequence[SemanticResult], *, cancelled: Sequence[Cancelled | None] = (),
@@ -157,8 +156,9 @@ class SongStages:
         with admitted(self.room(), self.nar_need(chosen), f"nar of {len(chosen)} songs", reports, None,
                       [s.synthesis for s in chosen]), self._nar_lane():
             self._prepare_nar()
-            latents = synthesize_many(self.model, songs, steps=self.generation.ode_steps,
-                                      context=self.generation.context, offload_ar=self.offload_ar)
+            generation = self.options.generation
+            latents = synthesize_many(self.model, songs, steps=generation.ode_steps, context=generation.context,
+                                      offload_ar=self.options.device.offload_ar)
         for index, result in zip(batched, latents):
             results[index] = result.numpy() if isinstance(result, torch.Tensor) else result
         return results
@@ -170,9 +170,10 @@ class SongStages:
         if latents.ndim != 2 or latents.shape[1] != vae.config.latent_dim:
             raise ValueError(f"latents must be [frames, {vae.config.latent_dim}], got {list(latents.shape)}")
         progress = (lambda done, total: on_progress("vae", done, total)) if on_progress else None
-        tile = vae_decode_bytes(vae.config, self.vae_core_frames, VAE_HALO_FRAMES)
+        core_frames = self.options.device.vae_core_frames
+        tile = vae_decode_bytes(vae.config, core_frames, VAE_HALO_FRAMES)
         with admitted(self.room(), tile, "vae tile", [on_progress], cancelled), self.vae_on_device() as placed:
-            audio = placed.decode_tiled(latents.T[None], core_frames=self.vae_core_frames,
+            audio = placed.decode_tiled(latents.T[None], core_frames=core_frames,
                                         halo_frames=VAE_HALO_FRAMES, on_progress=progress, cancelled=cancelled)[0]
         if not torch.isfinite(audio).all():
             raise FloatingPointError("the VAE produced non-finite audio")

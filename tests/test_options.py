@@ -1,0 +1,155 @@
+"""The pipeline's typed options: each group refuses a bad field in one line naming it, before anything loads, and the
+pipeline keeps them with their defaults filled in."""
+import dataclasses
+import math
+
+import pytest
+
+from yue2_vllm.checkpoint import HashCache
+from yue2_vllm.options import AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions
+from yue2_vllm.protocol import GenerationConfig
+
+
+@pytest.mark.parametrize("group,fields,message", [
+    (AROptions, {"backend": "tensorrt"}, "AROptions.backend must be one of ('torch', 'vllm', 'auto'), got 'tensorrt'"),
+    (AROptions, {"dtype": "float16"}, "AROptions.dtype must be one of ('bfloat16', 'float32'), got 'float16'"),
+    (AROptions, {"quantization": "int4"},
+     "AROptions.quantization must be one of ('none', 'auto', 'int8', 'fp8'), got 'int4'"),
+    (AROptions, {"quantized_policy": "always"},
+     "AROptions.quantized_policy must be one of ('auto', 'force'), got 'always'"),
+    (AROptions, {"cfg_engine": "both"}, "AROptions.cfg_engine must be one of ('vllm', 'torch'), got 'both'"),
+    (AROptions, {"torch_execution": "compiled"},
+     "AROptions.torch_execution must be one of ('auto', 'graph', 'eager', 'batched'), got 'compiled'"),
+    (AROptions, {"backend": ["vllm"]}, "AROptions.backend must be one of ('torch', 'vllm', 'auto'), got ['vllm']"),
+    (AROptions, {"reproducible": 1}, "AROptions.reproducible must be True or False, got 1"),
+    (EngineOptions, {"kv_cache_dtype": "fp4"},
+     "EngineOptions.kv_cache_dtype must be one of ('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'), got 'fp4'"),
+    (EngineOptions, {"max_num_seqs": 0}, "EngineOptions.max_num_seqs must be an integer >= 1 or None, got 0"),
+    (EngineOptions, {"max_num_seqs": True}, "EngineOptions.max_num_seqs must be an integer >= 1 or None, got True"),
+    (EngineOptions, {"max_num_seqs": 8.0}, "EngineOptions.max_num_seqs must be an integer >= 1 or None, got 8.0"),
+    (EngineOptions, {"max_num_batched_tokens": -64},
+     "EngineOptions.max_num_batched_tokens must be an integer >= 1 or None, got -64"),
+    (EngineOptions, {"sliced_head": "no"}, "EngineOptions.sliced_head must be True or False, got 'no'"),
+    (EngineOptions, {"runner": "v3"}, "EngineOptions.runner must be one of ('auto', 'v1', 'v2'), got 'v3'"),
+    (EngineOptions, {"start_timeout_s": 0}, "EngineOptions.start_timeout_s must be a positive number or None, got 0"),
+    (EngineOptions, {"start_timeout_s": math.inf},
+     "EngineOptions.start_timeout_s must be a positive number or None, got inf"),
+    (EngineOptions, {"start_timeout_s": math.nan},
+     "EngineOptions.start_timeout_s must be a positive number or None, got nan"),
+    (EngineOptions, {"start_timeout_s": "60"},
+     "EngineOptions.start_timeout_s must be a positive number or None, got '60'"),
+    (EngineOptions, {"start": None}, "EngineOptions.start must be True or False, got None"),
+    (EngineOptions, {"keep": "yes"}, "EngineOptions.keep must be True, False or None, got 'yes'"),
+    (EngineOptions, {"tuning": [("max_restarts", 2)]},
+     "EngineOptions.tuning must be a mapping of EngineSettings keywords, got [('max_restarts', 2)]"),
+    (EngineOptions, {"tuning": {3: 1}},
+     "EngineOptions.tuning must be a mapping of EngineSettings keywords, got {3: 1}"),
+    (EngineOptions, {"tuning": {"max_num_seqs": 4}},
+     "EngineOptions.tuning['max_num_seqs']: set EngineOptions.max_num_seqs instead"),
+    (DeviceOptions, {"device": ""},
+     "DeviceOptions.device must be a device name (auto, cpu, cuda, cuda:N or mps), got ''"),
+    (DeviceOptions, {"device": 0},
+     "DeviceOptions.device must be a device name (auto, cpu, cuda, cuda:N or mps), got 0"),
+    (DeviceOptions, {"budget_gib": 0}, "DeviceOptions.budget_gib must be a positive number or None, got 0"),
+    (DeviceOptions, {"budget_gib": -8.0}, "DeviceOptions.budget_gib must be a positive number or None, got -8.0"),
+    (DeviceOptions, {"budget_gib": math.nan}, "DeviceOptions.budget_gib must be a positive number or None, got nan"),
+    (DeviceOptions, {"offload_ar": "on"}, "DeviceOptions.offload_ar must be True or False, got 'on'"),
+    (DeviceOptions, {"vae_core_frames": 0}, "DeviceOptions.vae_core_frames must be an integer >= 1 or None, got 0"),
+    (DeviceOptions, {"vae_core_frames": 512.5},
+     "DeviceOptions.vae_core_frames must be an integer >= 1 or None, got 512.5"),
+    (LoadOptions, {"ar_checkpoint": 3}, "LoadOptions.ar_checkpoint must be a directory or None, got 3"),
+    (LoadOptions, {"ar_checkpoint": ""}, "LoadOptions.ar_checkpoint must be a directory or None, got ''"),
+    (LoadOptions, {"verify_hashes": None}, "LoadOptions.verify_hashes must be True or False, got None"),
+    (LoadOptions, {"hash_cache": "hashes.json"},
+     "LoadOptions.hash_cache must be a checkpoint.HashCache or None, got 'hashes.json'"),
+])
+def test_each_group_names_the_bad_field(group, fields, message):
+    with pytest.raises(ValueError) as info:
+        group(**fields)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("part,value,message", [
+    ("ar", {"backend": "vllm"}, "ar must be of type AROptions, got dict"),
+    ("engine", AROptions(), "engine must be of type EngineOptions, got AROptions"),
+    ("device", "cuda", "device must be of type DeviceOptions, got str"),
+    ("load", None, "load must be of type LoadOptions, got NoneType"),
+    ("generation", {"ode_steps": 2}, "generation must be of type GenerationConfig, got dict"),
+])
+def test_the_bundle_takes_each_group_by_its_type(part, value, message):
+    with pytest.raises(TypeError) as info:
+        PipelineOptions(**{part: value})
+    assert str(info.value) == message
+
+
+def test_the_options_are_frozen_values():
+    tuning = {"max_restarts": 2}
+    engine = EngineOptions(max_num_seqs=8, tuning=tuning)
+    tuning["max_restarts"] = 0  # the caller's dict changing later changes nothing
+    assert engine.tuning == {"max_restarts": 2}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.max_num_seqs = 4
+    assert AROptions(backend="vllm") == AROptions(backend="vllm") != AROptions()
+    assert LoadOptions(hash_cache=HashCache(None)) == LoadOptions()  # the cache object is no part of the value
+    assert LoadOptions(ar_checkpoint="/ckpt", verify_hashes=True).ar_checkpoint == "/ckpt"
+
+
+def test_engine_settings_are_what_was_set_plus_tuning():
+    """What reaches EngineSettings: the named fields that are set (None leaves vLLM's default or the plan's size),
+    then the tuning keywords."""
+    assert EngineOptions().settings() == {"sliced_head": True, "runner": "auto"}
+    options = EngineOptions(kv_cache_dtype="fp8", max_num_seqs=8, max_num_batched_tokens=256, sliced_head=False,
+                            runner="v1", start_timeout_s=90.0, start=True, keep=False,
+                            tuning={"max_restarts": 2, "kv_admission": False})
+    assert options.settings() == {"max_num_seqs": 8, "max_num_batched_tokens": 256, "sliced_head": False,
+                                  "runner": "v1", "start_timeout_s": 90.0, "max_restarts": 2, "kv_admission": False}
+
+
+def test_the_defaults_are_the_clis():
+    assert AROptions() == AROptions("torch", "bfloat16", "none", "auto", "vllm", "auto", False)
+    assert EngineOptions() == EngineOptions("auto", None, None, True, "auto", None, False, None, {})
+    assert DeviceOptions() == DeviceOptions("auto", None, False, None)
+    assert LoadOptions() == LoadOptions(None, False)
+    assert PipelineOptions().generation == GenerationConfig()
+
+
+def test_importing_the_options_loads_neither_torch_nor_vllm():
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport yue2_vllm.options\n"
+            "bad = [m for m in ('torch', 'vllm') if m in sys.modules]\nassert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+
+
+def test_the_pipeline_keeps_its_options_with_the_defaults_filled_in(tiny_model_dir, tiny_vae_dir, tmp_path,
+                                                                    monkeypatch):
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    monkeypatch.setenv("YUE2_AR_CHECKPOINT", str(tmp_path / "ar"))
+    generation = {"abc": {"max_tokens": 4, "min_tokens": 2}, "semantic": {"max_tokens": 6, "min_tokens": 2}}
+    engine = EngineOptions(max_num_seqs=2, tuning={"max_restarts": 1})
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=generation, engine=engine,
+                      load=LoadOptions(hash_cache=HashCache(tmp_path / "h.json")),
+                      device=DeviceOptions(device="cpu", offload_ar=True)) as pipe:
+        assert pipe.options == PipelineOptions(GenerationConfig.from_dict(generation),
+                                               LoadOptions(ar_checkpoint=str(tmp_path / "ar")), AROptions(), engine,
+                                               DeviceOptions("cpu", 24.0, True, 1024))
+        assert pipe.engine_life.inputs.options is pipe.options  # the engine reads the same objects
+        assert pipe.generation_config is pipe.options.generation and pipe.backend_requested == "torch"
+
+
+def test_the_pipeline_refuses_loose_keywords_and_untyped_groups_before_anything_loads(tiny_model_dir, tiny_vae_dir,
+                                                                                        monkeypatch):
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights were read before the refusal")
+
+    monkeypatch.setattr("yue2_vllm.song.models.LoadedModels.__init__", no_load)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'backend'"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm")  # the loose keywords are the groups' fields now
+    with pytest.raises(TypeError, match="^ar must be of type AROptions, got dict$"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar={"backend": "vllm"})
+    with pytest.raises(ValueError, match=r"^device 'tpu': not a device \(use auto, cpu, cuda, cuda:N or mps\)$"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device=DeviceOptions(device="tpu"))

@@ -1,0 +1,186 @@
+"""What a pipeline is built from besides its weights, in four typed groups that the CLI, the server, the bench and the
+Python API each build once and hand down as they are:
+
+- `LoadOptions`: what is loaded besides the MoT and the VAE, and how the weights are checked;
+- `AROptions`: how the AR half runs on either backend (which backend, its numerics, quantized forms, CFG songs);
+- `EngineOptions`: the vLLM engine's own settings (rows, tokens per step, KV cache form, runner, its start);
+- `DeviceOptions`: where the pipeline runs and how much of that device's memory it may take.
+
+`YuE2Pipeline(model, vae, generation_config=..., load=..., ar=..., engine=..., device=...)` takes them; the pipeline
+keeps them, its defaults filled in, as one `PipelineOptions`. What one song asks for (its seed, length, style) is its
+`SongRequest`, never an option here.
+
+Each group checks its own fields when it is made: a bad value is a ValueError of one line naming the field
+(`AROptions.backend must be one of ...`), before anything is resolved or loaded. What depends on the machine or on
+several groups (a device this machine lacks, a KV form it cannot run, a budget above the card) the pipeline checks.
+Importing this module imports neither torch nor vLLM (the CLI's parser reads its choices).
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from numbers import Integral, Real
+from typing import TYPE_CHECKING
+
+from .kv_cache import FORMS as KV_CACHE_FORMS
+from .protocol import GenerationConfig
+
+if TYPE_CHECKING:
+    from .checkpoint import HashCache
+
+BACKENDS = ("torch", "vllm", "auto")
+DTYPES = ("bfloat16", "float32")  # float32: verification runs of both AR backends
+QUANTIZATIONS = ("none", "auto", "int8", "fp8")  # the torch AR's load-time proxies (auto: as the checkpoint says)
+QUANTIZED_POLICIES = ("auto", "force")  # a quantized AR without a fast kernel here: the bf16 one (auto), or anyway
+CFG_ENGINES = ("vllm", "torch")  # where cfg_scale != 1 and cot=off songs run when the backend is vllm/auto
+TORCH_EXECUTIONS = ("auto", "graph", "eager", "batched")  # batched: the capture-ready step run eagerly (diagnostic)
+RUNNERS = ("auto", "v1", "v2")  # vLLM's model runner (engine/runner.py)
+
+
+def _refuse(owner: str, name: str, words: str, value) -> None:
+    raise ValueError(f"{owner}.{name} must be {words}, got {value!r}")
+
+
+def _choice(owner: str, name: str, value, choices: tuple) -> None:
+    if not isinstance(value, str) or value not in choices:
+        _refuse(owner, name, f"one of {choices}", value)
+
+
+def _flag(owner: str, name: str, value, optional: bool = False) -> None:
+    if not (isinstance(value, bool) or (optional and value is None)):
+        _refuse(owner, name, "True, False or None" if optional else "True or False", value)
+
+
+def _count(owner: str, name: str, value) -> None:
+    """None, or an integer >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 1):
+        _refuse(owner, name, "an integer >= 1 or None", value)
+
+
+def _positive(owner: str, name: str, value) -> None:
+    """None, or a finite number > 0."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value)
+                              or not value > 0):
+        _refuse(owner, name, "a positive number or None", value)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What is loaded besides the MoT and the VAE, and how the weights are checked."""
+
+    ar_checkpoint: str | os.PathLike | None = None  # the AR checkpoint vLLM serves (an FP8/int8 export); None:
+    # $YUE2_AR_CHECKPOINT, else the one derived from the MoT
+    verify_hashes: bool = False  # re-hash the weights instead of trusting the size+mtime cache
+    hash_cache: "HashCache | None" = field(default=None, compare=False)  # None: the default cache file
+
+    def __post_init__(self):
+        if self.ar_checkpoint is not None and (not isinstance(self.ar_checkpoint, (str, os.PathLike))
+                                               or not os.fspath(self.ar_checkpoint)):
+            _refuse("LoadOptions", "ar_checkpoint", "a directory or None", self.ar_checkpoint)
+        _flag("LoadOptions", "verify_hashes", self.verify_hashes)
+        if self.hash_cache is not None:
+            from .checkpoint import HashCache
+
+            if not isinstance(self.hash_cache, HashCache):
+                _refuse("LoadOptions", "hash_cache", "a checkpoint.HashCache or None", self.hash_cache)
+
+
+@dataclass(frozen=True)
+class AROptions:
+    """How the AR half runs: the backend (vLLM whenever it can serve with auto/vllm, else torch on the record), the
+    numerics of both backends, the quantized forms, where CFG songs run, and whether a seed fixes a song under
+    load."""
+
+    backend: str = "torch"
+    dtype: str = "bfloat16"
+    quantization: str = "none"  # the torch backend's load-time proxies (model/torch_quant.py)
+    quantized_policy: str = "auto"  # a quantized AR form without a kernel faster than bf16 on this device
+    cfg_engine: str = "vllm"
+    torch_execution: str = "auto"  # how the torch backend decodes (model/sampling.py)
+    reproducible: bool = False  # a batch-invariant engine: a seed fixes the song whatever else it serves
+
+    def __post_init__(self):
+        for name, choices in (("backend", BACKENDS), ("dtype", DTYPES), ("quantization", QUANTIZATIONS),
+                              ("quantized_policy", QUANTIZED_POLICIES), ("cfg_engine", CFG_ENGINES),
+                              ("torch_execution", TORCH_EXECUTIONS)):
+            _choice("AROptions", name, getattr(self, name), choices)
+        _flag("AROptions", "reproducible", self.reproducible)
+
+
+# EngineOptions' fields that EngineSettings (engine/backend.py) takes under the same name.
+_ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "sliced_head", "runner", "start_timeout_s")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The vLLM engine's settings. None: sized by the memory plan (rows) or the engine's default. `tuning` holds
+    any other `EngineSettings` keyword (tests and benchmarks: max_restarts, kv_cache_bytes, ...); they win over
+    the sized ones."""
+
+    kv_cache_dtype: str = "auto"  # the KV cache form (kv_cache.py): auto (the model dtype) or an FP8 form
+    max_num_seqs: int | None = None  # engine rows
+    max_num_batched_tokens: int | None = None  # tokens per engine step
+    sliced_head: bool = True  # each row's logits over its phase's ids only (engine/ar_model.py)
+    runner: str = "auto"
+    start_timeout_s: float | None = None  # give up a start after this long (startup.py)
+    start: bool = False  # start the engine while the MoT loads (else when the first song asks)
+    keep: bool | None = None  # keep the engine across the NAR (None: when the memory split fits)
+    tuning: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self):
+        _choice("EngineOptions", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_FORMS)
+        _count("EngineOptions", "max_num_seqs", self.max_num_seqs)
+        _count("EngineOptions", "max_num_batched_tokens", self.max_num_batched_tokens)
+        _flag("EngineOptions", "sliced_head", self.sliced_head)
+        _choice("EngineOptions", "runner", self.runner, RUNNERS)
+        _positive("EngineOptions", "start_timeout_s", self.start_timeout_s)
+        _flag("EngineOptions", "start", self.start)
+        _flag("EngineOptions", "keep", self.keep, optional=True)
+        if not isinstance(self.tuning, Mapping) or not all(isinstance(key, str) for key in self.tuning):
+            _refuse("EngineOptions", "tuning", "a mapping of EngineSettings keywords", self.tuning)
+        named = sorted({f.name for f in fields(self)} & set(self.tuning))
+        if named:
+            raise ValueError(f"EngineOptions.tuning[{named[0]!r}]: set EngineOptions.{named[0]} instead")
+        object.__setattr__(self, "tuning", dict(self.tuning))  # a copy: the caller's dict may change later
+
+    def settings(self) -> dict:
+        """The EngineSettings keywords these options set (a None leaves the engine's default or sizing)."""
+        named = {name: getattr(self, name) for name in _ENGINE_SETTINGS if getattr(self, name) is not None}
+        return {**named, **self.tuning}
+
+
+@dataclass(frozen=True)
+class DeviceOptions:
+    """Where the pipeline runs and how much of that device's memory it may take."""
+
+    device: str = "auto"  # auto (CUDA if available, else MPS, else CPU), cpu, cuda, cuda:N or mps
+    budget_gib: float | None = None  # None: a discrete GPU's memory less 10 %, unified memory's pool, 24 on the CPU
+    offload_ar: bool = False  # the AR expert leaves the accelerator during the NAR's ODE steps (16-24 GB cards)
+    vae_core_frames: int | None = None  # VAE tile size; None: 512 under a 12 GiB budget, else 1024
+
+    def __post_init__(self):
+        if not isinstance(self.device, str) or not self.device:
+            _refuse("DeviceOptions", "device", "a device name (auto, cpu, cuda, cuda:N or mps)", self.device)
+        _positive("DeviceOptions", "budget_gib", self.budget_gib)
+        _flag("DeviceOptions", "offload_ar", self.offload_ar)
+        _count("DeviceOptions", "vae_core_frames", self.vae_core_frames)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """All of one pipeline's options: what `YuE2Pipeline` keeps, its defaults filled in (the device resolved, the
+    budget, the VAE tile and the AR checkpoint override decided)."""
+
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    load: LoadOptions = field(default_factory=LoadOptions)
+    ar: AROptions = field(default_factory=AROptions)
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    device: DeviceOptions = field(default_factory=DeviceOptions)
+
+    def __post_init__(self):
+        for name, kind in (("generation", GenerationConfig), ("load", LoadOptions), ("ar", AROptions),
+                           ("engine", EngineOptions), ("device", DeviceOptions)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"{name} must be of type {kind.__name__}, got {type(getattr(self, name)).__name__}")

@@ -1,0 +1,5 @@
+"""The HTTP API's routes, one router per resource, which `serve.app` includes: `page` (the page and its static
+files), `health` (/health, /metrics), `songs` (a job: submit, list, read, delete, cancel, resume, render), `files`
+(a song's audio, signed audio URL, peaks, score and result.json), `takes` (a job's takes), `events` (a job's
+Server-Sent Events). `common` holds what they share: who is trusted (the API key), the JSON answer, the error
+handlers."""
