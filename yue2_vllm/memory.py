@@ -256,6 +256,7 @@ class MemoryPlan:
     ar_on_device: bool = True  # False: the torch side's AR expert lives in pinned host memory (discrete GPU)
     ar_host: int = 0  # those host bytes (not counted against the device)
     song_room: int = 0  # discrete GPU: room one song's buffers are admitted into (NAR or one VAE tile)
+    lora_slots: int = 0  # the engine's LoRA buffers for AR adapters (lora_memory.lora_slots_bytes), model memory
 
     @property
     def limit(self) -> int:
@@ -264,7 +265,7 @@ class MemoryPlan:
 
     @property
     def engine(self) -> int:
-        return self.engine_weights + self.kv_cache + self.engine_overhead
+        return self.engine_weights + self.lora_slots + self.kv_cache + self.engine_overhead
 
     @property
     def torch_side(self) -> int:
@@ -354,7 +355,8 @@ class MemoryPlan:
     def describe(self) -> dict:
         described = {**asdict(self), "engine_bytes": self.engine, "torch_bytes": self.torch_side,
                      "gpu_memory_utilization": self.gpu_memory_utilization, "unified_memory": self.unified is not None,
-                     "summary": f"engine {_gib(self.engine)} (weights {_gib(self.engine_weights)}, KV "
+                     "summary": f"engine {_gib(self.engine)} (weights {_gib(self.engine_weights)}, "
+                                + (f"LoRA slots {_gib(self.lora_slots)}, " if self.lora_slots else "") + "KV "
                                 f"{_gib(self.kv_cache)} for {self.max_num_seqs} rows{self._kv_form}) + torch "
                                 f"{_gib(self.torch_side)}"
                                 + (f" + host {_gib(self.host_side)}" if self.unified is not None else "")
@@ -384,12 +386,13 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
                 typical_tokens: int = PROMPT_ESTIMATE_TOKENS + 9000, max_model_len: int = CONTEXT,
                 synthesis_batch: int = 1, offload_ar: bool = False, total: int | None = None,
                 kv_dtype_bytes: int = 2, unified: UnifiedPool | None = None, vae_tile: int = 0,
-                ar_on_device: bool | None = None, model_dtype_bytes: int = 2) -> MemoryPlan:
+                ar_on_device: bool | None = None, model_dtype_bytes: int = 2, lora_slots: int = 0) -> MemoryPlan:
     """Size the engine's rows and KV cache from the budget left after the torch side and the AR weights.
 
     Defaults: as many rows as fit a typical song (`typical_tokens` of KV each), capped per device;
     KV for that many typical songs, and never less than one `max_model_len` sequence, so that any
-    single request can be admitted. Explicit `max_num_seqs` / `kv_cache` are taken as given.
+    single request can be admitted. Explicit `max_num_seqs` / `kv_cache` are taken as given. `lora_slots`: the
+    engine's LoRA buffers (allocated with the model, before vLLM sizes the KV cache).
     `kv_dtype_bytes` is one engine K/V element (1 for an FP8 KV cache), `model_dtype_bytes` one weight of ours.
     `unified`: the device shares the host's memory (an integrated GPU): the split also counts both processes'
     host side and stays within the pool (MemAvailable less the OS reserve).
@@ -417,8 +420,9 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
                 engine_overhead=ENGINE_OVERHEAD_BYTES[device], torch_model=torch_model - ar_host, vae=vae,
                 nar_chunks=chunk, torch_reserve=TORCH_RESERVE_BYTES, kv_block_tokens=block,
                 kv_dtype_bytes=kv_dtype_bytes, host_side=host, unified=unified, torch_decode=decode,
-                ar_on_device=ar_on_device, ar_host=ar_host, song_room=song)
-    free = split_limit(budget, total, unified) - (engine_weights + ENGINE_OVERHEAD_BYTES[device] + torch_model
+                ar_on_device=ar_on_device, ar_host=ar_host, song_room=song, lora_slots=lora_slots)
+    free = split_limit(budget, total, unified) - (engine_weights + lora_slots + ENGINE_OVERHEAD_BYTES[device]
+                                                  + torch_model
                                                   - ar_host + vae + chunk + TORCH_RESERVE_BYTES + host + decode + song)
     margin = KV_MARGIN_BLOCKS * block * kv_bytes_per_token(config, kv_dtype_bytes)
     one_full = row_kv_bytes(config, max_model_len, block, kv_dtype_bytes)

@@ -109,6 +109,52 @@ def allowed_token_ids(phase: str) -> range | list[int]:
 # --------------------------------------------------------------------------- requests
 
 
+ADAPTER_SCALE_RANGE = (-10.0, 10.0)  # a song's adapter scale; 0 switches the adapter off
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}")
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """One adapter a song uses, by its registered name (docs/adapters.md), at a scale."""
+
+    name: str
+    scale: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not _ADAPTER_NAME.fullmatch(self.name):
+            raise ValueError(f"adapter name {self.name!r}: use letters, digits and _ . : @ + - (up to 128, starting "
+                             "with a letter or digit)")
+        low, high = ADAPTER_SCALE_RANGE
+        if not _is_real(self.scale) or not low <= self.scale <= high:
+            raise ValueError(f"adapter {self.name} scale: {self.scale!r} is not a number in [{low:g}, {high:g}]")
+        object.__setattr__(self, "scale", float(self.scale))
+
+
+def adapter_refs(value, what: str = "SongRequest.adapters") -> tuple[AdapterRef, ...]:
+    """`[{name, scale}]` (or AdapterRefs) as a tuple of AdapterRefs, scale-0 ones dropped (an adapter switched off is
+    none); a name given twice is refused."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
+        raise ValueError(f"{what} must be a list of {{name, scale}} objects, got {type(value).__name__}")
+    refs = []
+    for index, entry in enumerate(value):
+        if isinstance(entry, dict):
+            unknown = sorted(set(entry) - {"name", "scale"})
+            if unknown or "name" not in entry:
+                raise ValueError(f"{what}[{index}]: " + (f"unknown field(s) {unknown}" if unknown else "needs a name"))
+            try:
+                entry = AdapterRef(entry["name"], entry.get("scale", 1.0))
+            except ValueError as exc:
+                raise ValueError(f"{what}[{index}]: {exc}") from None
+        elif not isinstance(entry, AdapterRef):
+            raise ValueError(f"{what}[{index}] must be an object {{name, scale}}, got {type(entry).__name__}")
+        if any(ref.name == entry.name for ref in refs):
+            raise ValueError(f"{what}[{index}]: adapter {entry.name} is named twice")
+        refs.append(entry)
+    return tuple(ref for ref in refs if ref.scale)
+
+
 @dataclass(frozen=True)
 class SongRequest:
     """One song: conditions, chain-of-thought mode, seed, optional external ABC and CFG scale."""
@@ -123,8 +169,11 @@ class SongRequest:
     # Upstream's instrumental recipe (see instrumental.py): plan a score, move its vocal melody to the instrument,
     # render that. Lyrics are optional then ("" plans with upstream's section tags).
     instrumental: bool = False
+    # Adapters by registered name and scale (AdapterRef); their contents enter the identity through the config.
+    adapters: tuple = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "adapters", adapter_refs(self.adapters))
         if not isinstance(self.instrumental, bool):
             raise ValueError(f"SongRequest.instrumental must be true or false, got {self.instrumental!r}")
         # The model is conditioned on both; blank text has no upstream meaning, except no lyrics ('') for an
@@ -174,10 +223,15 @@ class SongRequest:
         return f"{INSTRUCTIONS[self.cot]}\n[Tags]\n{self.style}\n[Lyrics]\n{self.lyrics}\n"
 
     def to_dict(self) -> dict:
-        """The fields; `instrumental` only when set, so every other song keeps the identity it always had."""
+        """The fields; `instrumental` and `adapters` only when set, so every other song keeps the identity it always
+        had."""
         data = asdict(self)
         if not self.instrumental:
             del data["instrumental"]
+        if self.adapters:
+            data["adapters"] = [{"name": ref.name, "scale": ref.scale} for ref in self.adapters]
+        else:
+            del data["adapters"]
         return data
 
     @classmethod

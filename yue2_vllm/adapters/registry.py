@@ -19,12 +19,13 @@ from typing import Iterable, Mapping
 
 from ..hub import HubOptions, is_repo_id, resolve_model
 from ..model.modeling import YuE2Config
+from ..protocol import ADAPTER_SCALE_RANGE as SCALE_RANGE
+from ..protocol import AdapterRef
 from .cache import Converted, convert_adapter
 from .checks import MAX_RANK, max_lora_rank_for
 from .weights import AdapterError
 
-SCALE_RANGE = (-10.0, 10.0)  # a request's scale; 0 switches an adapter off
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}")  # as protocol.AdapterRef names them
 # What a Hub repo id fetches for an adapter (a subpath narrows it to one file or directory).
 HUB_PATTERNS = ("*.safetensors", "*/*.safetensors", "adapter_config.json", "*/adapter_config.json", "lora.json",
                 "*/lora.json", "README.md")
@@ -198,11 +199,13 @@ class AdapterRegistry:
         with self._lock:
             return [self._adapters[name] for name in sorted(self._adapters)]
 
-    def uses(self, requested: Iterable[Mapping] | None, where: str = "adapters") -> list[AdapterUse]:
-        """A request's `[{name, scale}]` as uses (UnknownAdapter / AdapterError naming the entry); scale-0 entries
-        are dropped (an adapter switched off is no adapter)."""
+    def uses(self, requested: Iterable[Mapping | AdapterRef] | None, where: str = "adapters") -> list[AdapterUse]:
+        """A request's `[{name, scale}]` (or AdapterRefs) as uses (UnknownAdapter / AdapterError naming the entry);
+        scale-0 entries are dropped (an adapter switched off is no adapter)."""
         uses = []
         for index, entry in enumerate(requested or ()):
+            if isinstance(entry, AdapterRef):
+                entry = {"name": entry.name, "scale": entry.scale}
             if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
                 raise AdapterError(f"{where}[{index}]: needs a string name")
             scale = check_scale(entry.get("scale", 1.0), f"{where}[{index}].scale")

@@ -25,22 +25,28 @@ class EngineLink(Protocol):
     def next_event(self, stream: Stream) -> tuple | None: ...
 
 
-def request_message(rid: str, prompt: Sequence[int], max_tokens: int, stop: list[int], extra_args: dict) -> dict:
-    return {"id": rid, "prefix": [int(t) for t in prompt], "max_tokens": max_tokens, "stop": stop,
-            "extra_args": extra_args}
+def request_message(rid: str, prompt: Sequence[int], max_tokens: int, stop: list[int], extra_args: dict,
+                    lora: dict | None = None) -> dict:
+    """A request for the worker; `lora` the adapter it runs with (`engine.lora.LoraSlot.to_dict()`), None: the base
+    model (and no key, so a request without adapters is framed as it always was)."""
+    message = {"id": rid, "prefix": [int(t) for t in prompt], "max_tokens": max_tokens, "stop": stop,
+               "extra_args": extra_args}
+    if lora is not None:
+        message["lora"] = lora
+    return message
 
 
 class SingleRun:
     """One row: stream its tokens until it ends, is cancelled (abort) or the engine dies."""
 
     def __init__(self, backend: EngineLink, prompts, sampling: Sampling, seed: int, phase: str, legacy: bool,
-                 cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None):
+                 cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None, lora: dict | None = None):
         from .plugin import row_args
 
         self.backend, self.phase, self.on_token, self.cancelled = backend, phase, on_token, cancelled
         self.rid = uuid.uuid4().hex
         self.request = request_message(self.rid, prompts[0], sampling.max_tokens, [end_token(phase)],
-                                row_args(phase, sampling, seed, legacy=legacy))
+                                       row_args(phase, sampling, seed, legacy=legacy), lora)
 
     def result(self) -> tuple[list[int], dict]:
         backend, rid, ids = self.backend, self.rid, []
@@ -89,8 +95,9 @@ class PairRun:
     MAX_PAIR_RESTARTS = 50
 
     def __init__(self, backend: EngineLink, prompts, sampling: Sampling, seed: int, phase: str, legacy: bool,
-                 cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None):
+                 cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None, lora: dict | None = None):
         self.backend, self.prompts, self.sampling, self.seed = backend, prompts, sampling, seed
+        self.lora = lora  # both rows run with the song's adapter
         self.phase, self.legacy, self.cfg_scale = phase, legacy, cfg_scale
         self.on_token, self.cancelled = on_token, cancelled
         self.end = end_token(phase)
@@ -126,7 +133,7 @@ class PairRun:
         remaining = self.sampling.max_tokens - len(self.accepted)
         rows = [request_message(rid, prompt + self.accepted, remaining, [self.end, PAIR_SENTINEL],
                          row_args(self.phase, self.sampling, self.seed, legacy=self.legacy, history=self.accepted,
-                                  pairing=Pairing(pair, role, self.cfg_scale)))
+                                  pairing=Pairing(pair, role, self.cfg_scale)), self.lora)
                 for rid, prompt, role in zip(rids, self.prompts, ("cond", "uncond"))]
         outputs = {rid: [] for rid in rids}
         cond_info: dict = {}

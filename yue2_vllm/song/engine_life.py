@@ -22,6 +22,7 @@ from ..kv_cache import check_form, check_kv_cache, is_fp8
 from ..memory import PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, vae_decode_bytes
 from ..model.modeling import YuE2Config
 from ..model.vae import decoder_bytes
+from ..engine.lora import LoraSettings
 from ..options import PipelineOptions
 from ..room import DeviceRoom
 from ..startup import STARTUP, StartRetry, StepAborted, block_counter
@@ -49,6 +50,7 @@ class EngineInputs:
     vae_config: object | None
     ar_on_device: bool  # where the torch side holds the AR expert (placement.py)
     options: PipelineOptions
+    lora: LoraSettings = LoraSettings()  # the LoRA slots registered AR adapters need (song/adapters.py)
 
 
 def engine_settings(inputs: EngineInputs, checkpoint) -> "EngineSettings":
@@ -65,7 +67,7 @@ def engine_settings(inputs: EngineInputs, checkpoint) -> "EngineSettings":
     settings = {"typical_tokens": typical, "offload_ar": placement.offload_ar, "dtype": ar.dtype,
                 "torch_side_bytes": mot_bytes + vae_bytes, "vae_tile_bytes": tile,
                 "torch_ar_on_device": inputs.ar_on_device, "kv_cache_dtype": options.engine.kv_cache_dtype,
-                **options.engine.settings()}  # what the caller set wins over what is sized here
+                "lora": inputs.lora, **options.engine.settings()}  # what the caller set wins over what is sized here
     settings.setdefault("cuda_visible_devices", engine_cuda_env(device).get("CUDA_VISIBLE_DEVICES"))
     if device.type == "cuda":
         settings.setdefault("cuda_capability", tuple(torch.cuda.get_device_capability(device)))
