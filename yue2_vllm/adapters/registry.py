@@ -100,6 +100,26 @@ def resolve_adapter_path(source: str, *, hub: HubOptions = HubOptions(), env: Ma
     return Path(snapshot.path) / inner
 
 
+def spec_names(specs: Iterable[LoraSpec], taken: Iterable[str] = ()) -> list[tuple[str, LoraSpec]]:
+    """A name for each `--lora` spec: its file's or directory's stem (`ar_lora_inst_v3abc`, a Hub repo's name), made
+    unique against `taken` and each other (`style-2`); the same source twice keeps one name."""
+    used, by_source, named = set(taken), {}, []
+    for spec in specs:
+        if spec.source in by_source:
+            named.append((by_source[spec.source], spec))
+            continue
+        stem = Path(spec.source.rstrip("/")).name.removesuffix(".safetensors") or "adapter"
+        stem = re.sub(r"[^A-Za-z0-9_.:@+-]", "_", stem)[:100].lstrip("_.:@+-") or "adapter"
+        name, count = stem, 1
+        while name in used:
+            count += 1
+            name = f"{stem}-{count}"
+        used.add(name)
+        by_source[spec.source] = name
+        named.append((name, spec))
+    return named
+
+
 @dataclass(frozen=True)
 class Adapter:
     """A registered adapter."""
@@ -167,17 +187,9 @@ class AdapterRegistry:
         return adapter
 
     def register_specs(self, specs: Iterable[LoraSpec]) -> list[AdapterUse]:
-        """`--lora` specs registered under their stems (made unique), as uses at their scales."""
-        uses = []
-        for spec in specs:
-            stem = Path(spec.source.rstrip("/")).name.removesuffix(".safetensors") or "adapter"
-            stem = re.sub(r"[^A-Za-z0-9_.:@+-]", "_", stem)[:100] or "adapter"
-            name, count = stem, 1
-            while name in self and self.get(name).source != spec.source:
-                count += 1
-                name = f"{stem}-{count}"
-            uses.append(AdapterUse(self.register(name, spec.source), spec.scale))
-        return uses
+        """`--lora` specs registered under their stems (`spec_names`), as uses at their scales."""
+        named = spec_names(specs, [a.name for a in self.adapters()])
+        return [AdapterUse(self.register(name, spec.source), spec.scale) for name, spec in named]
 
     def __contains__(self, name: str) -> bool:
         with self._lock:

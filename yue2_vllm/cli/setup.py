@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..options import AROptions, DeviceOptions, EngineOptions, LoadOptions
+from ..options import AdapterOptions, AROptions, DeviceOptions, EngineOptions, LoadOptions
 from ..protocol import GenerationConfig
 from ..request_json import UsageError, read_abc, read_json_file, read_text_file, request_from_json
 
@@ -52,6 +52,10 @@ def build_request(args) -> tuple[object, dict]:
         flags["abc"], flag_values["abc"] = "--abc-file", read_abc(Path(args.abc_file), "--abc-file")
     if getattr(args, "instrumental", None):
         flags["instrumental"], flag_values["instrumental"] = "--instrumental", True
+    song_adapters = adapter_options(args)[1] if getattr(args, "lora", None) else ()
+    if song_adapters and "adapters" not in data:  # --lora, unless the request file names its own
+        flags["adapters"], flag_values["adapters"] = "--lora", [
+            {"name": name, "scale": scale} for name, scale in song_adapters]
     given = {k: v for k, v in flag_values.items() if v is not None}
     fields.update(given)
     if fields.get("instrumental") is True:
@@ -129,6 +133,8 @@ class SongSetup:
     ar: AROptions
     engine: EngineOptions
     device: DeviceOptions
+    adapters: AdapterOptions = AdapterOptions()
+    song_adapters: tuple = ()  # `--lora`: (name, scale) of the adapters every song of the run uses
 
     def pipeline(self):
         """The pipeline, its engine starting while the MoT loads. What the machine it runs on cannot do is refused
@@ -145,7 +151,7 @@ class SongSetup:
         if engine.runner != "auto":
             check_runner(engine.runner, self.device.device, ar.backend)
         pipe = YuE2Pipeline(model, vae, generation_config=self.generation, load=self.load, ar=ar, engine=engine,
-                            device=self.device)
+                            device=self.device, adapters=self.adapters)
         note = torch_ar_note(ar.backend, pipe.device.type, vllm_installed())
         if note is not None:
             import logging
@@ -207,9 +213,32 @@ def song_setup(args, need_vae: bool = True, patterns: tuple | None = None) -> So
                            max_num_seqs=args.max_num_seqs or getattr(args, "concurrency", None),
                            max_num_batched_tokens=args.max_num_batched_tokens, sliced_head=not args.no_sliced_head,
                            runner=args.vllm_runner, start_timeout_s=args.engine_start_timeout, start=True)
+    adapters, song_adapters = adapter_options(args)
     return SongSetup(weights, (model_dir, vae_dir), generation,
                      LoadOptions(ar_checkpoint=checkpoint, verify_hashes=args.verify_hashes), ar, engine,
-                     DeviceOptions(device=args.device, budget_gib=args.budget, offload_ar=args.offload_ar))
+                     DeviceOptions(device=args.device, budget_gib=args.budget, offload_ar=args.offload_ar),
+                     adapters, song_adapters)
+
+
+def adapter_options(args) -> tuple[AdapterOptions, tuple]:
+    """`(AdapterOptions, the --lora adapters' (name, scale))` from --lora-modules, --lora and their limits; a bad
+    spec is a UsageError naming the flag (the adapters themselves are read when the pipeline is built)."""
+    from ..adapters.registry import parse_lora_module, parse_lora_spec, spec_names
+    from ..adapters.weights import AdapterError
+
+    try:
+        modules = [parse_lora_module(text) for text in getattr(args, "lora_modules", None) or ()]
+        named = spec_names([parse_lora_spec(text) for text in getattr(args, "lora", None) or ()],
+                           [name for name, _ in modules])
+        known = dict(modules)
+        modules += [(name, spec.source) for name, spec in named if name not in known]
+        options = AdapterOptions(tuple(dict.fromkeys(modules)), getattr(args, "max_loras", None),
+                                 getattr(args, "max_lora_rank", None), getattr(args, "instrumental_adapter", None))
+    except (AdapterError, ValueError) as exc:
+        message = str(exc).replace("AdapterOptions.instrumental", "--instrumental-adapter").replace(
+            "AdapterOptions.modules", "--lora-modules")
+        raise UsageError(message, exc) from None
+    return options, tuple((name, spec.scale) for name, spec in named)
 
 
 def check_device(device: str) -> None:
