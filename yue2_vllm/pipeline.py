@@ -80,9 +80,9 @@ class YuE2Pipeline:
         self.models = LoadedModels(sources, hashes=load.hash_cache if load.hash_cache is not None
                                    else default_hash_cache(), verify_hashes=load.verify_hashes,
                                    unified=self.unified is not None)
-        self.rules = SongRules(generation, self.tokenizer, ar.reproducible)
         # Adapters are read, checked and converted before anything else loads (docs/adapters.md).
         self.adapters = ServedAdapters.register(adapters, YuE2Config.load(self.model_dir))
+        self.rules = SongRules(generation, self.tokenizer, ar.reproducible, self.adapters.listing())
         beside_engine = ar.backend != "torch" and vllm_usable()
         # Beside the engine on a discrete GPU the torch side holds the AR expert in host memory (placement.py).
         # (Load-time AR proxies serve torch-backend songs from the device: there the AR expert stays resident.)

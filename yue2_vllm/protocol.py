@@ -132,7 +132,7 @@ class AdapterRef:
 
 def adapter_refs(value, what: str = "SongRequest.adapters") -> tuple[AdapterRef, ...]:
     """`[{name, scale}]` (or AdapterRefs) as a tuple of AdapterRefs, scale-0 ones dropped (an adapter switched off is
-    none); a name given twice is refused."""
+    none); a name given twice stacks (its deltas add)."""
     if value is None:
         return ()
     if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
@@ -149,8 +149,6 @@ def adapter_refs(value, what: str = "SongRequest.adapters") -> tuple[AdapterRef,
                 raise ValueError(f"{what}[{index}]: {exc}") from None
         elif not isinstance(entry, AdapterRef):
             raise ValueError(f"{what}[{index}] must be an object {{name, scale}}, got {type(entry).__name__}")
-        if any(ref.name == entry.name for ref in refs):
-            raise ValueError(f"{what}[{index}]: adapter {entry.name} is named twice")
         refs.append(entry)
     return tuple(ref for ref in refs if ref.scale)
 
@@ -452,13 +450,23 @@ class SongRules:
     generation: GenerationConfig
     tokenizer: TextEncoder
     reproducible: bool = False
+    adapters: dict = field(default_factory=dict)  # registered adapter name -> what GET /v1/adapters lists of it
+
+    def check_adapters(self, request: SongRequest) -> None:
+        """Every adapter the request names is registered (ValueError naming it and the registered ones)."""
+        for index, ref in enumerate(request.adapters):
+            if ref.name not in self.adapters:
+                raise ValueError(f"adapters[{index}]: unknown adapter {ref.name!r} (registered: "
+                                 f"{', '.join(sorted(self.adapters)) or 'none'})")
 
     def sampling_for(self, overrides: dict | Sampling | None, phase: str) -> Sampling:
         return resolve_sampling(overrides, getattr(self.generation, phase))
 
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
         """Refuse, before any stage runs, overrides that do not resolve and prompts that cannot fit the
-        context with their token budgets (a generated score can only make the semantic prompt longer)."""
+        context with their token budgets (a generated score can only make the semantic prompt longer), and adapters
+        that are not registered."""
+        self.check_adapters(request)
         if request.instrumental:  # a given score's render request, else the request that plans the score
             from .instrumental import admission_request
 

@@ -31,7 +31,7 @@ HUB_PATTERNS = ("*.safetensors", "*/*.safetensors", "adapter_config.json", "*/ad
                 "*/lora.json", "README.md")
 
 
-class UnknownAdapter(KeyError):
+class UnknownAdapter(AdapterError):
     """A request names an adapter the registry does not hold."""
 
     def __str__(self) -> str:

@@ -176,7 +176,13 @@ class SongSetup:
 
         model_dir, vae_dir = self.sources
         head_files(model_dir, vae_dir)
-        rules = SongRules(self.generation, YuE2Tokenizer.from_model_dir(model_dir), self.ar.reproducible)
+        listing = {}
+        if self.adapters.modules:  # the head reads and checks them too: it admits songs by their names
+            from ..model.modeling import YuE2Config
+            from ..song.adapters import ServedAdapters
+
+            listing = ServedAdapters.register(self.adapters, YuE2Config.load(model_dir)).listing()
+        rules = SongRules(self.generation, YuE2Tokenizer.from_model_dir(model_dir), self.ar.reproducible, listing)
         if self.ar.backend == "torch" or (self.ar.backend == "auto" and not vllm_installed()):
             return rules, 1
         sized = replace(self.engine, max_num_seqs=None)  # rows as the split sizes them

@@ -84,6 +84,10 @@ class ServedAdapters:
             lora = LoraSettings(options.max_loras or min(len(ar), DEFAULT_MAX_LORAS), max_lora_rank_for(rank))
         return cls(registry, options, lora)
 
+    def listing(self) -> dict:
+        """`{name: info}` of every registered adapter (what SongRules admits and GET /v1/adapters lists)."""
+        return {adapter.name: adapter.info() for adapter in self.registry.adapters()}
+
     def for_song(self, request) -> SongAdapters:
         """The song's adapters (UnknownAdapter naming one the registry lacks)."""
         return SongAdapters(tuple(self.registry.uses(request.adapters, "adapters")))
