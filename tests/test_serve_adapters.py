@@ -114,3 +114,34 @@ def test_a_speech_body_that_is_not_json(server):
     answer = server.client.post("/v1/audio/speech", content=json.dumps([1]), headers={"content-type":
                                                                                        "application/json"})
     assert answer.status_code == 422
+
+
+def test_the_page_picks_adapters_and_scales(server):
+    from pathlib import Path
+
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (CI does)")
+    chromium = Path("/usr/bin/chromium")
+    if not chromium.exists():
+        pytest.skip("apt-get install chromium (CI does)")
+    problems = []
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(chromium), args=["--headless", "--no-sandbox",
+                                                                                   "--disable-gpu"])
+        page = browser.new_page()
+        page.on("pageerror", lambda error: problems.append(str(error)))
+        page.goto(server.url + "/")
+        page.locator("#adapters-box").wait_for(state="visible")
+        assert page.locator("[data-adapter]").count() == 2
+        assert "cc-by-nc-4.0" in page.inner_text("#adapters-list")
+        page.fill("#style", "pop")
+        page.fill("#lyrics", LYRICS)
+        page.check("#adapter-inst")
+        page.fill("#adapter-scale-inst", "0.25")
+        with page.expect_response(lambda response: response.url.endswith("/v1/songs")
+                                  and response.request.method == "POST") as answer:
+            page.click("#submit")
+        job = answer.value.json()["id"]
+        browser.close()
+    assert not problems, problems
+    assert server.client.get(f"/v1/songs/{job}").json()["request"]["adapters"] == [{"name": "inst", "scale": 0.25}]
+    assert finished(server, job)["status"] == "complete"
