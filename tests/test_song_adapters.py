@@ -1,0 +1,104 @@
+"""A song's adapters through the pipeline: run time equals the merged checkpoint (float32, both backends), the same
+tokens on vLLM and on torch, identities (none: today's; names never count), refusals before anything runs."""
+import numpy as np
+import pytest
+
+from yue2_vllm.adapters.weights import AdapterError
+from yue2_vllm.engine.backend import vllm_version
+from yue2_vllm.options import AdapterOptions, AROptions
+from yue2_vllm.pipeline import YuE2Pipeline
+from yue2_vllm.protocol import SongRequest
+from yue2_vllm.testing_adapters import write_merged_model, write_tiny_adapter
+
+GENERATION = {"abc": {"max_tokens": 8, "min_tokens": 8, "temperature": 0.0},
+              "semantic": {"max_tokens": 24, "min_tokens": 24, "temperature": 0.0}, "ode_steps": 2}
+REQUEST = dict(style="pop, piano", lyrics="[verse]\nla la la\n", seed=11)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("song-adapters")
+    both = write_tiny_adapter(root / "both.safetensors", "plain", half="both", rank=4, gain=2.0, seed=3)
+    ar = write_tiny_adapter(root / "ar", "peft", half="ar", rank=8, gain=2.0, seed=4)
+    return {"root": root, "both": both, "ar": ar,
+            "options": AdapterOptions((("both", str(both.path)), ("style", str(ar.path))), cache_dir=root / "cache")}
+
+
+@pytest.fixture(scope="module")
+def torch_pipe(tiny_model_dir, tiny_vae_dir, adapters):
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(dtype="float32"),
+                      adapters=adapters["options"]) as pipe:
+        yield pipe
+
+
+def song(pipe, **fields):
+    return pipe(SongRequest(**{**REQUEST, **fields}))
+
+
+def test_run_time_adapters_equal_the_merged_checkpoint_on_torch(torch_pipe, adapters, tiny_vae_dir, tmp_path):
+    adapted = song(torch_pipe, adapters=[{"name": "both", "scale": 0.5}])
+    base = song(torch_pipe)
+    assert adapted.semantic.tokens != base.semantic.tokens
+    merged = write_merged_model(torch_pipe.model_dir, tmp_path / "merged", adapters["both"].scaled(0.5))
+    with YuE2Pipeline(merged, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(dtype="float32")) as pipe:
+        reference = song(pipe)
+    assert adapted.semantic.plan.abc_ids == reference.semantic.plan.abc_ids
+    assert adapted.semantic.tokens == reference.semantic.tokens
+    # The NAR (its prefix prefill with the AR adapter, its velocity with the NAR one, the replaced bridges)
+    np.testing.assert_allclose(adapted.latents, reference.latents, rtol=0, atol=1e-4)
+    assert song(torch_pipe).semantic.tokens == base.semantic.tokens  # the resident base model is untouched
+
+
+def test_identities(torch_pipe, tiny_model_dir, tiny_vae_dir, adapters):
+    def identity(pipe, request):
+        return pipe.run_identity(request, pipe.effective_config(request))
+
+    plain = SongRequest(**REQUEST)
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                      ar=AROptions(dtype="float32")) as bare:
+        assert identity(bare, plain) == identity(torch_pipe, plain)  # no adapters: today's identity
+        assert "adapters" not in bare.effective_config(plain)
+    half = SongRequest(**REQUEST, adapters=[{"name": "both", "scale": 0.5}])
+    full = SongRequest(**REQUEST, adapters=[{"name": "both"}])
+    assert len({identity(torch_pipe, r) for r in (plain, half, full)}) == 3
+    config = torch_pipe.effective_config(half)["adapters"]
+    assert config == [{"sha256": torch_pipe.adapters.registry.get("both").sha256, "scale": 0.5, "half": "both"}]
+    renamed = AdapterOptions((("other-name", str(adapters["both"].path)),), cache_dir=adapters["root"] / "cache")
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(dtype="float32"),
+                      adapters=renamed) as pipe:
+        assert identity(pipe, SongRequest(**REQUEST, adapters=[{"name": "other-name", "scale": 0.5}])) == \
+            identity(torch_pipe, half)
+
+
+def test_refusals_before_anything_runs(torch_pipe, tiny_model_dir, tiny_vae_dir, adapters, tmp_path):
+    with pytest.raises(ValueError, match=r"adapters\[0\]: unknown adapter 'nope' \(registered: both, style\)"):
+        torch_pipe.check_request(SongRequest(**REQUEST, adapters=[{"name": "nope"}]))
+    bad = write_tiny_adapter(tmp_path / "lokr.safetensors", "lokr")
+    with pytest.raises(AdapterError, match="lokr.safetensors: tensor layers.0.self_attn.q_proj.lokr_w1: a LoKr"):
+        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, adapters=AdapterOptions((("x", str(bad.path)),)))
+    with pytest.raises(ValueError, match="AdapterOptions.instrumental must be one of the registered names"):
+        AdapterOptions((("x", "y"),), instrumental="z")
+
+
+@pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
+def test_vllm_songs_equal_torch_songs_with_the_same_adapters(torch_pipe, tiny_model_dir, tiny_vae_dir, adapters):
+    """Two AR adapters stacked into one vLLM adapter (rank 4 + 8: above the default max_lora_rank 8, which refuses
+    the stack, so 16 is asked for), a NAR part beside them: the vLLM pipeline's song equals the torch pipeline's."""
+    from dataclasses import replace
+
+    chosen = [{"name": "both", "scale": 0.5}, {"name": "style", "scale": 0.25}]
+    with pytest.raises(AdapterError, match="adapters both \\+ style: their AR parts stack to rank 12, above the "
+                                           "engine's max_lora_rank 8"):
+        with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                          ar=AROptions(backend="vllm", dtype="float32"), adapters=adapters["options"]) as pipe:
+            pipe.check_request(SongRequest(**REQUEST, adapters=chosen))
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                      ar=AROptions(backend="vllm", dtype="float32"),
+                      adapters=replace(adapters["options"], max_lora_rank=16)) as pipe:
+        assert pipe.engine_life.inputs.lora.max_loras == 2 and pipe.engine_life.inputs.lora.max_lora_rank == 16
+        on_vllm = song(pipe, adapters=chosen)
+        assert on_vllm.semantic.timing["backend_actual"] == "vllm" and "lora" in on_vllm.semantic.timing
+        base = song(pipe)
+    on_torch = song(torch_pipe, adapters=chosen)
+    assert on_vllm.semantic.tokens == on_torch.semantic.tokens != base.semantic.tokens
+    np.testing.assert_allclose(on_vllm.latents, on_torch.latents, rtol=0, atol=1e-4)
