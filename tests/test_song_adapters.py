@@ -102,3 +102,26 @@ def test_vllm_songs_equal_torch_songs_with_the_same_adapters(torch_pipe, tiny_mo
     on_torch = song(torch_pipe, adapters=chosen)
     assert on_vllm.semantic.tokens == on_torch.semantic.tokens != base.semantic.tokens
     np.testing.assert_allclose(on_vllm.latents, on_torch.latents, rtol=0, atol=1e-4)
+
+
+def test_instrumental_with_the_instrumental_adapter(tiny_model_dir, tiny_vae_dir, adapters, tmp_path):
+    from dataclasses import replace
+    import json
+
+    from yue2_vllm.instrumental import ADAPTER_LYRICS, section_lyrics
+
+    assert section_lyrics("[Verse 1]\nwords\n[Pre-Chorus]\n[Chorus]\nla\n[Solo]\n") == "[verse]\n[pre-chorus]\n[chorus]\n"
+    assert section_lyrics("") == ADAPTER_LYRICS
+    options = replace(adapters["options"], instrumental="style")
+    request = SongRequest(**{**REQUEST, "lyrics": "[Verse]\nwords\n[Chorus]\nla\n"}, instrumental=True, id="inst")
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(dtype="float32"),
+                      adapters=options) as pipe:
+        document = pipe.generate_to(tmp_path / "inst", request)
+        config = pipe.effective_config(request)
+    record = json.loads((tmp_path / "inst" / "instrumental.json").read_text())
+    assert record["recipe"].startswith("the instrumental adapter's card") and record["adapter"]["name"] == "style"
+    render = record["render_request"]
+    assert (render["lyrics"], render["cot"], render["style"]) == ("[verse]\n[chorus]\n", "full", REQUEST["style"])
+    assert render["adapters"] == [{"name": "style", "scale": 1.0}]
+    assert [a["name"] for a in document["adapters"]] == ["style"] and document["instrumental"] is True
+    assert config["instrumental_recipe"] == "adapter" and not (tmp_path / "inst" / "planned.abc").exists()

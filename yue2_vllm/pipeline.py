@@ -253,7 +253,17 @@ class YuE2Pipeline:
             **explicit_kv(self.options.engine.kv_cache_dtype),  # auto: absent, so identities of earlier runs hold
             # the adapters' contents and scales; absent without any, so identities of earlier runs hold
             **({"adapters": self.adapters.for_song(request).config()} if request.adapters else {}),
+            **self._instrumental_config(request),
         }
+
+    def _instrumental_config(self, request: SongRequest) -> dict:
+        """An instrumental song rendered with the instrumental adapter: its recipe and the adapter in the identity."""
+        adapter = self.adapters.instrumental_for(request)
+        if adapter is None:
+            return {}
+        registered = self.adapters.registry.get(adapter.name)
+        return {"instrumental_recipe": "adapter",
+                "instrumental_adapter": {"sha256": registered.sha256, "scale": adapter.scale}}
 
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
         self.rules.check_request(request, abc_sampling, semantic_sampling)

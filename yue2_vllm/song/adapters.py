@@ -88,6 +88,16 @@ class ServedAdapters:
         """`{name: info}` of every registered adapter (what SongRules admits and GET /v1/adapters lists)."""
         return {adapter.name: adapter.info() for adapter in self.registry.adapters()}
 
+    def instrumental_for(self, request):
+        """The AdapterRef an instrumental request runs with (the registered instrumental adapter, scale 1), None for
+        any other request and for an instrumental one with a given score (upstream's recipe edits that score)."""
+        from ..protocol import AdapterRef
+
+        name = self.options.instrumental
+        if name is None or not request.instrumental or request.abc is not None:
+            return None
+        return next((ref for ref in request.adapters if ref.name == name), AdapterRef(name))
+
     def for_song(self, request) -> SongAdapters:
         """The song's adapters (UnknownAdapter naming one the registry lacks)."""
         return SongAdapters(tuple(self.registry.uses(request.adapters, "adapters")))

@@ -168,7 +168,8 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
             # resumed: as upstream, only a finished result reused untouched (reuse_result) says True
             "status": "complete", "identity": run_id, "resumed": False, "stages_reused": list(reused),
             **({"instrumental": True} if request.instrumental else {}),  # its steps: instrumental.json
-            **({"adapters": song.adapter_record(request)} if request.adapters else {}),
+            # the adapters the song ran with (an instrumental adapter's recipe adds its adapter to the render)
+            **({"adapters": song.adapter_record(plan.request)} if plan.request.adapters else {}),
             **batch_record(plan.timing, semantic.timing),
             **{key: config[key] for key in ("kv_cache_dtype",) if key in config},  # an FP8 KV engine's form
             "sources": song.source_records(),

@@ -75,6 +75,11 @@ class SongStages:
 
     def plan(self, request: SongRequest, *, abc_sampling=None, cancelled: Cancelled | None = None,
              on_token: OnToken | None = None) -> SymbolicPlan:
+        adapter = self.adapters.instrumental_for(request)
+        if adapter is not None:  # the instrumental adapter's recipe: one pass as its card prescribes
+            steps = instrumental.adapter_steps(request, adapter)
+            return replace(self.plan(steps.render, abc_sampling=abc_sampling, cancelled=cancelled,
+                                     on_token=on_token), instrumental=steps)
         if request.instrumental:  # upstream's recipe: plan, move the vocal melody to Ins, render the edited score
             steps = instrumental.plan_steps(request, lambda asked: self.plan(
                 asked, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token))
