@@ -1010,3 +1010,18 @@ def test_a_flag_that_is_no_number_is_named_with_what_it_takes(argv, message, cap
     with pytest.raises(SystemExit) as exited:
         main(argv)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_doctor_checks_adapters_and_plans_lora_slots(tmp_path, capsys):
+    from yue2_vllm.testing_adapters import write_tiny_adapter
+
+    write_tiny_adapter(tmp_path / "a.safetensors", "plain", rank=8)
+    write_tiny_adapter(tmp_path / "lokr.safetensors", "lokr")
+    assert main(["doctor", "--lora-modules", f"a={tmp_path / 'a.safetensors'}", f"b={tmp_path / 'lokr.safetensors'}",
+                 "nameonly"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    good, bad, malformed = report["adapters"]
+    assert (good["name"], good["half"], good["rank"]) == ("a", "ar", 8) and good["vllm_slot_bytes"] > 0
+    assert "LoKr" in bad["problem"] and "expected name=path" in malformed["problem"]
+    rows = report["memory_release"]["adapters"]
+    assert [row["adapters"] for row in rows] == [0, 1, 4] and rows[1]["vllm_slots_bytes"] == 139_460_608

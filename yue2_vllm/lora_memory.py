@@ -41,12 +41,12 @@ def ar_adapter_bytes(config: YuE2Config, rank: int, dtype_bytes: int = 2) -> int
 def table_rows(config: YuE2Config, counts=(0, 1, 4), rank: int = 64, dtype_bytes: int = 2) -> list[dict]:
     """The memory table's adapter rows: vLLM's slots for 0 / 1 / 4 adapters of `rank` (what `max_loras` = count
     reserves), and the torch side's copy of their AR factors (the NAR prefill and the torch AR backend apply
-    them; float32 on the device while a song applies one)."""
+    them; on the device, in the model's dtype, while a song applies one)."""
     rows = []
     for count in counts:
         slots = lora_slots_bytes(config, count, rank, dtype_bytes)
         rows.append({"adapters": count, "rank": rank if count else 0, "vllm_slots_bytes": slots,
                      "vllm_slots_mib": round(slots / MIB, 1),
                      "torch_host_bytes": count * ar_adapter_bytes(config, rank, dtype_bytes),
-                     "torch_device_active_bytes": ar_adapter_bytes(config, rank, 4) if count else 0})
+                     "torch_device_active_bytes": ar_adapter_bytes(config, rank, dtype_bytes) if count else 0})
     return rows

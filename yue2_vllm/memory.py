@@ -453,7 +453,7 @@ GB10_MEMINFO = {"MemTotal": int(119.7 * GIB) // 1024 * 1024, "MemAvailable": 110
 
 def card_table(config: YuE2Config, *, mot_bytes: int, vae_bytes: int, vae_tile: int,
                ar_forms: dict[str, int], kv_forms: dict[str, int] | None = None,
-               typical_tokens: int = PROMPT_ESTIMATE_TOKENS + 9000) -> list[dict]:
+               typical_tokens: int = PROMPT_ESTIMATE_TOKENS + 9000, lora_slots: int = 0) -> list[dict]:
     """Rows per card, AR form and KV form (`kv_forms`: name -> element bytes; default bf16 alone) with default
     flags (each card's default budget): what the split needs, what it may use, and the engine rows (0: refused).
     docs/memory.md's table is this function's output."""
@@ -468,7 +468,8 @@ def card_table(config: YuE2Config, *, mot_bytes: int, vae_bytes: int, vae_tile: 
                 plan = plan_memory(config, device="cuda", budget_gib=default_budget_gib(pool, total if pool is None
                                                                                          else None),
                                    engine_weights=weights, torch_model=mot_bytes, vae=vae_bytes, vae_tile=vae_tile,
-                                   total=total, unified=pool, typical_tokens=typical_tokens, kv_dtype_bytes=element)
+                                   total=total, unified=pool, typical_tokens=typical_tokens, kv_dtype_bytes=element,
+                                   lora_slots=lora_slots)
                 need = plan.engine + plan.torch_side + plan.host_side
                 rows.append({"card": name, "ar": form, "kv": kv, "rows": 0 if plan.problems() else plan.max_num_seqs,
                              "need": need, "limit": plan.limit, "plan": plan})
@@ -482,6 +483,38 @@ def card_table_markdown(rows: list[dict]) -> str:
     for row in rows:
         lines.append(f"| {row['card']} | {row['ar']} | {row.get('kv', 'bf16')} | {row['rows'] or 'refused'} | "
                      f"{row['need'] / GIB:.2f} | {row['limit'] / GIB:.2f} |")
+    return "\n".join(lines)
+
+
+ADAPTER_TABLE_COUNTS = (0, 1, 4)  # docs/memory.md's adapter rows: LoRA slots for this many rank-64 AR adapters
+ADAPTER_TABLE_RANK = 64  # the released instrumental adapter's rank
+
+
+def adapter_card_table(config: YuE2Config, *, mot_bytes: int, vae_bytes: int, vae_tile: int,
+                       ar_forms: dict[str, int], counts=ADAPTER_TABLE_COUNTS, rank: int = ADAPTER_TABLE_RANK) -> list[dict]:
+    """Rows per card and AR form (bf16 KV) with vLLM's LoRA slots for 0 / 1 / 4 rank-`rank` AR adapters (slots as
+    vLLM sizes them, `lora_memory.lora_slots_bytes`): docs/memory.md's adapter table is this function's output."""
+    from .lora_memory import lora_slots_bytes
+
+    rows = []
+    for count in counts:
+        slots = lora_slots_bytes(config, count, rank)
+        for row in card_table(config, mot_bytes=mot_bytes, vae_bytes=vae_bytes, vae_tile=vae_tile, ar_forms=ar_forms,
+                              lora_slots=slots):
+            rows.append({**row, "adapters": count, "lora_slots": slots})
+    return rows
+
+
+def adapter_card_table_markdown(rows: list[dict]) -> str:
+    """`adapter_card_table` as docs/memory.md's markdown table: engine rows per card and AR form, by adapters."""
+    counts = sorted({row["adapters"] for row in rows})
+    slots = {row["adapters"]: row["lora_slots"] for row in rows}
+    head = " | ".join(f"{count} adapter{'s' if count != 1 else ''} ({slots[count] / GIB:.2f} GiB)" for count in counts)
+    lines = [f"| card | AR form | {head} |", "|---|---|" + "---|" * len(counts)]
+    for key in dict.fromkeys((row["card"], row["ar"]) for row in rows):
+        cells = [next(row["rows"] for row in rows if (row["card"], row["ar"]) == key and row["adapters"] == count)
+                 for count in counts]
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(str(cell or "refused") for cell in cells) + " |")
     return "\n".join(lines)
 
 

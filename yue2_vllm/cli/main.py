@@ -312,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--offload-ar", action="store_true", help="plan for --offload-ar")
     doctor.add_argument("--kv-cache-dtype", choices=KV_FORMS, default="auto",
                         help="plan for this engine KV cache form (default: auto)")
+    doctor.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                        help="check these adapters (read, checked and converted) and report each, or its problem")
     _cluster_flags(doctor)
     doctor.set_defaults(func=cmd_doctor)
 

@@ -7,8 +7,8 @@ Two ways to apply a song's edits, both leaving the resident base weights bit-exa
   exact by construction, songs with different adapters can share one batched call (`Segment`: each song's
   rows get its own edits, rows without an adapter get none) and concurrent stages on one model do not see
   each other's adapters: the active edits live in a context variable, which every thread has its own of.
-  A low-rank edit adds `scale · B(Ax)` (computed in float32, added in the output's dtype, as vLLM's CPU
-  kernels do); a module with an additive or replacement edit instead gets its effective weight
+  A low-rank edit adds `scale · B(Ax)` (in bf16 on a bf16 model, the scale folded into B as vLLM's GPU path
+  has it; in float32 otherwise); a module with an additive or replacement edit instead gets its effective weight
   `W + …` computed once per activation, so its output equals the merged model's exactly.
 * **Merged** (`merged`, the reference the tests and tools compare with): the effective weights are put in
   place of the parameters and the original parameter objects are put back on exit.
@@ -153,12 +153,14 @@ _HOOKED: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary
 _HOOK_LOCK = threading.Lock()
 
 
-def _factors(activation: _Activation, edit: LowRank, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (id(edit), device)
+def _factors(activation: _Activation, edit: LowRank, device: torch.device, dtype: torch.dtype):
+    """The edit's factors on the device, in the compute dtype (float32 for float32 and float16 outputs, else the
+    output's: bf16 as vLLM's GPU kernels take them), the scale folded into B there (as vLLM folds it)."""
+    key = (id(edit), device, dtype)
     found = activation.cache.get(key)
     if found is None:
-        b = edit.b.to(device, torch.float32)
-        found = activation.cache[key] = (edit.a.to(device, torch.float32), b if edit.scale == 1 else edit.scale * b)
+        b = edit.b.to(device, dtype)
+        found = activation.cache[key] = (edit.a.to(device, dtype), b if edit.scale == 1 else edit.scale * b)
     return found
 
 
@@ -186,10 +188,11 @@ def _hook_for(name: str, root: nn.Module):
         for start, end, edits in segments:
             part = slice(start, end)
             if all(isinstance(edit, LowRank) for edit in edits):
+                dtype = torch.bfloat16 if flat.dtype == torch.bfloat16 else torch.float32
                 delta = None
                 for edit in edits:
-                    a, b = _factors(activation, edit, rows.device)
-                    term = (rows[part].float() @ a.T) @ b.T
+                    a, b = _factors(activation, edit, rows.device, dtype)
+                    term = (rows[part].to(dtype) @ a.T) @ b.T
                     delta = term if delta is None else delta + term
                 flat[part] += delta.to(flat.dtype)
             else:

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -79,7 +79,20 @@ def engine_settings(inputs: EngineInputs, checkpoint) -> "EngineSettings":
         settings["batch_invariance"] = invariance = batch_invariance(device.type, capability)
         if invariance.dtype is not None:
             settings["dtype"] = invariance.dtype
-    return EngineSettings(checkpoint, device_type=device.type, memory_budget_gib=placement.budget_gib, **settings)
+    engine = EngineSettings(checkpoint, device_type=device.type, memory_budget_gib=placement.budget_gib, **settings)
+    if engine.lora.enabled and options.adapters.max_loras is None:  # slots sized by the plan: fewer while it fails
+        config = YuE2Config.load(inputs.model_dir)
+        weights = estimated_engine_weights(inputs, config)
+        while engine.lora.max_loras > 1 and engine.plan(config, engine_weights=weights).problems():
+            engine = replace(engine, lora=replace(engine.lora, max_loras=engine.lora.max_loras - 1))
+    return engine
+
+
+def estimated_engine_weights(inputs: EngineInputs, config: YuE2Config) -> int:
+    """The AR checkpoint's bytes before it exists: the override's files, else the bf16 AR expert a derivation holds."""
+    ar_checkpoint = inputs.options.load.ar_checkpoint
+    override = Path(ar_checkpoint) if ar_checkpoint else None
+    return weights_bytes(override) if override is not None and override.is_dir() else ar_expert_bytes(config)
 
 
 def check_kv_form(form: str, device: torch.device, backend: str, cfg_engine: str,
@@ -101,10 +114,7 @@ def check_split(inputs: EngineInputs) -> None:
     what to lower; on unified memory MemAvailable) before any weights are loaded. The AR checkpoint is
     estimated: the override's files, else the bf16 AR expert the derived checkpoint will hold."""
     config = YuE2Config.load(inputs.model_dir)
-    ar_checkpoint = inputs.options.load.ar_checkpoint
-    override = Path(ar_checkpoint) if ar_checkpoint else None
-    weights = weights_bytes(override) if override is not None and override.is_dir() else ar_expert_bytes(config)
-    engine_settings(inputs, None).plan(config, engine_weights=weights).check()
+    engine_settings(inputs, None).plan(config, engine_weights=estimated_engine_weights(inputs, config)).check()
 
 
 class EngineLife:
