@@ -242,3 +242,16 @@ def test_without_the_guard_vllm_cpu_gives_base_rows_the_last_slot(lora_setup, mo
         assert mixed[1] != base  # the base song computed with an adapter it never asked for
     finally:
         engine.close()
+
+
+@engine_test
+def test_the_prefix_cache_is_per_adapter(lora_setup, lora_engine):
+    """vLLM hashes the adapter into every KV block: a prompt cached under one adapter is not reused by another (or
+    by the base model), and is by the same one."""
+    first, second = lora_setup["converted"][:2]
+    slots = [lora_engine.ids.slot(first.sha256, 1.0, first.ar_path),
+             lora_engine.ids.slot(second.sha256, 1.0, second.ar_path)]
+    prompt = [151643] + [1000 + j for j in range(200)] + [151645]  # long enough for whole cached blocks
+    cached = [_run(lora_engine, prompt, slot, result=True).timing["cached_prompt_tokens"]
+              for slot in (slots[0], slots[0], slots[1], None)]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0 and cached[3] == 0, cached

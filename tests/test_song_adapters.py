@@ -99,8 +99,11 @@ def test_vllm_songs_equal_torch_songs_with_the_same_adapters(torch_pipe, tiny_mo
         on_vllm = song(pipe, adapters=chosen)
         assert on_vllm.semantic.timing["backend_actual"] == "vllm" and "lora" in on_vllm.semantic.timing
         base = song(pipe)
+        paired = song(pipe, adapters=chosen, cfg_scale=1.5)  # a CFG pair: both rows run with the adapters
+        assert paired.semantic.timing["cfg_branches"] == 2 and paired.semantic.timing["backend_actual"] == "vllm"
     on_torch = song(torch_pipe, adapters=chosen)
     assert on_vllm.semantic.tokens == on_torch.semantic.tokens != base.semantic.tokens
+    assert paired.semantic.tokens == song(torch_pipe, adapters=chosen, cfg_scale=1.5).semantic.tokens
     np.testing.assert_allclose(on_vllm.latents, on_torch.latents, rtol=0, atol=1e-4)
 
 
