@@ -257,9 +257,11 @@ def song_body_schemas(*, reproducible: bool, max_takes: int = MAX_TAKES, adapter
     schema["anyOf"] = [{"required": ["style"]}, {"required": ["tags"], "properties": {"tags": text}}]
     schema["not"] = {"required": ["style", "tags"], "properties": {"tags": text}}
     schema["properties"]["takes"] = {**schema["properties"]["takes"], "maximum": max_takes}
-    choice = definitions["AdapterChoice"] = dict(definitions["AdapterChoice"])
-    choice["properties"] = {**choice["properties"], "name": {**choice["properties"]["name"], "enum": sorted(adapters)}}
-    if not adapters:  # this server serves none
+    if adapters:  # the names this server serves
+        choice = definitions["AdapterChoice"] = dict(definitions["AdapterChoice"])
+        choice["properties"] = {**choice["properties"],
+                                "name": {**choice["properties"]["name"], "enum": sorted(adapters)}}
+    else:  # this server serves none
         schema["properties"]["adapters"] = {**schema["properties"]["adapters"], "maxItems": 0}
     needs_takes = [{"if": {"required": [name], "properties": {name: {"const": True}}},
                     "then": {"required": ["takes"], "properties": {"takes": {"minimum": 2}}}}

@@ -20,7 +20,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..contract import NON_BLANK, ErrorBody, error_docs, media_doc
+from ..contract import NON_BLANK, ErrorBody, error_docs
 from ..errors import NotFound, RequestInvalid, ServiceError
 from ...request_json import UsageError, parse_json
 from ..safety import error_response, is_json, read_body
@@ -38,8 +38,8 @@ class SpeechBody(BaseModel):
     model_config = ConfigDict(extra="forbid", title="SpeechBody")
     model: str = Field(..., description="the base model (yue2) or a registered adapter's name")
     input: str = Field(..., pattern=NON_BLANK, description="the lyrics, with [verse]/[chorus] sections")
-    instructions: str = Field(None, pattern=NON_BLANK, description="the style YuE2 is conditioned on (genre, "
-                              "instruments, mood, voice); required")
+    instructions: str = Field(..., pattern=NON_BLANK, description="the style YuE2 is conditioned on (genre, "
+                              "instruments, mood, voice)")
     voice: Any = Field(None, description="accepted and not used: YuE2's voice comes from the style (instructions)")
     response_format: Literal["flac", "wav"] = Field("flac", description="the audio's container (48 kHz stereo)")
     speed: float = Field(1.0, ge=1.0, le=1.0, description="only 1: a song's tempo comes from its style")
@@ -57,10 +57,10 @@ def speech_body(data) -> SpeechBody:
     except ValidationError as exc:
         first = exc.errors()[0]
         name = ".".join(str(part) for part in first.get("loc", ())) or None
-        raise RequestInvalid(f"{name or 'body'}: {first.get('msg', 'invalid')}", field=name) from None
-    if body.instructions is None:
-        raise RequestInvalid("instructions: give the style (genre, instruments, mood, voice) the song is conditioned "
-                             "on", field="instructions")
+        words = first.get("msg", "invalid")
+        if name == "instructions" and first.get("type") == "missing":
+            words = "give the style (genre, instruments, mood, voice) the song is conditioned on"
+        raise RequestInvalid(f"{name or 'body'}: {words}", field=name) from None
     return body
 
 
@@ -89,8 +89,16 @@ def audio_bytes(path, response_format: str) -> bytes:
     return out.getvalue()
 
 
+def speech_schema(models: list[str]) -> dict:
+    """SpeechBody's JSON schema with `model` limited to what this server serves (the base's names, its adapters)."""
+    schema = SpeechBody.model_json_schema()
+    schema["properties"]["model"] = {**schema["properties"]["model"], "enum": models}
+    return schema
+
+
 def speech_router(api: Api, max_body_bytes: int) -> APIRouter:
     router, service = APIRouter(prefix="/v1", dependencies=api.auth), api.service
+    models = [*BASE_MODELS, *sorted(adapter_listing(api))]
 
     def wait(job_id: str):
         while True:
@@ -101,9 +109,9 @@ def speech_router(api: Api, max_body_bytes: int) -> APIRouter:
 
     @router.post("/audio/speech", summary="OpenAI's speech endpoint: a song from lyrics (input) and style "
                  "(instructions), its audio in the answer", openapi_extra={"requestBody": {"required": True, "content": {
-                     "application/json": {"schema": SpeechBody.model_json_schema()}}}},
-                 responses={200: {**media_doc("audio/flac", "the song's audio (audio/wav for response_format wav)",
-                                              {"type": "string", "format": "binary"})},
+                     "application/json": {"schema": speech_schema(models)}}}},
+                 responses={200: {"description": "the song's audio: FLAC, or WAV for response_format wav", "content": {
+                     media: {"schema": {"type": "string", "format": "binary"}} for media in FORMATS.values()}},
                             **error_docs(*api.denied, 404, 415, 422, 429, 503,
                                          s404="no such model (the base, yue2, or a registered adapter's name)"),
                             500: {"model": ErrorBody, "description": "the song failed (the job's error)"}})
