@@ -37,12 +37,16 @@ the GPU machines of this project do not have, so it is skipped there with the re
 * `engine.sampler`: the in-engine sampler on CUDA vs the CPU over random rows — temperatures 0/0.7/1,
   top-k 1/30/100, top-p 0.9/1, legacy CFG pairs on/off, bf16/fp32 logits: the share of equal tokens.
 * `engine.sampler_syncs`: host syncs per sampler step (`torch.cuda.set_sync_debug_mode`), V1 and MRV2 adapters.
-* `engine.sliced_head`: the phase-sliced vs the full lm_head in bf16 at 2048 x 184,704, M 1/8/64 (max |Δ|,
-  argmax agreement, ms per call).
-* `engine.mrv2_sliced_head`: Model Runner V2's sliced head (model state layout + `plugin.sliced_logits`) vs the
+* `engine.sliced_head`: bench's `head` rows for a GPU: a decode step's head + sampler with the phase-sliced head
+  (`engine.head.PhaseHead`, each phase's choice) vs the full head, per phase at 1/8/64 rows, in bf16, vLLM's
+  batch-invariant bf16 (where vLLM imports) and float32 at 2048 x 184,704 (tok/s, ratio, choice, max |Δ|, equal
+  tokens); with `--quick` or no CUDA, small shapes.
+* `engine.mrv2_sliced_head`: Model Runner V2's sliced head (model state layout + `head.PhaseHead`) vs the
   full head in bf16 at 2048 x 184,704, M 1/8/64, semantic-only and half-abc batches (ms, ratio, host syncs).
 * `engine.runners`: the engine on each model runner with the tiny checkpoint (runner, async scheduling,
   a float32 song's tokens equal across runners).
+* `engine.kv_cache`: per KV form this GPU runs (`attention.choose`), the engine's peak device memory against the
+  plan's engine figure, tok/s at 1 and 8 rows, and the attention backend the engine reports against the predicted.
 * `engine.lora`: AR adapters on each model runner: tok/s at 8 rows with LoRA off, on but unused, one adapter,
   four distinct adapters; a greedy song with the adapter against the merged checkpoint's (identical, or the first
   divergence); on CUDA the memory the LoRA engine took against the plan (its slots included). CUDA (not --quick):
@@ -779,34 +783,83 @@ def engine_sampler_syncs(args) -> Rows:
     return rows
 
 
-@section("engine.sliced_head", needs="cuda")
-def engine_sliced_head(args) -> Rows:
-    """The phase-sliced head vs the full head in bf16 at YuE2's size: max |Δ| on the slice, argmax agreement."""
+def head_step_kernels(numerics: str):
+    """`(kernel(rows) -> Kernel, dtype)` of the lm_head's GEMM as vLLM's CUDA engine runs it in `numerics`: bf16
+    (`F.linear`, vLLM's `default_unquantized_gemm`), batch-invariant bf16 (`--reproducible` on sm80+: vLLM's
+    `linear_batch_invariant`, which the head's `apply` calls; needs vLLM) and float32 (`--reproducible` below sm80)."""
     import torch.nn.functional as F
 
-    from yue2_vllm.engine import sampling as es
-    from yue2_vllm.protocol import VOCAB_SIZE
+    if numerics == "batch-invariant":
+        from vllm.model_executor.determinism.batch_invariant import linear_batch_invariant
 
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    weight = (torch.randn(VOCAB_SIZE, 2048, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
+        return (lambda rows: lambda x: linear_batch_invariant(x, rows)), torch.bfloat16
+    return (lambda rows: lambda x: F.linear(x, rows)), torch.float32 if numerics == "float32" else torch.bfloat16
+
+
+@section("engine.sliced_head")
+def engine_sliced_head(args) -> Rows:
+    """A decode step's head + sampler as the engine's model runs it, per phase at 1, 8 and 64 rows (bench's `head`
+    rows for a GPU): the phase-sliced head (`engine.head.PhaseHead`, each phase's choice for 64 rows, its parts
+    views of the weight) vs the full head (one GEMM over all 184,704 rows, what `--no-sliced-head` runs), each
+    followed by the V1 sampler on YuE2 rows of that phase, in bf16, batch-invariant bf16 and float32 at
+    2048 x 184,704 (`--quick` or no CUDA: 64 x 184,704, 1 and 4 rows): tok/s of head + sampler,
+    sliced / full, the choice, max |Δ| on the phase's columns and the share of equal tokens."""
+    from yue2_vllm.engine import sampling as es
+    from yue2_vllm.engine.head import PhaseHead, choice_record
+    from yue2_vllm.engine.plugin import parse_row, row_args, sample_rows, step_layout
+    from yue2_vllm.protocol import VOCAB_SIZE, Sampling
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    full_size = device == "cuda" and not args.quick
+    width, counts = (2048, (1, 8, 64)) if full_size else (64, (1, 4))
     rows = []
-    for phase, name in ((1, "semantic"), (0, "abc")):
-        columns = es.phase_slice(phase)
-        for m in (1, 8, 64):
-            hidden = torch.randn(m, 2048, device="cuda", generator=generator).to(torch.bfloat16)
-            full_s, full = timed(lambda: F.linear(hidden, weight), 5)
-            sliced_s, sliced = timed(lambda: F.linear(hidden, weight[columns]), 5)
-            delta = (full[:, columns].float() - sliced.float()).abs().max().item()
-            agree = (full[:, columns].argmax(-1) == sliced.argmax(-1)).float().mean().item()
-            rows.append({"row": f"{name} M={m}", "max_abs_delta": delta, "argmax_agreement": agree,
-                         "full_ms": full_s * 1e3, "sliced_ms": sliced_s * 1e3})
+    for numerics in ("bf16", "batch-invariant", "float32"):
+        try:
+            kernel, dtype = head_step_kernels(numerics)
+        except ImportError as exc:
+            rows.append(skipped(f"{numerics}", f"vllm not importable ({exc})"))
+            continue
+        if numerics == "batch-invariant" and device != "cuda":
+            rows.append(skipped(numerics, "vLLM's batch-invariant GEMM needs CUDA"))
+            continue
+        generator = torch.Generator(device=device).manual_seed(0)
+        weight = (torch.randn(VOCAB_SIZE, width, device=device, generator=generator) * 0.02).to(dtype)
+        head = PhaseHead.over(weight, max(counts), kernel)
+        full_kernel = kernel(weight)
+        choice = choice_record(width, VOCAB_SIZE, max(counts))
+        for phase in ("abc", "semantic"):
+            index = es.PHASE_INDEX[phase]
+            low, high = es.PHASE_SLICES[index]
+            for count in counts:
+                states = {row: parse_row(row_args(phase, Sampling(temperature=1.0 if row % 2 else 0.0), 10 + row))
+                          for row in range(count)}
+                layout = step_layout(states, torch.device(device), {})
+                hidden = torch.randn(count, width, device=device, generator=generator).to(dtype)
+
+                def step(sliced: bool):
+                    logits = head.logits(hidden, {index: slice(None)})[0] if sliced else full_kernel(hidden)
+                    raw = logits.float()  # vLLM's V1 sampler works in float32
+                    forced = raw.clone()
+                    sample_rows(forced, states, layout, dtype)
+                    return raw, forced.argmax(-1)
+
+                repeats = 7 if full_size else 2
+                full_s, (full_raw, full_tokens) = timed(lambda: step(False), repeats)
+                sliced_s, (sliced_raw, sliced_tokens) = timed(lambda: step(True), repeats)
+                rows.append({"row": f"{numerics} {phase} rows={count}", "device": device,
+                             "sliced_tok_s": count / sliced_s, "full_tok_s": count / full_s,
+                             "sliced_over_full": full_s / sliced_s, "choice": choice[phase],
+                             "max_abs_delta": (full_raw[:, low:high] - sliced_raw[:, low:high]).abs().max().item(),
+                             "masked_outside": bool(torch.isinf(sliced_raw[:, :low]).all()
+                                                    and torch.isinf(sliced_raw[:, high:]).all()),
+                             "tokens_equal": (full_tokens == sliced_tokens).float().mean().item()})
     return rows
 
 
 @section("engine.mrv2_sliced_head", needs="cuda")
 def engine_mrv2_sliced_head(args) -> Rows:
     """Model Runner V2's sliced head (issue 28) in bf16 at 2048 x 184,704, M 1/8/64: what `compute_logits` runs
-    after our model state's `prepare_inputs` (`mrv2.SlotPhases` -> `plugin.sliced_logits`) vs the full head, for
+    after our model state's `prepare_inputs` (`mrv2.SlotPhases` -> `head.PhaseHead.logits`) vs the full head, for
     semantic-only and half-abc batches: ms per step, ratio, host syncs of a step with a cached layout, argmax
     agreement on each row's phase slice."""
     from types import SimpleNamespace
@@ -815,12 +868,14 @@ def engine_mrv2_sliced_head(args) -> Rows:
     import torch.nn.functional as F
 
     from yue2_vllm.engine import sampling as es
+    from yue2_vllm.engine.head import PhaseHead
     from yue2_vllm.engine.mrv2 import SlotPhases
-    from yue2_vllm.engine.plugin import row_args, sliced_logits
+    from yue2_vllm.engine.plugin import row_args
     from yue2_vllm.protocol import VOCAB_SIZE, Sampling
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     weight = (torch.randn(VOCAB_SIZE, 2048, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
+    head = PhaseHead.over(weight, 64, lambda rows: lambda x: F.linear(x, rows))
     rows = []
     for m in (1, 8, 64):
         for mix in ("semantic", "half abc"):
@@ -838,7 +893,7 @@ def engine_mrv2_sliced_head(args) -> Rows:
 
             def sliced():
                 phases.prepare(idx_mapping_np)
-                return sliced_logits(hidden, weight, phases.take(m), VOCAB_SIZE)[0]
+                return head.logits(hidden, phases.take(m))[0]
 
             full_s, full = timed(lambda: F.linear(hidden, weight), 7)
             sliced_s, out = timed(sliced, 7)
@@ -916,53 +971,65 @@ def kv_rows_tps(backend, prompt: list[int], tokens: int, rows: int, loras=None) 
 
 @section("engine.kv_cache")
 def engine_kv_cache(args) -> Rows:
-    """The engine with bf16 K/V and with an FP8 KV cache (--kv-cache-dtype fp8): the plan's KV bytes, the memory
-    the engine took on the GPU against the plan's engine share, and tok/s at 1 and 8 rows. CUDA (not --quick): a
-    full-size random AR checkpoint; otherwise the tiny one on this device (the code path; no peaks on the CPU)."""
+    """Per KV form this device runs (attention.choose on this GPU with the packages installed): the engine's
+    peak memory against the plan's engine figure (CUDA: the device's least free memory while it starts and serves,
+    sampled; the CPU: the worker's VmHWM), tok/s at 1 and 8 rows, and the attention backend the engine reports
+    against the one predicted. CUDA (not --quick): a full-size random AR checkpoint; otherwise the tiny one."""
+    from yue2_vllm.attention import choose, installed_packages
+    from yue2_vllm.bench import PeakSampler, peak_rss_bytes
     from yue2_vllm.engine.backend import EngineSettings, VLLMBackend, unsupported_reason, vllm_version
-    from yue2_vllm.kv_cache import kv_cache_problem
+    from yue2_vllm.kv_cache import FORMS, engine_setup, kv_cache_problem
 
     reason = unsupported_reason(vllm_version())
     if reason:
         return [skipped("engine KV forms", reason)]
     from yue2_vllm.derive import ARCheckpoint, derive_ar_checkpoint
-    from yue2_vllm.memory import GIB, total_memory_bytes
+    from yue2_vllm.memory import default_budget_gib, total_memory_bytes
     from yue2_vllm.model.modeling import YuE2Config
     from yue2_vllm.protocol import ABC_START, EOD, MUSIC_START
-    from yue2_vllm.testing import TINY_CONFIG, write_tiny_model
+    from yue2_vllm.testing import TINY_CONFIG, write_random_model
 
     cuda = torch.cuda.is_available()
     full = cuda and not args.quick
     device, config = ("cuda" if cuda else "cpu"), (YuE2Config() if full else TINY_CONFIG)
     root = Path(tempfile.mkdtemp(prefix="yue2-gpu-check-kv-"))
-    derived = derive_ar_checkpoint(write_tiny_model(root / "mot", config=config), root / "arcache")
+    mot = write_random_model(root / "mot", config=config)
+    derived = derive_ar_checkpoint(mot, root / "arcache")
     capability = tuple(torch.cuda.get_device_capability()) if cuda else None
-    budget = total_memory_bytes("cuda") * 0.9 / GIB if cuda else 24.0
+    budget = default_budget_gib(None, total_memory_bytes("cuda") if cuda else None)
+    packages = installed_packages() if cuda else None
     prompt, tokens = [EOD, 40, 1771, 285, 9, 10, ABC_START, 300, 301, MUSIC_START], 512 if full else 48
     rows = []
-    for form in ("auto", "fp8"):
-        problem = kv_cache_problem(form, device_type=device, vllm_version=vllm_version(), capability=capability,
-                                   head_dim=config.head_dim)
+    for form in FORMS if full else ("auto", "fp8"):  # --quick / the CPU: the code path, two engines
+        where = dict(device_type=device, vllm_version=vllm_version(), capability=capability, packages=packages,
+                     head_dim=config.head_dim)
+        problem = kv_cache_problem(form, **where)
         if problem:
             rows.append(skipped(f"engine, KV {form}", problem))
             continue
+        predicted = choose(engine_setup(form, **where))
         settings = EngineSettings(ARCheckpoint(derived, "derived", None), device_type=device, max_num_seqs=8,
                                   memory_budget_gib=budget, kv_cache_dtype=form)
         free_before = torch.cuda.mem_get_info()[0] if cuda else None
         backend = VLLMBackend(config, settings)
+        row = {"row": f"engine, KV {form}", "kv_element_bytes": backend.plan.kv_dtype_bytes,
+               "plan_kv_bytes": backend.settings.kv_cache_bytes, "plan_engine_bytes": backend.plan.engine,
+               "predicted_backend": predicted.backend, "predicted_stored_as": predicted.stored_as}
         try:
-            backend.start()
-            row = {"row": f"engine, KV {form}", "kv_element_bytes": backend.plan.kv_dtype_bytes,
-                   "plan_kv_bytes": backend.settings.kv_cache_bytes, "plan_engine_bytes": backend.plan.engine}
-            if cuda:
-                used = free_before - torch.cuda.mem_get_info()[0]
-                row.update(engine_used_bytes=used, used_over_plan=used / backend.plan.engine,
-                           within_plan=used <= backend.plan.engine)
-            row.update(tps_1_row=kv_rows_tps(backend, prompt, tokens, 1), tps_8_rows=kv_rows_tps(backend, prompt,
-                                                                                                tokens, 8))
+            with PeakSampler() as sampler:
+                backend.start()
+                record = backend.engine_info.get("kv_cache") or {}
+                row.update(engine_backend=record.get("attention_backend"), engine_stored_as=record.get("stored_as"),
+                           engine_scales=record.get("scales"),
+                           backend_as_predicted=record.get("attention_backend") == predicted.backend)
+                row.update(tps_1_row=kv_rows_tps(backend, prompt, tokens, 1),
+                           tps_8_rows=kv_rows_tps(backend, prompt, tokens, 8))
+            peak = free_before - sampler.least if cuda else peak_rss_bytes(backend.process.pid)
+            row.update(peak_bytes=peak, peak_over_plan=peak / backend.plan.engine,
+                       within_plan=peak <= backend.plan.engine)
             rows.append(row)
         except Exception as exc:
-            rows.append({"row": f"engine, KV {form}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            rows.append({**row, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
         finally:
             backend.close()
     return rows

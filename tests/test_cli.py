@@ -855,9 +855,17 @@ def test_kv_cache_dtype_flag_on_every_command_and_its_refusals(tmp_path, capsys,
         assert main(["generate", "--backend", "vllm", "--kv-cache-dtype", "fp8", "--output",
                      str(tmp_path / "b")]) == 2
         err = capsys.readouterr().err
-        assert "--kv-cache-dtype fp8: vLLM-CPU stores FP8 K/V only on x86 with AVX-512 or AMX" in err
+        assert "--kv-cache-dtype fp8 on this CPU: vLLM-CPU stores FP8 K/V only on x86 with AVX-512 or AMX" in err
         assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_serve_refuses_a_kv_form_before_its_starting_line(tmp_path, capsys):
+    assert main(["serve", "--backend", "torch", "--kv-cache-dtype", "fp8", "--port", "0",
+                 "--data-dir", str(tmp_path / "data")]) == 2
+    captured = capsys.readouterr()
+    assert '"starting"' not in captured.out and "the torch backend keeps its K/V" in captured.err
+    assert not (tmp_path / "data").exists()
 
 
 def test_doctor_plans_each_kv_form(capsys):
@@ -868,6 +876,27 @@ def test_doctor_plans_each_kv_form(capsys):
     assert set(release["kv_cache"]) == {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"} and release["kv_cache"]["auto"]["runs"]
     bf16 = release["forms"]["bf16"]
     assert bf16["fp8_kv"]["rows"] >= bf16["rows"] and "(FP8 K/V)" in bf16["fp8_kv"]["summary"]
+    assert f"(margin {bf16['margin_bytes'] / 2**30:.2f} GiB)" in bf16["summary"]  # what the split leaves, shown
+
+
+def test_doctor_names_the_attention_backend_and_flashinfers_decode_kernels_on_a_faked_gpu(fake_gpu, monkeypatch):
+    from yue2_vllm.attention import Packages
+    from yue2_vllm.cli.doctor import kv_cache_report
+
+    fake_gpu("H100")
+    monkeypatch.setattr("yue2_vllm.attention.installed_packages", lambda: Packages())  # the CUDA wheel, offline
+    monkeypatch.setattr("yue2_vllm.engine.backend.vllm_version", lambda: "0.33.0")
+    report = kv_cache_report("cuda")
+    assert report["fp8"]["attention_backend"] == "FLASH_ATTN" and report["fp8"]["variant"] == "FA3"
+    assert report["fp8_e5m2"]["attention_backend"] == "FLASHINFER" and report["fp8_e5m2"]["decode_kernel"] == "native"
+    assert report["flashinfer"]["decode_kernel_online"] == "xqa" and "vllm download-kernels" in report["flashinfer"][
+        "note"]
+    reproducible = kv_cache_report("cuda", reproducible=True)
+    assert reproducible["fp8_e5m2"]["runs"] is False and "stores every FP8 form as e4m3" in reproducible[
+        "fp8_e5m2"]["problem"] and "NVIDIA H100 80GB HBM3 (sm90)" in reproducible["fp8_e5m2"]["problem"]
+    monkeypatch.setattr("yue2_vllm.attention.installed_packages", lambda: Packages(flashinfer_cubin=True))
+    assert kv_cache_report("cuda")["flashinfer"] == {"installed": True, "flashinfer_cubin": True,
+                                                      "decode_kernel": "xqa"}
 
 
 # -- stopping a start-up (a slowed engine start, a slowed derivation) by signal

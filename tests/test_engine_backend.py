@@ -81,6 +81,8 @@ def test_phases_are_masked_seeded_and_bounded(backend):
     assert {key: semantic.timing[key] for key in ("vllm_runner", "async_scheduling", "sliced_head")} == \
         {"vllm_runner": "v1", "async_scheduling": False, "sliced_head": True}
     assert semantic.timing["vllm_runner_reason"].startswith("Model Runner V2 needs a Triton backend for cpu")
+    assert semantic.timing["sliced_head_phases"] == backend.sliced_head_phases  # each phase's head, on the record
+    assert set(semantic.timing["sliced_head_phases"]) == {"abc", "semantic"}
 
 
 def test_windowed_penalty_reaches_the_engine(backend):

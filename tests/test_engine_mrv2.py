@@ -208,6 +208,18 @@ def mrv2_model(tiny_model_dir, tmp_path_factory):
         yield pieces
 
 
+@pytest.fixture(scope="module")
+def mrv2_model_many_rows(mrv2_model, tiny_model_dir, tmp_path_factory):
+    """The same model for steps of up to 64 rows: at the tiny width (128) the abc slice's copy outweighs its skipped
+    rows there, so abc rows take the full head plus a mask, and vLLM's packed full head is kept."""
+    from yue2_vllm.derive import derive_ar_checkpoint
+    from yue2_vllm.engine.mrv2_step import standalone_model
+
+    with standalone_model(derive_ar_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("arcache-mrv2-64")),
+                          max_num_seqs=64) as pieces:
+        yield pieces
+
+
 def head_runner(model, state):
     """`Runner`'s bookkeeping plus the model side of a step as MRV2 runs it (`mrv2_step.SlotRunner`)."""
     from yue2_vllm.engine.mrv2 import YuE2SamplerV2
@@ -217,13 +229,24 @@ def head_runner(model, state):
 
 
 @needs_vllm
-def test_sliced_head_on_mrv2_draws_the_full_heads_tokens(mrv2_model):
+@pytest.mark.parametrize("pieces", ["mrv2_model", "mrv2_model_many_rows"])
+def test_sliced_head_on_mrv2_draws_the_full_heads_tokens(pieces, request):
     """Plain rows, CFG pairs and abc/semantic rows in one step, rows reordered every step: every token drawn
-    from the sliced head (through MRV2's model state) is the full head's, for the same seeds (float32)."""
+    from the sliced head (through MRV2's model state), greedy or seeded, is vLLM's own full head's, for the same
+    seeds (float32), whichever head each phase takes."""
+    from yue2_vllm.engine.ar_model import PhaseHeadMethod
     from yue2_vllm.engine.mrv2 import model_state_class
 
-    model, state = mrv2_model
+    model, state = request.getfixturevalue(pieces)
     assert type(state) is model_state_class() and state.slot_phases is model.slot_phases
+    method = model.lm_head.quant_method
+    assert isinstance(method, PhaseHeadMethod)
+    if pieces == "mrv2_model":  # the parts replace vLLM's packed full head: the head's bytes are held once
+        assert method.head.sliced == {0: True, 1: True} and method.head.full is None
+        assert set(method.head.parts) == {(0, 151849), (151849, 151852), (151852, 184621), (184621, 184704)}
+    else:  # abc: the full head plus a mask; only the semantic slice is packed beside the full head
+        assert method.head.sliced == {0: False, 1: True} and method.head.full is not None
+        assert set(method.head.parts) == {es.PHASE_SLICES[1]}
     rng = random.Random(3)
     requests = song_rows(rng)
     runners = {sliced: head_runner(model, state) for sliced in (True, False)}
@@ -304,7 +327,10 @@ def test_head_rates_times_both_heads_as_the_bench_reports_them(mrv2_model, tiny_
     from yue2_vllm.engine.mrv2_step import head_rates
 
     rates = head_rates(derive_ar_checkpoint(tiny_model_dir, tmp_path), "bfloat16", (1, 3), steps=3, repeats=1)
-    assert set(rates) == {"threads", "semantic_tok_s_x1", "semantic_tok_s_x3", "sliced_over_full_x1",
-                          "sliced_over_full_x3"}
-    assert all(rate > 0 for key in ("semantic_tok_s_x1", "semantic_tok_s_x3") for rate in rates[key].values())
-    assert rates["sliced_over_full_x3"] == rates["semantic_tok_s_x3"]["sliced"] / rates["semantic_tok_s_x3"]["full"]
+    assert set(rates) == {"threads", "choice"} | {f"{phase}_{key}_x{n}" for phase in ("abc", "semantic")
+                                                  for key in ("tok_s", "sliced_over_full") for n in (1, 3)}
+    assert rates["choice"] == {"abc": "sliced", "semantic": "sliced"}  # 3 rows at width 128: both slices pay
+    for phase in ("abc", "semantic"):
+        assert all(rate > 0 for key in (f"{phase}_tok_s_x1", f"{phase}_tok_s_x3") for rate in rates[key].values())
+        assert rates[f"{phase}_sliced_over_full_x3"] == \
+            rates[f"{phase}_tok_s_x3"]["sliced"] / rates[f"{phase}_tok_s_x3"]["full"]

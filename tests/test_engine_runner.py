@@ -50,7 +50,9 @@ def test_the_sliced_head_is_recorded_on_both_runners(monkeypatch, tmp_path):
     from yue2_vllm.derive import ARCheckpoint
     from yue2_vllm.engine import backend as backend_module, runner as runner_module
     from yue2_vllm.engine.backend import EngineSettings, VLLMBackend
+    from yue2_vllm.engine.head import choice_record
     from yue2_vllm.engine.runner import sliced_head_blocker
+    from yue2_vllm.protocol import VOCAB_SIZE
     from yue2_vllm.testing import TINY_CONFIG
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -62,11 +64,19 @@ def test_the_sliced_head_is_recorded_on_both_runners(monkeypatch, tmp_path):
     records = {}
     for runner in ("v1", "v2"):
         settings = EngineSettings(ARCheckpoint(tmp_path, "derived", None), device_type="cuda", runner=runner)
-        records[runner] = VLLMBackend(TINY_CONFIG, settings).runner_record()
+        backend = VLLMBackend(TINY_CONFIG, settings)
+        records[runner] = backend.runner_record()
+        # Each phase's head as the engine's model chooses it for the engine's rows (engine.head)
+        assert records[runner]["sliced_head_phases"] == choice_record(128, VOCAB_SIZE, backend.settings.max_num_seqs)
     assert records["v2"]["vllm_runner"] == "v2" and records["v2"]["async_scheduling"] is True
     assert all(records[r]["sliced_head"] is True and records[r]["sliced_head_reason"] is None for r in records)
+    few = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(tmp_path, "derived", None), device_type="cuda",
+                                                  max_num_seqs=8)).runner_record()["sliced_head_phases"]
+    many = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(tmp_path, "derived", None), device_type="cuda",
+                                                   max_num_seqs=64)).runner_record()["sliced_head_phases"]
+    assert few == {"abc": "sliced", "semantic": "sliced"} and many == {"abc": "full head + mask", "semantic": "sliced"}
     off = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(tmp_path, "derived", None), device_type="cuda",
                                                   runner="v2", sliced_head=False)).runner_record()
-    assert (off["sliced_head"], off["sliced_head_reason"]) == (False, "switched off")
+    assert (off["sliced_head"], off["sliced_head_reason"], off["sliced_head_phases"]) == (False, "switched off", None)
     assert sliced_head_blocker("v2", "0.27.1").startswith("vllm 0.27.1's Model Runner V2 lets no model name")
     assert sliced_head_blocker("v1", "0.27.1") is None and sliced_head_blocker("v2", "0.33.0") is None

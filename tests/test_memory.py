@@ -123,7 +123,7 @@ def test_gb10_plans_one_pool_from_memavailable(fake_gpu, tmp_path):
     reserve = max(8 * GIB, int(0.10 * mem_total))  # the documented rule: 8 GiB or 10 %, the larger
     assert (pool.mem_available, pool.reserve, pool.pool) == (100 * GIB, reserve, 100 * GIB - reserve)
     assert pool.device_free == gpu["free"] < pool.mem_available  # cudaMemGetInfo under-reports: shown, not used
-    assert default_budget_gib(pool) == pool.pool / GIB and default_budget_gib(None) == 24.0
+    assert default_budget_gib(pool) == pool.pool / GIB and default_budget_gib(None, host=64 * GIB) == 24.0
     plan = release_plan(default_budget_gib(pool), gpu["total"], unified=pool)
     host = 3 * GIB + 2 * GIB
     assert plan.host_side == host == sum(UNIFIED_HOST_BYTES.values()) and plan.limit == pool.pool
@@ -163,7 +163,7 @@ def test_discrete_gpus_plan_against_their_card(fake_gpu, tmp_path, name):
     assert device_pool("cuda", write_meminfo(tmp_path / "meminfo", 64 * GIB, 10 * GIB)) is None
     card = total_memory_bytes("cuda")
     assert card == gpu["total"] and default_budget_gib(None, card) == pytest.approx(0.9 * card / GIB)
-    assert DEVICE_RESERVE_FRACTION == 0.10 and default_budget_gib(None) == 24.0  # the CPU keeps its rule
+    assert DEVICE_RESERVE_FRACTION == 0.10 and default_budget_gib(None, host=64 * GIB) == 24.0  # the CPU's rule
     plan = release_plan(default_budget_gib(None, card), gpu["total"])
     assert plan.unified is None and plan.host_side == 0 and plan.startup_problem(0) is None
     fixed = AR_BF16 + 2 * GIB + plan.torch_model + VAE + plan.song_room + 2 * GIB
@@ -334,6 +334,34 @@ def test_a_patched_gb10_plans_the_release_in_its_pool(fake_gpu, tmp_path, monkey
     assert plan.max_num_seqs == row["rows"] >= 32
     assert plan.unified.pool == row["plan"].unified.pool and plan.total == gpu["total"]
     assert plan.engine + plan.torch_side + plan.host_side <= plan.unified.pool
+
+
+def test_the_cpu_default_budget_stays_inside_the_machine():
+    from yue2_vllm.memory import DEFAULT_BUDGET_GIB, total_memory_bytes
+
+    assert default_budget_gib(None, host=int(23.5 * GIB)) == pytest.approx(0.9 * 23.5)  # this project's machines
+    assert default_budget_gib(None, host=256 * GIB) == DEFAULT_BUDGET_GIB == 24.0
+    assert default_budget_gib(None) * GIB <= total_memory_bytes("cpu")
+
+
+def test_the_16gb_card_shows_its_margin_and_plans_the_same_rows_without_a_vae_config(fake_gpu, tmp_path, monkeypatch):
+    """The FP8-KV plan on a 16 GB card leaves a margin the table and `doctor` show; a VAE directory without its
+    config.json (a download in progress, a Ray head) is planned as the release's VAE, not by its file size."""
+    from yue2_vllm.cli.setup import memory_plan
+    from yue2_vllm.options import EngineOptions
+
+    row = table_row("RTX 4080/5080 16 GB", kv="FP8")
+    assert row["rows"] == 2 and row["margin"] == row["limit"] - row["need"] == row["plan"].margin > 0
+    assert row["plan"].describe()["margin_bytes"] == row["margin"]
+    assert f"(margin {row['margin'] / GIB:.2f} GiB)" in row["plan"].describe()["summary"]
+    assert table_row("RTX 4080/5080 16 GB")["margin"] < 0  # the bf16-KV plan: short, by that much
+    fake_gpu("L40S", total=CARDS_MIB["RTX 4080/5080 16 GB"] * 2**20)
+    monkeypatch.setattr("yue2_vllm.memory.MEMINFO", str(write_meminfo(tmp_path / "meminfo", 64 * GIB, 60 * GIB)))
+    model, vae = sparse_release(tmp_path)
+    with_config = memory_plan(model, vae, "cuda", engine=EngineOptions(kv_cache_dtype="fp8"))
+    (vae / "config.json").unlink()
+    without = memory_plan(model, vae, "cuda", engine=EngineOptions(kv_cache_dtype="fp8"))
+    assert without == with_config == row["plan"] and without.problems() == []
 
 
 def real_adapter_table():

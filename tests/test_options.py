@@ -124,9 +124,11 @@ def test_importing_the_options_loads_neither_torch_nor_vllm():
 
 def test_the_pipeline_keeps_its_options_with_the_defaults_filled_in(tiny_model_dir, tiny_vae_dir, tmp_path,
                                                                     monkeypatch):
-    from yue2_vllm.pipeline import YuE2Pipeline
+    from yue2_vllm.memory import default_budget_gib
+    from yue2_vllm.pipeline import YuE2Pipeline, default_vae_core_frames
 
     monkeypatch.setenv("YUE2_AR_CHECKPOINT", str(tmp_path / "ar"))
+    budget = default_budget_gib(None)  # the CPU's: 24, or the machine's memory less 10 % where that is less
     generation = {"abc": {"max_tokens": 4, "min_tokens": 2}, "semantic": {"max_tokens": 6, "min_tokens": 2}}
     engine = EngineOptions(max_num_seqs=2, tuning={"max_restarts": 1})
     with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=generation, engine=engine,
@@ -134,7 +136,7 @@ def test_the_pipeline_keeps_its_options_with_the_defaults_filled_in(tiny_model_d
                       device=DeviceOptions(device="cpu", offload_ar=True)) as pipe:
         assert pipe.options == PipelineOptions(GenerationConfig.from_dict(generation),
                                                LoadOptions(ar_checkpoint=str(tmp_path / "ar")), AROptions(), engine,
-                                               DeviceOptions("cpu", 24.0, True, 1024))
+                                               DeviceOptions("cpu", budget, True, default_vae_core_frames(budget)))
         assert pipe.engine_life.inputs.options is pipe.options  # the engine reads the same objects
         assert pipe.generation_config is pipe.options.generation and pipe.backend_requested == "torch"
 

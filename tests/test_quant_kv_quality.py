@@ -41,7 +41,10 @@ def test_fp8_kv_row_on_the_tiny_model(tiny_model_dir, corpus, tmp_path):  # noqa
         same, m = floor["phases"][phase], fp8["phases"][phase]
         assert same["top1"] == 1.0 and same["tv"] == 0.0 and same["sampled_tv"] == 0.0
         assert m["positions"] == same["positions"] > 0 and m["sampled_tokens"] > 0
-        assert m["top1"] >= 0.9 and m["kl"] >= 0 and 0 <= m["sampled_tv"] <= 1
+        # The tiny model's random weights give near-flat logits (every position "unsure"): there the argmax flips
+        # under any rounding (top-1 0.85-0.975 by CPU), so the bound is on the distributions: FP8 K/V moves them
+        # by ~1e-6 KL / ~5e-5 TV; a wrong scale or layout moves them by orders of magnitude more.
+        assert m["tv"] < 1e-3 and 0 <= m["kl"] < 1e-4 and 0 <= m["sampled_tv"] <= 1
         # Same seeds on both engines: FP8 K/V changes fewer sampled ids than other seeds do.
         assert m["sampled_tv"] < m["sampled_tv_floor"]
     assert fp8["phases"]["semantic"]["positions"] == 40

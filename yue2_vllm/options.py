@@ -157,7 +157,8 @@ class DeviceOptions:
     """Where the pipeline runs and how much of that device's memory it may take."""
 
     device: str = "auto"  # auto (CUDA if available, else MPS, else CPU), cpu, cuda, cuda:N or mps
-    budget_gib: float | None = None  # None: a discrete GPU's memory less 10 %, unified memory's pool, 24 on the CPU
+    budget_gib: float | None = None  # None: a discrete GPU's memory less 10 %, unified memory's pool, on the CPU
+    # 24 or the machine's memory less 10 %, the lesser (memory.default_budget_gib)
     offload_ar: bool = False  # the AR expert leaves the accelerator during the NAR's ODE steps (16-24 GB cards)
     vae_core_frames: int | None = None  # VAE tile size; None: 512 under a 12 GiB budget, else 1024
 

@@ -64,7 +64,7 @@ class YuE2Pipeline:
         self.device = resolve_device(device.device)
         resolve_execution(ar.torch_execution, self.device)  # refuse e.g. graph on the CPU before loading anything
         check_dtype_support(self.device, DTYPES[ar.dtype])
-        kv_cache_dtype = check_kv_form(engine.kv_cache_dtype, self.device, ar.backend, ar.cfg_engine)
+        kv_cache_dtype = check_kv_form(given, self.device)  # refused where vLLM would not start it or would run another
         self.numerics = set_upstream_numerics()  # process-wide, as upstream sets them at construction
         target = memory_target(self.device, device.budget_gib)
         self.unified = target.unified

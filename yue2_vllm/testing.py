@@ -106,6 +106,25 @@ def write_tiny_model(directory: str | os.PathLike, *, config: YuE2Config = TINY_
     return directory
 
 
+def write_random_model(directory: str | os.PathLike, *, config: YuE2Config = TINY_CONFIG, seed: int = 0) -> Path:
+    """`write_tiny_model` for any size, one tensor at a time (peak memory: the largest tensor, not the model):
+    YuE2-3B's release layout at its real size (`YuE2Config()`, 6.76 GiB of bf16) with random weights."""
+    from .checkpoint import write_safetensors_tensors
+
+    directory = Path(directory)
+    generator = torch.Generator().manual_seed(seed)
+
+    def produce(name: str, shape: tuple[int, ...]):
+        return lambda: _tiny_tensor(name, shape, generator, config).to(torch.bfloat16).contiguous()
+
+    with atomic_directory(directory) as tmp:
+        write_json_atomic(tmp / "config.json", config.to_dict())
+        entries = [(name, "BF16", shape, produce(name, shape)) for name, shape in sorted(tensor_shapes(config).items())]
+        write_safetensors_tensors(tmp / "model.safetensors", entries, metadata={"format": "pt"})
+        write_bytes_atomic(tmp / TOKENIZER_FILE, tiktoken_file_bytes())
+    return directory
+
+
 def tiny_vae_config():
     from .model.vae import VAEConfig
 

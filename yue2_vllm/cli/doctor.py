@@ -127,6 +127,7 @@ def release_split(args, device: str | None = None) -> dict:
                                total=None if device != "cuda" or torch.cuda.is_available() else int(budget * 2**30))
             entry = {"rows": 0 if plan.problems() else plan.max_num_seqs, "summary": plan.describe()["summary"],
                      "resident_bytes": plan.resident, "room_bytes": plan.room, "song_room_bytes": plan.song_room,
+                     "margin_bytes": plan.margin,
                      "ar_expert": "device" if plan.ar_on_device else "pinned host memory (streamed to the prefill)",
                      "problems": plan.problems()}
             if element == 2:
@@ -148,24 +149,33 @@ def release_split(args, device: str | None = None) -> dict:
             rows[form] = 0 if plan.problems() else plan.max_num_seqs
         adapters.append({**row, "rows": rows})
     return {"device": device, "budget_gib": round(budget, 2), "forms": forms, "adapters": adapters,
-            "kv_cache": kv_cache_report(device)}
+            "kv_cache": kv_cache_report(device, getattr(args, "reproducible", False))}
 
 
-def kv_cache_report(device: str) -> dict:
-    """Per --kv-cache-dtype form: whether the engine can run it here (the one-line refusal where not) and, on
-    CUDA, the attention backend vLLM picks for it (kv_cache.py)."""
+def kv_cache_report(device: str, reproducible: bool = False) -> dict:
+    """Per --kv-cache-dtype form: the attention backend vLLM picks for it here, what the cache holds, whether the
+    engine starts (the one-line refusal where not: kv_cache.kv_cache_problem, attention.choose); on CUDA also
+    FlashInfer's decode kernels and the cubins they need."""
     import torch
 
+    from ..attention import choose, flashinfer_kernels, installed_packages
     from ..engine.backend import vllm_version
-    from ..kv_cache import FORMS, cuda_backend, kv_cache_problem
+    from ..kv_cache import FORMS, engine_setup, kv_cache_problem
 
-    capability = tuple(torch.cuda.get_device_capability()) if device == "cuda" and torch.cuda.is_available() else None
+    cuda = device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():  # a replica's GPU seen from a machine without one (a Ray head)
+        return {"note": "no CUDA GPU on this machine: docs/kv-cache.md's table says what each GPU gets"}
+    capability = tuple(torch.cuda.get_device_capability()) if cuda else None
+    where = {"device_type": "cuda" if cuda else "cpu", "vllm_version": vllm_version(), "capability": capability,
+             "reproducible": reproducible, "packages": installed_packages() if cuda else None}
     report = {}
     for form in FORMS:
-        problem = kv_cache_problem(form, device_type=device, vllm_version=vllm_version(), capability=capability)
-        report[form] = {"runs": problem is None, **({"problem": problem} if problem else {})}
-        if capability is not None and problem is None:
-            report[form]["attention_backend"] = cuda_backend(form, capability)
+        problem = kv_cache_problem(form, device_name=torch.cuda.get_device_name() if cuda else None, **where)
+        choice = choose(engine_setup(form, **where))
+        report[form] = {"runs": problem is None, **({"problem": problem} if problem else {}), **choice.describe()}
+    if cuda:
+        invariant = engine_setup("auto", **where).batch_invariant
+        report["flashinfer"] = flashinfer_kernels(capability, where["packages"], invariant)
     return report
 
 

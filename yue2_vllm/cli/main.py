@@ -101,7 +101,8 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
     parser.add_argument("--budget", type=_positive_float, default=None,
                         help="memory budget in GiB (the vLLM engine must fit it; <= 12 decodes smaller VAE tiles); "
                              "default: a discrete GPU's memory less 10 %%, on unified memory (DGX Spark) MemAvailable "
-                             "less the OS reserve, on the CPU 24; above the card is refused")
+                             "less the OS reserve, on the CPU 24 or the machine's memory less 10 %%, the lesser; "
+                             "above the card is refused")
     parser.add_argument("--backend", choices=BACKENDS,
                         help="AR backend: torch, or vllm/auto (vLLM whenever it is installed and can serve the "
                              "phase, else torch, shown on screen and recorded); default: auto, but torch for the "
@@ -307,11 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     doctor.add_argument("--budget", type=_positive_float, default=None,
                         help="memory budget in GiB (default: a discrete GPU's memory less 10 %%, on unified memory "
-                             "the pool: MemAvailable less the OS reserve, on the CPU 24)")
+                             "the pool: MemAvailable less the OS reserve, on the CPU 24 or the machine's memory "
+                             "less 10 %%, the lesser)")
     doctor.add_argument("--concurrency", type=_count, help="engine rows (default: sized from the budget)")
     doctor.add_argument("--offload-ar", action="store_true", help="plan for --offload-ar")
     doctor.add_argument("--kv-cache-dtype", choices=KV_FORMS, default="auto",
                         help="plan for this engine KV cache form (default: auto)")
+    doctor.add_argument("--reproducible", action="store_true",
+                        help="show the attention backend each KV form gets under --reproducible (vLLM's "
+                             "batch-invariant mode on CUDA sm80+)")
     doctor.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                         help="check these adapters (read, checked and converted) and report each, or its problem")
     _cluster_flags(doctor)

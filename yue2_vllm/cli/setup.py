@@ -10,7 +10,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..options import AdapterOptions, AROptions, DeviceOptions, EngineOptions, LoadOptions
+from ..kv_cache import FLAG as KV_FLAG
+from ..options import AdapterOptions, AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions
 from ..protocol import GenerationConfig
 from ..request_json import UsageError, read_abc, read_json_file, read_text_file, request_from_json
 
@@ -136,18 +137,19 @@ class SongSetup:
     adapters: AdapterOptions = AdapterOptions()
     song_adapters: tuple = ()  # `--lora`: (name, scale) of the adapters every song of the run uses
 
+    @property
+    def options(self) -> PipelineOptions:
+        return PipelineOptions(self.generation, self.load, self.ar, self.engine, self.device)
+
     def pipeline(self):
         """The pipeline, its engine starting while the MoT loads. What the machine it runs on cannot do is refused
         first, naming the flag (a KV cache form, a vLLM runner)."""
-        from ..devices import resolve_device
-        from ..pipeline import YuE2Pipeline, check_kv_form
+        from ..pipeline import YuE2Pipeline
 
         check_device(self.device.device)  # again on a replica: its machine, not the head's
+        check_kv_options(self.options)
         model, vae = self.sources if self.sources is not None else self.weights.resolve()
         ar, engine = self.ar, self.engine
-        if engine.kv_cache_dtype != "auto":  # refused naming the flag, before anything loads
-            check_kv_form(engine.kv_cache_dtype, resolve_device(self.device.device), ar.backend, ar.cfg_engine,
-                          "--kv-cache-dtype")
         if engine.runner != "auto":
             check_runner(engine.runner, self.device.device, ar.backend)
         pipe = YuE2Pipeline(model, vae, generation_config=self.generation, load=self.load, ar=ar, engine=engine,
@@ -211,19 +213,42 @@ def song_setup(args, need_vae: bool = True, patterns: tuple | None = None) -> So
         generation = GenerationConfig.from_dict(generation)
     except ValueError as exc:
         raise UsageError(f"--config {args.config}: {exc}") from None
-    ar = AROptions(backend=args.backend or default_backend(model_dir), dtype=args.dtype,
-                   quantization=args.quantization, quantized_policy=args.quantized_policy,
-                   cfg_engine=args.cfg_engine, torch_execution=args.torch_execution, reproducible=args.reproducible)
+    return SongSetup(weights, (model_dir, vae_dir), generation,
+                     *flag_options(args, args.backend or default_backend(model_dir)), *adapter_options(args))
+
+
+def flag_options(args, backend: str) -> tuple[LoadOptions, AROptions, EngineOptions, DeviceOptions]:
+    """The pipeline's options as a song command's flags set them, with `backend` for --backend."""
+    ar = AROptions(backend=backend, dtype=args.dtype, quantization=args.quantization,
+                   quantized_policy=args.quantized_policy, cfg_engine=args.cfg_engine,
+                   torch_execution=args.torch_execution, reproducible=args.reproducible)
     engine = EngineOptions(kv_cache_dtype=args.kv_cache_dtype,
                            # one engine row per song in flight (batch --concurrency, serve --max-concurrency)
                            max_num_seqs=args.max_num_seqs or getattr(args, "concurrency", None),
                            max_num_batched_tokens=args.max_num_batched_tokens, sliced_head=not args.no_sliced_head,
                            runner=args.vllm_runner, start_timeout_s=args.engine_start_timeout, start=True)
-    adapters, song_adapters = adapter_options(args)
-    return SongSetup(weights, (model_dir, vae_dir), generation,
-                     LoadOptions(ar_checkpoint=checkpoint, verify_hashes=args.verify_hashes), ar, engine,
-                     DeviceOptions(device=args.device, budget_gib=args.budget, offload_ar=args.offload_ar),
-                     adapters, song_adapters)
+    return (LoadOptions(ar_checkpoint=args.ar_checkpoint, verify_hashes=args.verify_hashes), ar, engine,
+            DeviceOptions(device=args.device, budget_gib=args.budget, offload_ar=args.offload_ar))
+
+
+def check_kv_options(options: PipelineOptions, on_this_machine: bool = True) -> None:
+    """--kv-cache-dtype, refused naming the flag before anything loads (engine_life.check_kv_form): against the
+    backend, the AR checkpoint's kv_cache_scheme and, `on_this_machine`, this machine's device; a Ray head leaves
+    the device to its replicas (their pipelines check it there)."""
+    from ..devices import resolve_device
+    from ..pipeline import check_kv_form
+
+    check_kv_form(options, resolve_device(options.device.device) if on_this_machine else None, KV_FLAG)
+
+
+def check_kv_flag(args, on_this_machine: bool = True) -> None:
+    """`check_kv_options` from the flags alone, before any weights are resolved or anything is printed (`serve`:
+    before its "starting" line). --backend left out counts as auto here: the tiny default's torch is checked where
+    its pipeline is built."""
+    if on_this_machine:
+        check_device(args.device)
+    load, ar, engine, device = flag_options(args, args.backend or "auto")
+    check_kv_options(PipelineOptions(load=load, ar=ar, engine=engine, device=device), on_this_machine)
 
 
 def adapter_options(args) -> tuple[AdapterOptions, tuple]:
@@ -295,7 +320,8 @@ def memory_plan(model_dir, vae_dir, device_type: str, device: DeviceOptions = De
     form counted by its element size); with `generation`, rows sized for its songs (a prompt + the larger phase
     budget) instead of upstream's. On this machine's integrated GPU the split is one pool with the host (no budget:
     the pool). `weights`: the (MoT, VAE) file bytes where the files are not here (a Ray head), else they are read
-    from the directories."""
+    from the directories; the VAE is planned by its config.json, the release's where the directory has none (so the
+    rows never hang on it)."""
     from ..checkpoint import read_json, weights_bytes
     from ..kv_cache import element_bytes
     from ..memory import (PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, default_budget_gib, device_pool, plan_memory,
@@ -313,9 +339,10 @@ def memory_plan(model_dir, vae_dir, device_type: str, device: DeviceOptions = De
     card = (total_memory_bytes(device_type) if device_type.startswith("cuda") and pool is None
             and torch.cuda.is_available() else None)
     budget_gib = device.budget_gib or default_budget_gib(pool, card)
-    vae, tile = weights[1] if weights else weights_bytes(vae_dir), 0
-    if vae_dir is not None and (Path(vae_dir) / "config.json").is_file():  # the decoder we keep, by its config
-        vae_config = VAEConfig.from_dict(read_json(Path(vae_dir) / "config.json"))
+    vae, tile = 0, 0
+    if vae_dir is not None:  # the decoder we keep, by its config (the release's where none is here yet)
+        config_file = Path(vae_dir) / "config.json"
+        vae_config = VAEConfig.from_dict(read_json(config_file)) if config_file.is_file() else VAEConfig()
         vae = decoder_bytes(vae_config)
         tile = vae_decode_bytes(vae_config, device.vae_core_frames or default_vae_core_frames(budget_gib),
                                 VAE_HALO_FRAMES)

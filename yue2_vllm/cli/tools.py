@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..request_json import UsageError
-from .setup import print_status, song_setup
+from .setup import check_kv_flag, print_status, song_setup
 
 def cmd_derive(args) -> int:
     import time
@@ -68,6 +68,9 @@ def cmd_make_tiny(args) -> int:
 def cmd_serve(args) -> int:
     from ..serve.runner import serve
 
+    # Refused before the "starting" line; a Ray head checks what does not depend on the replicas' devices.
+    local = getattr(args, "replicas", None) is None and getattr(args, "ray_address", None) is None
+    check_kv_flag(args, on_this_machine=local)
     return serve(args, song_setup, print_status)
 
 

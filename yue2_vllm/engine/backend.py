@@ -25,7 +25,7 @@ from typing import Sequence
 
 from ..checkpoint import drop_page_cache, weights_bytes
 from ..derive import ARCheckpoint
-from ..kv_cache import element_bytes, explicit, release
+from ..kv_cache import element_bytes, explicit, record_problem, release
 from ..lora_memory import lora_slots_bytes
 from ..memory import MEMINFO, MemoryPlan, UnifiedPool, kv_cache_bytes, plan_memory, read_meminfo, row_kv_bytes
 from ..quant.schemes import engine_kernel_env
@@ -33,6 +33,7 @@ from ..model.modeling import YuE2Config
 from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, ar_signals, check_budget
 from ..startup import ENGINE_START_TIMEOUT_S
 from ..model.sampling import ARResult, Cancelled, OnToken
+from .head import choice_record
 from .lora import LoraSettings, LoraSlot
 from .runner import BatchInvariance, RunnerChoice, resolve_runner, sliced_head_blocker
 from .runs import PairRun, SingleRun
@@ -161,6 +162,9 @@ class VLLMBackend:
         else:
             self.sliced_head_reason = sliced_head_blocker(self.runner.runner, vllm_version())
         self.sliced_head = self.sliced_head_reason is None
+        # Per phase, the slice or the full head plus a mask: what the engine's model decides for its rows (engine.head).
+        self.sliced_head_phases = (choice_record(config.hidden_size, config.vocab_size, self.settings.max_num_seqs)
+                                   if self.sliced_head else None)
         # Batch-invariant by request, or anyway: a float32 engine on vLLM-CPU does not depend on the batch.
         self.invariance = self.settings.batch_invariance
         if self.invariance is None and self.settings.device_type == "cpu" and self.settings.dtype == "float32":
@@ -301,9 +305,14 @@ class VLLMBackend:
                                   f"{'on' if event.get('async_scheduling') else 'off'}, not the {runner.runner} runner "
                                   f"with it {'on' if runner.async_scheduling else 'off'} that its sampler was chosen "
                                   f"for; log kept at {worker.log_path}")
+            kv_cache = event.get("kv_cache") or {"error": "the worker sent no record"}
+            problem = record_problem(kv_cache, s.kv_cache_dtype, s.dtype)
+            if problem:
+                worker.close(keep_log=True)
+                raise EngineError(f"{problem}; log kept at {worker.log_path}")
             self._worker, self._starts, self._fresh = worker, self._starts + 1, True
             self.engine_info = {"vllm_version": event["vllm_version"],
-                                "engine_load_seconds": event["engine_load_seconds"]}
+                                "engine_load_seconds": event["engine_load_seconds"], "kv_cache": kv_cache}
             if self.plan.unified is not None:  # the engine has read its weights: their cached pages are the pool's
                 drop_page_cache(s.checkpoint.path)
 
@@ -330,7 +339,7 @@ class VLLMBackend:
     def describe(self) -> dict:
         """The engine's settings and memory split (for `doctor` and per-song records)."""
         return {"max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
-                "kv_cache_dtype": self.settings.kv_cache_dtype,
+                "kv_cache_dtype": self.settings.kv_cache_dtype, "kv_cache": self.engine_info.get("kv_cache"),
                 "max_num_batched_tokens": self.settings.max_num_batched_tokens, "dtype": self.settings.dtype,
                 "lora": self.settings.lora.record(), **self.runner_record(), "memory": self.plan.describe()}
 
@@ -341,7 +350,8 @@ class VLLMBackend:
         return {**self.settings.kernel_env(), "unified_memory": self.plan.unified is not None,
                 "vllm_runner": self.runner.runner, "vllm_runner_reason": self.runner.reason,
                 "async_scheduling": self.runner.async_scheduling, "sliced_head": self.sliced_head,
-                "sliced_head_reason": self.sliced_head_reason, "batch_invariant": invariance is not None,
+                "sliced_head_reason": self.sliced_head_reason, "sliced_head_phases": self.sliced_head_phases,
+                "batch_invariant": invariance is not None,
                 "batch_invariance": invariance.how if invariance is not None else None}
 
     # -- admission
@@ -421,7 +431,7 @@ class VLLMBackend:
                   "content_tokens": len(content), "output_tps": count / seconds if seconds > 0 else 0.0,
                   "prefix_tokens": len(prefix), "cfg_branches": len(prompts), "backend_actual": self.name,
                   "vllm_version": self.engine_info.get("vllm_version"), "engine_dtype": self.settings.dtype,
-                  "kv_cache_dtype": self.settings.kv_cache_dtype,
+                  "kv_cache_dtype": self.settings.kv_cache_dtype, "kv_cache": self.engine_info.get("kv_cache"),
                   "max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
                   "kv_reserved_bytes": kv, "mean_batch_rows": info["mean_batch_rows"], **self.runner_record(),
                   "admission_wait_seconds": waited, "engine_restarts": restarts_before,

@@ -5,7 +5,8 @@ builds `YuE2ARForCausalLM`, MRV2's `init_model_state` builds our model state for
 `model_state.prepare_inputs` -> (forward) -> `compute_logits(hidden[logits_indices])` -> the sampler's
 `apply(logits, LogitsContext)`. `SlotRunner` keeps the runner's bookkeeping (slots from a free list,
 token history in `all_token_ids`) with vLLM's own dataclasses; `head_rates` times the head and sampler of
-semantic decode steps with the sliced vs the full head (`yue2-vllm bench`, path `mrv2-head`).
+score and semantic decode steps with the sliced head vs the full head as vLLM's own Qwen3 computes it
+(`vllm_full_head`; `yue2-vllm bench`, paths `mrv2-head` and `head`).
 
 Importing this module imports nothing from vLLM; its functions do.
 """
@@ -23,10 +24,11 @@ import torch
 
 
 @contextmanager
-def standalone_model(checkpoint: Path, dtype: str = "float32", max_model_len: int = 512):
+def standalone_model(checkpoint: Path, dtype: str = "float32", max_model_len: int = 512, max_num_seqs: int = 8):
     """`(model, model_state)`: the real YuE2ARForCausalLM from a derived checkpoint and the model state MRV2 builds
-    for it, in this process (world size 1; a parallel state already set up is reused and left alone)."""
-    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    for it, in this process (world size 1; a parallel state already set up is reused and left alone). The head's
+    per-phase choice is made for steps of up to `max_num_seqs` rows, as an engine's would be."""
+    from vllm.config import ModelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
                                   init_distributed_environment, initialize_model_parallel)
     from vllm.distributed.parallel_state import model_parallel_is_initialized
@@ -38,7 +40,9 @@ def standalone_model(checkpoint: Path, dtype: str = "float32", max_model_len: in
     register()
     config = VllmConfig(model_config=ModelConfig(model=str(checkpoint), dtype=dtype, skip_tokenizer_init=True,
                                                  max_model_len=max_model_len,
-                                                 hf_overrides={"architectures": [MODEL_ARCHITECTURE]}))
+                                                 hf_overrides={"architectures": [MODEL_ARCHITECTURE]}),
+                        scheduler_config=SchedulerConfig.default_factory(max_num_seqs=max_num_seqs,
+                                                                         max_model_len=max_model_len))
     owned = not model_parallel_is_initialized()
     empty_cache = torch.accelerator.empty_cache
     if not torch.accelerator.is_available():  # the loader frees accelerator memory; a CPU has none to free
@@ -58,6 +62,26 @@ def standalone_model(checkpoint: Path, dtype: str = "float32", max_model_len: in
         if owned:
             destroy_model_parallel()
             destroy_distributed_environment()
+
+
+class VllmHead:
+    """The lm_head as vLLM's own Qwen3 computes it (what an engine with `--no-sliced-head` runs): the model's head
+    weight under vLLM's plain unquantized method, processed as vLLM's loader processes it (on the CPU: the whole
+    head prepacked for oneDNN). A second packed copy of the head: for benchmarks and tests only."""
+
+    def __init__(self, lm_head):
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        self.weight, self.tp_size, self.org_vocab_size = lm_head.weight, 1, lm_head.org_vocab_size
+        self.quant_method = UnquantizedEmbeddingMethod()
+        self.quant_method.process_weights_after_loading(self)
+
+
+def vllm_full_head(model) -> VllmHead:
+    """The model's `VllmHead`, built once per model."""
+    if getattr(model, "_vllm_full_head", None) is None:
+        model._vllm_full_head = VllmHead(model.lm_head)
+    return model._vllm_full_head
 
 
 class SlotRunner:
@@ -94,13 +118,11 @@ class SlotRunner:
         return slot
 
     def logits(self, hidden: torch.Tensor, slots, sliced: bool = True) -> torch.Tensor:
-        """`prepare_inputs` before the forward, then `compute_logits` (the full head: vLLM's Qwen3 method)."""
-        from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
-
+        """`prepare_inputs` before the forward, then `compute_logits` (the full head: vLLM's own, `vllm_full_head`)."""
         self.state.prepare_inputs(SimpleNamespace(idx_mapping_np=np.asarray(slots, dtype=np.intp)), None)
         if not sliced:
             self.model.slot_phases.take(len(slots))  # the step's layout goes unused
-            return Qwen3ForCausalLM.compute_logits(self.model, hidden)
+            return self.model.logits_processor(vllm_full_head(self.model), hidden)
         return self.model.compute_logits(hidden)
 
     def step(self, logits: torch.Tensor, slots) -> torch.Tensor:
@@ -119,46 +141,57 @@ class SlotRunner:
         self.total_len[slot] += 1
 
 
-def head_rates(checkpoint: Path, dtype: str, rows: tuple[int, ...], steps: int, repeats: int) -> dict:
-    """Semantic decode steps of `rows` YuE2 rows through MRV2's model state, head and sampler (no forward: the
-    hidden states are random): tok/s with the sliced and the full head, medians of `repeats`, and their ratio.
-    Torch runs on the engine worker's share of the cores (`worker_process.cpu_split`), as an engine here would: with
-    every core, each parallel op waits at its barrier for the core the other side holds."""
+def head_rates(checkpoint: Path, dtype: str, rows: tuple[int, ...], steps: int, repeats: int,
+               phases: tuple[str, ...] = ("abc", "semantic")) -> dict:
+    """Decode steps of `rows` YuE2 rows of each phase through MRV2's model state, head and sampler (no forward: the
+    hidden states are random): tok/s with the sliced and with vLLM's own full head, the two heads taking turns step
+    by step (the machine's drift falls on both alike), medians of `repeats` runs, and their ratio. Torch runs on the
+    engine worker's share of the cores (`worker_process.cpu_split`), as an engine here would: with every core, each
+    parallel op waits at its barrier for the core the other side holds."""
+    from .head import choice_record
     from .worker_process import cpu_split
 
     threads = torch.get_num_threads()
     torch.set_num_threads(cpu_split()[0])
     try:
         result: dict = {"threads": torch.get_num_threads()}
-        with standalone_model(checkpoint, dtype) as (model, state):
-            for count in rows:
-                rates = {kind: statistics.median(_step_rate(model, state, getattr(torch, dtype), count, steps,
-                                                            kind == "sliced", repeat) for repeat in range(repeats))
-                         for kind in ("sliced", "full")}
-                result[f"semantic_tok_s_x{count}"] = rates
-                result[f"sliced_over_full_x{count}"] = rates["sliced"] / rates["full"]
+        with standalone_model(checkpoint, dtype, max_num_seqs=max(rows)) as (model, state):
+            result["choice"] = choice_record(model.config.hidden_size, model.config.vocab_size, max(rows))
+            for phase in phases:
+                for count in rows:
+                    measured = [_step_rates(model, state, getattr(torch, dtype), count, steps, repeat, phase)
+                                for repeat in range(repeats)]
+                    rates = {kind: statistics.median(m[kind] for m in measured) for kind in ("sliced", "full")}
+                    result[f"{phase}_tok_s_x{count}"] = rates
+                    result[f"{phase}_sliced_over_full_x{count}"] = rates["sliced"] / rates["full"]
         return result
     finally:
         torch.set_num_threads(threads)
 
 
-def _step_rate(model, state, dtype: torch.dtype, count: int, steps: int, sliced: bool, seed: int) -> float:
-    """tok/s of `steps` semantic decode steps of `count` fresh rows (model state, head, sampler, commit)."""
+def _step_rates(model, state, dtype: torch.dtype, count: int, steps: int, seed: int,
+                phase: str = "semantic") -> dict[str, float]:
+    """tok/s of `count` fresh rows of `phase` over `steps` decode steps with each head (model state, head, sampler,
+    commit), the sliced and the full head taking turns step by step; each head's rate from its median step."""
     from vllm import SamplingParams
 
-    from ..protocol import MUSIC_START, Sampling
+    from ..protocol import ABC_START, MUSIC_START, Sampling
     from .mrv2 import YuE2SamplerV2
     from .plugin import row_args
 
-    runner = SlotRunner(YuE2SamplerV2, model, state, dtype, count, 32 + steps)
-    sampling = Sampling(min_tokens=steps, max_tokens=steps)
-    slots = [runner.add([1, 2, MUSIC_START], SamplingParams(temperature=0, max_tokens=steps, extra_args=row_args(
-        "semantic", sampling, 100 + i))) for i in range(count)]
+    runner = SlotRunner(YuE2SamplerV2, model, state, dtype, count, 32 + 2 * steps)
+    sampling = Sampling(min_tokens=2 * steps, max_tokens=2 * steps)
+    prompt = [1, 2, ABC_START] if phase == "abc" else [1, 2, MUSIC_START]
+    slots = [runner.add(prompt, SamplingParams(temperature=0, max_tokens=2 * steps, extra_args=row_args(
+        phase, sampling, 100 + i))) for i in range(count)]
     generator = torch.Generator().manual_seed(seed)
     hidden = [torch.randn(count, model.config.hidden_size, generator=generator).to(dtype) for _ in range(4)]
-    start = time.perf_counter()
-    for step in range(steps):
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for step in range(2 * steps):
+        sliced = (step + seed) % 2 == 0
+        start = time.perf_counter()
         tokens = runner.step(runner.logits(hidden[step % 4], slots, sliced), slots).argmax(dim=1)
         for slot, token in zip(slots, tokens.tolist()):
             runner.commit(slot, token)
-    return count * steps / (time.perf_counter() - start)
+        times[sliced].append(time.perf_counter() - start)
+    return {"sliced": count / statistics.median(times[True]), "full": count / statistics.median(times[False])}

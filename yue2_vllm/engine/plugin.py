@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from . import sampling as es
 from ..protocol import PHASES, Sampling
@@ -272,19 +271,6 @@ def phase_layout(row_phases: Sequence[int | None], device: torch.device) -> dict
     for index, phase in enumerate(row_phases):
         groups.setdefault(phase, []).append(index)
     return {phase: host_to_device(members, torch.long, device) for phase, members in groups.items()}
-
-
-def sliced_logits(hidden: torch.Tensor, weight: torch.Tensor, phases: dict[int | None, torch.Tensor | slice],
-                  vocab_size: int) -> tuple[torch.Tensor, int]:
-    """`(logits, widest)`: each row's logits over its phase's columns of `weight` only (−inf elsewhere), one GEMM
-    per phase present; `widest`: the most columns one row got (the full vocabulary for rows of phase None)."""
-    logits = torch.full((len(hidden), vocab_size), float("-inf"), dtype=hidden.dtype, device=hidden.device)
-    widest = 0
-    for phase, index in phases.items():  # index tensors cached per batch layout: no per-step copy
-        columns = slice(0, vocab_size) if phase is None else es.phase_slice(phase)
-        logits[index, columns] = F.linear(hidden[index], weight[columns])
-        widest = max(widest, columns.stop - columns.start)
-    return logits, widest
 
 
 def phase_rows(vllm_config, rows: int) -> dict[int | None, torch.Tensor | slice] | None:

@@ -151,6 +151,48 @@ def build_engine(setup: dict):
     return LLMEngine.from_engine_args(args)
 
 
+FP8_TORCH_NAMES = {"float8_e4m3fn": "fp8_e4m3", "float8_e4m3fnuz": "fp8_e4m3", "float8_e5m2": "fp8_e5m2",
+                   "float8_e5m2fnuz": "fp8_e5m2"}
+
+
+def attention_layers(model) -> list[dict]:
+    """Every attention layer of the engine's model as vLLM built it: its backend, KV cache form, the cache's torch
+    dtype, what an FP8 cache holds (Triton views it as the platform's e4m3 type), and the K/V scales in use."""
+    layers = []
+    for name, module in model.named_modules():
+        backend, form = getattr(module, "attn_backend", None), getattr(module, "kv_cache_dtype", None)
+        if backend is None or not isinstance(form, str):
+            continue
+        cache = str(getattr(module, "kv_cache_torch_dtype", "")).removeprefix("torch.")  # uint8 for FP8 forms
+        stored = cache if not form.startswith("fp8") else "fp8_e5m2" if form == "fp8_e5m2" else "fp8_e4m3"
+        viewed = getattr(getattr(module, "impl", None), "fp8_dtype", None)  # Triton reads the cache as this type
+        if viewed is not None and form.startswith("fp8"):
+            stored = FP8_TORCH_NAMES.get(str(viewed).removeprefix("torch."), str(viewed))
+        layers.append({"layer": name, "backend": backend.get_name(), "kv_cache_dtype": form, "cache_dtype": cache,
+                       "stored_as": stored, "k_scale": float(getattr(module, "_k_scale_float", 1.0)),
+                       "v_scale": float(getattr(module, "_v_scale_float", 1.0))})
+    return layers
+
+
+def kv_cache_record(engine) -> dict:
+    """What the engine runs, read back from its model (not from the flags we passed): one value where every layer
+    agrees, else the list; the scales as [min, max] over the layers; "scales" says 1.0 or the checkpoint's."""
+    (layers,) = engine.apply_model(attention_layers)
+    if not layers:
+        return {"layers": 0}
+    record = {"layers": len(layers)}
+    for key, name in (("backend", "attention_backend"), ("kv_cache_dtype", "kv_cache_dtype"),
+                      ("cache_dtype", "cache_dtype"), ("stored_as", "stored_as")):
+        values = sorted({layer[key] for layer in layers})
+        record[name] = values[0] if len(values) == 1 else values
+    for key in ("k_scale", "v_scale"):
+        values = [layer[key] for layer in layers]
+        record[key] = [min(values), max(values)]
+    ones = all(layer["k_scale"] == 1.0 and layer["v_scale"] == 1.0 for layer in layers)
+    record["scales"] = "1.0" if ones else "checkpoint"
+    return record
+
+
 def sampling_params(request: dict):
     """Greedy in vLLM's eyes: the yue2 processor has already made one token the largest logit per row."""
     from vllm import SamplingParams
@@ -361,10 +403,14 @@ def main() -> int:
         start = time.perf_counter()
         engine = build_engine(setup)
         config = engine.vllm_config
+        try:
+            kv_cache = kv_cache_record(engine)
+        except Exception as exc:  # reported (and refused by the parent): the record must come from the engine
+            kv_cache = {"error": f"{type(exc).__name__}: {exc}"}
         channel.emit({"event": "ready", "vllm_version": vllm.__version__,
                       "engine_load_seconds": time.perf_counter() - start,
                       "v2_model_runner": bool(config.use_v2_model_runner),
-                      "async_scheduling": bool(config.scheduler_config.async_scheduling)})
+                      "async_scheduling": bool(config.scheduler_config.async_scheduling), "kv_cache": kv_cache})
     except Exception as exc:  # reported to the parent, which raises with the log tail
         traceback.print_exc()
         return fatal(channel, f"{type(exc).__name__}: {exc}")

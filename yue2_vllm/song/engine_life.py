@@ -18,7 +18,7 @@ import torch
 from ..checkpoint import HashCache, weights_bytes
 from ..derive import OVERRIDE_ENV, derivation_bytes
 from ..devices import engine_cuda_env
-from ..kv_cache import check_form, check_kv_cache, is_fp8
+from ..kv_cache import check_form, check_kv_cache, is_fp8, option_problem
 from ..memory import PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, vae_decode_bytes
 from ..model.modeling import YuE2Config
 from ..model.vae import decoder_bytes
@@ -95,18 +95,32 @@ def estimated_engine_weights(inputs: EngineInputs, config: YuE2Config) -> int:
     return weights_bytes(override) if override is not None and override.is_dir() else ar_expert_bytes(config)
 
 
-def check_kv_form(form: str, device: torch.device, backend: str, cfg_engine: str,
+def check_kv_form(options: PipelineOptions, device: torch.device | None,
                   flag: str = "EngineOptions.kv_cache_dtype") -> str:
-    """The engine's KV cache form, refused (ValueError, one line naming `flag`, the device and what works) before
-    anything loads where this device, the installed vLLM or the backend cannot run it (kv_cache.kv_cache_problem)."""
+    """The engine's KV cache form (`options.engine.kv_cache_dtype`), refused (ValueError, one line naming `flag`, the
+    card and what works) before anything loads where vLLM would not start with it on `device`, or would store
+    another form, or where the AR checkpoint's own `kv_cache_scheme` would switch it (kv_cache.kv_cache_problem,
+    attention.choose). `device` None (a Ray head, whose replicas check their own devices): only what holds on any
+    device (kv_cache.option_problem)."""
+    from ..attention import installed_packages
     from ..engine.backend import vllm_version
 
-    check_form(form, flag)
-    if not is_fp8(form):
+    form, ar = check_form(options.engine.kv_cache_dtype, flag), options.ar
+    checkpoint = options.load.ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None
+    if device is not None and vllm_version() is None:
+        checkpoint = None  # no engine here: its checkpoint is never served
+    if device is None or not is_fp8(form):
+        problem = option_problem(form, backend=ar.backend, cfg_engine=ar.cfg_engine, checkpoint=checkpoint,
+                                 flag=flag)
+        if problem:
+            raise ValueError(problem)
         return form
-    capability = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
-    return check_kv_cache(form, device_type=device.type, vllm_version=vllm_version(), backend=backend,
-                          cfg_engine=cfg_engine, capability=capability, flag=flag)
+    cuda = device.type == "cuda"
+    return check_kv_cache(form, device_type=device.type, vllm_version=vllm_version(), backend=ar.backend,
+                          cfg_engine=ar.cfg_engine, capability=tuple(torch.cuda.get_device_capability(device))
+                          if cuda else None, device_name=torch.cuda.get_device_name(device) if cuda else None,
+                          packages=installed_packages() if cuda else None, reproducible=ar.reproducible,
+                          dtype=ar.dtype, checkpoint=checkpoint, flag=flag)
 
 
 def check_split(inputs: EngineInputs) -> None:

@@ -81,6 +81,14 @@ BATCH_NOTE = ("the AR tokens may depend on the other songs the engine served at 
               "--reproducible (serve: reproducible) makes a seed fix the song")
 
 
+def kv_cache_record(*timings: dict | None) -> dict:
+    """result.json's `kv_cache`: what the vLLM engine ran its K/V as (dtype, attention backend, what the cache
+    holds, the scales), as the engine reported it at start (engine.worker.kv_cache_record); {} when no phase ran
+    on vLLM."""
+    ran = [timing["kv_cache"] for timing in timings if timing and timing.get("kv_cache")]
+    return {"kv_cache": ran[0]} if ran else {}
+
+
 def batch_record(*timings: dict | None) -> dict:
     """result.json's word on reproducibility: whether every AR phase ran batch-invariant, else why not. A phase
     that ran no AR (a given score, cot off: no `backend_actual`) depends on no batch."""

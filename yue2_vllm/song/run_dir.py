@@ -16,7 +16,7 @@ from .. import instrumental
 from ..checkpoint import identity, write_json_atomic
 from ..protocol import CODEC_SIZE, SongRequest
 from .results import (SAMPLE_RATE, Cancelled, Decoder, OnProgress, OnStage, OnToken, SemanticResult, SymbolicPlan,
-                      Synthesizer, batch_record)
+                      Synthesizer, batch_record, kv_cache_record)
 
 LOG = logging.getLogger(__name__)
 # Per stage: the files its record must list (with hashes) and the meta keys the later stages read.
@@ -172,6 +172,7 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
             **({"adapters": song.adapter_record(plan.request)} if plan.request.adapters else {}),
             **batch_record(plan.timing, semantic.timing),
             **{key: config[key] for key in ("kv_cache_dtype",) if key in config},  # an FP8 KV engine's form
+            **kv_cache_record(plan.timing, semantic.timing),  # what the engine ran, read back from it
             "sources": song.source_records(),
             "truncated": {"abc": plan.truncated, "semantic": semantic.truncated},
             "sample_rate": SAMPLE_RATE, "audio_seconds": audio_meta["samples"] / SAMPLE_RATE,
