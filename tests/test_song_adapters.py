@@ -154,9 +154,12 @@ def test_lora_slots_are_sized_by_the_memory_plan(tmp_path):
 
     from yue2_vllm.memory import ar_expert_bytes
 
-    need = settings(100.0, LoraSettings()).plan(config, engine_weights=ar_expert_bytes(config))
-    base = need.engine + need.torch_side
-    budget = (base + 2.5 * lora_slots_bytes(config, 1, 64)) / 2**30  # room for 2 slots, not 3
+    def need(slots):
+        return settings(100.0, LoraSettings(slots, 64), max_loras=slots).plan(
+            config, engine_weights=ar_expert_bytes(config)).need
+
+    assert need(3) - need(2) == lora_slots_bytes(config, 1, 64)  # each slot is engine memory
+    budget = (need(2) + need(3)) / 2 / 2**30  # room for 2 slots, not 3
     sized = settings(budget, LoraSettings(4, 64))
     assert sized.lora.max_loras == 2
     assert sized.plan(config, engine_weights=ar_expert_bytes(config)).lora_slots == lora_slots_bytes(config, 2, 64)

@@ -280,8 +280,8 @@ class MemoryPlan:
     @property
     def engine_peak(self) -> int:
         """The engine's most at once: running (weights, KV, overhead), or loading its weights where that holds
-        more (the CPU: the mapped file beside the copy)."""
-        return max(self.engine, self.engine_weights + self.engine_load)
+        more (the CPU: the mapped file beside the copy; LoRA slots are allocated as the model loads, counted in both)."""
+        return max(self.engine, self.engine_weights + self.engine_load + self.lora_slots)
 
     @property
     def torch_side(self) -> int:
