@@ -1092,3 +1092,21 @@ def test_bad_adapter_flags_are_named(tiny_model_dir, tiny_vae_dir, config_file, 
     assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--style", "pop",
                  "--lyrics", "la", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_adapter_at_start_naming_it(tiny_model_dir, tiny_vae_dir, config_file, tmp_path):
+    """A server's adapters are registered at start (docs/adapters.md): a bad one stops it before it serves, naming
+    the file and the tensor, with a failed status line; nothing listens afterwards."""
+    from yue2_vllm.testing_adapters import write_tiny_adapter
+
+    good = write_tiny_adapter(tmp_path / "good.safetensors", "plain")
+    bad = write_tiny_adapter(tmp_path / "lokr.safetensors", "lokr")
+    result = subprocess.run([sys.executable, "-m", "yue2_vllm.cli", "serve", *model_args(tiny_model_dir, tiny_vae_dir,
+                                                                                          config_file),
+                             "--port", "0", "--data-dir", str(tmp_path / "data"),
+                             "--lora-modules", f"good={good.path}", f"bad={bad.path}"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    status = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [s["status"] for s in status] == ["starting", "failed"] and status[-1]["type"] == "AdapterError"
+    assert f"{bad.path}: tensor layers.0.self_attn.q_proj.lokr_w1: a LoKr factor" in result.stderr
