@@ -72,8 +72,9 @@ class SongBody(BaseModel):
     instrumental: bool = Field(False, description="upstream's instrumental recipe: plan a score, move its vocal "
                                "melody to the instrument (or edit the given abc so), render that with an "
                                "instrumental style and section tags; not with cot off (docs/instrumental.md)")
-    adapters: list[AdapterChoice] = Field([], description="registered adapters the song runs with (the AR parts on "
-                                          "vLLM, the NAR parts in synthesis; docs/adapters.md)")
+    adapters: list[AdapterChoice] | None = Field([], description="registered adapters the song runs with (the AR "
+                                                 "parts on vLLM, the NAR parts in synthesis; docs/adapters.md; null: "
+                                                 "none)")
     stage: Literal["plan", "audio"] = Field("audio", description="plan: the score only (render its audio later)")
     reproducible: bool = Field(False, description="ask for a batch-invariant song (only on a server started with "
                                                   "--reproducible)")
