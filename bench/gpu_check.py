@@ -47,6 +47,10 @@ the GPU machines of this project do not have, so it is skipped there with the re
   a float32 song's tokens equal across runners).
 * `engine.kv_cache`: per KV form this GPU runs (`attention.choose`), the engine's peak device memory against the
   plan's engine figure, tok/s at 1 and 8 rows, and the attention backend the engine reports against the predicted.
+* `engine.lora`: AR adapters on each model runner: tok/s at 8 rows with LoRA off, on but unused, one adapter,
+  four distinct adapters; a greedy song with the adapter against the merged checkpoint's (identical, or the first
+  divergence); on CUDA the memory the LoRA engine took against the plan (its slots included). CUDA (not --quick):
+  a full-size random AR with rank-64 adapters; otherwise the tiny one, rank 8, float32.
 """
 from __future__ import annotations
 
@@ -942,8 +946,9 @@ def engine_runners(args) -> Rows:
     return rows
 
 
-def kv_rows_tps(backend, prompt: list[int], tokens: int, rows: int) -> float:
-    """Output tokens per second of `rows` semantic streams of `tokens` each, submitted at once."""
+def kv_rows_tps(backend, prompt: list[int], tokens: int, rows: int, loras=None) -> float:
+    """Output tokens per second of `rows` semantic streams of `tokens` each, submitted at once (`loras`: the
+    adapters of the rows, cycled)."""
     import threading
 
     from yue2_vllm.protocol import Sampling
@@ -951,8 +956,9 @@ def kv_rows_tps(backend, prompt: list[int], tokens: int, rows: int) -> float:
     counts = [0] * rows
 
     def one(index: int) -> None:
+        slot = loras[index % len(loras)] if loras else None
         counts[index] = len(backend.generate(prompt + [1000 + index], Sampling(min_tokens=tokens, max_tokens=tokens),
-                                             index, "semantic").ids)
+                                             index, "semantic", **({"lora": slot} if slot else {})).ids)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(rows)]
@@ -1024,6 +1030,81 @@ def engine_kv_cache(args) -> Rows:
             rows.append(row)
         except Exception as exc:
             rows.append({**row, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        finally:
+            backend.close()
+    return rows
+
+
+@section("engine.lora")
+def engine_lora(args) -> Rows:
+    """AR adapters on the engine, per model runner (see the module docstring)."""
+    from yue2_vllm.engine.backend import EngineSettings, VLLMBackend, unsupported_reason, vllm_version
+
+    reason = unsupported_reason(vllm_version())
+    if reason:
+        return [skipped("engine LoRA", reason)]
+    from yue2_vllm.adapters.cache import convert_adapter
+    from yue2_vllm.derive import ARCheckpoint, derive_ar_checkpoint
+    from yue2_vllm.engine.lora import LoraIds, LoraSettings
+    from yue2_vllm.memory import GIB, total_memory_bytes
+    from yue2_vllm.model.modeling import YuE2Config
+    from yue2_vllm.protocol import ABC_START, EOD, MUSIC_START, Sampling
+    from yue2_vllm.testing import TINY_CONFIG, write_tiny_model
+    from yue2_vllm.testing_adapters import write_merged_model, write_tiny_adapter
+
+    cuda = torch.cuda.is_available()
+    full = cuda and not args.quick
+    device, config, rank = ("cuda" if cuda else "cpu"), (YuE2Config() if full else TINY_CONFIG), (64 if full else 8)
+    dtype = "bfloat16" if cuda else "float32"
+    root = Path(tempfile.mkdtemp(prefix="yue2-gpu-check-lora-"))
+    mot = write_tiny_model(root / "mot", config=config)
+    tiny = [write_tiny_adapter(root / f"a{i}.safetensors", "plain", rank=rank, seed=i, config=config)
+            for i in range(4)]
+    converted = [convert_adapter(t.path, config, cache_dir=root / "cache") for t in tiny]
+    derived = derive_ar_checkpoint(mot, root / "arcache")
+    merged = derive_ar_checkpoint(write_merged_model(mot, root / "merged", tiny[0].edits,
+                                                     None if cuda else torch.float32), root / "arcache")
+    budget = total_memory_bytes("cuda") * 0.9 / GIB if cuda else 24.0
+    prompt, tokens = [EOD, 40, 1771, 285, 9, 10, ABC_START, 300, 301, MUSIC_START], 256 if full else 32
+    greedy = Sampling(temperature=0.0, min_tokens=tokens, max_tokens=tokens)
+
+    def engine(checkpoint, runner, lora=LoraSettings()):
+        return VLLMBackend(config, EngineSettings(ARCheckpoint(checkpoint, "derived", None), device_type=device,
+                                                  max_num_seqs=8, memory_budget_gib=budget, dtype=dtype,
+                                                  runner=runner, lora=lora))
+
+    rows = []
+    for runner in ("v1", "v2"):
+        try:
+            reference = engine(merged, runner)
+        except ValueError as exc:
+            rows.append(skipped(f"engine LoRA {runner}", str(exc)))
+            continue
+        try:
+            merged_ids = reference.generate(prompt, greedy, 3, "semantic").ids
+            off = kv_rows_tps(reference, prompt, tokens, 8)
+        finally:
+            reference.close()
+        backend = engine(derived, runner, LoraSettings(4, rank))
+        try:
+            free_before = torch.cuda.mem_get_info()[0] if cuda else None
+            backend.start()
+            row = {"row": f"engine LoRA {runner}", "runner": backend.runner.runner, "rank": rank,
+                   "plan_lora_slots_bytes": backend.plan.lora_slots}
+            if cuda:
+                used = free_before - torch.cuda.mem_get_info()[0]
+                row.update(engine_used_bytes=used, within_plan=used <= backend.plan.engine)
+            ids = LoraIds()
+            slots = [ids.slot(c.sha256, 1.0, c.ar_path) for c in converted]
+            adapted = backend.generate(prompt, greedy, 3, "semantic", lora=slots[0]).ids
+            row.update(adapter_equals_merged=adapted == merged_ids,
+                       first_divergence=first_divergence(adapted, merged_ids),
+                       tps_8_rows_off=off, tps_8_rows_unused=kv_rows_tps(backend, prompt, tokens, 8),
+                       tps_8_rows_1_adapter=kv_rows_tps(backend, prompt, tokens, 8, slots[:1]),
+                       tps_8_rows_4_adapters=kv_rows_tps(backend, prompt, tokens, 8, slots))
+            rows.append(row)
+        except Exception as exc:
+            rows.append({"row": f"engine LoRA {runner}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
         finally:
             backend.close()
     return rows

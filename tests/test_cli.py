@@ -1117,3 +1117,74 @@ def test_seconds_and_continue_refusals_are_one_line_naming_the_flag(argv, messag
     assert code == 2 and status["status"] == "failed"
     assert message.format(tmp=tmp_path) in status["reason"], status["reason"]
     assert not (tmp_path / "out").exists()
+
+
+def test_doctor_checks_adapters_and_plans_lora_slots(tmp_path, capsys):
+    from yue2_vllm.testing_adapters import write_tiny_adapter
+
+    write_tiny_adapter(tmp_path / "a.safetensors", "plain", rank=8)
+    write_tiny_adapter(tmp_path / "lokr.safetensors", "lokr")
+    assert main(["doctor", "--lora-modules", f"a={tmp_path / 'a.safetensors'}", f"b={tmp_path / 'lokr.safetensors'}",
+                 "nameonly"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    good, bad, malformed = report["adapters"]
+    assert (good["name"], good["half"], good["rank"]) == ("a", "ar", 8) and good["vllm_slot_bytes"] > 0
+    assert "LoKr" in bad["problem"] and "expected name=path" in malformed["problem"]
+    rows = report["memory_release"]["adapters"]
+    assert [row["adapters"] for row in rows] == [0, 1, 4] and rows[1]["vllm_slots_bytes"] == 139_460_608
+
+
+def test_lora_on_generate_and_batch(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    from yue2_vllm.testing_adapters import write_tiny_adapter
+
+    style = write_tiny_adapter(tmp_path / "adapters" / "style.safetensors", "plain", half="both", rank=4)
+    voice = write_tiny_adapter(tmp_path / "adapters" / "voice", "peft", half="nar")
+    common = [*model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST]
+    assert main(["generate", *common, "--style", "pop", "--lyrics", "la", "--id", "s", "--lora", f"{style.path}:0.5",
+                 "--lora", str(voice.path), "--output", str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "s" / "result.json").read_text())
+    assert [(a["name"], a["scale"], a["half"]) for a in result["adapters"]] == [("style", 0.5, "both"),
+                                                                                ("voice", 1.0, "nar")]
+    rows = [{"id": "own", "style": "pop", "lyrics": "x", "adapters": [{"name": "voice", "scale": 2}]},
+            {"id": "default", "style": "pop", "lyrics": "x"},
+            {"id": "unknown", "style": "pop", "lyrics": "x", "adapters": [{"name": "nope"}]}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert main(["batch", *common, "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "batch"),
+                 "--lora", str(style.path), "--lora-modules", f"voice={voice.path}"]) == 1
+    own = json.loads((tmp_path / "batch" / "own" / "result.json").read_text())["adapters"]
+    default = json.loads((tmp_path / "batch" / "default" / "result.json").read_text())["adapters"]
+    assert [(a["name"], a["scale"]) for a in own] == [("voice", 2.0)]
+    assert [(a["name"], a["scale"]) for a in default] == [("style", 1.0)]
+    failure = json.loads((tmp_path / "batch" / "unknown" / "failure.json").read_text())
+    assert "unknown adapter 'nope' (registered: style, voice)" in failure["reason"]
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora", "a.safetensors:11"], "--lora a.safetensors:11: 11.0 is not a number in [-10, 10]"),
+    (["--lora-modules", "noequals"], "--lora-modules noequals: expected name=path"),
+    (["--instrumental-adapter", "x"], "--instrumental-adapter must be one of the registered names []"),
+    (["--lora", "missing.safetensors"], "missing.safetensors: no such file or directory"),
+])
+def test_bad_adapter_flags_are_named(tiny_model_dir, tiny_vae_dir, config_file, capsys, flags, message):
+    assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--style", "pop",
+                 "--lyrics", "la", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_adapter_at_start_naming_it(tiny_model_dir, tiny_vae_dir, config_file, tmp_path):
+    """A server's adapters are registered at start (docs/adapters.md): a bad one stops it before it serves, naming
+    the file and the tensor, with a failed status line; nothing listens afterwards."""
+    from yue2_vllm.testing_adapters import write_tiny_adapter
+
+    good = write_tiny_adapter(tmp_path / "good.safetensors", "plain")
+    bad = write_tiny_adapter(tmp_path / "lokr.safetensors", "lokr")
+    result = subprocess.run([sys.executable, "-m", "yue2_vllm.cli", "serve", *model_args(tiny_model_dir, tiny_vae_dir,
+                                                                                          config_file),
+                             "--port", "0", "--data-dir", str(tmp_path / "data"),
+                             "--lora-modules", f"good={good.path}", f"bad={bad.path}"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    status = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [s["status"] for s in status] == ["starting", "failed"] and status[-1]["type"] == "AdapterError"
+    assert f"{bad.path}: tensor layers.0.self_attn.q_proj.lokr_w1: a LoKr factor" in result.stderr

@@ -7,7 +7,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 TORCH_SECTIONS = ("torch.devices", "torch.numerics", "torch.vae", "torch.ar", "torch.fp8", "torch.int8",
                   "torch.memory", "torch.graph", "torch.release_song")
 ENGINE_SECTIONS = ("engine.sampler", "engine.sampler_syncs", "engine.sliced_head", "engine.mrv2_sliced_head",
-                   "engine.runners", "engine.kv_cache")
+                   "engine.runners", "engine.kv_cache", "engine.lora")
 SPARK_SECTIONS = ("spark.kernels", "spark.memory")
 
 
@@ -35,6 +35,9 @@ def test_gpu_check_quick_runs_its_cpu_parts_and_names_every_section(tmp_path):
         assert ("AVX-512" in fp8["skipped"]) if "skipped" in fp8 else fp8["kv_element_bytes"] == 1
         if "skipped" not in fp8:
             assert fp8["plan_kv_bytes"] < kv["engine, KV auto"]["plan_kv_bytes"] and fp8["tps_1_row"] > 0
+    lora = {row["row"]: row for row in sections["engine.lora"]["rows"]}
+    if "skipped" not in lora.get("engine LoRA v1", {"skipped": 1}):  # vLLM installed: float32 on the CPU
+        assert lora["engine LoRA v1"]["adapter_equals_merged"] and lora["engine LoRA v1"]["tps_8_rows_4_adapters"] > 0
     song = sections["torch.release_song"]["rows"][0]  # the code path of the release row, on the tiny model
     assert song["finite"] and song["ar_moves"] == 0 and song["prefill_weights"] in ("resident", "streamed")
     graph_rows = sections["torch.graph"]["rows"]

@@ -12,7 +12,11 @@ ABOVE_PIPELINE = ("yue2_vllm.scheduler", "yue2_vllm.cli", "yue2_vllm.serve", "yu
 # What each room may not import (room -> forbidden packages/modules, each with everything inside it).
 FORBIDDEN = {
     "yue2_vllm.model": ("yue2_vllm.engine", "yue2_vllm.quant", "yue2_vllm.serve", "yue2_vllm.pipeline",
-                        "yue2_vllm.scheduler", "yue2_vllm.bench", "yue2_vllm.cli"),
+                        "yue2_vllm.scheduler", "yue2_vllm.bench", "yue2_vllm.cli", "yue2_vllm.adapters"),
+    # Adapters users bring: read, checked and converted on top of the floor and the torch model's definition
+    # (`model.lora` applies them); the engine, the song's parts and the faces read adapters/, never the reverse.
+    "yue2_vllm.adapters": ("yue2_vllm.engine", "yue2_vllm.quant", "yue2_vllm.serve", "yue2_vllm.song",
+                           "yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.bench", "yue2_vllm.cli"),
     "yue2_vllm.engine": ("yue2_vllm.serve", "yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.bench",
                          "yue2_vllm.cli"),
     "yue2_vllm.quant": ("yue2_vllm.serve", "yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.bench",
@@ -29,7 +33,7 @@ FORBIDDEN = {
 # tensor shapes), but never a room built on top of it, nor an orchestrator.
 FLOOR_ORCHESTRATORS = ("yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.bench")
 FLOOR_FORBIDDEN = ("yue2_vllm.engine", "yue2_vllm.quant", "yue2_vllm.serve", "yue2_vllm.cli", "yue2_vllm.song",
-                   *FLOOR_ORCHESTRATORS)
+                   "yue2_vllm.adapters", *FLOOR_ORCHESTRATORS)
 
 
 def inside(name: str, packages) -> bool:

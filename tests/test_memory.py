@@ -362,3 +362,29 @@ def test_the_16gb_card_shows_its_margin_and_plans_the_same_rows_without_a_vae_co
     (vae / "config.json").unlink()
     without = memory_plan(model, vae, "cuda", engine=EngineOptions(kv_cache_dtype="fp8"))
     assert without == with_config == row["plan"] and without.problems() == []
+
+
+def real_adapter_table():
+    from yue2_vllm.memory import adapter_card_table
+
+    return adapter_card_table(FULL, mot_bytes=REAL_MOT, vae_bytes=decoder_bytes(VAEConfig()),
+                              vae_tile=vae_decode_bytes(VAEConfig(), 1024, 16),
+                              ar_forms={"bf16": ar_expert_bytes(FULL), "FP8": w8a8_ar_bytes(FULL)})
+
+
+def test_lora_slots_cost_rows_and_the_adapter_table_in_docs_memory_is_the_plan_codes():
+    from pathlib import Path
+
+    from yue2_vllm.memory import adapter_card_table_markdown
+
+    rows = real_adapter_table()
+    by = {(row["card"], row["ar"], row["adapters"]): row for row in rows}
+    for (card, form, count), row in by.items():
+        plan = row["plan"]
+        assert plan.lora_slots == count * 139_460_608 and plan.engine == (plan.engine_weights + plan.lora_slots
+                                                                         + plan.kv_cache + plan.engine_overhead)
+        if count:  # slots only ever take rows away, never add them
+            assert row["rows"] <= by[card, form, 0]["rows"]
+    assert by["L4 24 GB", "bf16", 4]["rows"] < by["L4 24 GB", "bf16", 0]["rows"]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text(encoding="utf-8")
+    assert adapter_card_table_markdown(rows) in page

@@ -155,3 +155,19 @@ def test_the_pipeline_refuses_loose_keywords_and_untyped_groups_before_anything_
         YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar={"backend": "vllm"})
     with pytest.raises(ValueError, match=r"^device 'tpu': not a device \(use auto, cpu, cuda, cuda:N or mps\)$"):
         YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device=DeviceOptions(device="tpu"))
+
+
+def test_adapter_options_refuse_in_one_line():
+    from yue2_vllm.options import AdapterOptions
+
+    assert AdapterOptions((["a", "x.safetensors"],)).modules == (("a", "x.safetensors"),)
+    for fields, message in (({"modules": "a=x"}, "AdapterOptions.modules must be (name, path) pairs"),
+                            ({"modules": (("a", "x"), ("a", "y"))}, "pairs with distinct names"),
+                            ({"max_loras": 0}, "AdapterOptions.max_loras must be an integer >= 1 or None"),
+                            ({"max_lora_rank": 2.5}, "AdapterOptions.max_lora_rank must be an integer >= 1"),
+                            ({"modules": (("a", "x"),), "instrumental": "b"},
+                             "AdapterOptions.instrumental must be one of the registered names ['a']")):
+        with pytest.raises(ValueError) as caught:
+            AdapterOptions(**fields)
+        assert message in str(caught.value)
+    assert PipelineOptions().adapters == AdapterOptions()

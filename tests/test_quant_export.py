@@ -409,3 +409,27 @@ def test_every_recipe_loads_with_llmcompressor():
     loaded = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.endswith("]"))
     assert loaded == {"fp8.yaml": "['QuantizationModifier']", "int8.yaml": "['QuantizationModifier']",
                       "int8-smoothquant-gptq.yaml": "['SmoothQuantModifier', 'GPTQModifier']"}
+
+
+@needs_quant_env
+@needs_vllm
+@pytest.mark.parametrize("scheme", ["fp8", pytest.param("int8", marks=pytest.mark.slow)])  # int8: -m slow
+def test_an_ar_adapter_on_the_quantized_export(exports, scheme, tiny_model_dir, tiny_vae_dir, monkeypatch, tmp_path):
+    """LoRA on an FP8 / int8 compressed-tensors base: vLLM applies the quantized layer, then adds the adapter's
+    delta in the model dtype (lora/layers/base_linear.py); the song is served on vLLM with its adapter."""
+    from yue2_vllm.options import AdapterOptions
+    from yue2_vllm.pipeline import YuE2Pipeline
+    from yue2_vllm.testing_adapters import write_tiny_adapter
+
+    path, _ = exports[scheme]
+    monkeypatch.setenv("YUE2_AR_CHECKPOINT", str(path))
+    adapter = write_tiny_adapter(tmp_path / "a.safetensors", "plain", rank=8, gain=2.0)
+    options = AdapterOptions((("a", str(adapter.path)),), cache_dir=tmp_path / "cache")
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, adapters=options,
+                      ar=AROptions(backend="vllm", quantized_policy="force")) as pipe:
+        adapted = pipe(SongRequest("pop", "la la", id=f"lora-{scheme}", adapters=[{"name": "a"}]))
+        base = pipe(SongRequest("pop", "la la", id=f"base-{scheme}"))
+    timing = adapted.timing["semantic"]
+    assert timing["backend_actual"] == "vllm" and timing["ar_checkpoint"]["source"] == "override"
+    assert timing["lora"] and "lora" not in base.timing["semantic"]
+    assert adapted.semantic.tokens != base.semantic.tokens and np.isfinite(adapted.audio).all()

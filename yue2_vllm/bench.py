@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PATHS = ("torch-bf16", "torch-int8", "vllm-bf16", "vllm-bf16-full-head", "vllm-bf16-reproducible", "vllm-fp8",
-         "vllm-int8", "mrv2-head", "head", "takes", "engine-memory", "engine-memory-fp8")
+         "vllm-int8", "mrv2-head", "head", "takes", "engine-memory", "engine-memory-fp8", "lora")
+LORA_RANK, LORA_ADAPTERS = 64, 4  # the lora path: rank-64 AR adapters (the released instrumental one's rank)
 DEFAULT_PATHS = ("torch-bf16", "vllm-bf16", "head", "vllm-bf16-reproducible", "vllm-fp8", "vllm-int8")
 SECTIONS = {"takes": "bench_takes", "head": "bench_head"}  # paths reported as their own table
 PROMPT_TOKENS = 512
@@ -104,8 +105,10 @@ def decode_rate(timing: dict) -> float:
 # --------------------------------------------------------------------------- AR
 
 
-def run_ar(backend, phase: str, tokens: int, concurrency: int, prompt_tokens: int = PROMPT_TOKENS) -> dict:
-    """Prefill tok/s and decode tok/s of `concurrency` requests at once (aggregate and per sequence)."""
+def run_ar(backend, phase: str, tokens: int, concurrency: int, prompt_tokens: int = PROMPT_TOKENS,
+           loras=None) -> dict:
+    """Prefill tok/s and decode tok/s of `concurrency` requests at once (aggregate and per sequence); `loras`: the
+    vLLM adapter of each request (engine.lora.LoraSlot or None), cycled."""
     from .protocol import Sampling
 
     sampling = Sampling(min_tokens=tokens, max_tokens=tokens)
@@ -113,7 +116,9 @@ def run_ar(backend, phase: str, tokens: int, concurrency: int, prompt_tokens: in
     results = [None] * concurrency
 
     def one(index: int) -> None:
-        results[index] = backend.generate(jobs[index], sampling, 1000 + index, phase).timing
+        slot = loras[index % len(loras)] if loras else None
+        results[index] = backend.generate(jobs[index], sampling, 1000 + index, phase,
+                                          **({"lora": slot} if slot is not None else {})).timing
 
     start = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
@@ -136,6 +141,8 @@ def bench_ar_path(config: BenchConfig, path: str) -> dict:
     row: dict = {"path": path}
     if path == "mrv2-head":
         return {**row, **bench_mrv2_head(config)}
+    if path == "lora":
+        return {**row, **bench_lora(config)}
     if path.startswith("engine-memory"):
         return engine_memory_row(config.model_dir, config.workdir, "fp8" if path.endswith("fp8") else "auto")
     if path.startswith("torch"):
@@ -277,6 +284,53 @@ def _mrv2_head_rows(config: BenchConfig) -> list[dict]:
                              "sliced_over_full": rates[f"{phase}_sliced_over_full_x{count}"],
                              "choice": rates["choice"][phase]})
     return rows
+
+
+def bench_lora(config: BenchConfig) -> dict:
+    """Semantic decode tok/s at `concurrency` rows, side by side: an engine without LoRA, then one with LoRA
+    (LORA_ADAPTERS slots of rank LORA_RANK) serving no adapter, one adapter on every row, and LORA_ADAPTERS distinct
+    adapters across the rows; medians of the repeats and their ratios to LoRA off."""
+    from dataclasses import replace
+
+    from .adapters.cache import convert_adapter
+    from .engine.lora import LoraIds, LoraSettings
+    from .model.modeling import YuE2Config
+    from .testing_adapters import write_tiny_adapter
+
+    mot = YuE2Config.load(config.model_dir)
+    converted = []
+    for index in range(LORA_ADAPTERS):
+        path = config.workdir / "adapters" / f"bench-{index}.safetensors"
+        if not path.exists():
+            write_tiny_adapter(path, "plain", rank=LORA_RANK, seed=index, config=mot)
+        converted.append(convert_adapter(path, mot, cache_dir=config.workdir / "adapter-cache"))
+    ids = LoraIds()
+    slots = [ids.slot(c.sha256, 1.0, c.ar_path) for c in converted]
+    cases = {"off": None, "on_unused": None, "one_adapter": slots[:1], f"{LORA_ADAPTERS}_adapters": slots}
+    rates, starts = {}, {}
+    for lora in (False, True):
+        backend, _ = open_engine(config, "vllm-bf16")
+        if lora:
+            backend = type(backend)(mot, replace(backend.settings, lora=LoraSettings(LORA_ADAPTERS, LORA_RANK),
+                                                 max_num_seqs=backend.settings.max_num_seqs, kv_cache_bytes=None))
+        try:
+            start = time.perf_counter()
+            backend.start()
+            starts["on" if lora else "off"] = time.perf_counter() - start
+            for case, loras in cases.items():
+                if (case == "off") == lora:
+                    continue
+                runs = [run_ar(backend, "semantic", config.tokens, config.concurrency, loras=loras)
+                        for _ in range(config.repeats)]
+                rates[case] = median(r["aggregate_tok_s"] for r in runs)
+        finally:
+            backend.close()
+    n = config.concurrency
+    return {f"semantic_decode_tok_s_x{n}": rates["off"], "lora_tok_s": rates,
+            "lora_ratio_to_off": {case: rate / rates["off"] for case, rate in rates.items()},
+            "engine_start_s": starts.get("on"),
+            "policy": f"LoRA off / on unused / 1 / {LORA_ADAPTERS} rank-{LORA_RANK} adapters at {n} rows: "
+                      + " / ".join(f"{rates[c]:.1f}" for c in cases) + " tok/s"}
 
 
 def open_engine(config: BenchConfig, path: str):

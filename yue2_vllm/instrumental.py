@@ -691,13 +691,62 @@ def plan_steps(request, plan_score: Callable) -> InstrumentalSteps:
     return InstrumentalSteps(planned, by, planning, edit, render_request(request, edit), timing)
 
 
-def plan_files(steps: InstrumentalSteps) -> dict[str, bytes]:
-    """The plan stage's extra files of an instrumental song: the planned score (as planned or given) and
-    instrumental.json (the steps and what the edit changed); score.abc holds the edited score."""
+def plan_files(steps) -> dict[str, bytes]:
+    """The plan stage's extra files of an instrumental song: instrumental.json (the steps; for upstream's recipe what
+    the edit changed) and, for upstream's recipe, the planned score (as planned or given) as planned.abc; score.abc
+    holds the rendered score."""
     from .checkpoint import json_text
 
-    return {"planned.abc": steps.planned.encode("utf-8"),
-            "instrumental.json": (json_text(steps.record(), indent=2) + "\n").encode("utf-8")}
+    files = {"instrumental.json": (json_text(steps.record(), indent=2) + "\n").encode("utf-8")}
+    if isinstance(steps, InstrumentalSteps):
+        files["planned.abc"] = steps.planned.encode("utf-8")
+    return files
+
+
+# --------------------------------------------------------------------------- with an instrumental adapter
+
+# The instrumental AR adapter's card (https://huggingface.co/Mothersuperior/YuE2-instrumental-cot-full-loras): run
+# it with cot "full", a normal YuE2 tag string as the style, and lyrics that carry only the structure, "bare tag
+# names: intro, verse, pre-chorus, chorus, bridge, outro. One tag per line".
+ADAPTER_RECIPE = ("the instrumental adapter's card (Mothersuperior/YuE2-instrumental-cot-full-loras): one pass with the "
+                  "adapter, cot full, the style as given, lyrics of bare section tags one per line")
+ADAPTER_SECTIONS = ("intro", "verse", "pre-chorus", "chorus", "bridge", "outro")
+ADAPTER_LYRICS = "[intro]\n[verse]\n[chorus]\n[outro]\n"  # the structure when the request gives none
+
+
+def section_lyrics(lyrics: str) -> str:
+    """The request's section tags as the card asks for them (`[verse]`, one per line, in order; numbered or cased
+    tags as their bare name; words dropped), else ADAPTER_LYRICS."""
+    tags = []
+    for match in re.finditer(r"^\s*\[([^\]\n]+)\]", lyrics, re.M):
+        name = re.sub(r"[\s_]*\d+$", "", match.group(1).strip().lower()).replace(" ", "-")
+        if name in ADAPTER_SECTIONS:
+            tags.append(f"[{name}]")
+    return "\n".join(tags) + "\n" if tags else ADAPTER_LYRICS
+
+
+@dataclass(frozen=True)
+class AdapterSteps:
+    """An instrumental song rendered with the instrumental adapter in one pass, as its card prescribes;
+    `record()` is instrumental.json."""
+
+    adapter: object  # protocol.AdapterRef
+    render: object  # SongRequest
+    timing: dict = field(default_factory=dict)
+
+    def record(self) -> dict:
+        return {"recipe": ADAPTER_RECIPE, "adapter": {"name": self.adapter.name, "scale": self.adapter.scale},
+                "render_request": self.render.to_dict()}
+
+
+def adapter_steps(request, adapter) -> AdapterSteps:
+    """The one-pass recipe with the instrumental adapter (`adapter`: an AdapterRef) for a request without a given
+    score: the request's style, its section tags as lyrics, cot full, the adapter added to the song's own."""
+    adapters = request.adapters if any(ref.name == adapter.name for ref in request.adapters) \
+        else (*request.adapters, adapter)
+    render = replace(request, lyrics=section_lyrics(request.lyrics), cot="full", instrumental=False,
+                     adapters=adapters)
+    return AdapterSteps(adapter, render)
 
 
 def rendered_request(meta: dict, request):

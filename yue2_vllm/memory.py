@@ -265,6 +265,7 @@ class MemoryPlan:
     ar_on_device: bool = True  # False: the torch side's AR expert lives in pinned host memory (discrete GPU)
     ar_host: int = 0  # those host bytes (not counted against the device)
     song_room: int = 0  # discrete GPU: room one song's buffers are admitted into (NAR or one VAE tile)
+    lora_slots: int = 0  # the engine's LoRA buffers for AR adapters (lora_memory.lora_slots_bytes), model memory
     engine_load: int = 0  # the CPU: bytes beyond the weights the engine holds while loading them (the file's pages)
 
     @property
@@ -274,13 +275,13 @@ class MemoryPlan:
 
     @property
     def engine(self) -> int:
-        return self.engine_weights + self.kv_cache + self.engine_overhead
+        return self.engine_weights + self.lora_slots + self.kv_cache + self.engine_overhead
 
     @property
     def engine_peak(self) -> int:
         """The engine's most at once: running (weights, KV, overhead), or loading its weights where that holds
-        more (the CPU: the mapped file beside the copy)."""
-        return max(self.engine, self.engine_weights + self.engine_load)
+        more (the CPU: the mapped file beside the copy; LoRA slots are allocated as the model loads, counted in both)."""
+        return max(self.engine, self.engine_weights + self.engine_load + self.lora_slots)
 
     @property
     def torch_side(self) -> int:
@@ -389,7 +390,8 @@ class MemoryPlan:
         described = {**asdict(self), "engine_bytes": self.engine, "engine_peak_bytes": self.engine_peak,
                      "torch_bytes": self.torch_side,
                      "gpu_memory_utilization": self.gpu_memory_utilization, "unified_memory": self.unified is not None,
-                     "summary": f"engine {_gib(self.engine)} (weights {_gib(self.engine_weights)}, KV "
+                     "summary": f"engine {_gib(self.engine)} (weights {_gib(self.engine_weights)}, "
+                                + (f"LoRA slots {_gib(self.lora_slots)}, " if self.lora_slots else "") + "KV "
                                 f"{_gib(self.kv_cache)} for {self.max_num_seqs} rows{self._kv_form}"
                                 + (f"; {_gib(self.engine_peak)} loading" if self.engine_peak > self.engine else "")
                                 + ") + torch "
@@ -422,12 +424,13 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
                 typical_tokens: int = PROMPT_ESTIMATE_TOKENS + 9000, max_model_len: int = CONTEXT,
                 synthesis_batch: int = 1, offload_ar: bool = False, total: int | None = None,
                 kv_dtype_bytes: int = 2, unified: UnifiedPool | None = None, vae_tile: int = 0,
-                ar_on_device: bool | None = None, model_dtype_bytes: int = 2) -> MemoryPlan:
+                ar_on_device: bool | None = None, model_dtype_bytes: int = 2, lora_slots: int = 0) -> MemoryPlan:
     """Size the engine's rows and KV cache from the budget left after the torch side and the AR weights.
 
     Defaults: as many rows as fit a typical song (`typical_tokens` of KV each), capped per device;
     KV for that many typical songs, and never less than one `max_model_len` sequence, so that any
-    single request can be admitted. Explicit `max_num_seqs` / `kv_cache` are taken as given.
+    single request can be admitted. Explicit `max_num_seqs` / `kv_cache` are taken as given. `lora_slots`: the
+    engine's LoRA buffers (allocated with the model, before vLLM sizes the KV cache).
     `kv_dtype_bytes` is one engine K/V element (1 for an FP8 KV cache), `model_dtype_bytes` one weight of ours.
     `unified`: the device shares the host's memory (an integrated GPU): the split also counts both processes'
     host side and stays within the pool (MemAvailable less the OS reserve).
@@ -456,8 +459,9 @@ def plan_memory(config: YuE2Config, *, device: str, budget_gib: float, engine_we
                 engine_overhead=ENGINE_OVERHEAD_BYTES[device], torch_model=torch_model - ar_host, vae=vae,
                 nar_chunks=chunk, torch_reserve=TORCH_RESERVE_BYTES, kv_block_tokens=block,
                 kv_dtype_bytes=kv_dtype_bytes, host_side=host, unified=unified, torch_decode=decode,
-                ar_on_device=ar_on_device, ar_host=ar_host, song_room=song)
-    free = split_limit(budget, total, unified) - (engine_weights + ENGINE_OVERHEAD_BYTES[device] + torch_model
+                ar_on_device=ar_on_device, ar_host=ar_host, song_room=song, lora_slots=lora_slots)
+    free = split_limit(budget, total, unified) - (engine_weights + lora_slots + ENGINE_OVERHEAD_BYTES[device]
+                                                  + torch_model
                                                   - ar_host + vae + chunk + TORCH_RESERVE_BYTES + host + decode + song)
     margin = KV_MARGIN_BLOCKS * block * kv_bytes_per_token(config, kv_dtype_bytes)
     one_full = row_kv_bytes(config, max_model_len, block, kv_dtype_bytes)
@@ -488,7 +492,7 @@ GB10_MEMINFO = {"MemTotal": int(119.7 * GIB) // 1024 * 1024, "MemAvailable": 110
 
 def card_table(config: YuE2Config, *, mot_bytes: int, vae_bytes: int, vae_tile: int,
                ar_forms: dict[str, int], kv_forms: dict[str, int] | None = None,
-               typical_tokens: int = PROMPT_ESTIMATE_TOKENS + 9000) -> list[dict]:
+               typical_tokens: int = PROMPT_ESTIMATE_TOKENS + 9000, lora_slots: int = 0) -> list[dict]:
     """Rows per card, AR form and KV form (`kv_forms`: name -> element bytes; default bf16 alone) with default
     flags (each card's default budget): what the split needs, what it may use, and the engine rows (0: refused).
     docs/memory.md's table is this function's output."""
@@ -503,7 +507,8 @@ def card_table(config: YuE2Config, *, mot_bytes: int, vae_bytes: int, vae_tile: 
                 plan = plan_memory(config, device="cuda", budget_gib=default_budget_gib(pool, total if pool is None
                                                                                          else None),
                                    engine_weights=weights, torch_model=mot_bytes, vae=vae_bytes, vae_tile=vae_tile,
-                                   total=total, unified=pool, typical_tokens=typical_tokens, kv_dtype_bytes=element)
+                                   total=total, unified=pool, typical_tokens=typical_tokens, kv_dtype_bytes=element,
+                                   lora_slots=lora_slots)
                 rows.append({"card": name, "ar": form, "kv": kv, "rows": 0 if plan.problems() else plan.max_num_seqs,
                              "need": plan.need, "limit": plan.limit, "margin": plan.margin, "plan": plan})
     return rows
@@ -516,6 +521,38 @@ def card_table_markdown(rows: list[dict]) -> str:
     for row in rows:
         lines.append(f"| {row['card']} | {row['ar']} | {row.get('kv', 'bf16')} | {row['rows'] or 'refused'} | "
                      f"{row['need'] / GIB:.2f} | {row['limit'] / GIB:.2f} | {row['margin'] / GIB:+.2f} |")
+    return "\n".join(lines)
+
+
+ADAPTER_TABLE_COUNTS = (0, 1, 4)  # docs/memory.md's adapter rows: LoRA slots for this many rank-64 AR adapters
+ADAPTER_TABLE_RANK = 64  # the released instrumental adapter's rank
+
+
+def adapter_card_table(config: YuE2Config, *, mot_bytes: int, vae_bytes: int, vae_tile: int,
+                       ar_forms: dict[str, int], counts=ADAPTER_TABLE_COUNTS, rank: int = ADAPTER_TABLE_RANK) -> list[dict]:
+    """Rows per card and AR form (bf16 KV) with vLLM's LoRA slots for 0 / 1 / 4 rank-`rank` AR adapters (slots as
+    vLLM sizes them, `lora_memory.lora_slots_bytes`): docs/memory.md's adapter table is this function's output."""
+    from .lora_memory import lora_slots_bytes
+
+    rows = []
+    for count in counts:
+        slots = lora_slots_bytes(config, count, rank)
+        for row in card_table(config, mot_bytes=mot_bytes, vae_bytes=vae_bytes, vae_tile=vae_tile, ar_forms=ar_forms,
+                              lora_slots=slots):
+            rows.append({**row, "adapters": count, "lora_slots": slots})
+    return rows
+
+
+def adapter_card_table_markdown(rows: list[dict]) -> str:
+    """`adapter_card_table` as docs/memory.md's markdown table: engine rows per card and AR form, by adapters."""
+    counts = sorted({row["adapters"] for row in rows})
+    slots = {row["adapters"]: row["lora_slots"] for row in rows}
+    head = " | ".join(f"{count} adapter{'s' if count != 1 else ''} ({slots[count] / GIB:.2f} GiB)" for count in counts)
+    lines = [f"| card | AR form | {head} |", "|---|---|" + "---|" * len(counts)]
+    for key in dict.fromkeys((row["card"], row["ar"]) for row in rows):
+        cells = [next(row["rows"] for row in rows if (row["card"], row["ar"]) == key and row["adapters"] == count)
+                 for count in counts]
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(str(cell or "refused") for cell in cells) + " |")
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@ Python API each build once and hand down as they are:
 - `LoadOptions`: what is loaded besides the MoT and the VAE, and how the weights are checked;
 - `AROptions`: how the AR half runs on either backend (which backend, its numerics, quantized forms, CFG songs);
 - `EngineOptions`: the vLLM engine's own settings (rows, tokens per step, KV cache form, runner, its start);
-- `DeviceOptions`: where the pipeline runs and how much of that device's memory it may take.
+- `DeviceOptions`: where the pipeline runs and how much of that device's memory it may take;
+- `AdapterOptions`: the adapters (LoRA) it serves, registered by name when it is built (docs/adapters.md).
 
 `YuE2Pipeline(model, vae, generation_config=..., load=..., ar=..., engine=..., device=...)` takes them; the pipeline
 keeps them, its defaults filled in, as one `PipelineOptions`. What one song asks for (its seed, length, style) is its
@@ -169,6 +170,38 @@ class DeviceOptions:
         _count("DeviceOptions", "vae_core_frames", self.vae_core_frames)
 
 
+DEFAULT_MAX_LORAS = 4  # vLLM LoRA slots when AR adapters are registered and none is asked for (the plan may lower it)
+
+
+@dataclass(frozen=True)
+class AdapterOptions:
+    """The adapters the pipeline serves: `modules` `(name, path or Hub id)` pairs, registered (read, checked and
+    converted) when the pipeline is built. With any AR part among them the vLLM engine runs LoRA: `max_loras` slots
+    (adapters per engine step; None: as many as AR adapters, at most DEFAULT_MAX_LORAS, fewer where the memory plan
+    needs it) of `max_lora_rank` (None: what the registered adapters need). `instrumental` names the adapter that
+    `instrumental: true` songs use (its card's recipe) instead of upstream's recipe."""
+
+    modules: tuple = ()
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    instrumental: str | None = None
+    cache_dir: str | os.PathLike | None = None  # the conversion cache (None: yue2-vllm's cache)
+
+    def __post_init__(self):
+        modules = tuple(tuple(pair) for pair in self.modules) if isinstance(self.modules, (list, tuple)) else None
+        if modules is None or not all(len(pair) == 2 and all(isinstance(x, (str, os.PathLike)) for x in pair)
+                                      for pair in modules):
+            _refuse("AdapterOptions", "modules", "(name, path) pairs", self.modules)
+        names = [name for name, _ in modules]
+        if len(set(names)) != len(names):
+            _refuse("AdapterOptions", "modules", "pairs with distinct names", names)
+        object.__setattr__(self, "modules", tuple((str(name), os.fspath(path)) for name, path in modules))
+        _count("AdapterOptions", "max_loras", self.max_loras)
+        _count("AdapterOptions", "max_lora_rank", self.max_lora_rank)
+        if self.instrumental is not None and self.instrumental not in names:
+            _refuse("AdapterOptions", "instrumental", f"one of the registered names {names}", self.instrumental)
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
     """All of one pipeline's options: what `YuE2Pipeline` keeps, its defaults filled in (the device resolved, the
@@ -179,9 +212,10 @@ class PipelineOptions:
     ar: AROptions = field(default_factory=AROptions)
     engine: EngineOptions = field(default_factory=EngineOptions)
     device: DeviceOptions = field(default_factory=DeviceOptions)
+    adapters: AdapterOptions = field(default_factory=AdapterOptions)
 
     def __post_init__(self):
         for name, kind in (("generation", GenerationConfig), ("load", LoadOptions), ("ar", AROptions),
-                           ("engine", EngineOptions), ("device", DeviceOptions)):
+                           ("engine", EngineOptions), ("device", DeviceOptions), ("adapters", AdapterOptions)):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"{name} must be of type {kind.__name__}, got {type(getattr(self, name)).__name__}")

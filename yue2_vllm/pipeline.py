@@ -27,8 +27,10 @@ from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empt
 from .hub import DEFAULT_MODEL, DEFAULT_VAE, HubOptions, ModelSource, resolve_model
 from .model.sampling import ARBackend, ARContinuation, TorchARBackend, resolve_execution
 from .model.torch_quant import apply_memory_cap, module_bytes
-from .options import AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions
+from .model.modeling import YuE2Config
+from .options import AdapterOptions, AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions
 from .protocol import GenerationConfig, Sampling, SongRequest, SongRules, default_cfg_scale
+from .song.adapters import ServedAdapters
 from .song.admission import device_room, memory_target
 from .kv_cache import explicit as explicit_kv
 from .song.engine_life import (CLOSE_TIMEOUT_S, EngineInputs, EngineLife, check_kv_form, check_split,  # noqa: F401
@@ -53,13 +55,13 @@ class YuE2Pipeline:
     def __init__(self, model_dir: str | os.PathLike | ModelSource, vae_dir: str | os.PathLike | ModelSource | None,
                  *, generation_config: GenerationConfig | dict | None = None, load: LoadOptions = LoadOptions(),
                  ar: AROptions = AROptions(), engine: EngineOptions = EngineOptions(),
-                 device: DeviceOptions = DeviceOptions()):
+                 device: DeviceOptions = DeviceOptions(), adapters: AdapterOptions = AdapterOptions()):
         """`model_dir` / `vae_dir`: directories, repo ids (their main revision; `from_pretrained` takes revisions and
         the Hub's keywords) or resolved `hub.ModelSource`s; `vae_dir=None` for a pipeline that never decodes. The
         options (options.py) are refused before anything loads when this machine cannot run them."""
         generation = (generation_config if isinstance(generation_config, GenerationConfig)
                       else GenerationConfig.from_dict(generation_config))
-        given = PipelineOptions(generation, load, ar, engine, device)
+        given = PipelineOptions(generation, load, ar, engine, device, adapters)
         self.device = resolve_device(device.device)
         resolve_execution(ar.torch_execution, self.device)  # refuse e.g. graph on the CPU before loading anything
         check_dtype_support(self.device, DTYPES[ar.dtype])
@@ -79,14 +81,17 @@ class YuE2Pipeline:
         self.models = LoadedModels(sources, hashes=load.hash_cache if load.hash_cache is not None
                                    else default_hash_cache(), verify_hashes=load.verify_hashes,
                                    unified=self.unified is not None)
-        self.rules = SongRules(generation, self.tokenizer, ar.reproducible)
+        # Adapters are read, checked and converted before anything else loads (docs/adapters.md).
+        self.adapters = ServedAdapters.register(adapters, YuE2Config.load(self.model_dir))
+        self.rules = SongRules(generation, self.tokenizer, ar.reproducible, self.adapters.listing())
         beside_engine = ar.backend != "torch" and vllm_usable()
         # Beside the engine on a discrete GPU the torch side holds the AR expert in host memory (placement.py).
         # (Load-time AR proxies serve torch-backend songs from the device: there the AR expert stays resident.)
         self.ar_on_device = not (target.card_bytes is not None and beside_engine
                                  and ar.quantization in ("none", "auto"))
         self.engine_life = EngineLife(EngineInputs(self.model_dir, self.device, self.unified, self.vae_config,
-                                                   self.ar_on_device, self.options), self.models.hashes)
+                                                   self.ar_on_device, self.options, self.adapters.lora),
+                                      self.models.hashes)
         if self.device.type == "cuda" and beside_engine:  # refused before anything loads
             check_split(self.engine_life.inputs)
         self._load(engine.start and ar.backend != "torch")
@@ -115,7 +120,8 @@ class YuE2Pipeline:
         self.torch_lock = threading.RLock()
         self.stages = SongStages(
             self.model, self.tokenizer, self.rules, self.options, self.torch_backend, self.torch_lock,
-            self.proxy_mode, self.ar_on_device, select_backend=self.select_ar_backend, room=lambda: self.room,
+            self.proxy_mode, self.ar_on_device, self.adapters, select_backend=self.select_ar_backend,
+            room=lambda: self.room,
             release_engine=self.engine_life.release_for_nar, vae_on_device=self._vae_on_device)
 
     @classmethod
@@ -246,10 +252,29 @@ class YuE2Pipeline:
             "decoder_release": self.vae_config.release_variant if self.vae_config else None,
             **({"reproducible": True} if ar.reproducible else {}),  # absent: identities of earlier runs hold
             **explicit_kv(self.options.engine.kv_cache_dtype),  # auto: absent, so identities of earlier runs hold
+            # the adapters' contents and scales; absent without any, so identities of earlier runs hold
+            **({"adapters": self.adapters.for_song(request).config()} if request.adapters else {}),
+            **self._instrumental_config(request),
         }
+
+    def _instrumental_config(self, request: SongRequest) -> dict:
+        """An instrumental song rendered with the instrumental adapter: its recipe and the adapter in the identity."""
+        adapter = self.adapters.instrumental_for(request)
+        if adapter is None:
+            return {}
+        registered = self.adapters.registry.get(adapter.name)
+        return {"instrumental_recipe": "adapter",
+                "instrumental_adapter": {"sha256": registered.sha256, "scale": adapter.scale}}
 
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
         self.rules.check_request(request, abc_sampling, semantic_sampling)
+        song = self.adapters.for_song(request)  # an unknown adapter is refused before anything runs
+        if song.ar_uses and self.backend_requested != "torch":
+            self.adapters.lora_slot(song)  # a stack above the engine's rank is refused now, not mid-song
+
+    def adapter_record(self, request: SongRequest) -> list[dict]:
+        """result.json's `adapters` for a song (song.adapters.SongAdapters.record)."""
+        return self.adapters.for_song(request).record()
 
     def source_records(self) -> dict:
         """Where the weights were read from, recorded beside the identity (LoadedModels.source_records)."""

@@ -144,6 +144,50 @@ def allowed_token_ids(phase: str) -> range | list[int]:
 # --------------------------------------------------------------------------- requests
 
 
+ADAPTER_SCALE_RANGE = (-10.0, 10.0)  # a song's adapter scale; 0 switches the adapter off
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}")
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """One adapter a song uses, by its registered name (docs/adapters.md), at a scale."""
+
+    name: str
+    scale: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not _ADAPTER_NAME.fullmatch(self.name):
+            raise ValueError(f"adapter name {self.name!r}: use letters, digits and _ . : @ + - (up to 128, starting "
+                             "with a letter or digit)")
+        low, high = ADAPTER_SCALE_RANGE
+        if not _is_real(self.scale) or not low <= self.scale <= high:
+            raise ValueError(f"adapter {self.name} scale: {self.scale!r} is not a number in [{low:g}, {high:g}]")
+        object.__setattr__(self, "scale", float(self.scale))
+
+
+def adapter_refs(value, what: str = "SongRequest.adapters") -> tuple[AdapterRef, ...]:
+    """`[{name, scale}]` (or AdapterRefs) as a tuple of AdapterRefs, scale-0 ones dropped (an adapter switched off is
+    none); a name given twice stacks (its deltas add)."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
+        raise ValueError(f"{what} must be a list of {{name, scale}} objects, got {type(value).__name__}")
+    refs = []
+    for index, entry in enumerate(value):
+        if isinstance(entry, dict):
+            unknown = sorted(set(entry) - {"name", "scale"})
+            if unknown or "name" not in entry:
+                raise ValueError(f"{what}[{index}]: " + (f"unknown field(s) {unknown}" if unknown else "needs a name"))
+            try:
+                entry = AdapterRef(entry["name"], entry.get("scale", 1.0))
+            except ValueError as exc:
+                raise ValueError(f"{what}[{index}]: {exc}") from None
+        elif not isinstance(entry, AdapterRef):
+            raise ValueError(f"{what}[{index}] must be an object {{name, scale}}, got {type(entry).__name__}")
+        refs.append(entry)
+    return tuple(ref for ref in refs if ref.scale)
+
+
 @dataclass(frozen=True)
 class SongRequest:
     """One song: conditions, chain-of-thought mode, seed, optional external ABC and CFG scale."""
@@ -161,8 +205,11 @@ class SongRequest:
     # A length to cap the song at: its semantic tokens (= latent frames) at 25 a second, as upstream's tools count
     # them (`seconds_tokens`). None: the semantic phase's max_tokens, as always.
     seconds: float | None = None
+    # Adapters by registered name and scale (AdapterRef); their contents enter the identity through the config.
+    adapters: tuple = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "adapters", adapter_refs(self.adapters))
         if not isinstance(self.instrumental, bool):
             raise ValueError(f"SongRequest.instrumental must be true or false, got {self.instrumental!r}")
         # The model is conditioned on both; blank text has no upstream meaning, except no lyrics ('') for an
@@ -214,13 +261,17 @@ class SongRequest:
         return f"{INSTRUCTIONS[self.cot]}\n[Tags]\n{self.style}\n[Lyrics]\n{self.lyrics}\n"
 
     def to_dict(self) -> dict:
-        """The fields; `instrumental` and `seconds` only when set, so every other song keeps the identity it always
-        had."""
+        """The fields; `instrumental`, `seconds` and `adapters` only when set, so every other song keeps the identity it
+        always had."""
         data = asdict(self)
         if not self.instrumental:
             del data["instrumental"]
         if self.seconds is None:
             del data["seconds"]
+        if self.adapters:
+            data["adapters"] = [{"name": ref.name, "scale": ref.scale} for ref in self.adapters]
+        else:
+            del data["adapters"]
         return data
 
     @classmethod
@@ -491,6 +542,14 @@ class SongRules:
     generation: GenerationConfig
     tokenizer: TextEncoder
     reproducible: bool = False
+    adapters: dict = field(default_factory=dict)  # registered adapter name -> what GET /v1/adapters lists of it
+
+    def check_adapters(self, request: SongRequest) -> None:
+        """Every adapter the request names is registered (ValueError naming it and the registered ones)."""
+        for index, ref in enumerate(request.adapters):
+            if ref.name not in self.adapters:
+                raise ValueError(f"adapters[{index}]: unknown adapter {ref.name!r} (registered: "
+                                 f"{', '.join(sorted(self.adapters)) or 'none'})")
 
     def sampling_for(self, overrides: dict | Sampling | None, phase: str) -> Sampling:
         return resolve_sampling(overrides, getattr(self.generation, phase))
@@ -545,7 +604,8 @@ class SongRules:
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
         """Refuse, before any stage runs, overrides that do not resolve, a `seconds` that cannot cap the song, and
         prompts that cannot fit the context with their token budgets (a generated score can only make the semantic
-        prompt longer): one line naming what to shorten and by how much."""
+        prompt longer): one line naming what to shorten and by how much; and adapters that are not registered."""
+        self.check_adapters(request)
         for phase, overrides in (("abc", abc_sampling), ("semantic", semantic_sampling)):
             self.phase_sampling(request, overrides, phase)  # both, also a phase this request skips (a given score)
         budget = self.budget(request, abc_sampling, semantic_sampling)

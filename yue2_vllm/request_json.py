@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 REQUEST_FIELDS = {"style", "tags", "lyrics", "cot", "seed", "abc", "cfg_scale", "id", "abc_sampling",
-                  "semantic_sampling", "instrumental", "seconds"}
+                  "semantic_sampling", "instrumental", "seconds", "adapters"}
 IGNORED_FIELDS = {"lang", "eval_index", "clip_id", "prompt", "abc_path"}
 
 

@@ -45,8 +45,8 @@ class RowError:
     line: int
 
 
-def _batch_rows(path: Path, default_cot: str | None,
-                check=None) -> list[tuple[str, object, dict, RowError | None]]:
+def _batch_rows(path: Path, default_cot: str | None, check=None,
+                default_adapters: tuple = ()) -> list[tuple[str, object, dict, RowError | None]]:
     """`(id, request, overrides, error)` per non-blank JSONL line; a bad row becomes an error, not an abort.
 
     Lines are decoded one by one, so a line that is not UTF-8 fails alone. `check(request,
@@ -77,6 +77,8 @@ def _batch_rows(path: Path, default_cot: str | None,
             seen.add(row_id)
             if isinstance(data, dict) and default_cot and "cot" not in data:
                 data["cot"] = default_cot
+            if isinstance(data, dict) and default_adapters and "adapters" not in data:  # --lora, unless the row names
+                data["adapters"] = [{"name": name, "scale": scale} for name, scale in default_adapters]
             options = pop_take_options(data) if isinstance(data, dict) else None
             fields, overrides = request_from_json(data, path.parent, "row")
             request = SongRequest(**fields)
@@ -153,8 +155,10 @@ class TakesRow:
 
 def cmd_batch(args) -> int:
     _batch_rows(Path(args.input), args.cot)  # an unreadable file stops here, before any model loads
-    with song_setup(args).pipeline() as pipe:
-        return _run_batch(pipe, _batch_rows(Path(args.input), args.cot, _row_check(pipe)), args)
+    setup = song_setup(args)
+    with setup.pipeline() as pipe:
+        return _run_batch(pipe, _batch_rows(Path(args.input), args.cot, _row_check(pipe), setup.song_adapters),
+                          args)
 
 
 def _run_batch(pipe, rows, args) -> int:

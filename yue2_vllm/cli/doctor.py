@@ -35,6 +35,8 @@ def cmd_doctor(args) -> int:
               "default_cot": "full", "default_cfg": {"full": 1.0, "melody": 1.0, "off": 1.01},
               "song_length": song_length(args), "memory": memory_split(args), "memory_release": release_split(args),
               "cluster": cluster_report(args)}
+    if getattr(args, "lora_modules", None):
+        report["adapters"] = adapters_report(args)
     print(json.dumps(report, indent=2))
     return 0 if all(versions[name] for name in required) else 1
 
@@ -66,6 +68,29 @@ def song_length(args) -> dict:
             "longest_song": longest, "seconds_per_1000_prompt_tokens": tokens_seconds(1000),
             "note": "a request's own longest song: its prompt (and score budget) less; POST /v1/songs/length, "
                     "or a too-long request's refusal, says it"}
+def adapters_report(args) -> list[dict]:
+    """Each `--lora-modules` adapter as a server would register it (GET /v1/adapters' fields, the vLLM LoRA slot it
+    needs), or its problem in one line."""
+    from ..adapters.checks import max_lora_rank_for
+    from ..adapters.registry import AdapterRegistry, parse_lora_module
+    from ..adapters.weights import AdapterError
+    from ..lora_memory import lora_slots_bytes
+    from ..model.modeling import YuE2Config
+
+    model_dir, _ = Weights.of(args).resolve()
+    config = YuE2Config.load(Path(model_dir))
+    registry, report = AdapterRegistry(config), []
+    for text in args.lora_modules:
+        try:
+            name, path = parse_lora_module(text)
+            adapter = registry.register(name, path)
+        except (AdapterError, OSError) as exc:
+            report.append({"module": text, "problem": str(exc)})
+            continue
+        ar_rank = adapter.converted.ar_rank
+        report.append({**adapter.info(), "vllm_slot_bytes": lora_slots_bytes(config, 1, max_lora_rank_for(ar_rank))
+                       if ar_rank else 0})
+    return report
 
 
 def gpu_report(index: int, meminfo_path: str | None = None) -> dict:
@@ -137,7 +162,21 @@ def release_split(args, device: str | None = None) -> dict:
                 forms[form] = entry
             else:
                 forms[form]["fp8_kv"] = entry
-    return {"device": device, "budget_gib": round(budget, 2), "forms": forms,
+    from ..lora_memory import lora_slots_bytes, table_rows
+    from ..memory import ADAPTER_TABLE_COUNTS, ADAPTER_TABLE_RANK
+
+    adapters = []  # vLLM's LoRA slots for 0 / 1 / 4 rank-64 AR adapters, and the rows each form keeps beside them
+    for row in table_rows(YuE2Config(), ADAPTER_TABLE_COUNTS, ADAPTER_TABLE_RANK):
+        rows = {}
+        for form, weights in sizes["ar_forms"].items():
+            plan = plan_memory(YuE2Config(), device=device, budget_gib=budget, engine_weights=weights,
+                               torch_model=sizes["mot_bytes"], vae=sizes["vae_bytes"], vae_tile=sizes["vae_tile"],
+                               max_num_seqs=args.concurrency, unified=pool,
+                               lora_slots=lora_slots_bytes(YuE2Config(), row["adapters"], ADAPTER_TABLE_RANK),
+                               total=None if device != "cuda" or torch.cuda.is_available() else int(budget * 2**30))
+            rows[form] = 0 if plan.problems() else plan.max_num_seqs
+        adapters.append({**row, "rows": rows})
+    return {"device": device, "budget_gib": round(budget, 2), "forms": forms, "adapters": adapters,
             "kv_cache": kv_cache_report(device, getattr(args, "reproducible", False))}
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..kv_cache import FLAG as KV_FLAG
-from ..options import AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions
+from ..options import AdapterOptions, AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions
 from ..protocol import GenerationConfig
 from ..request_json import UsageError, read_abc, read_json_file, read_text_file, request_from_json
 
@@ -53,6 +53,10 @@ def build_request(args) -> tuple[object, dict]:
         flags["abc"], flag_values["abc"] = "--abc-file", read_abc(Path(args.abc_file), "--abc-file")
     if getattr(args, "instrumental", None):
         flags["instrumental"], flag_values["instrumental"] = "--instrumental", True
+    song_adapters = adapter_options(args)[1] if getattr(args, "lora", None) else ()
+    if song_adapters and "adapters" not in data:  # --lora, unless the request file names its own
+        flags["adapters"], flag_values["adapters"] = "--lora", [
+            {"name": name, "scale": scale} for name, scale in song_adapters]
     given = {k: v for k, v in flag_values.items() if v is not None}
     fields.update(given)
     if fields.get("instrumental") is True:
@@ -130,6 +134,8 @@ class SongSetup:
     ar: AROptions
     engine: EngineOptions
     device: DeviceOptions
+    adapters: AdapterOptions = AdapterOptions()
+    song_adapters: tuple = ()  # `--lora`: (name, scale) of the adapters every song of the run uses
 
     @property
     def options(self) -> PipelineOptions:
@@ -147,7 +153,7 @@ class SongSetup:
         if engine.runner != "auto":
             check_runner(engine.runner, self.device.device, ar.backend)
         pipe = YuE2Pipeline(model, vae, generation_config=self.generation, load=self.load, ar=ar, engine=engine,
-                            device=self.device)
+                            device=self.device, adapters=self.adapters)
         note = torch_ar_note(ar.backend, pipe.device.type, vllm_installed())
         if note is not None:
             import logging
@@ -172,7 +178,13 @@ class SongSetup:
 
         model_dir, vae_dir = self.sources
         head_files(model_dir, vae_dir)
-        rules = SongRules(self.generation, YuE2Tokenizer.from_model_dir(model_dir), self.ar.reproducible)
+        listing = {}
+        if self.adapters.modules:  # the head reads and checks them too: it admits songs by their names
+            from ..model.modeling import YuE2Config
+            from ..song.adapters import ServedAdapters
+
+            listing = ServedAdapters.register(self.adapters, YuE2Config.load(model_dir)).listing()
+        rules = SongRules(self.generation, YuE2Tokenizer.from_model_dir(model_dir), self.ar.reproducible, listing)
         if self.ar.backend == "torch" or (self.ar.backend == "auto" and not vllm_installed()):
             return rules, 1
         sized = replace(self.engine, max_num_seqs=None)  # rows as the split sizes them
@@ -202,7 +214,7 @@ def song_setup(args, need_vae: bool = True, patterns: tuple | None = None) -> So
     except ValueError as exc:
         raise UsageError(f"--config {args.config}: {exc}") from None
     return SongSetup(weights, (model_dir, vae_dir), generation,
-                     *flag_options(args, args.backend or default_backend(model_dir)))
+                     *flag_options(args, args.backend or default_backend(model_dir)), *adapter_options(args))
 
 
 def flag_options(args, backend: str) -> tuple[LoadOptions, AROptions, EngineOptions, DeviceOptions]:
@@ -237,6 +249,27 @@ def check_kv_flag(args, on_this_machine: bool = True) -> None:
         check_device(args.device)
     load, ar, engine, device = flag_options(args, args.backend or "auto")
     check_kv_options(PipelineOptions(load=load, ar=ar, engine=engine, device=device), on_this_machine)
+
+
+def adapter_options(args) -> tuple[AdapterOptions, tuple]:
+    """`(AdapterOptions, the --lora adapters' (name, scale))` from --lora-modules, --lora and their limits; a bad
+    spec is a UsageError naming the flag (the adapters themselves are read when the pipeline is built)."""
+    from ..adapters.registry import parse_lora_module, parse_lora_spec, spec_names
+    from ..adapters.weights import AdapterError
+
+    try:
+        modules = [parse_lora_module(text) for text in getattr(args, "lora_modules", None) or ()]
+        named = spec_names([parse_lora_spec(text) for text in getattr(args, "lora", None) or ()],
+                           [name for name, _ in modules])
+        known = dict(modules)
+        modules += [(name, spec.source) for name, spec in named if name not in known]
+        options = AdapterOptions(tuple(dict.fromkeys(modules)), getattr(args, "max_loras", None),
+                                 getattr(args, "max_lora_rank", None), getattr(args, "instrumental_adapter", None))
+    except (AdapterError, ValueError) as exc:
+        message = str(exc).replace("AdapterOptions.instrumental", "--instrumental-adapter").replace(
+            "AdapterOptions.modules", "--lora-modules")
+        raise UsageError(message, exc) from None
+    return options, tuple((name, spec.scale) for name, spec in named)
 
 
 def check_device(device: str) -> None:

@@ -26,6 +26,7 @@ from typing import Sequence
 from ..checkpoint import drop_page_cache, weights_bytes
 from ..derive import ARCheckpoint
 from ..kv_cache import element_bytes, explicit, record_problem, release
+from ..lora_memory import lora_slots_bytes
 from ..memory import MEMINFO, MemoryPlan, UnifiedPool, kv_cache_bytes, plan_memory, read_meminfo, row_kv_bytes
 from ..quant.schemes import engine_kernel_env
 from ..model.modeling import YuE2Config
@@ -33,6 +34,7 @@ from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, ar_signals, check_budget
 from ..startup import ENGINE_START_TIMEOUT_S
 from ..model.sampling import ARContinuation, ARResult, Cancelled, OnToken, check_continuation
 from .head import choice_record
+from .lora import LoraSettings, LoraSlot
 from .runner import BatchInvariance, RunnerChoice, resolve_runner, sliced_head_blocker
 from .runs import PairRun, SingleRun
 from .worker_process import (POLL_SECONDS, EngineError, EngineStartAborted, Stream, WorkerProcess, cpu_split,
@@ -107,6 +109,7 @@ class EngineSettings:
     unified: UnifiedPool | None = None  # the GPU shares the host's memory: one pool (memory.plan_memory)
     meminfo_path: str | None = None  # MemAvailable is read here just before the engine starts (None: /proc/meminfo)
     kv_cache_dtype: str = "auto"  # the engine's KV cache form (kv_cache.py): auto (the model dtype) or an FP8 form
+    lora: LoraSettings = LoraSettings()  # LoRA slots for AR adapters (engine/lora.py); off by default
 
     def kernel_env(self) -> dict[str, str]:
         """What the worker's environment adds for the AR checkpoint's W8A8 kernel on this GPU
@@ -126,7 +129,9 @@ class EngineSettings:
                            synthesis_batch=self.synthesis_batch, offload_ar=self.offload_ar,
                            kv_dtype_bytes=element_bytes(self.kv_cache_dtype, self.dtype), unified=self.unified,
                            vae_tile=self.vae_tile_bytes, ar_on_device=self.torch_ar_on_device,
-                           model_dtype_bytes=4 if self.dtype == "float32" else 2)
+                           model_dtype_bytes=4 if self.dtype == "float32" else 2,
+                           lora_slots=lora_slots_bytes(config, self.lora.max_loras, self.lora.max_lora_rank,
+                                                       4 if self.dtype == "float32" else 2))
 
     def resolved(self, config: YuE2Config) -> "EngineSettings":
         plan = self.plan(config)
@@ -259,6 +264,8 @@ class VLLMBackend:
                      "kv_cache_bytes": s.kv_cache_bytes, "dtype": s.dtype,
                      # Passed explicitly: vLLM then knows the sampler reads output ids, and no other engine loads it.
                      "logits_processors": [processor_fqcn(runner.runner)], **explicit(s.kv_cache_dtype)}
+            if s.lora.enabled:
+                setup["lora"] = s.lora.engine_args()
             if self.plan.gpu_memory_utilization is not None:
                 setup["gpu_memory_utilization"] = self.plan.gpu_memory_utilization
             if self.sliced_head:
@@ -334,7 +341,7 @@ class VLLMBackend:
         return {"max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
                 "kv_cache_dtype": self.settings.kv_cache_dtype, "kv_cache": self.engine_info.get("kv_cache"),
                 "max_num_batched_tokens": self.settings.max_num_batched_tokens, "dtype": self.settings.dtype,
-                **self.runner_record(), "memory": self.plan.describe()}
+                "lora": self.settings.lora.record(), **self.runner_record(), "memory": self.plan.describe()}
 
     def runner_record(self) -> dict:
         """How the engine runs, as recorded per song: runner (and why), async scheduling, the sliced head,
@@ -387,11 +394,15 @@ class VLLMBackend:
     def generate(self, prefix: Sequence[int], sampling: Sampling, seed: int, phase: str, *,
                  negative: Sequence[int] | None = None, cfg_scale: float = 1.0, legacy_off: bool = False,
                  on_token: OnToken | None = None, cancelled: Cancelled | None = None,
-                 continuation: ARContinuation | None = None) -> ARResult:
+                 continuation: ARContinuation | None = None, lora: LoraSlot | None = None) -> ARResult:
         """One phase on the engine: a single row, or a CFG pair (cond `prefix`, uncond `negative`) when
-        `cfg_scale != 1`, sampled with cot=off's legacy numerics when `legacy_off`. A `continuation` goes on from
-        a capped phase's tokens: they end the prompt (prefilled; the prefix cache holds them while the engine
-        keeps the blocks) and the sampler goes on from their position (its RNG is keyed by position)."""
+        `cfg_scale != 1`, sampled with cot=off's legacy numerics when `legacy_off`; `lora` the song's AR adapter
+        (both rows of a pair run with it). A `continuation` goes on from a capped phase's tokens: they end the
+        prompt (prefilled; the prefix cache holds them while the engine keeps the blocks) and the sampler goes on
+        from their position (its RNG is keyed by position)."""
+        if lora is not None and not self.settings.lora.enabled:
+            raise ValueError("the song has an AR adapter but the engine runs without LoRA (no AR adapter was "
+                             "registered when it started)")
         history = list(continuation.tokens) if continuation is not None else []
         check_continuation(continuation, sampling, phase)
         paired = cfg_scale != 1.0
@@ -413,7 +424,7 @@ class VLLMBackend:
             restarts_before = self.restarts
             run = PairRun if paired else SingleRun
             ids, info = run(self, prompts, sampling, seed, phase, legacy_off, cfg_scale, on_token, cancelled,
-                            history).result()
+                            history=history, lora=None if lora is None else lora.to_dict()).result()
         finally:
             self._release(len(prompts), reserved)
         seconds = time.perf_counter() - start
@@ -428,6 +439,7 @@ class VLLMBackend:
                   "max_num_seqs": self.settings.max_num_seqs, "kv_cache_memory_bytes": self.settings.kv_cache_bytes,
                   "kv_reserved_bytes": kv, "mean_batch_rows": info["mean_batch_rows"], **self.runner_record(),
                   "admission_wait_seconds": waited, "engine_restarts": restarts_before,
+                  **({"lora": lora.name} if lora is not None else {}),
                   "ar_checkpoint": self.settings.checkpoint.describe()}
         timing.update(ar_signals(info.get("logprobs") or [], count, info.get("cached_prompt_tokens"),
                                  len(prefix) + len(history)))

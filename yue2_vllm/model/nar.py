@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .lora import Edits
 from .modeling import CachedNAR, YuE2Model, batched_velocities
 from .placement import placement_of
 from ..protocol import CODEC_OFFSET, CODEC_SIZE, CONTEXT, MUSIC_END, check_seed, check_token_ids, chunk_ranges
@@ -91,13 +92,14 @@ def offloaded_ar(model: YuE2Model, enabled: bool = True):
 def synthesize(model: YuE2Model, prefix: Sequence[int], codec: Sequence[int], seed: int, *, steps: int = 32,
                context: int = CONTEXT, cancelled: Callable[[], bool] | None = None,
                on_progress: ProgressFn | None = None, query_block: int | None = None,
-               offload_ar: bool = False, record: dict | None = None) -> torch.Tensor:
+               offload_ar: bool = False, record: dict | None = None, edits: Edits | None = None) -> torch.Tensor:
     """Latents `[len(codec), 64]` (CPU fp32), chunk after chunk; each chunk's prefix cache is freed after use.
     Progress counts chunk-steps: `steps × chunks` in all (as `synthesize_many`, which runs the chunks at once);
     `record["nar_chunks"]` says how many chunks.
 
     This is upstream's one-song path, bit for bit; `synthesize_many` batches songs. `record` (a dict) gets how
-    the prefix prefill got its AR weights ("resident" or "streamed", and the bytes streamed).
+    the prefix prefill got its AR weights ("resident" or "streamed", and the bytes streamed). `edits` are the
+    song's adapters (`lora.Edits`): its AR ones in the prefix prefill, its NAR ones in every velocity.
     """
     chunks = song_chunks(prefix, codec, seed, context)
     total = steps * len(chunks)
@@ -107,7 +109,7 @@ def synthesize(model: YuE2Model, prefix: Sequence[int], codec: Sequence[int], se
     for index, chunk in enumerate(chunks):
         if cancelled is not None and cancelled():
             raise InterruptedError("cancelled before a flow-matching chunk")
-        nar = prefilled(model, chunk.tokens, len(chunk.noise), query_block, record)
+        nar = prefilled(model, chunk.tokens, len(chunk.noise), query_block, record, edits)
         try:
             def on_step(done: int, _: int, offset: int = index * steps) -> None:
                 if on_progress is not None:
@@ -131,13 +133,14 @@ class SongInput:
     cancelled: Callable[[], bool] | None = None
     on_progress: ProgressFn | None = None
     record: dict | None = None  # filled as `synthesize`'s
+    edits: Edits | None = None  # the song's adapters, as `synthesize`'s
 
 
 def prefilled(model: YuE2Model, tokens: list[int], frames: int, query_block: int | None,
-              record: dict | None) -> CachedNAR:
+              record: dict | None, edits: Edits | None = None) -> CachedNAR:
     """One chunk's prefix prefill, holding the AR expert where it is (no move can happen under it)."""
     with placement_of(model).hold("any", "nar prefix prefill"):
-        nar = CachedNAR(model, tokens, frames, query_block=query_block)
+        nar = CachedNAR(model, tokens, frames, query_block=query_block, edits=edits)
     if record is not None:
         record["prefill_weights"] = nar.prefill_weights
         record["streamed_bytes"] = record.get("streamed_bytes", 0) + nar.streamed_bytes
@@ -170,7 +173,8 @@ def synthesize_many(model: YuE2Model, songs: Sequence[SongInput], *, steps: int 
     nars: list[CachedNAR] = []
     try:
         for owner, chunk in items:
-            nars.append(prefilled(model, chunk.tokens, len(chunk.noise), query_block, songs[owner].record))
+            nars.append(prefilled(model, chunk.tokens, len(chunk.noise), query_block, songs[owner].record,
+                                  songs[owner].edits))
         with offloaded_ar(model, offload_ar):
             states = [chunk.noise.to(device=model.device, dtype=model.dtype) for _, chunk in items]
             live = list(range(len(items)))

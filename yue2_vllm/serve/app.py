@@ -1,5 +1,5 @@
 """The HTTP API and the web page: a FastAPI app over one `SongService`, made of the routers in `serve.routes` (one
-per resource: the page, health, songs, files, takes, events).
+per resource: the page, health, songs, files, takes, events, adapters, and OpenAI's speech).
 
 Every error is `{"error": {"status", "message", "field"}}` (documented for every status in /openapi.json);
 with an API key, every /v1 path and /metrics need `Authorization: Bearer KEY` (/health and the page stay open).
@@ -19,6 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from .. import __version__
 from . import contract
 from .contract import error_docs
+from .routes.adapters import adapters_router
 from .routes.common import Api, add_error_handlers
 from .routes.events import events_router
 from .routes.files import OpenFileResponse, files_router, signed_audio_router  # noqa: F401 (OpenFileResponse)
@@ -26,6 +27,7 @@ from .routes.health import health_router
 from .routes.page import page_router
 from .routes.length import length_router
 from .routes.songs import JobIntake, songs_router
+from .routes.speech import speech_router
 from .routes.takes import takes_router
 from .safety import Guard, ResponseCounter, host_allowed, redact, redact_text  # noqa: F401 (re-exported)
 from .service import SongService
@@ -54,20 +56,21 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
     # In this order, the order of /openapi.json's paths: the signed audio route (which checks the key itself) last.
     intake = JobIntake(max_body_bytes)  # both routes that queue a job: one Idempotency-Key in flight at a time
     for router in (page_router(), health_router(api), songs_router(api, intake), length_router(api, intake),
-                   files_router(api), takes_router(api), events_router(api, max_sse_clients),
-                   signed_audio_router(api)):
+                   files_router(api), takes_router(api), events_router(api, max_sse_clients), adapters_router(api),
+                   speech_router(api, max_body_bytes), signed_audio_router(api)):
         app.include_router(router)
     app.openapi = lambda: openapi_document(app, reproducible=bool(service.rules.reproducible),
-                                           max_takes=service.config.max_takes)
+                                           max_takes=service.config.max_takes,
+                                           adapters=tuple(getattr(service.rules, "adapters", {})))
     return app
 
 
-def openapi_document(app: FastAPI, *, reproducible: bool, max_takes: int) -> dict:
+def openapi_document(app: FastAPI, *, reproducible: bool, max_takes: int, adapters: tuple = ()) -> dict:
     """/openapi.json, made once: FastAPI's document with our POST body schemas (contract.py) and our 422 shape."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-        schemas.update(contract.song_body_schemas(reproducible=reproducible, max_takes=max_takes))
+        schemas.update(contract.song_body_schemas(reproducible=reproducible, max_takes=max_takes, adapters=adapters))
         for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 shape is not ours
             schemas.pop(name, None)
         for operations in schema["paths"].values():

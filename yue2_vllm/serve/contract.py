@@ -10,13 +10,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..protocol import CONTEXT, DEFAULT_SEED, MAX_CFG_SCALE, MAX_SECONDS, MAX_SEED, TOKENS_PER_SECOND
+from ..protocol import (ADAPTER_SCALE_RANGE, CONTEXT, DEFAULT_SEED, MAX_CFG_SCALE, MAX_SECONDS, MAX_SEED,
+                        TOKENS_PER_SECOND)
 from ..takes import MAX_TAKES
 
 # At least one character that is not white space as Python's str.strip() (the CLI's check) counts it, spelled out:
 # JSON Schema's \S (ECMA), pydantic's (Rust regex) and Python's disagree on U+001C-U+001F, U+0085 and U+FEFF.
 NON_BLANK = r"[^\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
 SONG_ID = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,179}$"
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}$"
 IDEMPOTENCY_KEY = r"^[\x21-\x7e]{1,255}$"
 STATUSES = ("queued", "planning", "generating", "synthesizing", "decoding", "complete", "failed", "cancelled")
 
@@ -33,6 +35,15 @@ class Sampling(BaseModel):
     penalty_window: int = Field(None, ge=1, le=100)
     min_tokens: int = Field(None, ge=0, le=CONTEXT)
     max_tokens: int = Field(None, ge=1, le=CONTEXT)
+
+
+class AdapterChoice(BaseModel):
+    """One registered adapter a song uses (GET /v1/adapters lists them), at a scale (0: off)."""
+
+    model_config = ConfigDict(extra="forbid", title="AdapterChoice")
+    name: str = Field(..., pattern=ADAPTER_NAME, description="a registered adapter's name", examples=["instrumental"])
+    scale: float = Field(1.0, ge=ADAPTER_SCALE_RANGE[0], le=ADAPTER_SCALE_RANGE[1],
+                         description="its strength: LoRA deltas times scale, replacements at strength scale")
 
 
 class SongBody(BaseModel):
@@ -67,6 +78,9 @@ class SongBody(BaseModel):
                                   "semantic_sampling.max_tokens; at least its min_tokens / 25); prompt, score budget "
                                   "and song must fit the context (POST /v1/songs/length says the longest song a body "
                                   "can reach; docs/length.md)")
+    adapters: list[AdapterChoice] | None = Field([], description="registered adapters the song runs with (the AR "
+                                                 "parts on vLLM, the NAR parts in synthesis; docs/adapters.md; null: "
+                                                 "none)")
     stage: Literal["plan", "audio"] = Field("audio", description="plan: the score only (render its audio later)")
     reproducible: bool = Field(False, description="ask for a batch-invariant song (only on a server started with "
                                                   "--reproducible)")
@@ -105,6 +119,35 @@ class SongLength(BaseModel):
     score_budget_tokens: int
     context_tokens: int
     tokens_per_second: int
+class AdapterInfo(BaseModel):
+    """A registered adapter: what it adapts and where it came from."""
+
+    name: str
+    half: Literal["ar", "nar", "both"] = Field(..., description="the half of YuE2 it changes, told from its tensors")
+    rank: int = Field(..., description="its largest LoRA rank (0: only deltas or replacement tensors)")
+    modules: list[str] = Field(..., description="the projections it adapts, by their name inside a layer")
+    module_count: int
+    sha256: str = Field(..., description="its content hash (a single file's own sha256); songs record it")
+    layout: str = Field(..., description="plain, peft, alpha-rank, lora.json, comfyui or slider-distill")
+    licence: str | None = Field(..., description="from its card's front matter, when it has one")
+    triggers: list[str] = Field([], description="trigger words its lora.json names")
+    source: str = Field(..., description="the path or Hub id it was registered from")
+
+
+class AdapterList(BaseModel):
+    adapters: list[AdapterInfo]
+
+
+class ModelEntry(BaseModel):
+    id: str
+    object: Literal["model"]
+    owned_by: str
+    parent: str | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelEntry]
 
 
 class ErrorDetail(BaseModel):
@@ -234,7 +277,7 @@ def _drop_null_defaults(schema):
     return schema
 
 
-def song_body_schemas(*, reproducible: bool, max_takes: int = MAX_TAKES) -> dict:
+def song_body_schemas(*, reproducible: bool, max_takes: int = MAX_TAKES, adapters: tuple = ()) -> dict:
     """`components.schemas` entries for the POST body: SongBody and Sampling, with what pydantic cannot say
     (style or tags; no score with cot off; reproducible only where the server is; best_of and takes_share_score
     need takes >= 2; a stage=plan job with nothing to plan takes one take; takes up to --max-takes)."""
@@ -246,6 +289,12 @@ def song_body_schemas(*, reproducible: bool, max_takes: int = MAX_TAKES) -> dict
     schema["anyOf"] = [{"required": ["style"]}, {"required": ["tags"], "properties": {"tags": text}}]
     schema["not"] = {"required": ["style", "tags"], "properties": {"tags": text}}
     schema["properties"]["takes"] = {**schema["properties"]["takes"], "maximum": max_takes}
+    if adapters:  # the names this server serves
+        choice = definitions["AdapterChoice"] = dict(definitions["AdapterChoice"])
+        choice["properties"] = {**choice["properties"],
+                                "name": {**choice["properties"]["name"], "enum": sorted(adapters)}}
+    else:  # this server serves none
+        schema["properties"]["adapters"] = {**schema["properties"]["adapters"], "maxItems": 0}
     needs_takes = [{"if": {"required": [name], "properties": {name: {"const": True}}},
                     "then": {"required": ["takes"], "properties": {"takes": {"minimum": 2}}}}
                    for name in ("best_of", "takes_share_score")]

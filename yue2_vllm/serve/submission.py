@@ -42,6 +42,7 @@ _FIELD_PATTERNS = (
     re.compile(r"^((?:abc|semantic)_sampling):"),
     re.compile(r"unknown field\(s\) \['([^']*)'"),
     re.compile(r"'(tags)' and 'style' differ"),
+    re.compile(r"^(?:body: )?(adapters)\["),
     re.compile(r"^body: (abc_path) "),
     re.compile(r"^body: (lyrics) must be non-blank"),
     re.compile(r"'(prompt)'"),

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from ..kv_cache import check_form, check_kv_cache, is_fp8, option_problem
 from ..memory import PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, vae_decode_bytes
 from ..model.modeling import YuE2Config
 from ..model.vae import decoder_bytes
+from ..engine.lora import LoraSettings
 from ..options import PipelineOptions
 from ..room import DeviceRoom
 from ..startup import STARTUP, StartRetry, StepAborted, block_counter
@@ -49,6 +50,7 @@ class EngineInputs:
     vae_config: object | None
     ar_on_device: bool  # where the torch side holds the AR expert (placement.py)
     options: PipelineOptions
+    lora: LoraSettings = LoraSettings()  # the LoRA slots registered AR adapters need (song/adapters.py)
 
 
 def engine_settings(inputs: EngineInputs, checkpoint) -> "EngineSettings":
@@ -65,7 +67,7 @@ def engine_settings(inputs: EngineInputs, checkpoint) -> "EngineSettings":
     settings = {"typical_tokens": typical, "offload_ar": placement.offload_ar, "dtype": ar.dtype,
                 "torch_side_bytes": mot_bytes + vae_bytes, "vae_tile_bytes": tile,
                 "torch_ar_on_device": inputs.ar_on_device, "kv_cache_dtype": options.engine.kv_cache_dtype,
-                **options.engine.settings()}  # what the caller set wins over what is sized here
+                "lora": inputs.lora, **options.engine.settings()}  # what the caller set wins over what is sized here
     settings.setdefault("cuda_visible_devices", engine_cuda_env(device).get("CUDA_VISIBLE_DEVICES"))
     if device.type == "cuda":
         settings.setdefault("cuda_capability", tuple(torch.cuda.get_device_capability(device)))
@@ -77,7 +79,20 @@ def engine_settings(inputs: EngineInputs, checkpoint) -> "EngineSettings":
         settings["batch_invariance"] = invariance = batch_invariance(device.type, capability)
         if invariance.dtype is not None:
             settings["dtype"] = invariance.dtype
-    return EngineSettings(checkpoint, device_type=device.type, memory_budget_gib=placement.budget_gib, **settings)
+    engine = EngineSettings(checkpoint, device_type=device.type, memory_budget_gib=placement.budget_gib, **settings)
+    if engine.lora.enabled and options.adapters.max_loras is None:  # slots sized by the plan: fewer while it fails
+        config = YuE2Config.load(inputs.model_dir)
+        weights = estimated_engine_weights(inputs, config)
+        while engine.lora.max_loras > 1 and engine.plan(config, engine_weights=weights).problems():
+            engine = replace(engine, lora=replace(engine.lora, max_loras=engine.lora.max_loras - 1))
+    return engine
+
+
+def estimated_engine_weights(inputs: EngineInputs, config: YuE2Config) -> int:
+    """The AR checkpoint's bytes before it exists: the override's files, else the bf16 AR expert a derivation holds."""
+    ar_checkpoint = inputs.options.load.ar_checkpoint
+    override = Path(ar_checkpoint) if ar_checkpoint else None
+    return weights_bytes(override) if override is not None and override.is_dir() else ar_expert_bytes(config)
 
 
 def check_kv_form(options: PipelineOptions, device: torch.device | None,
@@ -113,10 +128,7 @@ def check_split(inputs: EngineInputs) -> None:
     what to lower; on unified memory MemAvailable) before any weights are loaded. The AR checkpoint is
     estimated: the override's files, else the bf16 AR expert the derived checkpoint will hold."""
     config = YuE2Config.load(inputs.model_dir)
-    ar_checkpoint = inputs.options.load.ar_checkpoint
-    override = Path(ar_checkpoint) if ar_checkpoint else None
-    weights = weights_bytes(override) if override is not None and override.is_dir() else ar_expert_bytes(config)
-    engine_settings(inputs, None).plan(config, engine_weights=weights).check()
+    engine_settings(inputs, None).plan(config, engine_weights=estimated_engine_weights(inputs, config)).check()
 
 
 class EngineLife:

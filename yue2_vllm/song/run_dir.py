@@ -32,15 +32,23 @@ FAILED_STATES = {"plan": "plan_failed", "semantic": "semantic_failed", "synthesi
                  "audio": "decode_failed"}
 
 
+def identity_request(request: SongRequest) -> dict:
+    """The request as its identity holds it: adapters' names left out (their content hashes and scales are in the
+    config), so a renamed adapter keeps its songs' identities."""
+    data = request.to_dict()
+    data.pop("adapters", None)
+    return data
+
+
 def run_identity(request: SongRequest, config: dict, weights: dict) -> str:
     """The song's identity: request, effective config and all weights (upstream's request identity)."""
-    return identity({"request": request.to_dict(), "config": config, "weights": weights})
+    return identity({"request": identity_request(request), "config": config, "weights": weights})
 
 
 def latent_identity(request: SongRequest, config: dict, weights: dict) -> str:
     """What the plan, semantic and latent stages depend on (the directory's identity): the song's without the VAE,
     so that a changed VAE redoes only the audio stage."""
-    return identity({"request": request.to_dict(),
+    return identity({"request": identity_request(request),
                      "config": {k: v for k, v in config.items() if k not in AUDIO_CONFIG_KEYS},
                      "weights": {"mot": weights["mot"]}})
 
@@ -170,6 +178,8 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
             # resumed: as upstream, only a finished result reused untouched (reuse_result) says True
             "status": "complete", "identity": run_id, "resumed": False, "stages_reused": list(reused),
             **({"instrumental": True} if request.instrumental else {}),  # its steps: instrumental.json
+            # the adapters the song ran with (an instrumental adapter's recipe adds its adapter to the render)
+            **({"adapters": song.adapter_record(plan.request)} if plan.request.adapters else {}),
             **batch_record(plan.timing, semantic.timing),
             **{key: config[key] for key in ("kv_cache_dtype",) if key in config},  # an FP8 KV engine's form
             **kv_cache_record(plan.timing, semantic.timing),  # what the engine ran, read back from it

@@ -14,6 +14,7 @@ import torch
 
 from .. import instrumental
 from ..memory import vae_decode_bytes
+from ..model.lora import applied
 from ..model.nar import SongInput, synthesize_many
 from ..model.nar import synthesize as nar_synthesize
 from ..model.sampling import ARBackend, ARContinuation, ARResult
@@ -23,6 +24,7 @@ from ..protocol import (CODEC_OFFSET, Sampling, SongRequest, SongRules, abc_prom
                         check_token_ids, negative_prompt, semantic_prompt)
 from ..room import DeviceRoom
 from ..tokenizer import YuE2Tokenizer
+from .adapters import ServedAdapters
 from .admission import admitted, nar_need, torch_ar_admitted
 from .models import VAE_HALO_FRAMES
 from .results import Cancelled, OnProgress, OnToken, SemanticResult, SymbolicPlan, check_semantic
@@ -44,6 +46,7 @@ class SongStages:
     torch_lock: threading.RLock  # the torch lane; with load-time proxies it also covers synthesis
     proxy_mode: str | None
     ar_on_device: bool
+    adapters: ServedAdapters  # the registered adapters: what each song's request names
     select_backend: Callable[[float, bool], tuple[ARBackend, str | None]]
     room: Callable[[], DeviceRoom | None]
     release_engine: Callable[[], None]
@@ -59,19 +62,28 @@ class SongStages:
                                                    "backend: its tokens and generator go on there")
         if reason is not None:
             LOG.info("%s phase: torch backend (%s)", phase, reason)
-        if backend is self.torch_backend:
-            with self.torch_lock, torch_ar_admitted(self.room(), self.model, len(prefix), sampling, phase, kwargs):
+        song = self.adapters.for_song(request)
+        if backend is self.torch_backend:  # the song's AR adapters as run-time edits (model/lora.py)
+            with self.torch_lock, torch_ar_admitted(self.room(), self.model, len(prefix), sampling, phase, kwargs), \
+                    applied(self.model, song.ar_edits() if song.ar_uses else None):
                 if self.proxy_mode:
                     prepare_ar_proxies(self.model, self.proxy_mode)  # idempotent; undone before each NAR stage
                 result = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
-        else:
-            result = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
+        else:  # on vLLM: one LoRA per request (engine/lora.py)
+            slot = self.adapters.lora_slot(song)
+            result = backend.generate(prefix, sampling, request.seed, phase, **kwargs,
+                                      **({"lora": slot} if slot is not None else {}))
         timing = {**result.timing, "backend_requested": self.options.ar.backend, "fallback_reason": reason}
         timing.setdefault("batch_invariant", True)  # the torch backend serves one song per forward pass
         return result._replace(timing=timing)
 
     def plan(self, request: SongRequest, *, abc_sampling=None, cancelled: Cancelled | None = None,
              on_token: OnToken | None = None) -> SymbolicPlan:
+        adapter = self.adapters.instrumental_for(request)
+        if adapter is not None:  # the instrumental adapter's recipe: one pass as its card prescribes
+            steps = instrumental.adapter_steps(request, adapter)
+            return replace(self.plan(steps.render, abc_sampling=abc_sampling, cancelled=cancelled,
+                                     on_token=on_token), instrumental=steps)
         if request.instrumental:  # upstream's recipe: plan, move the vocal melody to Ins, render the edited score
             steps = instrumental.plan_steps(request, lambda asked: self.plan(
                 asked, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token))
@@ -117,6 +129,11 @@ class SongStages:
     def nar_need(self, semantics: Sequence[SemanticResult]) -> int:
         return nar_need(self.model.config, semantics, self.options.generation.context, self.ar_on_device)
 
+    def _nar_edits(self, semantic: SemanticResult):
+        """The song's adapters for the NAR: its AR parts in the prefix prefill, its NAR parts in the velocity."""
+        song = self.adapters.for_song(semantic.plan.request)
+        return song.nar_edits() if song else None
+
     def _nar_lane(self):
         """With load-time proxies the NAR must not run while they are swapped in: it takes the torch lane."""
         return self.torch_lock if self.proxy_mode else contextlib.nullcontext()
@@ -139,7 +156,8 @@ class SongStages:
             latents = nar_synthesize(self.model, semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
                                      steps=generation.ode_steps, context=generation.context,
                                      cancelled=cancelled, on_progress=progress,
-                                     offload_ar=self.options.device.offload_ar, record=record)
+                                     offload_ar=self.options.device.offload_ar, record=record,
+                                     edits=self._nar_edits(semantic))
         return latents.numpy()
 
     def synthesize_many(self, semantics: Sequence[SemanticResult], *, cancelled: Sequence[Cancelled | None] = (),
@@ -158,7 +176,7 @@ class SongStages:
             songs.append(SongInput(semantic.plan.prefix, semantic.tokens, semantic.plan.request.seed,
                                    cancelled[index] if index < len(cancelled) else None,
                                    (lambda done, total, r=report: r("nar", done, total)) if report else None,
-                                   semantic.synthesis))
+                                   semantic.synthesis, self._nar_edits(semantic)))
             batched.append(index)
         chosen = [semantics[i] for i in batched]
         reports = [on_progress[i] for i in batched if i < len(on_progress)]

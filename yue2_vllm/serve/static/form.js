@@ -1,6 +1,7 @@
 // The new-song form: its body as the API takes it, submitted once per attempt (an idempotency key), errors shown
 // on the field they name.
 
+import { chosenAdapters } from "./adapters.js";
 import { $, api, describeError, needKey, saveKey, show } from "./api.js";
 import { refreshJobs } from "./jobs.js";
 import { select } from "./song.js";
@@ -9,7 +10,7 @@ import { takesOf } from "./takes.js";
 const FIELDS = {  // an error's field -> the control to mark
   style: "style", tags: "style", lyrics: "lyrics", cot: "cot", seed: "seed", cfg_scale: "cfg_scale", abc: "abc",
   abc_sampling: "abc-temperature", semantic_sampling: "semantic-temperature", stage: "plan-only",
-  takes: "takes", best_of: "takes", instrumental: "instrumental", seconds: "seconds",
+  takes: "takes", best_of: "takes", instrumental: "instrumental", seconds: "seconds", adapters: "adapters-list",
 };
 
 let pendingKey = null;  // {body, key}: reused only when the last attempt got no answer at all
@@ -35,6 +36,8 @@ export function collect() {
     body.instrumental = true;
     if (!body.lyrics.trim()) delete body.lyrics;
   }
+  const adapters = chosenAdapters();
+  if (adapters.length) body.adapters = adapters;
   if ($("plan-only").checked) body.stage = "plan";
   Object.assign(body, takesOf($("takes").value));
   let text = JSON.stringify(body);

@@ -1,7 +1,8 @@
 // yue2-vllm's page: submit a song, follow it live (SSE over fetch, so an API key can be sent), play it.
 // The modules: api (fetch, key, errors), form, song (the song in view), stream (its events), player, picture,
-// takes, jobs (the list and health); this one wires them to the page.
+// takes, jobs (the list and health), adapters (the server's, picked with a scale); this one wires them to the page.
 
+import { loadAdapters } from "./adapters.js";
 import { $, auth, needKey, saveKey, show } from "./api.js";
 import { collect, randomSeed, submit } from "./form.js";
 import { forgetListed, refreshHealth, refreshJobs } from "./jobs.js";
@@ -33,7 +34,9 @@ function start() {
   wirePlayer(pictureSeconds);
   let resized = null;
   window.addEventListener("resize", () => { clearTimeout(resized); resized = setTimeout(drawPicture, 100); });
-  $("api-key").addEventListener("change", () => { saveKey(); show($("jobs-error"), ""); forgetListed(); refreshJobs(); });
+  $("api-key").addEventListener("change", () => {
+    saveKey(); show($("jobs-error"), ""); forgetListed(); refreshJobs(); loadAdapters();
+  });
   document.addEventListener("songs-changed", (event) => {
     refreshJobs();
     if (event.detail.health) refreshHealth();
@@ -42,6 +45,7 @@ function start() {
   refreshHealth().then(() => {  // whether a key is needed is known before anything under /v1 is asked
     refreshJobs();
     refreshLongest(collect);
+    if (!needKey()) loadAdapters();
     const id = location.hash.slice(1);
     if (/^j[0-9a-f]{20}$/.test(id) && !needKey()) {
       select(id).catch(() => history.replaceState(null, "", location.pathname));

@@ -1,0 +1,137 @@
+"""OpenAI's `POST /v1/audio/speech`, for its clients: `input` the lyrics, `instructions` the style, `model` the base
+model (`yue2`) or a registered adapter's name (as vLLM's servers name adapters), `response_format` flac or wav.
+
+A speech request is an ordinary job (queued, durable, listed, its files kept as any song's) that this call waits
+for, then answers with its audio. `voice` is accepted whatever it says (OpenAI's SDKs require one): YuE2's voice
+comes from the style, so it is recorded as the job's label only. `speed` other than 1 and formats other than flac
+and wav are refused (422 naming the field); an unknown `model` is a 404 naming it, as OpenAI's and vLLM's servers
+answer.
+"""
+from __future__ import annotations
+
+import io
+import json
+import re
+import time
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..contract import NON_BLANK, ErrorBody, error_docs
+from ..errors import NotFound, RequestInvalid, ServiceError
+from ...request_json import UsageError, parse_json
+from ..safety import error_response, is_json, read_body
+from .adapters import BASE_MODELS, adapter_listing
+from .common import Api
+
+FORMATS = {"flac": "audio/flac", "wav": "audio/wav"}
+DONE = ("complete", "failed", "cancelled")
+POLL_SECONDS = 0.25
+
+
+class SpeechBody(BaseModel):
+    """OpenAI's speech request as its SDKs send it."""
+
+    model_config = ConfigDict(extra="forbid", title="SpeechBody")
+    model: str = Field(..., description="the base model (yue2) or a registered adapter's name")
+    input: str = Field(..., pattern=NON_BLANK, description="the lyrics, with [verse]/[chorus] sections")
+    instructions: str = Field(..., pattern=NON_BLANK, description="the style YuE2 is conditioned on (genre, "
+                              "instruments, mood, voice)")
+    voice: Any = Field(None, description="accepted and not used: YuE2's voice comes from the style (instructions)")
+    response_format: Literal["flac", "wav"] = Field("flac", description="the audio's container (48 kHz stereo)")
+    speed: float = Field(1.0, ge=1.0, le=1.0, description="only 1: a song's tempo comes from its style")
+    stream_format: Literal["audio"] = Field("audio", description="only audio (no SSE stream)")
+
+
+def speech_body(data) -> SpeechBody:
+    """The body checked, each problem a 422 naming its field."""
+    if not isinstance(data, dict):
+        raise RequestInvalid(f"body: must be a JSON object, got {type(data).__name__}")
+    from pydantic import ValidationError
+
+    try:
+        body = SpeechBody(**data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = ".".join(str(part) for part in first.get("loc", ())) or None
+        words = first.get("msg", "invalid")
+        if name == "instructions" and first.get("type") == "missing":
+            words = "give the style (genre, instruments, mood, voice) the song is conditioned on"
+        raise RequestInvalid(f"{name or 'body'}: {words}", field=name) from None
+    return body
+
+
+def song_of(body: SpeechBody, adapters: dict) -> dict:
+    """The song a speech request asks for, as a POST /v1/songs body."""
+    song = {"style": body.instructions, "lyrics": body.input}
+    if body.model not in BASE_MODELS:
+        if body.model not in adapters:
+            raise NotFound(f"model {body.model!r} does not exist (the base model is {BASE_MODELS[0]!r}; adapters: "
+                           f"{', '.join(sorted(adapters)) or 'none'})", field="model")
+        song["adapters"] = [{"name": body.model}]
+    if isinstance(body.voice, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,179}", body.voice):
+        song["id"] = body.voice  # kept as the job's label
+    return song
+
+
+def audio_bytes(path, response_format: str) -> bytes:
+    """The song's FLAC as it is, or re-written as 24-bit WAV."""
+    if response_format == "flac":
+        return path.read_bytes()
+    import soundfile
+
+    audio, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+    out = io.BytesIO()
+    soundfile.write(out, audio, rate, format="WAV", subtype="PCM_24")
+    return out.getvalue()
+
+
+def speech_schema(models: list[str]) -> dict:
+    """SpeechBody's JSON schema with `model` limited to what this server serves (the base's names, its adapters)."""
+    schema = SpeechBody.model_json_schema()
+    schema["properties"]["model"] = {**schema["properties"]["model"], "enum": models}
+    return schema
+
+
+def speech_router(api: Api, max_body_bytes: int) -> APIRouter:
+    router, service = APIRouter(prefix="/v1", dependencies=api.auth), api.service
+    models = [*BASE_MODELS, *sorted(adapter_listing(api))]
+
+    def wait(job_id: str):
+        while True:
+            record = service.get_record(job_id)
+            if record.status in DONE:
+                return record
+            time.sleep(POLL_SECONDS)
+
+    @router.post("/audio/speech", summary="OpenAI's speech endpoint: a song from lyrics (input) and style "
+                 "(instructions), its audio in the answer", openapi_extra={"requestBody": {"required": True, "content": {
+                     "application/json": {"schema": speech_schema(models)}}}},
+                 responses={200: {"description": "the song's audio: FLAC, or WAV for response_format wav", "content": {
+                     media: {"schema": {"type": "string", "format": "binary"}} for media in FORMATS.values()}},
+                            **error_docs(*api.denied, 404, 415, 422, 429, 503,
+                                         s404="no such model (the base, yue2, or a registered adapter's name)"),
+                            500: {"model": ErrorBody, "description": "the song failed (the job's error)"}})
+    async def speech(request: Request):
+        if not is_json(request.headers.get("content-type")):
+            return error_response(415, "body: send it as Content-Type: application/json", "Content-Type")
+        try:
+            data = parse_json((await read_body(request, max_body_bytes)).decode("utf-8", errors="replace"))
+        except UsageError as exc:
+            raise RequestInvalid(f"body: {exc}") from None
+        body = speech_body(data)
+        song = song_of(body, adapter_listing(api))
+        record, _ = await run_in_threadpool(service.submit, json.dumps(song).encode("utf-8"))
+        record = await run_in_threadpool(wait, record.id)
+        if record.status != "complete":
+            error = (record.error or {}).get("message") or record.status
+            raise ServiceError(f"the song {record.id} {record.status}: {error}")
+        path = await run_in_threadpool(service.file, record.id, "audio.flac")
+        data = await run_in_threadpool(audio_bytes, path, body.response_format)
+        return Response(data, media_type=FORMATS[body.response_format],
+                        headers={"X-Song-Id": record.id, "Location": f"/v1/songs/{record.id}"})
+
+    return router
