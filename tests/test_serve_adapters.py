@@ -72,8 +72,9 @@ def test_a_song_with_adapters_records_them(server):
     ([{"name": "inst", "weight": 1}], "unknown field"),
     ("inst", "must be a list"),
 ])
-def test_bad_adapter_choices_are_named(server, adapters, message):
-    answer = server.client.post("/v1/songs", json={"style": "pop", "lyrics": LYRICS, "adapters": adapters})
+@pytest.mark.parametrize("path", ["/v1/songs", "/v1/songs/length"])
+def test_bad_adapter_choices_are_named(server, adapters, message, path):
+    answer = server.client.post(path, json={"style": "pop", "lyrics": LYRICS, "adapters": adapters})
     assert answer.status_code == 422, answer.text
     error = answer.json()["error"]
     assert error["field"] == "adapters" and message in error["message"], error
@@ -106,6 +107,22 @@ def test_openais_client_makes_songs(server):
         client.audio.speech.create(model="yue2", voice="alloy", input=LYRICS)
     with pytest.raises(openai.UnprocessableEntityError, match="speed"):
         client.audio.speech.create(model="yue2", voice="alloy", input=LYRICS, instructions="pop", speed=1.5)
+
+
+def test_a_speech_song_past_its_wait_is_a_504_naming_the_job_which_goes_on(adapted, tmp_path):
+    server = ThreadServer(SongService(adapted, ServeConfig(tmp_path / "data", speech_wait_seconds=1e-6)))
+    try:
+        answer = server.client.post("/v1/audio/speech", json={"model": "yue2", "voice": "alloy", "input": LYRICS,
+                                                               "instructions": "pop"})
+        job = answer.headers["x-song-id"]
+        assert (answer.status_code, answer.headers["location"]) == (504, f"/v1/songs/{job}")
+        assert answer.json()["error"]["message"].startswith(f"the song {job} is still queued after 1e-06 s "
+                                                            "(--speech-timeout); it goes on as a job")
+        assert finished(server, job)["status"] == "complete"
+        audio, rate = soundfile.read(io.BytesIO(server.client.get(f"/v1/songs/{job}/audio").content))
+        assert rate == 48000 and len(audio) > 0
+    finally:
+        server.stop()
 
 
 def test_a_speech_body_that_is_not_json(server):

@@ -27,8 +27,9 @@ schemathesis = pytest.importorskip("schemathesis", reason="pip install 'yue2-vll
 @pytest.fixture(scope="module")
 def server(pipe, tmp_path_factory):
     # A short queue: the fuzzer's songs are a few, then 429s (documented), so the run stays bounded.
+    # Speech calls give up waiting after 5 s (504, documented), so the fuzzer's queued songs cannot stretch the run.
     service = SongService(pipe, ServeConfig(tmp_path_factory.mktemp("openapi") / "data", queue_size=4,
-                                            concurrency=1))
+                                            concurrency=1, speech_wait_seconds=5))
     server = ThreadServer(service, api_key=KEY)
     yield server
     server.stop()

@@ -601,13 +601,18 @@ class SongRules:
         return len(abc_prompt(request, self.tokenizer)) + 2, self.phase_sampling(request, abc_sampling, "abc").max_tokens, \
             False
 
+    def check_fields(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
+        """Refuse what is wrong whatever the context: adapters that are not registered, each phase's overrides (also
+        of a phase the request skips, as with a given score) and a `seconds` that cannot cap the song."""
+        self.check_adapters(request)
+        for phase, overrides in (("abc", abc_sampling), ("semantic", semantic_sampling)):
+            self.phase_sampling(request, overrides, phase)
+
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
         """Refuse, before any stage runs, overrides that do not resolve, a `seconds` that cannot cap the song, and
         prompts that cannot fit the context with their token budgets (a generated score can only make the semantic
-        prompt longer): one line naming what to shorten and by how much; and adapters that are not registered."""
-        self.check_adapters(request)
-        for phase, overrides in (("abc", abc_sampling), ("semantic", semantic_sampling)):
-            self.phase_sampling(request, overrides, phase)  # both, also a phase this request skips (a given score)
+        prompt longer): one line naming what to shorten and by how much; and what `check_fields` refuses."""
+        self.check_fields(request, abc_sampling, semantic_sampling)
         budget = self.budget(request, abc_sampling, semantic_sampling)
         if budget.over > 0:
             semantic = self.phase_sampling(request, semantic_sampling, "semantic")

@@ -299,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", type=_count, default=1024,
                        help="HTTP connections and tasks at once before the server answers 503 (default "
                             "%(default)s)")
+    serve.add_argument("--speech-timeout", type=_positive_seconds, default=900.0, metavar="SECONDS",
+                       help="POST /v1/audio/speech waits this long for its song, then answers 504 naming the job, "
+                            "which goes on (default %(default)s)")
     serve.add_argument("--stall-seconds", type=_positive_seconds, default=300.0,
                        help="songs in flight but none progressed for this long: /health answers 503 (default "
                             "%(default)s)")

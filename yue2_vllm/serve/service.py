@@ -59,6 +59,7 @@ class ServeConfig:
     min_free_bytes: int = 1 << 30  # kept free beyond what every admitted song may still write (else 507)
     owner_timeout: float = 30.0  # an HTTP call waits this long for the job owner, then answers 503
     max_takes: int = MAX_TAKES  # the most takes one POST may ask for (--max-takes)
+    speech_wait_seconds: float = 900.0  # POST /v1/audio/speech waits this long for its song, then answers 504
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -68,6 +69,8 @@ class ServeConfig:
             raise ValueError(f"max_interrupted_runs must be >= 1, got {self.max_interrupted_runs}")
         if self.replica_retries < 0 or self.engine_retries < 0:
             raise ValueError("engine_retries and replica_retries must be >= 0")
+        if not self.speech_wait_seconds > 0:
+            raise ValueError(f"speech_wait_seconds must be > 0, got {self.speech_wait_seconds}")
         if not 1 <= self.max_takes <= MAX_TAKES:
             raise ValueError(f"max_takes must be in [1, {MAX_TAKES}], got {self.max_takes}")
 

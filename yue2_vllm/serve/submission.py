@@ -141,6 +141,7 @@ def parse_submission(rules: SongRules, body: bytes, job_id: str, max_takes: int 
         if check_context:
             rules.check_request(request, overrides.get("abc"), overrides.get("semantic"))
         else:
+            rules.check_fields(request, overrides.get("abc"), overrides.get("semantic"))
             rules.budget(request, overrides.get("abc"), overrides.get("semantic"))
     except ValueError as exc:
         message = str(exc)

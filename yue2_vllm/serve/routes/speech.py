@@ -2,7 +2,8 @@
 model (`yue2`) or a registered adapter's name (as vLLM's servers name adapters), `response_format` flac or wav.
 
 A speech request is an ordinary job (queued, durable, listed, its files kept as any song's) that this call waits
-for, then answers with its audio. `voice` is accepted whatever it says (OpenAI's SDKs require one): YuE2's voice
+for, then answers with its audio; a song not made within `--speech-timeout` is a 504 naming the job, which goes
+on. `voice` is accepted whatever it says (OpenAI's SDKs require one): YuE2's voice
 comes from the style, so it is recorded as the job's label only. `speed` other than 1 and formats other than flac
 and wav are refused (422 naming the field); an unknown `model` is a 404 naming it, as OpenAI's and vLLM's servers
 answer.
@@ -30,6 +31,17 @@ from .common import Api
 FORMATS = {"flac": "audio/flac", "wav": "audio/wav"}
 DONE = ("complete", "failed", "cancelled")
 POLL_SECONDS = 0.25
+
+
+class SpeechTimeout(ServiceError):
+    """The song outlived the call's wait (--speech-timeout); it goes on as an ordinary job."""
+
+    status = 504
+
+    def __init__(self, job_id: str, status: str, seconds: float):
+        super().__init__(f"the song {job_id} is still {status} after {seconds:g} s (--speech-timeout); it goes on as "
+                         f"a job: GET /v1/songs/{job_id}, its audio at /v1/songs/{job_id}/audio",
+                         headers={"Location": f"/v1/songs/{job_id}", "X-Song-Id": job_id})
 
 
 class SpeechBody(BaseModel):
@@ -101,10 +113,13 @@ def speech_router(api: Api, max_body_bytes: int) -> APIRouter:
     models = [*BASE_MODELS, *sorted(adapter_listing(api))]
 
     def wait(job_id: str):
+        deadline = time.monotonic() + service.config.speech_wait_seconds
         while True:
             record = service.get_record(job_id)
             if record.status in DONE:
                 return record
+            if time.monotonic() >= deadline:
+                raise SpeechTimeout(job_id, record.status, service.config.speech_wait_seconds)
             time.sleep(POLL_SECONDS)
 
     @router.post("/audio/speech", summary="OpenAI's speech endpoint: a song from lyrics (input) and style "
@@ -114,7 +129,9 @@ def speech_router(api: Api, max_body_bytes: int) -> APIRouter:
                      media: {"schema": {"type": "string", "format": "binary"}} for media in FORMATS.values()}},
                             **error_docs(*api.denied, 404, 415, 422, 429, 503,
                                          s404="no such model (the base, yue2, or a registered adapter's name)"),
-                            500: {"model": ErrorBody, "description": "the song failed (the job's error)"}})
+                            500: {"model": ErrorBody, "description": "the song failed (the job's error)"},
+                            504: {"model": ErrorBody, "description": "the song was not made within --speech-timeout: "
+                                  "it goes on as the job Location names (its audio at /v1/songs/{id}/audio)"}})
     async def speech(request: Request):
         if not is_json(request.headers.get("content-type")):
             return error_response(415, "body: send it as Content-Type: application/json", "Content-Type")
