@@ -1188,3 +1188,36 @@ def test_serve_refuses_a_bad_adapter_at_start_naming_it(tiny_model_dir, tiny_vae
     status = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [s["status"] for s in status] == ["starting", "failed"] and status[-1]["type"] == "AdapterError"
     assert f"{bad.path}: tensor layers.0.self_attn.q_proj.lokr_w1: a LoKr factor" in result.stderr
+
+
+def test_an_adapted_capped_song_continues_with_its_adapters(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
+                                                            capsys):
+    """The continued song runs with the parent's adapters (named in its request, found in the registry) and equals
+    the longer song made with them from the start; a registry without them refuses, naming the adapter."""
+    from yue2_vllm.testing_adapters import write_tiny_adapter
+
+    style = write_tiny_adapter(tmp_path / "adapters" / "style.safetensors", "plain", half="both", rank=4)
+    common = [*model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST]
+    lora = ["--lora-modules", f"style={style.path}"]
+    song = ["--style", "pop", "--lyrics", "la", "--seed", "3"]
+    rows = [{"id": "s", "style": "pop", "lyrics": "la", "seed": 3, "seconds": 0.2, "adapters": [{"name": "style"}]}]
+    (tmp_path / "in.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert main(["batch", *common, *lora, "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    assert main(["generate", *common, *lora, "--continue", str(tmp_path / "out" / "s"), "--seconds", "0.4",
+                 "--output", str(tmp_path / "out")]) == 0
+    continued = json.loads(capsys.readouterr().out)
+    assert continued["continuation"]["exact"] is True
+    result = json.loads((tmp_path / "out" / "s.0.4s" / "result.json").read_text())
+    assert [(a["name"], a["scale"]) for a in result["adapters"]] == [("style", 1.0)]
+    longer = {**rows[0], "id": "s.0.4s", "seconds": 0.4}
+    (tmp_path / "longer.jsonl").write_text(json.dumps(longer) + "\n")
+    assert main(["batch", *common, *lora, "--input", str(tmp_path / "longer.jsonl"), "--output",
+                 str(tmp_path / "fresh")]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "fresh" / "s.0.4s" / "audio.flac").read_bytes() == \
+        (tmp_path / "out" / "s.0.4s" / "audio.flac").read_bytes()
+    assert main(["generate", *common, "--continue", str(tmp_path / "out" / "s"), "--seconds", "0.4", "--output",
+                 str(tmp_path / "bare")]) == 1
+    assert "adapters[0]: unknown adapter 'style' (registered: none)" in capsys.readouterr().out
+    assert not (tmp_path / "bare" / "s.0.4s").exists()
