@@ -160,7 +160,7 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                                           "or --vae)")
     parser.add_argument("--verify-hashes", action="store_true", help="re-hash the weights instead of trusting "
                                                                       "the size+mtime cache")
-    parser.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                         help="adapters to serve by name (vLLM's convention: name=path, a Hub repo id as the path, or "
                              "JSON {\"name\", \"path\"}); requests pick them by name with a scale. Read, checked "
                              "and converted before anything loads (docs/adapters.md)")
@@ -173,7 +173,7 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                         help="a registered AR adapter that instrumental songs run with, as its card prescribes, "
                              "instead of upstream's plan-edit-render recipe (docs/instrumental.md)")
     if runs:
-        parser.add_argument("--lora", action="append", default=[], metavar="PATH_OR_HUB_ID[:SCALE]",
+        parser.add_argument("--lora", action="append", default=None, metavar="PATH_OR_HUB_ID[:SCALE]",
                             help="an adapter every song of this run uses (repeatable; a file, a directory or a Hub "
                                  "repo id, optionally /sub/path; SCALE default 1); batch rows with their own "
                                  "'adapters' use those")
@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--reproducible", action="store_true",
                         help="show the attention backend each KV form gets under --reproducible (vLLM's "
                              "batch-invariant mode on CUDA sm80+)")
-    doctor.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+    doctor.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                         help="check these adapters (read, checked and converted) and report each, or its problem")
     _cluster_flags(doctor)
     doctor.set_defaults(func=cmd_doctor)
