@@ -3,10 +3,9 @@ model (`yue2`) or a registered adapter's name (as vLLM's servers name adapters),
 
 A speech request is an ordinary job (queued, durable, listed, its files kept as any song's) that this call waits
 for, then answers with its audio; a song not made within `--speech-timeout` is a 504 naming the job, which goes
-on. `voice` is accepted whatever it says (OpenAI's SDKs require one): YuE2's voice
-comes from the style, so it is recorded as the job's label only. `speed` other than 1 and formats other than flac
-and wav are refused (422 naming the field); an unknown `model` is a 404 naming it, as OpenAI's and vLLM's servers
-answer.
+on. `voice` is accepted whatever it says (OpenAI's SDKs require one): YuE2's voice comes from the style, so it is
+recorded as the job's label only. `speed` other than 1 and formats other than flac and wav are refused (422 naming
+the field); an unknown `model` is a 404 naming it, as OpenAI's and vLLM's servers answer.
 """
 from __future__ import annotations
 
