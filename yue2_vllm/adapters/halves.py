@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Iterable
 
-HALVES = ("ar", "nar", "both")
 # The short names vLLM's Qwen3 knows the AR projections by (PEFT target_modules).
 AR_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -65,11 +65,3 @@ class AdapterWeights:
     modules: dict[str, Change]
     notes: list[str] = field(default_factory=list)  # how it was read: scale rule, splits, …
     card: dict = field(default_factory=dict)  # what its card says: licence, triggers
-
-    def tensors(self):
-        """`(module, change, key, tensor)` of every tensor held."""
-        for module, change in self.modules.items():
-            parts = (change.a, change.b) if isinstance(change, Pair) else (change.weight, change.bias)
-            for key, tensor in zip(change.keys, parts):
-                if tensor is not None:
-                    yield module, change, key, tensor
