@@ -24,11 +24,11 @@ from ..contract import NON_BLANK, ErrorBody, error_docs
 from ..errors import NotFound, RequestInvalid, ServiceError
 from ...request_json import UsageError, parse_json
 from ..safety import error_response, is_json, read_body
+from ..store import FINAL
 from .adapters import BASE_MODELS, adapter_listing
 from .common import Api
 
 FORMATS = {"flac": "audio/flac", "wav": "audio/wav"}
-DONE = ("complete", "failed", "cancelled")
 POLL_SECONDS = 0.25
 
 
@@ -115,7 +115,7 @@ def speech_router(api: Api, max_body_bytes: int) -> APIRouter:
         deadline = time.monotonic() + service.config.speech_wait_seconds
         while True:
             record = service.get_record(job_id)
-            if record.status in DONE:
+            if record.status in FINAL:
                 return record
             if time.monotonic() >= deadline:
                 raise SpeechTimeout(job_id, record.status, service.config.speech_wait_seconds)
