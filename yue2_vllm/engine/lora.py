@@ -30,6 +30,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..adapters.halves import AR_PROJECTIONS
+
 # vLLM's packed names of the AR projections in its Qwen3 (q/k/v → qkv_proj, gate/up → gate_up_proj).
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -100,8 +102,7 @@ def check_peft_directory(path: str | Path) -> None:
     missing = [key for key in ("r", "lora_alpha", "target_modules") if key not in data]
     if missing:
         raise ValueError(f"adapter {path}: {PEFT_CONFIG} lacks {', '.join(missing)}")
-    if not set(data["target_modules"]) <= {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                            "down_proj"}:
+    if not set(data["target_modules"]) <= set(AR_PROJECTIONS):
         raise ValueError(f"adapter {path}: targets {data['target_modules']} beyond the AR projections")
     if not (path / PEFT_WEIGHTS).is_file():
         raise ValueError(f"adapter {path}: {PEFT_WEIGHTS} is missing")
