@@ -163,16 +163,19 @@ class Converted:
             self._tensors[name] = dict(load_tensors(infos.values()))
         return self._tensors[name]
 
+    def ar_pairs(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """`{module: (lora_A, lora_B)}` of the AR part as stored (the layout's scale folded into B)."""
+        tensors = self.load_part(f"{AR_DIR}/{PEFT_WEIGHTS}")
+        return {key[len(PEFT_PREFIX):-len(".lora_A.weight")]: (a, tensors[key.replace(".lora_A.", ".lora_B.")])
+                for key, a in tensors.items() if key.endswith(".lora_A.weight")}
+
     def edits(self, scale: float = 1.0, half: str = "both") -> Edits:
         """The torch side's edits at a request's `scale`: LoRA deltas and additive deltas times `scale`,
         replacements at strength `scale` (`model.lora`)."""
         edits: dict[str, list] = {}
         if half in ("ar", "both") and self.record.get("ar"):
-            for key, a in self.load_part(f"{AR_DIR}/{PEFT_WEIGHTS}").items():
-                if key.endswith(".lora_A.weight"):
-                    module = key[len(PEFT_PREFIX):-len(".lora_A.weight")]
-                    b = self._tensors[f"{AR_DIR}/{PEFT_WEIGHTS}"][key.replace(".lora_A.", ".lora_B.")]
-                    edits[module] = [LowRank(a, b, scale)]
+            for module, (a, b) in self.ar_pairs().items():
+                edits[module] = [LowRank(a, b, scale)]
         if half in ("nar", "both") and self.record.get("nar"):
             tensors = self.load_part(NAR_FILE)
             for key in tensors:

@@ -16,7 +16,7 @@ import torch
 
 from ..checkpoint import atomic_directory, identity, write_json_atomic
 from ..derive import _exclusive
-from .cache import (AR_DIR, CONVERTER, PEFT_CONFIG, PEFT_PREFIX, PEFT_WEIGHTS, Converted, adapters_root, peft_config,
+from .cache import (CONVERTER, PEFT_CONFIG, PEFT_PREFIX, PEFT_WEIGHTS, Converted, adapters_root, peft_config,
                     save_tensors)
 from .weights import AdapterError
 
@@ -48,12 +48,8 @@ def ar_directory(uses: Sequence[tuple[Converted, float]], cache_dir: str | os.Pa
             return target
         factors: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for converted, scale in uses:
-            tensors = converted.load_part(f"{AR_DIR}/{PEFT_WEIGHTS}")
-            for name, a in tensors.items():
-                if name.endswith(".lora_A.weight"):
-                    b = tensors[name.replace(".lora_A.", ".lora_B.")]
-                    factors.setdefault(name[len(PEFT_PREFIX):-len(".lora_A.weight")], []).append(
-                        (a.float(), b.float() * scale))
+            for module, (a, b) in converted.ar_pairs().items():
+                factors.setdefault(module, []).append((a.float(), b.float() * scale))
         out, rank = {}, 0
         for module, pairs in sorted(factors.items()):
             out[f"{PEFT_PREFIX}{module}.lora_A.weight"] = torch.cat([a for a, _ in pairs]).contiguous()
