@@ -732,7 +732,6 @@ class AdapterSteps:
 
     adapter: object  # protocol.AdapterRef
     render: object  # SongRequest
-    timing: dict = field(default_factory=dict)
 
     def record(self) -> dict:
         return {"recipe": ADAPTER_RECIPE, "adapter": {"name": self.adapter.name, "scale": self.adapter.scale},
