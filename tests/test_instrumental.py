@@ -6,6 +6,7 @@ its `validate_score`, `lyric_tags` and `validate_request` as `examples/instrumen
 parser `skills/yue2-music/scripts/abc_tools.py` of commit fcb5b96, which reads tuplets) on the same source, and each
 refused source is one upstream refuses too (docs/instrumental.md)."""
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -241,15 +242,9 @@ def test_the_render_request_is_the_one_upstreams_example_builds():
         ("Instrumental, lo-fi piano, no vocals, no singing, no choir, no spoken words.", "[Intro]\n\n[Verse]\n",
          EDITED, "full", 2**63 - 1, False)
     source, expected, _, _ = CASES["no section label: no tags"]
-    bare = render_request(replace_abc(asked, source), edit_score(source))
+    bare = render_request(replace(asked, abc=source), edit_score(source))
     assert bare.lyrics == "" and bare.abc == expected  # upstream renders it with empty lyrics
     assert SongRequest.from_dict(bare.to_dict()) == bare
-
-
-def replace_abc(request, abc):
-    from dataclasses import replace
-
-    return replace(request, abc=abc)
 
 
 def test_the_steps_plan_with_upstreams_tags_then_render_the_edit():

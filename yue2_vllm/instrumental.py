@@ -78,7 +78,6 @@ class Voice:
     each with the score line it came from."""
 
     meter: tuple[int, int]
-    key: str
     time: Fraction = Fraction(0)
     notes: list = field(default_factory=list)
     note_places: list = field(default_factory=list)  # each note's (line, group/voice/bar) where it starts
@@ -89,6 +88,11 @@ class Voice:
     bar_lines: list = field(default_factory=list)  # the line of each bar
     chord_places: list = field(default_factory=list)  # each chord's (line, group/voice/bar)
     key_lines: list = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        """The key in force: the last one read."""
+        return self.keys[-1][1]
 
 
 @dataclass
@@ -171,7 +175,6 @@ def _read_bar(body: str, voice: Voice, unit: Fraction, line: int, where: str) ->
             continue
         if key is not None:
             key_alterations(key, line)
-            voice.key = key
             voice.keys.append((start + offset, key))
             voice.key_lines.append(line)
             local = {}
@@ -276,7 +279,6 @@ def _read_group(lines: list[str], cursor: int, group: int, voices: dict[str, Voi
                 voice.meter = _meter(value, cursor + 1)
             else:
                 key_alterations(value, cursor + 1)
-                voice.key = value
                 voice.keys.append((voice.time, value))
                 voice.key_lines.append(cursor + 1)
             cursor += 1
@@ -314,7 +316,7 @@ def read_score(text: str) -> Score:
         raise _fail(len(lines), f"the score ends after {len(lines)} lines; a native score has the 8 header lines "
                                 "and at least one group of V: Vocal and V: Ins music lines")
     meter, unit, bpm, key = _read_header(lines)
-    voices = {name: Voice(meter, key, keys=[(Fraction(0), key)], key_lines=[8]) for name in VOICES}
+    voices = {name: Voice(meter, keys=[(Fraction(0), key)], key_lines=[8]) for name in VOICES}
     music_lines: dict[int, str] = {}
     cursor, group = 8, 0
     while cursor < len(lines):
@@ -732,7 +734,6 @@ class AdapterSteps:
 
     adapter: object  # protocol.AdapterRef
     render: object  # SongRequest
-    timing: dict = field(default_factory=dict)
 
     def record(self) -> dict:
         return {"recipe": ADAPTER_RECIPE, "adapter": {"name": self.adapter.name, "scale": self.adapter.scale},

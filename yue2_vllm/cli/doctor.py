@@ -146,13 +146,17 @@ def release_split(args, device: str | None = None) -> dict:
     card = total_memory_bytes(device) if device == "cuda" and pool is None and torch.cuda.is_available() else None
     budget = args.budget or default_budget_gib(pool, card)
     sizes = release_sizes(vae_core_frames=default_vae_core_frames(budget))
+    total = None if device != "cuda" or torch.cuda.is_available() else int(budget * 2**30)
+
+    def plan_for(weights: int, **extra):
+        return plan_memory(YuE2Config(), device=device, budget_gib=budget, engine_weights=weights,
+                           torch_model=sizes["mot_bytes"], vae=sizes["vae_bytes"], vae_tile=sizes["vae_tile"],
+                           max_num_seqs=args.concurrency, unified=pool, total=total, **extra)
+
     forms = {}
     for form, weights in sizes["ar_forms"].items():
         for kv, element in sizes["kv_forms"].items():  # bf16 KV under the AR form's name, FP8 KV under fp8_kv
-            plan = plan_memory(YuE2Config(), device=device, budget_gib=budget, engine_weights=weights,
-                               torch_model=sizes["mot_bytes"], vae=sizes["vae_bytes"], vae_tile=sizes["vae_tile"],
-                               max_num_seqs=args.concurrency, unified=pool, kv_dtype_bytes=element,
-                               total=None if device != "cuda" or torch.cuda.is_available() else int(budget * 2**30))
+            plan = plan_for(weights, kv_dtype_bytes=element)
             entry = {"rows": 0 if plan.problems() else plan.max_num_seqs, "summary": plan.describe()["summary"],
                      "resident_bytes": plan.resident, "room_bytes": plan.room, "song_room_bytes": plan.song_room,
                      "margin_bytes": plan.margin,
@@ -162,18 +166,14 @@ def release_split(args, device: str | None = None) -> dict:
                 forms[form] = entry
             else:
                 forms[form]["fp8_kv"] = entry
-    from ..lora_memory import lora_slots_bytes, table_rows
+    from ..lora_memory import table_rows
     from ..memory import ADAPTER_TABLE_COUNTS, ADAPTER_TABLE_RANK
 
     adapters = []  # vLLM's LoRA slots for 0 / 1 / 4 rank-64 AR adapters, and the rows each form keeps beside them
     for row in table_rows(YuE2Config(), ADAPTER_TABLE_COUNTS, ADAPTER_TABLE_RANK):
         rows = {}
         for form, weights in sizes["ar_forms"].items():
-            plan = plan_memory(YuE2Config(), device=device, budget_gib=budget, engine_weights=weights,
-                               torch_model=sizes["mot_bytes"], vae=sizes["vae_bytes"], vae_tile=sizes["vae_tile"],
-                               max_num_seqs=args.concurrency, unified=pool,
-                               lora_slots=lora_slots_bytes(YuE2Config(), row["adapters"], ADAPTER_TABLE_RANK),
-                               total=None if device != "cuda" or torch.cuda.is_available() else int(budget * 2**30))
+            plan = plan_for(weights, lora_slots=row["vllm_slots_bytes"])
             rows[form] = 0 if plan.problems() else plan.max_num_seqs
         adapters.append({**row, "rows": rows})
     return {"device": device, "budget_gib": round(budget, 2), "forms": forms, "adapters": adapters,

@@ -261,8 +261,7 @@ def adapter_options(args) -> tuple[AdapterOptions, tuple]:
         modules = [parse_lora_module(text) for text in getattr(args, "lora_modules", None) or ()]
         named = spec_names([parse_lora_spec(text) for text in getattr(args, "lora", None) or ()],
                            [name for name, _ in modules])
-        known = dict(modules)
-        modules += [(name, spec.source) for name, spec in named if name not in known]
+        modules += [(name, spec.source) for name, spec in named]  # named apart from the modules; a repeat once
         options = AdapterOptions(tuple(dict.fromkeys(modules)), getattr(args, "max_loras", None),
                                  getattr(args, "max_lora_rank", None), getattr(args, "instrumental_adapter", None))
     except (AdapterError, ValueError) as exc:
