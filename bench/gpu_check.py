@@ -824,8 +824,7 @@ def engine_sliced_head(args) -> Rows:
             continue
         generator = torch.Generator(device=device).manual_seed(0)
         weight = (torch.randn(VOCAB_SIZE, width, device=device, generator=generator) * 0.02).to(dtype)
-        head = PhaseHead.over(weight, max(counts), kernel)
-        full_kernel = kernel(weight)
+        head = PhaseHead.over(weight, max(counts), kernel)  # head.full: the full head's GEMM, kernel(weight)
         choice = choice_record(width, VOCAB_SIZE, max(counts))
         for phase in ("abc", "semantic"):
             index = es.PHASE_INDEX[phase]
@@ -837,7 +836,7 @@ def engine_sliced_head(args) -> Rows:
                 hidden = torch.randn(count, width, device=device, generator=generator).to(dtype)
 
                 def step(sliced: bool):
-                    logits = head.logits(hidden, {index: slice(None)})[0] if sliced else full_kernel(hidden)
+                    logits = head.logits(hidden, {index: slice(None)})[0] if sliced else head.full(hidden)
                     raw = logits.float()  # vLLM's V1 sampler works in float32
                     forced = raw.clone()
                     sample_rows(forced, states, layout, dtype)

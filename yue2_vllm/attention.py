@@ -205,9 +205,9 @@ def choose(setup: Setup) -> Choice:
     return _cuda(setup) if setup.device.startswith("cuda") else _cpu(setup)
 
 
-def serves(setup: Setup) -> bool:
-    """The engine starts and its cache holds the form asked for."""
-    choice = choose(setup)
+def serves(setup: Setup, choice: Choice | None = None) -> bool:
+    """The engine starts and its cache holds the form asked for (`choice`: `choose(setup)`, when already made)."""
+    choice = choose(setup) if choice is None else choice
     return choice.starts and choice.stored_as == stored_form(setup.form, setup.dtype)
 
 

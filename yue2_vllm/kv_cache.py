@@ -150,7 +150,7 @@ def kv_cache_problem(form: str, *, device_type: str, vllm_version: str | None, b
                          reproducible=reproducible, dtype=dtype, runner=runner, packages=packages, cpu_fp8=cpu_fp8,
                          head_dim=head_dim)
     choice = choose(setup)
-    if choice.starts and choice.stored_as == stored_form(form, setup.dtype):
+    if serves(setup, choice):
         return None
     reason = choice.problem or (f"vLLM picks {choice.backend}, which stores every FP8 form as e4m3: {form} would "
                                 f"silently be {choice.stored_as}")
@@ -197,7 +197,7 @@ _NAMES = {"FLASHINFER": "FlashInfer", "TRITON_ATTN": "Triton", "CPU_ATTN": "CPU"
 def _cell(setup: Setup) -> str:
     """One cell of the support table: the backend vLLM picks, or why the form is refused."""
     choice = choose(setup)
-    if choice.starts and choice.stored_as == stored_form(setup.form, setup.dtype):
+    if serves(setup, choice):
         name = choice.variant or _NAMES.get(choice.backend, choice.backend)
         if choice.backend == "FLASHINFER":
             special = choose(replace(setup, packages=replace(setup.packages, flashinfer_cubin=True))).decode_kernel

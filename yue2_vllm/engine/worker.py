@@ -158,13 +158,15 @@ FP8_TORCH_NAMES = {"float8_e4m3fn": "fp8_e4m3", "float8_e4m3fnuz": "fp8_e4m3", "
 def attention_layers(model) -> list[dict]:
     """Every attention layer of the engine's model as vLLM built it: its backend, KV cache form, the cache's torch
     dtype, what an FP8 cache holds (Triton views it as the platform's e4m3 type), and the K/V scales in use."""
+    from ..attention import stored_form
+
     layers = []
     for name, module in model.named_modules():
         backend, form = getattr(module, "attn_backend", None), getattr(module, "kv_cache_dtype", None)
         if backend is None or not isinstance(form, str):
             continue
         cache = str(getattr(module, "kv_cache_torch_dtype", "")).removeprefix("torch.")  # uint8 for FP8 forms
-        stored = cache if not form.startswith("fp8") else "fp8_e5m2" if form == "fp8_e5m2" else "fp8_e4m3"
+        stored = stored_form(form, cache) if form.startswith("fp8") else cache
         viewed = getattr(getattr(module, "impl", None), "fp8_dtype", None)  # Triton reads the cache as this type
         if viewed is not None and form.startswith("fp8"):
             stored = FP8_TORCH_NAMES.get(str(viewed).removeprefix("torch."), str(viewed))
