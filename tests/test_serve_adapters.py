@@ -150,6 +150,8 @@ def test_the_page_picks_adapters_and_scales(server):
         page.locator("#adapters-box").wait_for(state="visible")
         assert page.locator("[data-adapter]").count() == 2
         assert "cc-by-nc-4.0" in page.inner_text("#adapters-list")
+        left = {page.locator(f"#adapter-scale-{name}").bounding_box()["x"] for name in ("inst", "voice")}
+        assert len(left) == 1  # the scales line up
         page.fill("#style", "pop")
         page.fill("#lyrics", LYRICS)
         page.check("#adapter-inst")
@@ -158,6 +160,7 @@ def test_the_page_picks_adapters_and_scales(server):
                                   and response.request.method == "POST") as answer:
             page.click("#submit")
         job = answer.value.json()["id"]
+        wait_for(lambda: page.inner_text("#current-meta"), lambda text: "adapters inst ×0.25" in text, timeout=30)
         browser.close()
     assert not problems, problems
     assert server.client.get(f"/v1/songs/{job}").json()["request"]["adapters"] == [{"name": "inst", "scale": 0.25}]

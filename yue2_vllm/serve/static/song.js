@@ -122,6 +122,8 @@ function render() {
   if (doc.result && doc.result.audio_seconds) parts.push(`${doc.result.audio_seconds.toFixed(1)} s of audio`);
   const cut = doc.result && doc.result.truncation && doc.result.truncation.semantic;
   if (cut) parts.push(`capped at ${minutes(cut.tokens / 25)} (${cut.by === "seconds" ? "its length" : "max tokens"})`);
+  const adapters = doc.request.adapters || [];
+  if (adapters.length) parts.push("adapters " + adapters.map((a) => `${a.name} ×${a.scale ?? 1}`).join(", "));
   if (doc.continued_from) parts.push(`continues ${doc.continued_from.id}` +
     (doc.continued_from.take > 1 ? ` take ${doc.continued_from.take}` : ""));
   if (doc.retries && doc.retries.length) parts.push(`retried: ${doc.retries[doc.retries.length - 1].reason}`);
