@@ -122,6 +122,7 @@ class EngineSettings:
         """The split; `engine_weights` (default: the checkpoint's file bytes) estimates a checkpoint not yet made."""
         if engine_weights is None:
             engine_weights = weights_bytes(self.checkpoint.path)
+        model_dtype_bytes = 4 if self.dtype == "float32" else 2
         return plan_memory(config, device=self.device_type, budget_gib=self.memory_budget_gib,
                            engine_weights=engine_weights, torch_model=self.torch_side_bytes,
                            max_num_seqs=self.max_num_seqs, kv_cache=self.kv_cache_bytes,
@@ -129,9 +130,9 @@ class EngineSettings:
                            synthesis_batch=self.synthesis_batch, offload_ar=self.offload_ar,
                            kv_dtype_bytes=element_bytes(self.kv_cache_dtype, self.dtype), unified=self.unified,
                            vae_tile=self.vae_tile_bytes, ar_on_device=self.torch_ar_on_device,
-                           model_dtype_bytes=4 if self.dtype == "float32" else 2,
+                           model_dtype_bytes=model_dtype_bytes,
                            lora_slots=lora_slots_bytes(config, self.lora.max_loras, self.lora.max_lora_rank,
-                                                       4 if self.dtype == "float32" else 2))
+                                                       model_dtype_bytes))
 
     def resolved(self, config: YuE2Config) -> "EngineSettings":
         plan = self.plan(config)

@@ -119,6 +119,8 @@ class SongLength(BaseModel):
     score_budget_tokens: int
     context_tokens: int
     tokens_per_second: int
+
+
 class AdapterInfo(BaseModel):
     """A registered adapter: what it adapts and where it came from."""
 

@@ -29,9 +29,7 @@ class JobActions:
     def submit(self, body: bytes, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
         """Validate and queue a song; `(record, created)` (created False: an idempotent repeat)."""
         key = check_idempotency_key(idempotency_key)
-        down = self.workers.down_for_good()
-        if down is not None:
-            raise Unavailable(f"no song can be served now: {down}", headers={"Retry-After": "60"})
+        self._refuse_while_down()
         job_id = new_job_id()
         song = parse_submission(self.rules, body, job_id, self.config.max_takes)
         stages = {stage: {"state": "pending"} for stage in (STAGES if song.stage == "audio" else ("plan",))}
@@ -40,10 +38,21 @@ class JobActions:
         job = NewJob(job_id, song.label, song.stage, song.request.to_dict(), overrides, song.body_sha256, key,
                      stages)
         need = request_bytes(self.rules, song.request, song.overrides, song.stage).total * count  # each take a song
+        return self._admit_and_launch(job, need, children)
+
+    def _refuse_while_down(self) -> None:
+        """503 while no song can be served (the workers are down for good)."""
+        down = self.workers.down_for_good()
+        if down is not None:
+            raise Unavailable(f"no song can be served now: {down}", headers={"Retry-After": "60"})
+
+    def _admit_and_launch(self, job: NewJob, need: int, children=()) -> tuple[JobRecord, bool]:
+        """Admit `job` (and its `children`, takes 2..N) if the disk holds `need` bytes more and the queue has room
+        for all of them, then launch them; `(record, created)` of `job`."""
         with self.disk.lock:  # the check and the queueing together: two songs never take the same room
             self._check_disk(need)
             try:  # every take counts against the queue bound: room for all of them, or a 429
-                record, created = self.store.admit(job, self.config.queue_size - (count - 1))
+                record, created = self.store.admit(job, self.config.queue_size - len(children))
             except IdempotencyConflict as exc:
                 raise Conflict(str(exc), field="Idempotency-Key") from None
             except QueueFull as exc:
@@ -67,9 +76,7 @@ class JobActions:
         422 in one line naming the field (`job_id` for the song's state or model, `seconds` for the length); the
         parent is only read. `(record, created)` as `submit`'s."""
         key = check_idempotency_key(idempotency_key)
-        down = self.workers.down_for_good()
-        if down is not None:
-            raise Unavailable(f"no song can be served now: {down}", headers={"Retry-After": "60"})
+        self._refuse_while_down()
         asked = parse_continue(body, self.config.max_takes)
         source = self.take_job(job_id, asked.take) if asked.take != 1 else job_id
         parent_record = self.get_record(source)
@@ -96,23 +103,7 @@ class JobActions:
         stages = {stage: {"state": "pending"} for stage in STAGES}
         job = NewJob(new_id, label, "audio", request.to_dict(), overrides,
                      canonical_sha256({"continue": source, "body": asked.body_sha256}), key, stages)
-        need = request_bytes(self.rules, request, overrides, "audio").total
-        with self.disk.lock:
-            self._check_disk(need)
-            try:
-                record, created = self.store.admit(job, self.config.queue_size)
-            except IdempotencyConflict as exc:
-                raise Conflict(str(exc), field="Idempotency-Key") from None
-            except QueueFull as exc:
-                raise self._too_many(exc) from None
-            except sqlite3.OperationalError as exc:
-                raise self._store_refused(exc) from None
-        if created:
-            try:
-                self._call(self._launch, record)
-            except Unavailable:
-                LOG.warning("job %s: accepted; it starts once the job owner's pending store write lands", record.id)
-        return record, created
+        return self._admit_and_launch(job, request_bytes(self.rules, request, overrides, "audio").total)
 
     def _launch(self, record: JobRecord) -> None:
         """Hand a queued job to the workers (owner only); held back while they cannot serve any song."""

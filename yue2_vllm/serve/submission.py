@@ -85,12 +85,8 @@ def canonical_sha256(data) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-def parse_submission(rules: SongRules, body: bytes, job_id: str, max_takes: int = MAX_TAKES, *,
-                     check_context: bool = True) -> Submission:
-    """A POST body → the song it asks for, with the CLI's validation and the context check (`rules`: the
-    server's SongRules, or a pipeline, which holds them); `max_takes`: the server's --max-takes. Without
-    `check_context` a body whose prompt and budgets overflow the context passes (its fields are checked all the
-    same): what `song_length` explains."""
+def json_object(body: bytes) -> dict:
+    """A POST body as the JSON object it must be (RequestInvalid `body: ...` for anything else)."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -101,7 +97,23 @@ def parse_submission(rules: SongRules, body: bytes, job_id: str, max_takes: int 
         raise RequestInvalid(f"body: {exc}") from None
     if not isinstance(data, dict):
         raise RequestInvalid(f"body: must be a JSON object, got {type(data).__name__}")
-    data = integers_as_integers(data)
+    return data
+
+
+def check_label(label) -> None:
+    """A body's `id`, kept as the job's label: None or a song id (RequestInvalid naming `id`)."""
+    if label is not None and not valid_song_id(label):
+        raise RequestInvalid(f"id: must match [A-Za-z0-9][A-Za-z0-9_.-]{{0,179}} (it is kept as the job's label), "
+                             f"got {label!r}", field="id")
+
+
+def parse_submission(rules: SongRules, body: bytes, job_id: str, max_takes: int = MAX_TAKES, *,
+                     check_context: bool = True) -> Submission:
+    """A POST body → the song it asks for, with the CLI's validation and the context check (`rules`: the
+    server's SongRules, or a pipeline, which holds them); `max_takes`: the server's --max-takes. Without
+    `check_context` a body whose prompt and budgets overflow the context passes (its fields are checked all the
+    same): what `song_length` explains."""
+    data = integers_as_integers(json_object(body))
     body_sha256 = canonical_sha256(data)
     stage = data.pop("stage", "audio")
     if stage not in ("plan", "audio"):
@@ -124,9 +136,7 @@ def parse_submission(rules: SongRules, body: bytes, job_id: str, max_takes: int 
     except (ValueError, TypeError) as exc:
         raise RequestInvalid(str(exc), field=field_of(str(exc))) from None
     label = fields.pop("id", None)
-    if label is not None and not valid_song_id(label):
-        raise RequestInvalid(f"id: must match [A-Za-z0-9][A-Za-z0-9_.-]{{0,179}} (it is kept as the job's label), "
-                             f"got {label!r}", field="id")
+    check_label(label)
     for name in ("style", "lyrics"):
         if name not in fields:
             raise RequestInvalid(f"{name}: missing" + (" (or 'tags')" if name == "style" else ""), field=name)
@@ -201,14 +211,7 @@ class ContinueBody:
 
 def parse_continue(body: bytes, max_takes: int = MAX_TAKES) -> ContinueBody:
     """A continue body → its fields (RequestInvalid naming the field)."""
-    try:
-        data = parse_json(body.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise RequestInvalid(f"body: not UTF-8 text (byte 0x{body[exc.start]:02x} at offset {exc.start})") from None
-    except UsageError as exc:
-        raise RequestInvalid(f"body: {exc}") from None
-    if not isinstance(data, dict):
-        raise RequestInvalid(f"body: must be a JSON object, got {type(data).__name__}")
+    data = json_object(body)
     unknown = sorted(set(data) - set(CONTINUE_FIELDS))
     if unknown:
         raise RequestInvalid(f"body: unknown field(s) {unknown}; a continue takes {list(CONTINUE_FIELDS)}",
@@ -224,7 +227,5 @@ def parse_continue(body: bytes, max_takes: int = MAX_TAKES) -> ContinueBody:
         raise RequestInvalid(f"take: must be an integer in [1, {max_takes}] (1: the job itself), got {take!r}",
                              field="take")
     label = data.get("id")
-    if label is not None and not valid_song_id(label):
-        raise RequestInvalid(f"id: must match [A-Za-z0-9][A-Za-z0-9_.-]{{0,179}} (it is kept as the job's label), "
-                             f"got {label!r}", field="id")
+    check_label(label)
     return ContinueBody(seconds, take, label, canonical_sha256(integers_as_integers(data)))
