@@ -145,7 +145,7 @@ def allowed_token_ids(phase: str) -> range | list[int]:
 
 
 ADAPTER_SCALE_RANGE = (-10.0, 10.0)  # a song's adapter scale; 0 switches the adapter off
-_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}")
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class AdapterRef:
     scale: float = 1.0
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not _ADAPTER_NAME.fullmatch(self.name):
+        if not isinstance(self.name, str) or not ADAPTER_NAME.fullmatch(self.name):
             raise ValueError(f"adapter name {self.name!r}: use letters, digits and _ . : @ + - (up to 128, starting "
                              "with a letter or digit)")
         low, high = ADAPTER_SCALE_RANGE

@@ -19,13 +19,13 @@ from typing import Iterable, Mapping
 
 from ..hub import HubOptions, is_repo_id, resolve_model
 from ..model.modeling import YuE2Config
+from ..protocol import ADAPTER_NAME as NAME
 from ..protocol import ADAPTER_SCALE_RANGE as SCALE_RANGE
 from ..protocol import AdapterRef
 from .cache import Converted, convert_adapter
 from .checks import MAX_RANK, max_lora_rank_for
 from .weights import AdapterError
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}")  # as protocol.AdapterRef names them
 # What a Hub repo id fetches for an adapter (a subpath narrows it to one file or directory).
 HUB_PATTERNS = ("*.safetensors", "*/*.safetensors", "adapter_config.json", "*/adapter_config.json", "lora.json",
                 "*/lora.json", "README.md")
