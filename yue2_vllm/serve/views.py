@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,12 +37,24 @@ def sampling_of(record: JobRecord) -> dict:
     return {k: v for k, v in record.overrides.items() if k not in ("takes", CONTINUE_KEY)}
 
 
+class KeyedLocks:
+    """A lock per key, kept only while someone holds it: work on one key waits for work on that key alone."""
+
+    def __init__(self):
+        self._locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._guard = threading.Lock()
+
+    def __call__(self, key) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+
 
 class Views:
     """Reads (part of `SongService`): they take no lock and change nothing."""
 
     def _init_views(self) -> None:
-        self._picture_lock = threading.Lock()
+        self._picture_locks = KeyedLocks()
 
     def document(self, job_id: str) -> dict:
         return self.describe(self.get_record(job_id))
@@ -148,7 +161,7 @@ class Views:
         stat = path.stat()
         source = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
         cache = path.parent / PICTURE_CACHE
-        with self._picture_lock:  # one computation per song, whoever asks meanwhile
+        with self._picture_locks(job_id):  # one computation per song, whoever asks meanwhile (no other song waits)
             try:
                 cached = json.loads(cache.read_text(encoding="utf-8"))
                 if cached.get("source") == source and cached.get("version") == PICTURE_VERSION:
