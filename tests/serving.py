@@ -31,12 +31,14 @@ def pipe(tiny_model_dir, tiny_vae_dir):
 
 
 class ThreadServer:
-    """`create_app(service, ...)` served by uvicorn in a background thread (lifespan included)."""
+    """`create_app(service, ...)` served by uvicorn in a background thread (lifespan included), as `serve` serves
+    it (`uvicorn_server`: its shutdown answers the calls waiting for songs first)."""
 
     def __init__(self, service, **app_options):
         import uvicorn
 
         from yue2_vllm.serve.app import create_app
+        from yue2_vllm.serve.runner import uvicorn_server
 
         self.service = service
         sock = socket.socket()
@@ -45,7 +47,7 @@ class ThreadServer:
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         config = uvicorn.Config(create_app(service, **app_options), lifespan="on", log_level="warning", ws="none",
                                 timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn_server(config, service)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

@@ -138,6 +138,7 @@ class JobOwner:
         """Stop at the next boundaries, waiting at most `shutdown_seconds`; unfinished jobs go back to the queue
         (as a shutdown, not a death) and resume at the next start."""
         self.closing = True
+        self.hub.stop()  # nothing waits for a job's events any more (the server's shutdown may have said so first)
         self._stop.set()
         self.store.wake()
         if not self.workers.close(timeout=self.config.shutdown_seconds):

@@ -183,6 +183,20 @@ def replicas(args, plan: ClusterPlan, data_dir: Path):
             ray.shutdown()  # the local cluster goes with this process (a no-op once the pool has stopped it)
 
 
+def uvicorn_server(config, service):
+    """uvicorn's server over an app of `service`: as its shutdown begins (SIGINT / SIGTERM), before it waits for the
+    open requests, every speech call waiting for its song answers and every event stream ends (`EventHub.stop`),
+    so none holds the shutdown until uvicorn cuts it off."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            service.hub.stop()
+            await super().shutdown(sockets=sockets)
+
+    return Server(config)
+
+
 def serve(args, song_setup: Callable, print_status: Callable[[dict], None]) -> int:
     """`yue2-vllm serve`: `song_setup(args, patterns=None)` reads the model flags once (cli.setup.SongSetup), whose
     `pipeline()` builds a pipeline; with --replicas / --ray-address each replica builds its own from what this
@@ -251,7 +265,7 @@ def _serve(args, api_key: str | None, workers: Callable, print_status: Callable)
             print_status({"status": "serving", "url": url_of(sock), "data_dir": str(data_dir),
                           "backend": args.backend, **described, "concurrency": service.workers.concurrency,
                           "queue_size": args.queue_size, "api_key": api_key is not None})
-            uvicorn.Server(config).run(sockets=[sock])
+            uvicorn_server(config, service).run(sockets=[sock])
     except KeyboardInterrupt:  # SIGINT / SIGTERM: uvicorn has shut down gracefully (or the model was loading)
         pass
     print_status({"status": "stopped"})

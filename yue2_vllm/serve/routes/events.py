@@ -1,5 +1,5 @@
 """GET /v1/songs/{id}/events: a job's Server-Sent Events (its whole state first, then each event, until a final
-one), at most `max_sse_clients` streams open at once."""
+one, or until the server stops: a client reconnects), at most `max_sse_clients` streams open at once."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +11,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from .. import contract
 from ..contract import RETRY_AFTER, SSE_EVENT, error_docs
 from ..errors import ServiceError, Unavailable
-from ..events import event_json
+from ..events import STOPPING, event_json
 from ..safety import redact
 from ..service import FINAL_STATES, urls
 from .common import Api
@@ -51,6 +51,8 @@ def events_router(api: Api, max_sse_clients: int) -> APIRouter:
                     return
                 while True:
                     kind, data, event_id = await subscriber.queue.get()
+                    if kind == STOPPING:  # the server stops: the client's retry finds it again once it is back
+                        return
                     if kind == "resync":  # this client fell behind: the current state instead of the backlog
                         try:
                             kind, data = "status", await run_in_threadpool(service.document, job_id)
