@@ -302,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speech-timeout", type=_positive_seconds, default=900.0, metavar="SECONDS",
                        help="POST /v1/audio/speech waits this long for its song, then answers 504 naming the job, "
                             "which goes on (default %(default)s)")
+    serve.add_argument("--max-waiting-calls", type=_count, default=256, metavar="N",
+                       help="POST /v1/audio/speech calls waiting for their songs at once (no thread each) before "
+                            "the next answers 503 with Retry-After (default %(default)s)")
     serve.add_argument("--stall-seconds", type=_positive_seconds, default=300.0,
                        help="songs in flight but none progressed for this long: /health answers 503 (default "
                             "%(default)s)")

@@ -254,7 +254,8 @@ def _serve(args, api_key: str | None, workers: Callable, print_status: Callable)
                 data_dir, concurrency=args.concurrency, queue_size=args.queue_size,
                 stall_seconds=getattr(args, "stall_seconds", 300.0), retention_seconds=getattr(args, "retention", None),
                 min_free_bytes=int(getattr(args, "min_free_disk", 1.0) * 2**30),
-                max_takes=getattr(args, "max_takes", 8), speech_wait_seconds=getattr(args, "speech_timeout", 900.0)))
+                max_takes=getattr(args, "max_takes", 8), speech_wait_seconds=getattr(args, "speech_timeout", 900.0),
+                max_waiting_calls=getattr(args, "max_waiting_calls", 256)))
             app = create_app(service, api_key=api_key, allowed_hosts=tuple(getattr(args, "allowed_host", None) or ()),
                              max_sse_clients=getattr(args, "max_sse_clients", MAX_SSE_CLIENTS))
             config = uvicorn.Config(app, lifespan="on", ws="none", log_config=stderr_logging(),

@@ -60,6 +60,7 @@ class ServeConfig:
     owner_timeout: float = 30.0  # an HTTP call waits this long for the job owner, then answers 503
     max_takes: int = MAX_TAKES  # the most takes one POST may ask for (--max-takes)
     speech_wait_seconds: float = 900.0  # POST /v1/audio/speech waits this long for its song, then answers 504
+    max_waiting_calls: int = 256  # POST /v1/audio/speech calls waiting at once before the next answers 503
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -71,6 +72,8 @@ class ServeConfig:
             raise ValueError("engine_retries and replica_retries must be >= 0")
         if not self.speech_wait_seconds > 0:
             raise ValueError(f"speech_wait_seconds must be > 0, got {self.speech_wait_seconds}")
+        if self.max_waiting_calls < 1:
+            raise ValueError(f"max_waiting_calls must be >= 1, got {self.max_waiting_calls}")
         if not 1 <= self.max_takes <= MAX_TAKES:
             raise ValueError(f"max_takes must be in [1, {MAX_TAKES}], got {self.max_takes}")
 

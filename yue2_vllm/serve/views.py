@@ -14,7 +14,7 @@ from ..song.continuation import CONTINUE_KEY
 from ..scheduler import STATES
 from .errors import Conflict, NotFound, RequestInvalid
 from .picture import PICTURE_VERSION, song_picture
-from .store import JobRecord
+from .store import FINAL, JobRecord
 from .submission import song_length
 from .take_jobs import take_info
 
@@ -176,3 +176,8 @@ class Views:
     def subscribe(self, job_id: str, loop):
         record = self.get_record(job_id)
         return self.hub.subscribe(record.id, loop, lambda: self.document(record.id))
+
+    def subscribe_final(self, job_id: str, loop):
+        """`(subscriber, record)`: the job's final events (and the hub's STOPPING) from now on, and its record as it
+        is now. The owner writes a final status before it publishes it, so it is in the record or comes."""
+        return self.hub.subscribe(job_id, loop, lambda: self.get_record(job_id), frozenset(FINAL))

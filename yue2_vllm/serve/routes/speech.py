@@ -3,16 +3,18 @@ model (`yue2`) or a registered adapter's name (as vLLM's servers name adapters),
 
 A speech request is an ordinary job (queued, durable, listed, its files kept as any song's) that this call waits
 for, then answers with its audio; a song not made within `--speech-timeout` is a 504 naming the job, which goes
-on. `voice` is accepted whatever it says (OpenAI's SDKs require one): YuE2's voice comes from the style, so it is
+on. The call waits on the event loop for the job's final event (`SongService.subscribe_final`), holding no worker
+thread; at most `--max-waiting-calls` wait at once (the next is a 503 saying so), and when the server stops each
+answers 503 naming its job, which resumes at the next start. `voice` is accepted whatever it says (OpenAI's SDKs require one): YuE2's voice comes from the style, so it is
 recorded as the job's label only. `speed` other than 1 and formats other than flac and wav are refused (422 naming
 the field); an unknown `model` is a 404 naming it, as OpenAI's and vLLM's servers answer.
 """
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import re
-import time
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -20,16 +22,17 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..contract import NON_BLANK, ErrorBody, error_docs
-from ..errors import NotFound, RequestInvalid, ServiceError
+from ..contract import NON_BLANK, RETRY_AFTER, ErrorBody, error_docs
+from ..errors import NotFound, RequestInvalid, ServiceError, Unavailable
 from ...request_json import UsageError, parse_json
+from ..events import STOPPING
 from ..safety import error_response, is_json, read_body
-from ..store import FINAL
+from ..store import JobRecord
 from .adapters import BASE_MODELS, adapter_listing
 from .common import Api
 
 FORMATS = {"flac": "audio/flac", "wav": "audio/wav"}
-POLL_SECONDS = 0.25
+STOPPED_RETRY_SECONDS = 5  # a stopped server's next start answers 503 (Retry-After 5) until it serves
 
 
 class SpeechTimeout(ServiceError):
@@ -41,6 +44,16 @@ class SpeechTimeout(ServiceError):
         super().__init__(f"the song {job_id} is still {status} after {seconds:g} s (--speech-timeout); it goes on as "
                          f"a job: GET /v1/songs/{job_id}, its audio at /v1/songs/{job_id}/audio",
                          headers={"Location": f"/v1/songs/{job_id}", "X-Song-Id": job_id})
+
+
+class SpeechStopped(Unavailable):
+    """The server stops while the call waits: the song resumes at the next start, as a job."""
+
+    def __init__(self, job_id: str):
+        super().__init__(f"the server stopped before the song {job_id} was made; it resumes when the server starts "
+                         f"again: GET /v1/songs/{job_id}, its audio at /v1/songs/{job_id}/audio",
+                         headers={"Location": f"/v1/songs/{job_id}", "X-Song-Id": job_id,
+                                  "Retry-After": str(STOPPED_RETRY_SECONDS)})
 
 
 class SpeechBody(BaseModel):
@@ -110,24 +123,42 @@ def speech_schema(models: list[str]) -> dict:
 def speech_router(api: Api, max_body_bytes: int) -> APIRouter:
     router, service = APIRouter(prefix="/v1", dependencies=api.auth), api.service
     models = [*BASE_MODELS, *sorted(adapter_listing(api))]
+    waiting = {"calls": 0}  # calls between their submit and their song's end (no thread each)
 
-    def wait(job_id: str):
-        deadline = time.monotonic() + service.config.speech_wait_seconds
-        while True:
-            record = service.get_record(job_id)
-            if record.status in FINAL:
-                return record
-            if time.monotonic() >= deadline:
-                raise SpeechTimeout(job_id, record.status, service.config.speech_wait_seconds)
-            time.sleep(POLL_SECONDS)
+    async def finished(job_id: str) -> JobRecord:
+        """The job's record once it is final, awaited on the event loop: 504 past --speech-timeout, 503 when the
+        server stops first, 404 once the job is deleted."""
+        loop, seconds = asyncio.get_running_loop(), service.config.speech_wait_seconds
+        deadline = loop.time() + seconds
+        subscriber, record = await run_in_threadpool(service.subscribe_final, job_id, loop)
+        try:
+            while not record.final:  # a final event, then the record: resumed meanwhile, it waits on
+                try:
+                    kind, _, _ = await asyncio.wait_for(subscriber.queue.get(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    record = await run_in_threadpool(service.get_record, job_id)
+                    if record.final:
+                        break
+                    raise SpeechTimeout(job_id, record.status, seconds) from None
+                if kind == STOPPING:
+                    raise SpeechStopped(job_id)
+                record = await run_in_threadpool(service.get_record, job_id)
+        finally:
+            service.hub.unsubscribe(subscriber)
+        return record
 
     @router.post("/audio/speech", summary="OpenAI's speech endpoint: a song from lyrics (input) and style "
                  "(instructions), its audio in the answer", openapi_extra={"requestBody": {"required": True, "content": {
                      "application/json": {"schema": speech_schema(models)}}}},
                  responses={200: {"description": "the song's audio: FLAC, or WAV for response_format wav", "content": {
                      media: {"schema": {"type": "string", "format": "binary"}} for media in FORMATS.values()}},
-                            **error_docs(*api.denied, 404, 415, 422, 429, 503,
+                            **error_docs(*api.denied, 404, 415, 422,
                                          s404="no such model (the base, yue2, or a registered adapter's name)"),
+                            429: {"model": ErrorBody, "description": "the queue is full", "headers": RETRY_AFTER},
+                            503: {"model": ErrorBody, "description": "--max-waiting-calls calls wait for their songs "
+                                  "already, or the engine is down for good, or the server stopped before the song "
+                                  "was made (it resumes at the next start, as the job Location names)",
+                                  "headers": RETRY_AFTER},
                             500: {"model": ErrorBody, "description": "the song failed (the job's error)"},
                             504: {"model": ErrorBody, "description": "the song was not made within --speech-timeout: "
                                   "it goes on as the job Location names (its audio at /v1/songs/{id}/audio)"}})
@@ -140,8 +171,17 @@ def speech_router(api: Api, max_body_bytes: int) -> APIRouter:
             raise RequestInvalid(f"body: {exc}") from None
         body = speech_body(data)
         song = song_of(body, adapter_listing(api))
-        record, _ = await run_in_threadpool(service.submit, json.dumps(song).encode("utf-8"))
-        record = await run_in_threadpool(wait, record.id)
+        most = service.config.max_waiting_calls
+        if waiting["calls"] >= most:
+            raise Unavailable(f"{waiting['calls']} speech calls are waiting for their songs, the most this server "
+                              f"keeps (--max-waiting-calls {most}); retry later, or POST /v1/songs and follow the "
+                              "job", headers={"Retry-After": str(service.retry_after())})
+        waiting["calls"] += 1
+        try:
+            record, _ = await run_in_threadpool(service.submit, json.dumps(song).encode("utf-8"))
+            record = await finished(record.id)
+        finally:
+            waiting["calls"] -= 1
         if record.status != "complete":
             error = (record.error or {}).get("message") or record.status
             raise ServiceError(f"the song {record.id} {record.status}: {error}")
