@@ -368,6 +368,16 @@ def downloaded(page, button) -> tuple[str, bytes]:
     return download.value.suggested_filename, Path(download.value.path()).read_bytes()
 
 
+def shown(page, selector: str, problems: list, timeout: float = 60_000) -> None:
+    """Wait for `selector` to show; if it does not, fail with the page's errors (an exception in a click's handler
+    would otherwise only be seen after the wait)."""
+    try:
+        page.locator(selector).wait_for(state="visible", timeout=timeout)
+    except sync_api.TimeoutError:
+        raise AssertionError(f"{selector} is not shown; the page's errors: {problems}; it shows "
+                             f"{page.evaluate('location.hash')!r}: {page.inner_text('main')[-2000:]!r}") from None
+
+
 def test_the_score_as_music_drawn_played_checked_edited_rendered_and_downloaded(server, tmp_path):
     """A song's score (given, so it reads as the dialect): its notation of both voices drawn by the vendored abcjs,
     played by the page's synth (WebAudio oscillators), the ABC edited with the server's verdict as you type, an
@@ -387,7 +397,7 @@ def test_the_score_as_music_drawn_played_checked_edited_rendered_and_downloaded(
     with keyed_page(server, problems) as page:
         page.on("console", lambda message: message.type == "error" and problems.append(message.text))
         page.click(f"#jobs tr[data-id='{job_id}'] [data-open]")
-        page.locator("#notation svg").wait_for()
+        shown(page, "#notation svg", problems)
         # both voices drawn: every written note head (the tied d is two), and the chord symbols over Vocal
         notes = "document.querySelectorAll('#notation .abcjs-note.abcjs-v{}').length"
         assert (page.evaluate(notes.format(0)), page.evaluate(notes.format(1))) == (5, 7)
@@ -472,7 +482,7 @@ def test_a_score_that_does_not_read_is_its_text_and_the_readers_line(server):
     with keyed_page(server, problems) as page:
         page.on("console", lambda message: message.type == "error" and problems.append(message.text))
         page.click(f"#jobs tr[data-id='{jobs['full']}'] [data-open]")
-        page.locator("#score").wait_for(state="visible", timeout=60_000)
+        shown(page, "#score", problems)
         assert page.inner_text("#score") == text
         wait_for(lambda: page.inner_text("#score-check"), lambda line: line.startswith("score line"), timeout=30)
         assert page.inner_text("#score-check") == check_score(text)["problem"]

@@ -19,13 +19,15 @@ export function renderer() {
   return loading;
 }
 
-// Draw `text` into `element` (replacing what it held): one system a line of the score, as the dialect groups bars,
-// laid out for `width` pixels (then scaled to the element's width).
-export async function drawNotation(element, text, width) {
+// Draw `text` into `element` (replacing what it held), unless `wanted()` says no once the renderer is loaded: one
+// system a line of the score, as the dialect groups bars, laid out for `width` pixels (then scaled to the
+// element's width). Whether it drew.
+export async function drawNotation(element, text, width, wanted = () => true) {
   const ABCJS = await renderer();
-  const tunes = ABCJS.renderAbc(element, text, {
+  if (!wanted()) return false;
+  ABCJS.renderAbc(element, text, {
     add_classes: true, responsive: "resize", foregroundColor: "currentColor", staffwidth: Math.max(480, width - 40),
     paddingtop: 4, paddingbottom: 4, paddingleft: 4, paddingright: 12,
   });
-  return tunes[0] || null;
+  return true;
 }

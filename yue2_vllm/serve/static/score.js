@@ -66,6 +66,7 @@ export function renderBody(doc, abc, cot) {
 export function showScore(text, source) {
   if (panel.source && panel.source.key === source.key && panel.original === text) return;
   stop();
+  clearTimeout(panel.timer);  // an edit's check still waiting is for the score shown before
   Object.assign(panel, { source, original: text, text, checked: null, verdict: null, drawn: null });
   $("score-card").hidden = false;
   $("score-text").value = text;
@@ -78,6 +79,7 @@ export function showScore(text, source) {
 
 export function hideScore() {
   stop();
+  clearTimeout(panel.timer);
   panel.source = null;
   panel.asked += 1;  // an answer on its way is for a score no longer shown
   $("score-card").hidden = true;
@@ -108,8 +110,8 @@ async function check(text) {
   if (text === panel.original) $("score-midi").hidden = !verdict.valid;  // the song's own score.mid
   if (verdict.valid && (!panel.drawn || panel.drawn.text !== text)) {
     try {
-      await drawNotation($("notation"), text, $("score-card").clientWidth);
-      if (asked !== panel.asked) return;
+      const wanted = () => asked === panel.asked && panel.source === source;
+      if (!await drawNotation($("notation"), text, $("score-card").clientWidth, wanted)) return;
       if (playing()) stop();
       panel.drawn = { text, music: verdict.score };
     } catch (error) {
@@ -130,18 +132,23 @@ function facts(music) {
     `${music.voices.Vocal.length} Vocal and ${music.voices.Ins.length} Ins notes · ${harmony}`;
 }
 
-// The panel drawn from its state: the verdict line, the notation (stale while the text does not read) or the
-// raw text when nothing valid was drawn, and which controls work.
+function verdictText(verdict) {
+  if (!verdict.valid) return verdict.problem;
+  return `Reads as YuE2's score: it renders with cot ${verdict.score.cot} (` +
+    (verdict.score.cot === "full" ? "it has chord symbols" : "no chord symbols") + ").";
+}
+
+// The panel drawn from its state: the verdict line (the last one, faded, while the text's own is on its way), the
+// notation (faded while the text does not read) or the raw text when nothing valid was drawn, and which controls
+// work.
 function refresh() {
   const current = panel.checked === panel.text ? panel.verdict : null;
+  const shown = current || panel.verdict;
   const line = $("score-check");
-  line.classList.toggle("bad", Boolean(current && !current.valid));
-  line.classList.toggle("ok", Boolean(current && current.valid));
-  if (current === null) line.textContent = "Checking…";
-  else if (current.valid) {
-    line.textContent = `Reads as YuE2's score: it renders with cot ${current.score.cot} (` +
-      (current.score.cot === "full" ? "it has chord symbols" : "no chord symbols") + ").";
-  } else line.textContent = current.problem;
+  line.classList.toggle("bad", Boolean(shown && !shown.valid));
+  line.classList.toggle("ok", Boolean(shown && shown.valid));
+  line.classList.toggle("pending", current === null);
+  line.textContent = shown ? verdictText(shown) : "Checking…";
   line.title = current && !current.valid && current.line ? "Click to select the line in the editor" : "";
   if (current && !current.valid) $("score-text").setAttribute("aria-invalid", "true");
   else $("score-text").removeAttribute("aria-invalid");
