@@ -20,12 +20,12 @@ export function renderer() {
 }
 
 // Draw `text` into `element` (replacing what it held), unless `wanted()` says no once the renderer is loaded: one
-// system a line of the score, as the dialect groups bars, laid out for `width` pixels (then scaled to the
-// element's width). Whether it drew.
+// system a line of the score, as the dialect groups bars, each `% section` label (a comment to abcjs) shown as a
+// part label (P:), laid out for `width` pixels (then scaled to the element's width). Whether it drew.
 export async function drawNotation(element, text, width, wanted = () => true) {
   const ABCJS = await renderer();
   if (!wanted()) return false;
-  ABCJS.renderAbc(element, text, {
+  ABCJS.renderAbc(element, text.replace(/^% (.+)$/gm, "P:$1"), {
     add_classes: true, responsive: "resize", foregroundColor: "currentColor", staffwidth: Math.max(480, width - 40),
     paddingtop: 4, paddingbottom: 4, paddingleft: 4, paddingright: 12,
   });
