@@ -399,7 +399,8 @@ def test_ids_are_validated_before_anything_is_read(serve, tmp_path):
              "/v1/songs/%2Fetc%2Fpasswd/audio", "/v1/songs//etc/passwd/score", f"/v1/songs/{tmp_path}/result",
              "/v1/songs/j" + "0" * 20, "/v1/songs/J" + "0" * 20, f"/v1/songs/{job['id']}x/score",
              f"/v1/songs/{job['id'][:-1]}/score", f"/v1/songs/{job['id'].upper()}", "/v1/songs/jobs.sqlite3/result",
-             "/static/..%2Fapp.py", "/static/../service.py"]
+             "/static/..%2Fapp.py", "/static/../service.py", "/static/vendor/../../app.py",
+             "/static/vendor/..%2F..%2Fapp.py"]
     for method in ("GET", "DELETE", "POST"):
         for path in paths:
             connection = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
@@ -456,6 +457,38 @@ def test_the_page_and_every_module_it_imports_are_served_as_javascript_under_the
     assert seen == shipped  # no module is left unused
     assert client.get("/static/style.css").headers["content-type"] == "text/css; charset=utf-8"
     assert client.get("/static/app.js").status_code == 404
+    # the notation renderer the score panel loads (a classic script: abcjs is UMD), and its licence, from this server
+    assert 'const RENDERER = "/static/vendor/abcjs-basic-min.js";' in client.get("/static/notation.js").text
+    renderer = client.get("/static/vendor/abcjs-basic-min.js")
+    assert renderer.status_code == 200 and renderer.headers["content-type"] == "text/javascript; charset=utf-8"
+    assert renderer.headers["content-security-policy"] == page.headers["content-security-policy"]
+    licence = client.get("/static/vendor/abcjs-LICENSE.txt")
+    assert licence.headers["content-type"] == "text/plain; charset=utf-8" and "Paul Rosen" in licence.text
+    for name in ("vendor", "vendor/", "vendor/abcjs.js", "vendor%2F..%2F..%2Fapp.py", "vendor/abcjs-basic.js"):
+        assert client.get(f"/static/{name}").status_code == 404, name
+
+
+def test_the_vendored_renderer_is_the_release_the_docs_name():
+    """docs/serving.md records where static/vendor/abcjs-basic-min.js came from: the file is that release's."""
+    import hashlib
+
+    from yue2_vllm.serve.routes.page import PAGE_HEADERS, RENDERER_STYLES, style_hashes
+
+    root = Path(__file__).parent.parent
+    vendored = (root / "yue2_vllm" / "serve" / "static" / "vendor" / "abcjs-basic-min.js").read_bytes()
+    record = re.search(r"abcjs\S* (\d+\.\d+\.\d+)\b.*?sha256 `([0-9a-f]{64})`",
+                       (root / "docs" / "serving.md").read_text(encoding="utf-8"), re.S)
+    assert record, "docs/serving.md names the vendored abcjs release and its sha256"
+    assert hashlib.sha256(vendored).hexdigest() == record.group(2)
+    assert f"abcjs_basic v{record.group(1)} ".encode() in vendored[:2000]
+    # the few inline styles it sets while drawing are allowed by their hashes, and no other inline style (the page
+    # test sees no CSP violation while a score is drawn)
+    assert b'["display: block !important;","height: 1px;","width: 1px;","position: absolute;"].join("")' in vendored
+    assert b'".abcjs-dragging-in-progress text, .abcjs-dragging-in-progress tspan {"+' in vendored
+    assert b'setAttribute("style","font-size:0.7em")' in vendored
+    policy = PAGE_HEADERS["Content-Security-Policy"]
+    assert f"style-src 'self' 'unsafe-hashes' {style_hashes(RENDERER_STYLES)};" in policy
+    assert "unsafe-inline" not in policy and "unsafe-eval" not in policy
 
 
 def test_a_signed_audio_url_plays_without_the_key_and_the_picture_is_computed_once(serve, tmp_path):

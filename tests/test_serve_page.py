@@ -19,6 +19,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run"]
 DOCS_SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "serve-page.png"
+DOCS_SCORE_SCREENSHOT = DOCS_SCREENSHOT.with_name("serve-score.png")
 KEY = "page-test-key-0123456789"
 # Line separators a JSON encoder leaves raw (U+2028, U+2029, NEL): the event stream must still carry them.
 LYRICS = "[verse]\nla la\u2028la\u2029la\u0085la\n[chorus]\nhey\n"
@@ -349,4 +350,148 @@ def test_a_length_from_the_form_and_the_continue_button(server):
         assert doc["status"] == "complete" and doc["continued_from"] == {"id": capped, "take": 1}
         assert doc["result"]["audio_seconds"] == (225 * 1920 - 64) / 48000
         wait_for(lambda: page.inner_text("#current-meta"), lambda text: f"continues {capped}" in text, timeout=30)
+    assert not problems, problems
+
+
+BIG_SEED = 2 ** 53 + 1  # a JSON number past 2**53 loses digits: the page sends the seed as the server wrote it
+
+
+def finished(client, job_id, timeout=300) -> dict:
+    return wait_for(lambda: client.get(f"/v1/songs/{job_id}").json(),
+                    lambda d: d["status"] in ("complete", "failed", "cancelled"), timeout=timeout)
+
+
+def downloaded(page, button) -> tuple[str, bytes]:
+    """What clicking `button` saves: its file name and bytes."""
+    with page.expect_download() as download:
+        page.click(button)
+    return download.value.suggested_filename, Path(download.value.path()).read_bytes()
+
+
+def shown(page, selector: str, problems: list, timeout: float = 60_000) -> None:
+    """Wait for `selector` to show; if it does not, fail with the page's errors (an exception in a click's handler
+    would otherwise only be seen after the wait)."""
+    try:
+        page.locator(selector).wait_for(state="visible", timeout=timeout)
+    except sync_api.TimeoutError:
+        raise AssertionError(f"{selector} is not shown; the page's errors: {problems}; it shows "
+                             f"{page.evaluate('location.hash')!r}: {page.inner_text('main')[-2000:]!r}") from None
+
+
+def test_the_score_as_music_drawn_played_checked_edited_rendered_and_downloaded(server, tmp_path):
+    """A song's score (given, so it reads as the dialect): its notation of both voices drawn by the vendored abcjs,
+    played by the page's synth (WebAudio oscillators), the ABC edited with the server's verdict as you type, an
+    error's one line naming the score line, the fixed edit (its chords removed) rendered as a new song with the
+    same seed in cot melody, and the downloads the server's files."""
+    from test_instrumental import SCORE
+    from yue2_vllm.score_notes import check_score
+
+    fast = SCORE.replace("Q:1/4=100", "Q:1/4=300")  # 16 quarters: 3.2 s of music
+    client = server.client
+    song = {"style": "pop, piano", "lyrics": "[verse]\nla la\n", "cot": "full", "seed": BIG_SEED}
+    response = client.post("/v1/songs", json={**song, "abc": fast, "stage": "plan", "id": "sketch"})
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    assert finished(client, job_id)["status"] == "complete"
+    problems = []
+    with keyed_page(server, problems) as page:
+        page.on("console", lambda message: message.type == "error" and problems.append(message.text))
+        page.click(f"#jobs tr[data-id='{job_id}'] [data-open]")
+        shown(page, "#notation svg", problems)
+        # both voices drawn: every written note head (the tied d is two), and the chord symbols over Vocal
+        notes = "document.querySelectorAll('#notation .abcjs-note.abcjs-v{}').length"
+        assert (page.evaluate(notes.format(0)), page.evaluate(notes.format(1))) == (5, 7)
+        assert page.evaluate("[...document.querySelectorAll('#notation .abcjs-chord')].map((c) => c.textContent)") \
+            == ["G", "G", "C"]
+        assert page.inner_text("#score-check") == "Reads as YuE2's score: it renders with cot full (it has chord " \
+                                                  "symbols)."
+        assert page.inner_text("#score-facts") == "4/4 · K:G · ♩ = 300 · 4 bars · 0:03 · 4 Vocal and 7 Ins notes · " \
+                                                  "3 chord symbols"
+        assert page.is_hidden("#score")
+
+        # Play: an oscillator a note (4 Vocal, 7 Ins, 3 chords of 4 tones), on a running AudioContext, to the end
+        page.click("#score-play")
+        state = ("[scoreSynth.context.state, scoreSynth.started.Vocal, scoreSynth.started.Ins, "
+                 "scoreSynth.started.Chords]")
+        wait_for(lambda: page.evaluate(state), lambda value: value == ["running", 4, 7, 12], timeout=30)
+        wait_for(lambda: page.inner_text("#score-play"), lambda text: text == "▶ Play", timeout=30)  # over by itself
+        assert page.evaluate("scoreSynth.context.currentTime") > 3.2 and page.evaluate("scoreSynth.run") is None
+        time.sleep(0.3)
+        shot = tmp_path / "serve-score.png"
+        page.locator("#score-card").screenshot(path=str(shot))
+
+        # the song's files, as the server has them (with the key: fetched, then saved)
+        assert downloaded(page, "#score-abc") == ("sketch.abc", client.get(f"/v1/songs/{job_id}/score").content)
+        assert downloaded(page, "#score-midi") == ("sketch.mid", client.get(f"/v1/songs/{job_id}/score.mid").content)
+
+        # an edit with an error: the reader's one line naming the score line, the notation faded, no render
+        page.click("#score-editor summary")
+        broken = fast.replace("B8d8g16|", "B8d8g8|")
+        page.fill("#score-text", broken)
+        wait_for(lambda: page.inner_text("#score-check"), lambda text: text.startswith("score line"), timeout=30)
+        assert page.inner_text("#score-check") == check_score(broken)["problem"] == (
+            "score line 13: group 1, Ins, bar 1: the bar holds 3 quarter notes, its meter 4/4 takes 4")
+        assert page.get_attribute("#score-text", "aria-invalid") == "true"
+        assert page.is_disabled("#score-render") and "stale" in page.get_attribute("#notation", "class")
+        page.click("#score-check")  # selects the line it names
+        assert page.evaluate("(() => { const area = document.getElementById('score-text'); "
+                             "return area.value.slice(area.selectionStart, area.selectionEnd); })()") == "B8d8g8|e32|"
+
+        # the fixed edit without its chord symbols: it reads, and renders in melody (upstream's rule)
+        edited = fast.replace('"G"', "").replace('"C"', "")
+        page.fill("#score-text", edited)
+        melody = "Reads as YuE2's score: it renders with cot melody (no chord symbols)."
+        wait_for(lambda: page.inner_text("#score-check"), lambda text: text == melody, timeout=30)
+        wait_for(lambda: page.get_attribute("#notation", "class"), lambda names: "stale" not in names, timeout=30)
+        assert page.evaluate("document.querySelectorAll('#notation .abcjs-chord').length") == 0
+        assert page.inner_text("#score-render-hint") == \
+            f"Makes a new song with this song's seed {BIG_SEED}, style and lyrics, cot melody."
+        assert downloaded(page, "#edit-abc") == ("sketch.edit.abc", edited.encode())
+        assert downloaded(page, "#edit-midi") == ("sketch.edit.mid",
+                                                  client.post("/v1/scores/midi", json={"abc": edited}).content)
+        page.click("#score-render")
+        wait_for(lambda: page.evaluate("location.hash"), lambda shown: shown not in ("", f"#{job_id}"), timeout=30)
+        new_id = page.evaluate("location.hash").lstrip("#")
+        doc = finished(client, new_id)
+        assert doc["status"] == "complete" and doc["stage"] == "audio", doc["error"]
+        assert doc["request"] == {**song, "abc": edited, "cot": "melody", "cfg_scale": None}
+        assert client.get(f"/v1/songs/{new_id}/score").text == edited
+        wait_for(lambda: page.inner_text("#score-check"), lambda text: "cot melody" in text, timeout=30)
+        assert page.input_value("#score-text") == edited and page.is_disabled("#score-revert")
+    assert not problems, problems
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("YUE2_UPDATE_SCREENSHOT") == "1":
+        shutil.copyfile(shot, DOCS_SCORE_SCREENSHOT)
+
+
+def test_a_score_that_does_not_read_is_its_text_and_the_readers_line(server):
+    """The tiny model writes random text for its score: the panel shows it as it is with the reader's one line (no
+    notation, nothing to play, no MIDI); a song with cot off has no score, and no panel."""
+    from yue2_vllm.score_notes import check_score
+
+    client = server.client
+    jobs = {}
+    for cot in ("full", "off"):
+        response = client.post("/v1/songs", json={"style": "pop", "lyrics": "[verse]\nla\n", "cot": cot,
+                                                  "stage": "plan"})
+        assert response.status_code == 202, response.text
+        jobs[cot] = response.json()["id"]
+        assert finished(client, jobs[cot])["status"] == "complete"
+    text = client.get(f"/v1/songs/{jobs['full']}/score").text
+    problems = []
+    with keyed_page(server, problems) as page:
+        page.on("console", lambda message: message.type == "error" and problems.append(message.text))
+        page.click(f"#jobs tr[data-id='{jobs['full']}'] [data-open]")
+        shown(page, "#score", problems)
+        assert page.inner_text("#score") == text
+        wait_for(lambda: page.inner_text("#score-check"), lambda line: line.startswith("score line"), timeout=30)
+        assert page.inner_text("#score-check") == check_score(text)["problem"]
+        assert page.is_hidden("#notation") and page.is_disabled("#score-play") and page.is_hidden("#score-midi")
+        assert page.evaluate("document.querySelectorAll('#notation svg').length") == 0
+        assert page.is_visible("#score-abc")  # the text as the song wrote it still downloads
+        page.click(f"#jobs tr[data-id='{jobs['off']}'] [data-open]")
+        wait_for(lambda: page.evaluate("location.hash"), lambda shown: shown == f"#{jobs['off']}", timeout=30)
+        page.locator("#current-status").wait_for()
+        page.wait_for_timeout(500)
+        assert page.is_hidden("#score-card")
     assert not problems, problems

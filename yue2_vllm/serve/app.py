@@ -1,5 +1,5 @@
 """The HTTP API and the web page: a FastAPI app over one `SongService`, made of the routers in `serve.routes` (one
-per resource: the page, health, songs, files, takes, events, adapters, and OpenAI's speech).
+per resource: the page, health, songs, files, takes, events, adapters, scores, and OpenAI's speech).
 
 Every error is `{"error": {"status", "message", "field"}}` (documented for every status in /openapi.json);
 with an API key, every /v1 path and /metrics need `Authorization: Bearer KEY` (/health and the page stay open).
@@ -25,6 +25,7 @@ from .routes.events import events_router
 from .routes.files import OpenFileResponse, files_router, signed_audio_router  # noqa: F401 (OpenFileResponse)
 from .routes.health import health_router
 from .routes.page import page_router
+from .routes.scores import scores_router
 from .routes.length import length_router
 from .routes.songs import JobIntake, songs_router
 from .routes.speech import speech_router
@@ -57,7 +58,7 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
     intake = JobIntake(max_body_bytes)  # both routes that queue a job: one Idempotency-Key in flight at a time
     for router in (page_router(), health_router(api), songs_router(api, intake), length_router(api, intake),
                    files_router(api), takes_router(api), events_router(api, max_sse_clients), adapters_router(api),
-                   speech_router(api, max_body_bytes), signed_audio_router(api)):
+                   scores_router(api, max_body_bytes), speech_router(api, max_body_bytes), signed_audio_router(api)):
         app.include_router(router)
     app.openapi = lambda: openapi_document(app, reproducible=bool(service.rules.reproducible),
                                            max_takes=service.config.max_takes,

@@ -152,6 +152,73 @@ class ModelList(BaseModel):
     data: list[ModelEntry]
 
 
+class ScoreBody(BaseModel):
+    """An ABC score to check (or to write as MIDI) with the server's upstream-exact reader."""
+
+    model_config = ConfigDict(extra="forbid", title="ScoreBody", json_schema_extra={"examples": [
+        {"abc": 'X:1\nT:\nM:4/4\nL:1/16\nQ:1/4=96\nV: Vocal clef=treble name="Vocal Melody" snm="Vocal"\n'
+                'V: Ins clef=treble name="Ins Melody" snm="Inst."\nK:C\n% verse\nV: Vocal\n"C"c4e4g8|\n'
+                'V: Ins\nZ|\n'}]})
+    abc: str = Field(..., description="the score's text (any line ending)")
+
+
+class ScoreNote(BaseModel):
+    onset: float = Field(..., description="quarter notes from the score's start")
+    duration: float = Field(..., description="quarter notes (tied notes merged)")
+    pitch: int = Field(..., ge=0, le=127, description="MIDI pitch (60: middle C)")
+
+
+class ScoreChord(BaseModel):
+    onset: float = Field(..., description="quarter notes from the score's start")
+    duration: float = Field(..., description="until the next chord symbol or the score's end")
+    symbol: str = Field(..., examples=["Am7"])
+    pitches: list[int] = Field(..., description="a plain voicing: the bass from C2, the chord from its root from C3")
+
+
+class ScoreMeter(BaseModel):
+    onset: float
+    meter: str = Field(..., examples=["4/4"])
+
+
+class ScoreKey(BaseModel):
+    onset: float
+    key: str = Field(..., examples=["Am"])
+
+
+class ScoreSection(BaseModel):
+    onset: float
+    label: str = Field(..., examples=["verse"])
+
+
+class ScoreMusic(BaseModel):
+    """A valid score's music as the reader reads it (times in quarter notes; seconds = quarters × 60 / bpm)."""
+
+    cot: Literal["full", "melody"] = Field(..., description="the cot it renders with: full when Vocal has chord "
+                                                            "symbols, else melody (upstream's rule)")
+    bpm: int = Field(..., description="Q:1/4=bpm")
+    unit: str = Field(..., description="L:", examples=["1/16"])
+    meter: str = Field(..., description="the first M:", examples=["4/4"])
+    key: str = Field(..., description="the first K:", examples=["C"])
+    bars: int
+    quarters: float = Field(..., description="its length in quarter notes")
+    seconds: float = Field(..., description="its length at its tempo")
+    voices: dict[Literal["Vocal", "Ins"], list[ScoreNote]]
+    chords: list[ScoreChord]
+    meters: list[ScoreMeter] = Field(..., description="the first meter and every change")
+    keys: list[ScoreKey] = Field(..., description="the first key and every change")
+    sections: list[ScoreSection] = Field(..., description="each `% label` at the bar it names")
+
+
+class ScoreCheck(BaseModel):
+    """The reader's verdict: valid with the music, or the first problem in one line naming the score line."""
+
+    valid: bool
+    problem: str | None = Field(..., examples=["score line 12: group 1, Vocal: the bar holds 3 quarter notes, its "
+                                               "meter 4/4 takes 4"])
+    line: int | None = Field(..., description="the score line (1-based) the problem names")
+    score: ScoreMusic | None
+
+
 class ErrorDetail(BaseModel):
     status: int = Field(..., examples=[422])
     message: str = Field(..., examples=["cfg_scale must be a finite number in [0, 20], got 99"])

@@ -1,5 +1,6 @@
 """A song's files: the FLAC (GET/HEAD, Range; with an API key, the key or a signed URL), a short-lived signed URL
-for it, its peaks and spectrogram, the ABC score and result.json. The helpers serve a take's files too."""
+for it, its peaks and spectrogram, the ABC score (and it as MIDI) and result.json. The helpers serve a take's files
+too."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ from ..safety import redact
 from ..service import SongService, urls
 from ..signed import AUDIO_URL_SECONDS, SIGNATURE_PATTERN, signature_problem, signed_audio_query, signing_key
 from .common import BEARER, CHALLENGE, Api
+from .scores import MIDI, midi_of, midi_response
 
 
 class OpenFileResponse(FileResponse):
@@ -68,6 +70,22 @@ def score_of(service: SongService, job_id: str) -> Response:
         return Response(file.read(), media_type="text/vnd.abc; charset=utf-8")
 
 
+def score_midi_of(service: SongService, job_id: str) -> Response:
+    """The song's score as MIDI; 409 naming the score line when the score does not read (the tiny model's do not)."""
+    with opened(service, job_id, "score.abc") as file:
+        text = file.read().decode("utf-8", errors="replace")
+    try:
+        data = midi_of(text)
+    except ValueError as exc:
+        raise Conflict(f"the song's score does not read, so it has no MIDI: {exc}") from None
+    return midi_response(data, service.get_record(job_id).label or job_id)
+
+
+def score_midi_answers(api: Api) -> dict:
+    return {200: media_doc(MIDI, "the score as a Standard MIDI File", {"type": "string", "format": "binary"}),
+            **error_docs(*api.denied, 404, 409, s409="not ready yet, or the score does not read (the line named)")}
+
+
 def result_of(api: Api, request: Request, job_id: str) -> Response:
     with opened(api.service, job_id, "result.json") as file:
         data = file.read()
@@ -100,6 +118,10 @@ def files_router(api: Api) -> APIRouter:
         200: media_doc("text/vnd.abc", "the score as planned"), **files})
     def score(job_id: str):
         return score_of(service, job_id)
+
+    @router.get("/songs/{job_id}/score.mid", summary="The score as MIDI", responses=score_midi_answers(api))
+    def score_midi(job_id: str):
+        return score_midi_of(service, job_id)
 
     @router.get("/songs/{job_id}/result", summary="result.json", responses={
         200: media_doc("application/json", "the run's result.json", {"type": "object"}), **files})

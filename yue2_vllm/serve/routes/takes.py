@@ -8,7 +8,7 @@ from ...takes import MAX_TAKES
 from .. import contract
 from ..contract import error_docs, media_doc
 from .common import Api
-from .files import audio_answers, audio_file, file_answers, result_of, score_of
+from .files import audio_answers, audio_file, file_answers, result_of, score_midi_answers, score_midi_of, score_of
 from .songs import song_answers
 
 
@@ -50,6 +50,11 @@ def takes_router(api: Api) -> APIRouter:
         200: media_doc("text/vnd.abc", "the score as planned"), **files})
     def take_score(job_id: str, take: int = take_number):
         return score_of(service, service.take_job(job_id, take))
+
+    @router.get("/songs/{job_id}/takes/{take}/score.mid", summary="One take's score as MIDI",
+                responses=score_midi_answers(api))
+    def take_score_midi(job_id: str, take: int = take_number):
+        return score_midi_of(service, service.take_job(job_id, take))
 
     @router.get("/songs/{job_id}/takes/{take}/result", summary="One take's result.json", responses={
         200: media_doc("application/json", "the take's result.json", {"type": "object"}), **files})

@@ -18,10 +18,16 @@ export function headers(extra) {
   return result;
 }
 
+// JSON with each integer past 2**53 kept as written, as a string (seeds go up to 2**63: a number loses digits).
+export function parseJson(text) {
+  return JSON.parse(text, (key, value, context) => (typeof value === "number" && !Number.isSafeInteger(value)
+    && context && /^-?\d+$/.test(context.source) ? context.source : value));
+}
+
 export async function api(path, options = {}) {
   const response = await fetch(path, Object.assign({}, options, { headers: headers(options.headers) }));
   const type = response.headers.get("content-type") || "";
-  const body = type.includes("application/json") ? await response.json() : await response.text();
+  const body = type.includes("application/json") ? parseJson(await response.text()) : await response.text();
   if (!response.ok) {
     const detail = body && body.error ? body.error : {};
     const error = new Error(detail.message || `${response.status} ${response.statusText}`);

@@ -1,6 +1,7 @@
 // yue2-vllm's page: submit a song, follow it live (SSE over fetch, so an API key can be sent), play it.
 // The modules: api (fetch, key, errors), form, song (the song in view), stream (its events), player, picture,
-// takes, jobs (the list and health), adapters (the server's, picked with a scale); this one wires them to the page.
+// takes, jobs (the list and health), adapters (the server's, picked with a scale), score (a score as music: notation,
+// synth, the reader's verdict as you edit, a new song from the edit); this one wires them to the page.
 
 import { loadAdapters } from "./adapters.js";
 import { $, auth, needKey, saveKey, show } from "./api.js";
@@ -8,10 +9,14 @@ import { collect, randomSeed, submit } from "./form.js";
 import { forgetListed, refreshHealth, refreshJobs } from "./jobs.js";
 import { continueSong, refreshLongest } from "./length.js";
 import { wirePlayer } from "./player.js";
+import { wireScore } from "./score.js";
 import { act, drawPicture, pictureSeconds, select, view } from "./song.js";
+import { synth } from "./synth.js";
 
 // The song in view, as `current` from the console (and the page test), as when the page was one script.
 Object.defineProperty(window, "current", { get: () => view.current });
+// The score's synth (its AudioContext and the notes it started), for the same.
+Object.defineProperty(window, "scoreSynth", { get: () => synth });
 
 function start() {
   $("api-key").value = auth.key;
@@ -32,6 +37,7 @@ function start() {
   }
   $("refresh").addEventListener("click", refreshJobs);
   wirePlayer(pictureSeconds);
+  wireScore({ opened: async (id) => { await select(id); refreshJobs(); } });
   let resized = null;
   window.addEventListener("resize", () => { clearTimeout(resized); resized = setTimeout(drawPicture, 100); });
   $("api-key").addEventListener("change", () => {

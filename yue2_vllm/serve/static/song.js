@@ -1,4 +1,5 @@
-// The song in view: its stage bars, score, player and picture, and takes, kept live from its event stream.
+// The song in view: its stage bars, score (in the score panel), player and picture, and takes, kept live from its
+// event stream.
 // Whatever changes the list of songs dispatches "songs-changed" on document (detail.health: /health too).
 
 import { $, FINAL, api, auth, blobOf, describeError, show } from "./api.js";
@@ -6,6 +7,7 @@ import { drawPictureInto, fetchPicture } from "./picture.js";
 import { clearPlayer, movePlayhead, streamInto } from "./player.js";
 import { follow } from "./stream.js";
 import { minutes, renderContinue } from "./length.js";
+import { hideScore, showScore, songSource } from "./score.js";
 import { renderTakes } from "./takes.js";
 
 const STAGES = [  // stage, label, progress key, unit
@@ -138,10 +140,18 @@ function render() {
   const planned = plan.state === "done" || plan.state === "reused";
   if (planned && current.score === null && doc.request.cot !== "off") {
     current.score = "";
-    api(doc.urls.score).then((text) => { current.score = text; $("score").textContent = text; }).catch(() => {});
+    api(doc.urls.score).then((text) => {
+      if (view.current !== current) return;
+      current.score = text;
+      showScore(text, songSource(current.doc));
+    }).catch((error) => {  // asked again at the next render
+      if (view.current !== current) return;
+      current.score = null;
+      show($("current-error"), `The score did not load: ${describeError(error)}`);
+    });
   }
-  $("score-box").hidden = !current.score;
-  $("score").textContent = current.score || "";
+  if (current.score) showScore(current.score, songSource(doc));  // the same score again keeps its edit
+  else hideScore();
   if (doc.status === "complete" && doc.stage === "audio" && $("player").hidden && !current.audioAsked) {
     current.audioAsked = true;
     showAudio(doc).catch((error) => { if (view.current === current) show($("current-error"), describeError(error)); });
@@ -182,6 +192,7 @@ function forget() {  // the shown song was deleted
   if (current.stream) current.stream.abort();
   if (current.resultUrl) URL.revokeObjectURL(current.resultUrl);
   clearPlayer();
+  hideScore();
   view.current = null;
   $("current").hidden = true;
   history.replaceState(null, "", location.pathname);
@@ -195,6 +206,7 @@ export async function select(id) {
   if (before && before.resultUrl) URL.revokeObjectURL(before.resultUrl);
   view.current = null;  // from here on, nothing an earlier song's requests bring back is shown
   clearPlayer();
+  hideScore();
   const mine = ++selecting;
   const doc = await api(`/v1/songs/${id}`);
   if (mine !== selecting) return;

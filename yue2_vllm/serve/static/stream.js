@@ -1,6 +1,6 @@
 // A song's live events: its SSE stream read over fetch (so the API key can be sent), reconnecting with backoff.
 
-import { headers } from "./api.js";
+import { headers, parseJson } from "./api.js";
 
 // The complete events in `text` (lines already ended by LF) as [kind, data text], and the unfinished rest.
 function splitEvents(text) {
@@ -38,7 +38,7 @@ export async function follow(id, signal, onEvent) {
         if (pendingCR) text = text.slice(0, -1);
         const { events, rest } = splitEvents(buffer + text.replace(/\r\n?/g, "\n"));
         buffer = rest;
-        for (const [kind, data] of events) if (onEvent(kind, JSON.parse(data))) return;
+        for (const [kind, data] of events) if (onEvent(kind, parseJson(data))) return;
         delay = 500;
       }
     } catch (error) {
