@@ -26,12 +26,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from itertools import groupby
 from math import lcm
 from typing import Callable
 
-from .score import (FINEST_UNIT, NATURAL, SECTIONS, VOICE_DEFINITIONS, VOICES, Score, ScoreError, Voice, _fail,
-                    _power_of_two, key_alterations, read_score, split_length)
+from .score import (FINEST_UNIT, NATURAL, SECTIONS, VOICES, Score, ScoreError, Voice, _fail, _power_of_two,
+                    key_alterations, meter_text, read_score, sized, split_length, write_score)
 
 PLANNING_LYRICS = "[Intro]\n\n[Verse]\n\n[Chorus]\n\n[Outro]\n"  # upstream's planning lyrics: tags, no words
 PLANNING_COT = "full"  # upstream plans with a chord-annotated score
@@ -55,13 +54,8 @@ class _Bar:
     line: int  # the Vocal music line it was read from
 
 
-
-def _sized(token: str, count: int) -> str:
-    return token + (str(count) if count != 1 else "")
-
-
 def _rests(length: Fraction, step: Fraction) -> list[str]:
-    return [_sized("z", count) for count in split_length(length / step)]
+    return [sized("z", count) for count in split_length(length / step)]
 
 
 def _spell(pitch: int, key: str, marks: dict[str, int]) -> str:
@@ -93,7 +87,7 @@ def _ins_bar(bar: _Bar, notes: list, step: Fraction) -> str:
         parts = split_length((b - a) / step)
         for index, count in enumerate(parts):
             tie = "-" if index < len(parts) - 1 or b < onset + duration else ""
-            text.append(_sized(_spell(pitch, bar.key, marks), count) + tie)
+            text.append(sized(_spell(pitch, bar.key, marks), count) + tie)
         cursor = b
     if cursor < bar.end:
         text += _rests(bar.end - cursor, step)
@@ -113,41 +107,11 @@ def _vocal_bar(bar: _Bar, chords: list, step: Fraction) -> str:
     return "".join(text)
 
 
-def _line(bars: list[str]) -> str:
-    """A music line, each run of full-bar rests written as one Z, Z2, Z3 or Z4."""
-    parts = []
-    for rest, run in groupby(bars, key=lambda bar: bar == "Z"):
-        run = list(run)
-        parts += [_sized("Z", len(run))] if rest else run
-    return "".join(part + "|" for part in parts)
-
-
-def _meter_text(meter: tuple[int, int]) -> str:
-    return f"{meter[0]}/{meter[1]}"
-
-
 def _write(bars: list[_Bar], notes: list, chords: list, bpm: int, unit: int) -> str:
     step = Fraction(4, unit)  # quarter notes per unit
     texts = {"Vocal": [_vocal_bar(bar, chords, step) for bar in bars],
              "Ins": [_ins_bar(bar, notes, step) for bar in bars]}
-    lines = ["X:1", "T:", "M:" + _meter_text(bars[0].meter), f"L:1/{unit}", f"Q:1/4={bpm}", *VOICE_DEFINITIONS,
-             "K:" + bars[0].key]
-    index = 0
-    while index < len(bars):
-        first, before = bars[index], bars[index - 1] if index else bars[index]
-        end = index + 1
-        while end < len(bars) and end - index < 4 and (bars[end].meter, bars[end].key, bars[end].section) == \
-                (first.meter, first.key, first.section):
-            end += 1
-        if first.section is not None and (index == 0 or first.section != before.section):
-            lines.append("% " + first.section)
-        for name in VOICES:
-            lines.append(f"V: {name}")
-            lines += ["M:" + _meter_text(first.meter)] if first.meter != before.meter else []
-            lines += ["K:" + first.key] if first.key != before.key else []
-            lines.append(_line(texts[name][index:end]))
-        index = end
-    return "\n".join(lines) + "\n"
+    return write_score(bars, texts, bpm, unit)
 
 
 # --------------------------------------------------------------------------- the edit
@@ -246,7 +210,7 @@ def _unit(bars: list[_Bar], notes: list, chords: list) -> int:
     for bar in bars:
         unit = lcm(unit, 4 * bar.meter[1])
         if unit > FINEST_UNIT:
-            raise _fail(bar.line, f"meter {_meter_text(bar.meter)} needs a unit finer than L:1/{FINEST_UNIT}, "
+            raise _fail(bar.line, f"meter {meter_text(bar.meter)} needs a unit finer than L:1/{FINEST_UNIT}, "
                                   "outside upstream's power-of-two grid")
     for value in [t for t, _, _ in notes] + [d for _, _, d in notes] + [t for t, _ in chords]:
         unit = lcm(unit, (value / 4).denominator)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
+from itertools import groupby
 
 VOICES = ("Vocal", "Ins")
 VOICE_DEFINITIONS = ('V: Vocal clef=treble name="Vocal Melody" snm="Vocal"',
@@ -320,16 +321,6 @@ def read_score(text: str) -> Score:
     return Score(lines, unit, bpm, voices, music_lines, "\r\n" in text)
 
 
-def split_length(units: Fraction) -> list[int]:
-    """A length in units as the dialect's note lengths, longest first (tied)."""
-    pieces, left = [], int(units)
-    for piece in DURATIONS:
-        while left >= piece:
-            pieces.append(piece)
-            left -= piece
-    return pieces
-
-
 def strip_chords(text: str, keep_voice: str = "both") -> str:
     """Upstream's `abc_tools.py strip-chords`: the score with every chord symbol removed from its music lines (and,
     with `keep_voice` "Vocal" or "Ins", the other voice's notes turned into rests of the same length), the rest of
@@ -362,3 +353,58 @@ def strip_chords(text: str, keep_voice: str = "both") -> str:
     if any(voice.notes for name, voice in result.voices.items() if name not in kept):
         raise _fail(last, f"the voice other than {keep_voice} still sounds")
     return output
+
+
+# --------------------------------------------------------------------------- what the writers share
+
+
+def split_length(units: Fraction) -> list[int]:
+    """A length in units as the dialect's note lengths, longest first (tied)."""
+    pieces, left = [], int(units)
+    for piece in DURATIONS:
+        while left >= piece:
+            pieces.append(piece)
+            left -= piece
+    return pieces
+
+
+def sized(token: str, count: int) -> str:
+    return token + (str(count) if count != 1 else "")
+
+
+def music_line(bars: list[str]) -> str:
+    """A music line, each run of full-bar rests written as one Z, Z2, Z3 or Z4."""
+    parts = []
+    for rest, run in groupby(bars, key=lambda bar: bar == "Z"):
+        run = list(run)
+        parts += [sized("Z", len(run))] if rest else run
+    return "".join(part + "|" for part in parts)
+
+
+def meter_text(meter: tuple[int, int]) -> str:
+    return f"{meter[0]}/{meter[1]}"
+
+
+def write_score(bars: list, texts: dict[str, list[str]], bpm: int, unit: int) -> str:
+    """A native score from its bars (each with its `meter`, `key` and `section`, None for none) and each voice's
+    written bars (`texts[voice][i]`, "Z" for a full-bar rest): the header from the first bar, then groups of up to
+    four bars that break where the meter, key or section changes; a section's label is written where it changes, an
+    M: or K: field in each voice where the meter or key does."""
+    lines = ["X:1", "T:", "M:" + meter_text(bars[0].meter), f"L:1/{unit}", f"Q:1/4={bpm}", *VOICE_DEFINITIONS,
+             "K:" + bars[0].key]
+    index = 0
+    while index < len(bars):
+        first, before = bars[index], bars[index - 1] if index else bars[index]
+        end = index + 1
+        while end < len(bars) and end - index < 4 and (bars[end].meter, bars[end].key, bars[end].section) == \
+                (first.meter, first.key, first.section):
+            end += 1
+        if first.section is not None and (index == 0 or first.section != before.section):
+            lines.append("% " + first.section)
+        for name in VOICES:
+            lines.append(f"V: {name}")
+            lines += ["M:" + meter_text(first.meter)] if first.meter != before.meter else []
+            lines += ["K:" + first.key] if first.key != before.key else []
+            lines.append(music_line(texts[name][index:end]))
+        index = end
+    return "\n".join(lines) + "\n"
