@@ -1,0 +1,61 @@
+"""The transcription room: audio in, a melody-mode score out, for covers and hums.
+
+One interface, `transcribe(audio, request)`, and two transcribers, neither imported unless used: "pyin" (built in,
+for a single melodic line: librosa's pYIN, no weights) and "sheetsage2" (full mixes: SheetSage2 in its own
+environment, out of process). Both return a `Transcription` whose score the project's upstream-exact reader has
+read back; bad input is a `TranscriptionError` (a ValueError naming the field) and nothing is written.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from .request import TRANSCRIBERS, TranscriptionRequest
+from .result import Note, TempoReport, TranscriberUnavailable, Transcription, TranscriptionError, TranscriptionWarning
+
+__all__ = ["TRANSCRIBERS", "Note", "TempoReport", "TranscriberUnavailable", "Transcription", "TranscriptionError",
+           "TranscriptionRequest", "TranscriptionWarning", "max_seconds", "transcribe"]
+
+
+def max_seconds(transcriber: str) -> float:
+    """The longest source a transcriber takes (seconds)."""
+    if transcriber == "pyin":
+        from .pyin import MAX_SECONDS
+    elif transcriber == "sheetsage2":
+        from .sheetsage import MAX_SECONDS
+    else:
+        raise TranscriptionError("transcriber", f"{transcriber!r} is not a transcriber (one of "
+                                                f"{', '.join(TRANSCRIBERS)})")
+    return MAX_SECONDS
+
+
+def transcribe(audio, request: TranscriptionRequest | None = None, *, gpu_free_bytes: int | None = None,
+               sheetsage=None, **fields) -> Transcription:
+    """The melody-mode score of `audio` (a path, bytes or a binary file in a format libsndfile reads).
+
+    `request` (or its fields as keywords: transcriber, bpm, meter, key, lyrics, voice, pickup_beats) says what to
+    transcribe. For "sheetsage2", `sheetsage` (a SheetSageSettings) says where it runs and `gpu_free_bytes` what GPU
+    memory is free beside the engine (None: no GPU). Raises TranscriptionError for bad input (nothing written) and
+    TranscriberUnavailable when the transcriber cannot run here."""
+    if request is None:
+        request = TranscriptionRequest(**fields)
+    elif fields:
+        raise TypeError(f"give a request or its fields, not both ({', '.join(sorted(fields))})")
+    from .audio import read_audio
+
+    start = time.perf_counter()
+    if request.transcriber == "pyin":
+        from .pitch import require_librosa
+        from .pyin import transcribe_pyin
+
+        require_librosa()  # a missing extra is said before the audio is read
+        audio = read_audio(audio, max_seconds=max_seconds("pyin"))
+        read = time.perf_counter() - start
+        result = transcribe_pyin(audio, request)
+    else:
+        from .sheetsage import transcribe_sheetsage
+
+        result = transcribe_sheetsage(audio, request, settings=sheetsage, gpu_free_bytes=gpu_free_bytes)
+        read = result.timing.get("read_seconds", 0.0)
+    timing = {"read_seconds": read, **result.timing, "total_seconds": time.perf_counter() - start}
+    return replace(result, timing=timing)
