@@ -1,0 +1,35 @@
+"""The transcription room's one interface: a request or its fields, the limits the faces show, and an import that
+pulls in no audio-analysis library (nor torch) until a transcriber runs."""
+import subprocess
+import sys
+
+import pytest
+
+from yue2_vllm.transcription import TranscriptionError, TranscriptionRequest, max_seconds, transcribe
+from yue2_vllm.transcription import pyin, sheetsage
+
+MODULES = ("audio", "key", "pitch", "pyin", "request", "result", "sections", "sheetsage", "sheetsage_worker", "tempo",
+           "writer")
+
+
+def test_importing_the_room_imports_no_audio_analysis_library():
+    code = ("import sys, yue2_vllm, yue2_vllm.score, yue2_vllm.instrumental\n"
+            + "".join(f"import yue2_vllm.transcription.{name}\n" for name in MODULES)
+            + "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('librosa', 'numba', 'scipy', 'soundfile',"
+              " 'torch', 'transformers', 'vllm', 'soxr', 'resampy', 'audioread'))\nprint(heavy)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_limits_the_faces_show():
+    assert max_seconds("pyin") == pyin.MAX_SECONDS == 360.0
+    assert max_seconds("sheetsage2") == sheetsage.MAX_SECONDS == 600.0
+    with pytest.raises(TranscriptionError, match="^transcriber: 'basic-pitch' is not a transcriber"):
+        max_seconds("basic-pitch")
+
+
+def test_a_request_or_its_fields_not_both():
+    with pytest.raises(TypeError, match=r"give a request or its fields, not both \(bpm\)"):
+        transcribe(b"", TranscriptionRequest(), bpm=90)
+    with pytest.raises(TranscriptionError, match="^meter: '4' is not a meter"):
+        transcribe(b"", meter="4")
