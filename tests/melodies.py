@@ -13,10 +13,10 @@ def synthesize(notes, bpm: float, *, rate: int = RATE, vibrato_semitones: float 
                noise_dbfs: float | None = None, articulation: float = 0.9, legato_dip_db: float | None = None,
                tempo_end: float | None = None, lead_seconds: float = 0.3, tail_seconds: float = 0.4,
                detune_semitones: float = 0.0, seed: int = 0) -> np.ndarray:
-    """Mono float32 audio of `notes` — (position, length, MIDI pitch) in quarter notes — at `bpm` (moving linearly to
-    `tempo_end` by the last note when given). Each note sounds `articulation` of its length (attack 15 ms, release
-    30 ms); with `legato_dip_db`, a note that follows another without a rest keeps sounding and only dips by that
-    much (a repeated note sung again)."""
+    """Mono float32 audio of `notes` — (position, length, MIDI pitch) in quarter notes — at `bpm` (moving
+    linearly to `tempo_end` by the last note when given). Each note sounds `articulation` of its length (attack
+    15 ms, release 30 ms); with `legato_dip_db`, a note that another follows without a rest keeps sounding and only
+    dips by that much for its last 50 ms (a repeated note sung again)."""
     rng = np.random.default_rng(seed)
     end_quarter = max(p + n for p, n, _ in notes)
 
@@ -34,16 +34,16 @@ def synthesize(notes, bpm: float, *, rate: int = RATE, vibrato_semitones: float 
     envelope = np.zeros(count)
     for index, (position, length, pitch) in enumerate(notes):
         start, stop = seconds(position), seconds(position + length)
-        follows = index + 1 < len(notes) and abs(notes[index + 1][0] - (position + length)) < 1e-9
-        sounding_end = stop if (legato_dip_db is not None and follows) else start + articulation * (stop - start)
+        legato = legato_dip_db is not None and index + 1 < len(notes) and \
+            abs(notes[index + 1][0] - (position + length)) < 1e-9
+        sounding_end = stop if legato else start + articulation * (stop - start)
         a, b = int(start * rate), int(sounding_end * rate)
         frequency[a:b] = 440.0 * 2 ** ((pitch + detune_semitones - 69) / 12)
-        local = t[a:b] - start
-        shape = np.minimum(1.0, local / 0.015) * np.minimum(1.0, (sounding_end - t[a:b]) / 0.03)
-        if legato_dip_db is not None and follows:
-            shape = np.minimum(1.0, local / 0.015)
-            dip = (t[a:b] > stop - 0.05)
-            shape = np.where(dip, 10 ** (-legato_dip_db / 20), shape)
+        attack = np.minimum(1.0, (t[a:b] - start) / 0.015)
+        if legato:
+            shape = np.where(t[a:b] > stop - 0.05, 10 ** (-legato_dip_db / 20), attack)
+        else:
+            shape = attack * np.minimum(1.0, (sounding_end - t[a:b]) / 0.03)
         envelope[a:b] = np.maximum(envelope[a:b], shape)
     wobble = vibrato_semitones * np.sin(2 * np.pi * vibrato_hz * t)
     phase = 2 * np.pi * np.cumsum(frequency * 2 ** (wobble / 12)) / rate

@@ -191,7 +191,8 @@ def test_its_score_is_stripped_of_chords_as_upstream_does_with_the_sounding_note
     vocal_only = read_score(melody_only_score(FULL, "Vocal"))
     assert vocal_only.voices["Ins"].notes == [] and vocal_only.voices["Vocal"].notes == source.voices["Vocal"].notes
     assert melody_only_score(MELODY, "both") == MELODY
-    with pytest.raises(RuntimeError, match="sheetsage2 wrote a score upstream's reader refuses: score line 13: group 1, Ins, bar 1"):
+    with pytest.raises(RuntimeError, match="sheetsage2 wrote a score upstream's reader refuses: score line 13: "
+                                           "group 1, Ins, bar 1"):
         melody_only_score(FULL.replace("z8A4B4|", "z8A4B4c|"), "both")
 
 

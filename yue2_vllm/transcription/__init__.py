@@ -41,21 +41,13 @@ def transcribe(audio, request: TranscriptionRequest | None = None, *, gpu_free_b
         request = TranscriptionRequest(**fields)
     elif fields:
         raise TypeError(f"give a request or its fields, not both ({', '.join(sorted(fields))})")
-    from .audio import read_audio
-
     start = time.perf_counter()
     if request.transcriber == "pyin":
-        from .pitch import require_librosa
         from .pyin import transcribe_pyin
 
-        require_librosa()  # a missing extra is said before the audio is read
-        audio = read_audio(audio, max_seconds=max_seconds("pyin"))
-        read = time.perf_counter() - start
         result = transcribe_pyin(audio, request)
     else:
         from .sheetsage import transcribe_sheetsage
 
         result = transcribe_sheetsage(audio, request, settings=sheetsage, gpu_free_bytes=gpu_free_bytes)
-        read = result.timing.get("read_seconds", 0.0)
-    timing = {"read_seconds": read, **result.timing, "total_seconds": time.perf_counter() - start}
-    return replace(result, timing=timing)
+    return replace(result, timing={**result.timing, "total_seconds": time.perf_counter() - start})

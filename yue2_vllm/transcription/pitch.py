@@ -2,11 +2,10 @@
 
 `track_pitch` runs pYIN at 16 kHz over C2-C7 in quarter-semitone bins (librosa's default tenth of a semitone costs
 six times as much in its Viterbi pass and a semitone grid gains nothing from it); frames far below the loudest are
-not heard. `notes_from_track` is pure: each
-voiced stretch split where the pitch moves to another semitone and stays there (a vibrato around one note does
-not), and a note split again where the sound dips (a repeated pitch sung or played again); blips shorter than a
-note dropped; each note's pitch the median of its middle frames (checked, and made exact, by plain YIN), less the
-source's tuning (found from those medians).
+not heard. `notes_from_track` is pure: each voiced stretch is split where the pitch moves to another semitone and
+stays there (a vibrato around one note does not), and a note is split again where the sound dips (a repeated pitch
+sung or played again); blips shorter than a note are dropped; a note's pitch is the median of its middle frames
+(checked, and made exact, by plain YIN), less the source's tuning (found from those medians).
 """
 from __future__ import annotations
 
@@ -193,15 +192,15 @@ def notes_from_track(track: PitchTrack) -> tuple[list[HeardNote], float]:
     tuning = tuning_offset([piece[2] for piece in kept], [piece[1] - piece[0] for piece in kept])
     notes: list[list] = []
     for start, end, median, again in pieces:
-        pitch = int(np.rint(median - tuning))
+        semitone = int(np.rint(median - tuning))
         joined = notes and notes[-1][1] == start
         if end - start < shortest:
             if joined:
                 notes[-1][1] = end  # a blip at a note's end belongs to it
             continue
-        if joined and not again and notes[-1][2] == pitch:
+        if joined and not again and notes[-1][2] == semitone:
             notes[-1][1] = end  # the same pitch again after a dropped blip: one note
             continue
-        notes.append([start, end, pitch])
+        notes.append([start, end, semitone])
     return [HeardNote(start * track.frame_seconds, end * track.frame_seconds, pitch)
             for start, end, pitch in notes], tuning

@@ -8,6 +8,7 @@ import time
 from fractions import Fraction
 
 from ..score import read_score
+from .audio import read_audio
 from .key import estimate_key
 from .pitch import notes_from_track, require_librosa, track_pitch
 from .result import Note, Transcription, TranscriptionError, TranscriptionWarning
@@ -51,9 +52,11 @@ def _check_read_back(abc: str, expected: list, voice: str, bpm: int) -> None:
 
 
 def transcribe_pyin(audio, request) -> Transcription:
-    """`audio`: a read SourceAudio; `request`: a TranscriptionRequest for "pyin"."""
-    librosa = require_librosa()
-    timing, clock = {}, time.perf_counter()
+    """`audio`: a path, bytes or binary file; `request`: a TranscriptionRequest for "pyin"."""
+    librosa = require_librosa()  # a missing extra is said before the audio is read
+    clock = time.perf_counter()
+    audio = read_audio(audio, max_seconds=MAX_SECONDS)
+    timing, clock = {"read_seconds": time.perf_counter() - clock}, time.perf_counter()
     track = track_pitch(audio.samples, audio.info.sample_rate)
     timing["pitch_seconds"], clock = time.perf_counter() - clock, time.perf_counter()
     heard, tuning = notes_from_track(track)

@@ -109,5 +109,6 @@ class TranscriptionRequest:
         known = {field.name for field in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise TranscriptionError(unknown[0], f"not a transcription field (the fields are {', '.join(sorted(known))})")
+            raise TranscriptionError(unknown[0], "not a transcription field (the fields are "
+                                                 f"{', '.join(sorted(known))})")
         return cls(**data)

@@ -241,7 +241,7 @@ def transcribe_sheetsage(audio, request, *, settings: SheetSageSettings | None =
         soundfile.write(path, source.samples, source.info.sample_rate, subtype="FLOAT")
         clock = time.perf_counter()
         answer = run_worker(Path(status.python), {
-            "op": "transcribe", "model_dir": status.model_dir, "audio": str(path), "output_dir": str(Path(work) / "out"),
+            "op": "transcribe", "model_dir": status.model_dir, "audio": str(path), "output_dir": f"{work}/out",
             "device": device, "dtype": dtype, "prompts": list(PROMPTS), "melody_only": True,
             "max_seconds": MAX_SECONDS, "overlap_seconds": OVERLAP_SECONDS, "lookahead_seconds": LOOKAHEAD_SECONDS,
         }, settings.timeout_seconds)
@@ -258,8 +258,7 @@ def transcribe_sheetsage(audio, request, *, settings: SheetSageSettings | None =
         [TranscriptionWarning("drift-unmeasured", "drift: SheetSage2 returned no beat times, so the drift one Q: "
                                                   "makes of this source is not measured", {})]
     warnings += _warnings(answer, score, source.info.seconds, request.lyrics, voice)
-    timing.update({name: value for name, value in (answer.get("timing") or {}).items()},
-                  score_seconds=time.perf_counter() - clock)
+    timing.update(answer.get("timing") or {}, score_seconds=time.perf_counter() - clock)
     details = {"device": answer.get("device"), "dtype": answer.get("dtype"), "placement": why,
                "revision": answer.get("revision"), "versions": answer.get("versions"),
                "peak_gpu_mib": answer.get("peak_gpu_mib"), "peak_rss_bytes": answer.get("peak_rss_bytes"),

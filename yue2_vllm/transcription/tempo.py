@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .result import TempoReport
 
 STEPS_PER_BEAT = 4
-TEMPO_OCTAVE = (70.0, 140.0)  # beats a minute searched (x/4: quarter notes; compound x/8: dotted quarters doubled)
+TEMPO_OCTAVE = (70.0, 140.0)  # beats a minute searched (x/4: quarters; a compound x/8: its eighths, at twice this)
 TEMPO_STEP = 0.25  # beats a minute between searched tempi (the best is then fitted exactly)
 SEARCH_NOTES, SEARCH_SECONDS = 24, 12.0  # the first notes (at most) that choose the tempo
 WINDOW_BARS = 2  # the stretch whose notes set the local tempo
@@ -114,8 +114,8 @@ def search_tempo(onsets, durations, meter: tuple[int, int]) -> float:
 
 def track(onsets, step: float, meter: tuple[int, int]) -> tuple[list[int], list[float]]:
     """Each onset's step (from the first note's, strictly rising) and the local step (seconds) there: the nearest
-    step of the line the last WINDOW_BARS bars' notes fit (their steps spanning a bar at least; before that, the
-    starting tempo through the first note)."""
+    step of the line the last WINDOW_BARS bars' notes fit (all the notes so far while those span less than a bar;
+    the starting tempo through the first note until they span a beat)."""
     import numpy as np
 
     window = WINDOW_BARS * meter[0] * STEPS_PER_BEAT
