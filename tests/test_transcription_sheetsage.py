@@ -1,7 +1,8 @@
 """SheetSage2, out of process, up to the model call: where it runs (the rule), how its environment is found, the
-worker's JSON protocol (run for real as a subprocess), and the stripping and checks on a score shaped as SheetSage2
-writes it. Its gated weights cannot be had here: a stand-in model (remote code loaded by transformers' AutoModel,
-as SheetSage2's is, answering `transcribe` with that score) takes their place in the end-to-end runs."""
+client's side of the worker's protocol (a worker that crashes, hangs or refuses), and the stripping and checks on a
+score shaped as SheetSage2 writes it. Its gated weights cannot be had here: a stand-in model (remote code loaded by
+transformers' AutoModel, as SheetSage2's is, answering `transcribe` with that score) takes their place in the
+end-to-end run (tests/test_transcription_sheetsage_worker.py runs the worker itself)."""
 import json
 import os
 import sys
@@ -11,11 +12,12 @@ import numpy as np
 import pytest
 
 from melodies import wav_bytes
+from sheetsage_stand_in import stand_in_model
 from yue2_vllm.score import read_score
 from yue2_vllm.transcription import TranscriberUnavailable, TranscriptionError, transcribe
 from yue2_vllm.transcription import sheetsage
 from yue2_vllm.transcription.sheetsage import (GPU_FREE_GIB, LICENCE, SETUP_RECORD, SheetSageSettings,
-                                               melody_only_score, placement, run_worker, score_notes,
+                                               _raise_refusal, melody_only_score, placement, run_worker, score_notes,
                                                score_sections, sheetsage_model_dir, sheetsage_python,
                                                sheetsage_status)
 
@@ -30,79 +32,11 @@ FULL = HEADER + ('% intro\nV: Vocal\n"D"z16|"A"z16|\nV: Ins\nz8A4B4|c4d4e8|\n'
                  '% chorus\nV: Vocal\n"Bm"d4c4B4A4|\nV: Ins\nZ|\n')
 MELODY = FULL.replace('"D"', "").replace('"A"', "").replace('"G"', "").replace('"Bm"', "")
 
-CONFIGURATION = '''
-from transformers import PretrainedConfig
-
-
-class StandInConfig(PretrainedConfig):
-    model_type = "sheetsage2-stand-in"
-
-    def __init__(self, abc="", beats=(), refuse=None, **kwargs):
-        super().__init__(**kwargs)
-        self.abc, self.beats, self.refuse = abc, list(beats), refuse
-'''
-MODELING = '''
-import json
-import os
-
-import torch
-from transformers import PreTrainedModel
-
-from .configuration_stand_in import StandInConfig
-
-
-class StandIn(PreTrainedModel):
-    """Answers transcribe() as SheetSage2 does (its result dict, RuntimeError with .result when no score), with the
-    score and beats of its config; records how it was called."""
-
-    config_class = StandInConfig
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.post_init()
-
-    def _init_weights(self, module):
-        pass
-
-    def transcribe(self, audio, output_dir=None, *, dtype="bf16", prompts=(), melody_only=False, max_seconds=None,
-                   overlap_seconds=None, lookahead_seconds=None):
-        print("the model talks on stdout")
-        os.makedirs(output_dir, exist_ok=True)
-        call = {"audio_is_file": os.path.isfile(audio), "dtype": dtype, "prompts": list(prompts),
-                "melody_only": melody_only, "max_seconds": max_seconds, "overlap_seconds": overlap_seconds,
-                "lookahead_seconds": lookahead_seconds, "device": str(self.weight.device)}
-        if self.config.refuse:
-            error = RuntimeError(self.config.refuse)
-            error.result = {"abc": None, "abc_error": self.config.refuse, "warnings": ["2 beats decoded"]}
-            raise error
-        with open(os.path.join(output_dir, "beat.lab"), "w") as handle:
-            handle.writelines(f"{time:.4f}\\t{index % 4 + 1}\\n" for index, time in enumerate(self.config.beats))
-        return {"abc": self.config.abc, "warnings": ["low confidence in bar 3", {"window": 1}],
-                "labs": {}, "diagnostics": [json.dumps(call)]}
-'''
-
-
-def stand_in_model(directory, abc=FULL, beats=(), refuse=None):
-    from safetensors.numpy import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "configuration_stand_in.py").write_text(CONFIGURATION)
-    (directory / "modeling_stand_in.py").write_text(MODELING)
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "sheetsage2-stand-in", "architectures": ["StandIn"],
-        "auto_map": {"AutoConfig": "configuration_stand_in.StandInConfig", "AutoModel": "modeling_stand_in.StandIn"},
-        "abc": abc, "beats": list(beats), "refuse": refuse}))
-    save_file({"weight": np.zeros(1, np.float32)}, str(directory / "model.safetensors"))
-    (directory / "yue2-sheetsage-revision.txt").write_text("0123abcd\n")
-    return directory
-
-
 @pytest.fixture
 def environment(monkeypatch, tmp_path):
     """SheetSage2's environment found through the variables: our own python (it holds torch and transformers) and a
     stand-in model directory."""
-    model = stand_in_model(tmp_path / "SheetSage2-merged")
+    model = stand_in_model(tmp_path / "SheetSage2-merged", FULL)
     monkeypatch.setenv("YUE2_SHEETSAGE_PYTHON", sys.executable)
     monkeypatch.setenv("YUE2_SHEETSAGE_MODEL", str(model))
     return model
@@ -140,7 +74,7 @@ def test_its_environment_is_found_from_settings_variables_the_setup_record_or_th
     (venv / "bin").mkdir(parents=True)
     python = venv / "bin" / "python"
     python.symlink_to(sys.executable)
-    model = stand_in_model(tmp_path / "models" / "merged")
+    model = stand_in_model(tmp_path / "models" / "merged", FULL)
     (venv / SETUP_RECORD).write_text(json.dumps({"model_dir": str(model), "revision": "0123abcd"}))
     monkeypatch.setattr(sheetsage, "VENV", venv)
     assert sheetsage_python() == python and sheetsage_model_dir(record={"model_dir": str(model)}) == model
@@ -153,18 +87,6 @@ def test_its_environment_is_found_from_settings_variables_the_setup_record_or_th
     assert not status.ready and status.reason.startswith(f"no SheetSage2 weights in {tmp_path / 'elsewhere'}")
     settings = SheetSageSettings(python=str(tmp_path / "missing-python"), model_dir=str(model))
     assert sheetsage_python(settings) is None and sheetsage_model_dir(settings) == model
-
-
-def test_the_worker_speaks_one_json_request_and_one_answer(environment):
-    checked = run_worker(sheetsage_python(), {"op": "check", "model_dir": str(environment)}, 120)
-    assert checked["ok"] and checked["revision"] == "0123abcd" and checked["cuda"] is False
-    assert set(checked["versions"]) == {"torch", "transformers", "numpy", "huggingface-hub"}
-    missing = run_worker(sheetsage_python(), {"op": "check", "model_dir": str(environment / "nothing")}, 120)
-    assert (missing["ok"], missing["error"]) == (False, "environment") and "no config.json" in missing["message"]
-    unknown = run_worker(sheetsage_python(), {"op": "train"}, 120)
-    assert (unknown["error"], unknown["message"]) == ("request", "unknown op 'train' (check or transcribe)")
-    incomplete = run_worker(sheetsage_python(), {"op": "transcribe", "model_dir": str(environment)}, 120)
-    assert (incomplete["error"], incomplete["message"]) == ("request", "the request has no 'audio'")
 
 
 def test_a_worker_that_crashes_hangs_or_cannot_start_is_named(tmp_path):
@@ -208,7 +130,7 @@ def test_its_sections_and_notes_are_read_from_the_score():
 
 def test_a_transcription_through_the_worker_carries_the_score_its_licence_and_the_drift(environment, monkeypatch):
     slowing = [0.5 + sum(0.6 + 0.004 * k for k in range(index)) for index in range(80)]
-    stand_in_model(environment, beats=slowing)
+    stand_in_model(environment, FULL, beats=slowing)
     audio = wav_bytes(np.full(8000 * 305, 0.1, np.float32), rate=8000)  # longer than one of its windows
     result = transcribe(audio, transcriber="sheetsage2", lyrics="[verse]\n" + "la " * 13)
     assert result.abc == MELODY and (result.transcriber, result.licence) == ("sheetsage2", LICENCE)
@@ -233,12 +155,14 @@ def test_a_transcription_through_the_worker_carries_the_score_its_licence_and_th
             "total_seconds"} <= set(result.timing)
 
 
-def test_no_score_from_the_model_is_a_refusal_of_the_audio(environment):
-    stand_in_model(environment, refuse="SheetSage2 needs at least two decoded beats to produce ABC.")
+def test_the_workers_refusals_become_the_faces_errors():
     with pytest.raises(TranscriptionError) as caught:
-        transcribe(wav_bytes(np.full(16000 * 2, 0.1, np.float32)), transcriber="sheetsage2")
-    assert caught.value.field == "audio" and str(caught.value) == \
-        "audio: SheetSage2 built no score: SheetSage2 needs at least two decoded beats to produce ABC."
+        _raise_refusal({"error": "input", "message": "SheetSage2 built no score: too few beats"})
+    assert (caught.value.field, str(caught.value)) == ("audio", "audio: SheetSage2 built no score: too few beats")
+    with pytest.raises(TranscriberUnavailable, match="^sheetsage2: torch is missing .*setup-sheetsage-env.sh"):
+        _raise_refusal({"error": "environment", "message": "torch is missing"})
+    with pytest.raises(RuntimeError, match="^sheetsage2's worker refused the request: the request has no 'audio'"):
+        _raise_refusal({"error": "request", "message": "the request has no 'audio'"})
 
 
 def test_turned_off_or_not_set_up_it_refuses_before_reading_the_audio(environment, monkeypatch):

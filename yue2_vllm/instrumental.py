@@ -29,8 +29,8 @@ from fractions import Fraction
 from math import lcm
 from typing import Callable
 
-from .score import (FINEST_UNIT, NATURAL, SECTIONS, VOICES, Score, ScoreError, Voice, _fail, _power_of_two,
-                    key_alterations, meter_text, read_score, sized, split_length, write_score)
+from .score import (FINEST_UNIT, NATURAL, SECTIONS, Score, ScoreError, Voice, _fail, _power_of_two, key_alterations,
+                    meter_text, read_score, sized, split_length, write_score)
 
 PLANNING_LYRICS = "[Intro]\n\n[Verse]\n\n[Chorus]\n\n[Outro]\n"  # upstream's planning lyrics: tags, no words
 PLANNING_COT = "full"  # upstream plans with a chord-annotated score
