@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from yue2_vllm.transcription import TranscriptionError, TranscriptionRequest, max_seconds, transcribe
+from yue2_vllm.transcription import (TranscriptionError, TranscriptionRequest, max_seconds, transcribe,
+                                     transcribers_status)
 from yue2_vllm.transcription import pyin, sheetsage
 
 MODULES = ("audio", "key", "pitch", "pyin", "request", "result", "sections", "sheetsage", "sheetsage_worker", "tempo",
@@ -33,3 +34,11 @@ def test_a_request_or_its_fields_not_both():
         transcribe(b"", TranscriptionRequest(), bpm=90)
     with pytest.raises(TranscriptionError, match="^meter: '4' is not a meter"):
         transcribe(b"", meter="4")
+
+
+def test_what_doctor_reports_of_each_transcriber(monkeypatch, tmp_path):
+    monkeypatch.setenv("YUE2_SHEETSAGE_PYTHON", str(tmp_path / "no-python"))
+    status = transcribers_status()
+    assert status["pyin"] == {"ready": True, "librosa": "0.11.0", "max_seconds": 360.0, "reason": None}
+    assert status["sheetsage2"]["ready"] is False and "setup-sheetsage-env.sh" in status["sheetsage2"]["reason"]
+    assert status["sheetsage2"]["licence"] == sheetsage.LICENCE

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import soundfile
 
+from yue2_vllm.transcription import audio as audio_module
 from yue2_vllm.transcription.audio import MIN_SECONDS, SILENCE_DBFS, read_audio, source_bytes
 from yue2_vllm.transcription.result import TranscriptionError
 
@@ -75,3 +76,15 @@ def test_bad_audio_is_refused_in_one_line_naming_the_problem(tmp_path):
         "audio: holds samples that are not finite numbers (NaN or infinity)"
     assert refusal(tmp_path / "missing.wav").startswith(f"audio: cannot read '{tmp_path / 'missing.wav'}'")
     assert refusal(12345) == "audio: expected a file path, bytes or a binary file, got int"
+
+
+def test_a_file_past_the_size_limit_is_refused_before_it_is_read(monkeypatch, tmp_path):
+    monkeypatch.setattr(audio_module, "MAX_BYTES", 1000)
+    path = tmp_path / "big.wav"
+    path.write_bytes(encoded(tone()))
+    limit = f"larger than {1000 / 2 ** 20:g} MiB"
+    assert refusal(path) == f"audio: the file is {path.stat().st_size / 2 ** 20:.1f} MiB, {limit}"
+    assert refusal(path.read_bytes()) == f"audio: the file is {path.stat().st_size / 2 ** 20:.1f} MiB, {limit}"
+    with open(path, "rb") as handle:
+        assert refusal(handle) == f"audio: the file is {limit}"
+        assert handle.tell() == 1001  # read no further than the limit

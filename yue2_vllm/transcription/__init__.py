@@ -14,7 +14,7 @@ from .request import TRANSCRIBERS, TranscriptionRequest
 from .result import Note, TempoReport, TranscriberUnavailable, Transcription, TranscriptionError, TranscriptionWarning
 
 __all__ = ["TRANSCRIBERS", "Note", "TempoReport", "TranscriberUnavailable", "Transcription", "TranscriptionError",
-           "TranscriptionRequest", "TranscriptionWarning", "max_seconds", "transcribe"]
+           "TranscriptionRequest", "TranscriptionWarning", "max_seconds", "transcribe", "transcribers_status"]
 
 
 def max_seconds(transcriber: str) -> float:
@@ -27,6 +27,22 @@ def max_seconds(transcriber: str) -> float:
         raise TranscriptionError("transcriber", f"{transcriber!r} is not a transcriber (one of "
                                                 f"{', '.join(TRANSCRIBERS)})")
     return MAX_SECONDS
+
+
+def transcribers_status(sheetsage=None) -> dict:
+    """Whether each transcriber can run here, from what is installed and set up (nothing imported or started): for
+    `doctor`. `sheetsage`: a SheetSageSettings (default: the environment's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .sheetsage import sheetsage_status
+
+    try:
+        librosa = version("librosa")
+    except PackageNotFoundError:
+        librosa = None
+    pyin = {"ready": librosa is not None, "librosa": librosa, "max_seconds": max_seconds("pyin"),
+            "reason": None if librosa else "librosa is not installed: pip install 'yue2-vllm[transcribe]'"}
+    return {"pyin": pyin, "sheetsage2": sheetsage_status(sheetsage).record()}
 
 
 def transcribe(audio, request: TranscriptionRequest | None = None, *, gpu_free_bytes: int | None = None,

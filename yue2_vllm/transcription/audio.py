@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .result import TranscriptionError
 
 MIN_SECONDS = 1.0  # shorter than this holds no melody to transcribe
+MAX_BYTES = 256 * 2 ** 20  # the largest file read: ten minutes of 48 kHz stereo float WAV, with room
 SILENCE_DBFS = -60.0  # a source whose loudest sample is below this is silent
 FIELD = "audio"
 
@@ -41,21 +42,33 @@ class SourceAudio:
     samples: object  # numpy float32 [frames], the channels' mean
 
 
+def _too_large(size: int | None) -> TranscriptionError:
+    known = f"{size / 2 ** 20:.1f} MiB, " if size is not None else ""
+    return TranscriptionError(FIELD, f"the file is {known}larger than {MAX_BYTES / 2 ** 20:g} MiB")
+
+
 def source_bytes(source) -> bytes:
-    """The bytes of a path, bytes-like object or binary file."""
+    """The bytes of a path, bytes-like object or binary file (refused past MAX_BYTES before more is read)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return bytes(source)
-    if isinstance(source, (str, os.PathLike)):
+        data = bytes(source)
+    elif isinstance(source, (str, os.PathLike)):
         try:
             with open(source, "rb") as handle:
-                return handle.read()
+                size = os.fstat(handle.fileno()).st_size
+                if size > MAX_BYTES:
+                    raise _too_large(size)
+                data = handle.read(MAX_BYTES + 1)
         except OSError as exc:
             raise TranscriptionError(FIELD, f"cannot read {os.fspath(source)!r} ({exc.strerror or exc})") from None
-    if hasattr(source, "read"):
-        data = source.read()
-        if isinstance(data, (bytes, bytearray)):
-            return bytes(data)
-    raise TranscriptionError(FIELD, f"expected a file path, bytes or a binary file, got {type(source).__name__}")
+    elif hasattr(source, "read") and isinstance(data := source.read(MAX_BYTES + 1), (bytes, bytearray)):
+        if len(data) > MAX_BYTES:
+            raise _too_large(None)  # a stream read no further than the limit
+        data = bytes(data)
+    else:
+        raise TranscriptionError(FIELD, f"expected a file path, bytes or a binary file, got {type(source).__name__}")
+    if len(data) > MAX_BYTES:
+        raise _too_large(len(data))
+    return data
 
 
 def _libsndfile_reason(exc: Exception) -> str:
