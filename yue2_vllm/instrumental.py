@@ -16,10 +16,10 @@ Upstream (`examples/instrumental_clip.py` and the `skills/yue2-music` instrument
    `lyric_tags(score)` (its `% section` labels as `[Section]` tags, never sung words; none when it has no label) and
    the cot the score allows (`full` when Vocal keeps chord symbols, else `melody`), with the same seed.
 
-This module is our own implementation of those rules (read from upstream's scripts, not copied; the parser's rules
-are those of `skills/yue2-music/scripts/abc_tools.py` at commit fcb5b96, the one with tuplets): `edit_score` writes
-byte for byte the score upstream's `convert_score` writes, and refuses what upstream's parser, editor and request
-check refuse, naming the score line and the reason. It is pure: no model, no files.
+This module is our own implementation of those rules (read from upstream's scripts, not copied; the parser,
+`score.read_score`, follows `skills/yue2-music/scripts/abc_tools.py` at commit fcb5b96, the one with tuplets):
+`edit_score` writes byte for byte the score upstream's `convert_score` writes, and refuses what upstream's parser,
+editor and request check refuse, naming the score line and the reason. It is pure: no model, no files.
 """
 from __future__ import annotations
 
