@@ -25,6 +25,11 @@ FORBIDDEN = {
     # orchestrators. They may read engine/, model/ and quant/; the pipeline composes them, never the reverse.
     "yue2_vllm.song": ("yue2_vllm.serve", "yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.bench",
                        "yue2_vllm.cli"),
+    # Audio in, a melody-mode score out: it stands on the floor (the score's reader) and nothing else; the faces
+    # (cli/, serve/, bench) read it, the song's parts never need it (a transcribed score is a request's `abc`).
+    "yue2_vllm.transcription": ("yue2_vllm.engine", "yue2_vllm.model", "yue2_vllm.quant", "yue2_vllm.serve",
+                                "yue2_vllm.song", "yue2_vllm.adapters", "yue2_vllm.pipeline", "yue2_vllm.scheduler",
+                                "yue2_vllm.bench", "yue2_vllm.cli"),
 }
 # The floor (yue2_vllm/*.py) holds two kinds of module. The orchestrators build on the rooms: `pipeline` runs
 # one song on engine/ and model/, `scheduler` many songs over it, `bench` measures them all. Every other floor
@@ -33,7 +38,7 @@ FORBIDDEN = {
 # tensor shapes), but never a room built on top of it, nor an orchestrator.
 FLOOR_ORCHESTRATORS = ("yue2_vllm.pipeline", "yue2_vllm.scheduler", "yue2_vllm.bench")
 FLOOR_FORBIDDEN = ("yue2_vllm.engine", "yue2_vllm.quant", "yue2_vllm.serve", "yue2_vllm.cli", "yue2_vllm.song",
-                   "yue2_vllm.adapters", *FLOOR_ORCHESTRATORS)
+                   "yue2_vllm.adapters", "yue2_vllm.transcription", *FLOOR_ORCHESTRATORS)
 
 
 def inside(name: str, packages) -> bool:
@@ -135,6 +140,8 @@ def test_the_layout_rules_see_the_house():
     assert "yue2_vllm.quant.policy" in edges["yue2_vllm.song.engine_life"]  # the engine asks quant/ which to serve
     song_parts = {"yue2_vllm.song.engine_life", "yue2_vllm.song.stages", "yue2_vllm.song.run_dir"}
     assert song_parts <= edges["yue2_vllm.pipeline"]  # the orchestrator composes the song's parts
+    assert "yue2_vllm.score" in edges["yue2_vllm.instrumental"]  # the native score's reader is the floor's
+    assert "yue2_vllm.score" in edges["yue2_vllm.transcription.writer"]
     assert inside("yue2_vllm.quant.schemes", ["yue2_vllm.quant"]) and not inside("yue2_vllm.quant_scheme",
                                                                                    ["yue2_vllm.quant"])
 

@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from yue2_vllm import instrumental
+from yue2_vllm import score
 from yue2_vllm.score_notes import (CHORD_INTERVALS, Chord, Note, ScoreError, check_score, chord_pitches, problem_line,
                                    score_notes)
 
@@ -60,8 +60,8 @@ def test_chord_voicings():
     assert chord_pitches("Cb") == (47, 59, 63, 66)  # Cb's root is B
     assert chord_pitches("Gm(maj7)") == (43, 55, 58, 62, 66)
     # every quality the reader takes has its intervals, and no other
-    assert set(CHORD_INTERVALS) == set(instrumental._QUALITIES)
-    for quality in instrumental._QUALITIES:
+    assert set(CHORD_INTERVALS) == set(score._QUALITIES)
+    for quality in score._QUALITIES:
         assert chord_pitches("E" + quality)[1] == 52
     with pytest.raises(ValueError, match="not a chord symbol of the native dialect: 'Gsus9'"):
         chord_pitches("Gsus9")

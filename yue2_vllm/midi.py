@@ -8,7 +8,7 @@ import struct
 from fractions import Fraction
 from math import lcm
 
-from .instrumental import KEYS
+from .score import KEYS
 
 TICKS_PER_QUARTER = 480  # divides every power-of-two grid down to 1/32 of a quarter, and triplets
 MAX_TICKS_PER_QUARTER = 0x7FFF  # the header's division field

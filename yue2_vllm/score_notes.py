@@ -1,4 +1,4 @@
-"""What a native score sounds like, read by the project's upstream-exact reader (`instrumental.read_score`): each
+"""What a native score sounds like, read by the project's upstream-exact reader (`score.read_score`): each
 voice's notes (onset and length in quarter notes, MIDI pitch), the chord symbols with a plain voicing, the tempo,
 meters, keys and section labels, and the cot it renders with. The page draws, plays and checks scores from it;
 `midi` writes it as a Standard MIDI File. Pure: no model, no files."""
@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .instrumental import NATURAL, VOICES, ScoreError, read_score
+from .score import NATURAL, VOICES, ScoreError, read_score
 
 # Each chord quality the dialect writes (instrumental's chord symbols), as semitones above its root.
 CHORD_INTERVALS = {"": (0, 4, 7), "m": (0, 3, 7), "dim": (0, 3, 6), "aug": (0, 4, 8), "7": (0, 4, 7, 10),

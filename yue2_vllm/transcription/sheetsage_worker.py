@@ -1,0 +1,162 @@
+"""SheetSage2 in its own environment: one JSON request on stdin, one JSON answer on stdout.
+
+Run by `yue2_vllm.transcription.sheetsage` as a script with the SheetSage2 environment's python
+(`calibration/setup-sheetsage-env.sh` makes it): that environment pins torch 2.8, transformers 4.45.2 and
+numpy 1.24, which ours cannot share, so this file imports nothing of yue2_vllm, only the standard library and,
+inside its functions, what that environment holds.
+
+Request: {"protocol": 1, "op": "check" | "transcribe", "model_dir": DIR, and for "transcribe": "audio": FILE,
+"output_dir": DIR, "device": "cuda" | "cpu", "dtype": "bf16" | "fp32", "prompts": [...], "melody_only": true,
+"max_seconds": S, "overlap_seconds": S, "lookahead_seconds": S}.
+Answer (the last line of stdout; everything the model prints goes to stderr): {"protocol": 1, "ok": true, ...} or
+{"protocol": 1, "ok": false, "error": "environment" | "input" | "request", "message": ..., ...}:
+- "environment": this environment or the model directory cannot run SheetSage2 (set it up again);
+- "input": SheetSage2 ran but built no score from this audio (`abc_error`, its warnings);
+- "request": the request itself is not one this worker reads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+PROTOCOL = 1
+PACKAGES = ("torch", "transformers", "numpy", "huggingface-hub")
+
+
+class Refusal(Exception):
+    def __init__(self, kind: str, message: str, **extra):
+        super().__init__(message)
+        self.kind, self.message, self.extra = kind, message, extra
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def model_files(model_dir: str) -> dict:
+    """What the model directory holds: its config, and the revision the setup recorded (if any)."""
+    if not model_dir or not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise Refusal("environment", f"no SheetSage2 model in {model_dir!r} (no config.json): run "
+                                     "calibration/setup-sheetsage-env.sh")
+    revision = None
+    record = os.path.join(model_dir, "yue2-sheetsage-revision.txt")
+    if os.path.isfile(record):
+        with open(record, encoding="utf-8") as handle:
+            revision = handle.read().strip() or None
+    return {"model_dir": os.path.abspath(model_dir), "revision": revision}
+
+
+def check(request: dict) -> dict:
+    found = versions()
+    missing = [name for name in ("torch", "transformers") if not found[name]]
+    if missing:
+        raise Refusal("environment", f"this environment lacks {', '.join(missing)}: run "
+                                     "calibration/setup-sheetsage-env.sh", versions=found)
+    import torch
+
+    return {**model_files(request.get("model_dir")), "versions": found, "cuda": bool(torch.cuda.is_available())}
+
+
+def beat_times(result: dict, output_dir: str | None) -> list[float]:
+    """The decoded beats (seconds): the first number of each line of the beat annotation (`labs["beat"]`, else
+    beat.lab in the output directory); [] where there is none."""
+    labs = result.get("labs") or {}
+    text = labs.get("beat") or labs.get("beat.lab")
+    if not isinstance(text, str) and output_dir and os.path.isfile(os.path.join(output_dir, "beat.lab")):
+        with open(os.path.join(output_dir, "beat.lab"), encoding="utf-8") as handle:
+            text = handle.read()
+    beats = []
+    for line in (text or "").splitlines():
+        fields = line.replace(",", " ").split()
+        try:
+            beats.append(float(fields[0]))
+        except (IndexError, ValueError):
+            continue
+    return beats
+
+
+def _texts(values) -> list[str]:
+    return [value if isinstance(value, str) else json.dumps(value, default=str) for value in values or ()]
+
+
+def transcribe(request: dict) -> dict:
+    for name in ("audio", "output_dir", "device", "dtype", "prompts"):
+        if name not in request:
+            raise Refusal("request", f"the request has no {name!r}")
+    found = check(request)
+    import torch
+    from transformers import AutoModel
+
+    device, dtype, notes = request["device"], request["dtype"], []
+    if device == "cuda" and not torch.cuda.is_available():
+        device, dtype = "cpu", "fp32"
+        notes.append("this environment's torch sees no CUDA device: ran on the CPU in fp32")
+    start = time.perf_counter()
+    try:
+        model = AutoModel.from_pretrained(found["model_dir"], trust_remote_code=True, local_files_only=True)
+    except (OSError, ValueError, ImportError) as exc:
+        raise Refusal("environment", f"SheetSage2 does not load from {found['model_dir']}: {exc}") from None
+    model = model.eval().to(device)
+    loaded = time.perf_counter()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    options = {name: request[name] for name in ("max_seconds", "overlap_seconds", "lookahead_seconds")
+               if request.get(name) is not None}
+    try:
+        result = model.transcribe(request["audio"], output_dir=request["output_dir"], dtype=dtype,
+                                  prompts=tuple(request["prompts"]), melody_only=bool(request.get("melody_only")),
+                                  **options)
+    except RuntimeError as exc:
+        partial = getattr(exc, "result", None) or {}
+        raise Refusal("input", f"SheetSage2 built no score: {exc}", abc_error=partial.get("abc_error"),
+                      warnings=_texts(partial.get("warnings"))) from None
+    done = time.perf_counter()
+    if result.get("abc_error") or not result.get("abc"):
+        raise Refusal("input", f"SheetSage2 built no score: {result.get('abc_error') or 'no ABC'}",
+                      abc_error=result.get("abc_error"), warnings=_texts(result.get("warnings")))
+    peak_gpu = result.get("peak_gpu_mib")
+    if peak_gpu is None and device == "cuda":
+        peak_gpu = torch.cuda.max_memory_allocated() / 2 ** 20
+    import resource
+
+    return {**found, "abc": result["abc"], "warnings": _texts(result.get("warnings")) + notes,
+            "diagnostics": _texts(result.get("diagnostics")), "beats": beat_times(result, request["output_dir"]),
+            "device": device, "dtype": dtype, "peak_gpu_mib": peak_gpu,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "timing": {"load_seconds": loaded - start, "transcribe_seconds": done - loaded}}
+
+
+def main() -> int:
+    answer_fd = os.dup(1)
+    os.dup2(2, 1)  # whatever the model prints (Python or C) goes to stderr; stdout carries only the answer
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    try:
+        request = json.loads(sys.stdin.read() or "null")
+        if not isinstance(request, dict) or request.get("protocol") != PROTOCOL:
+            raise Refusal("request", f"expected a protocol {PROTOCOL} request object")
+        operations = {"check": check, "transcribe": transcribe}
+        if request.get("op") not in operations:
+            raise Refusal("request", f"unknown op {request.get('op')!r} (check or transcribe)")
+        answer = {"protocol": PROTOCOL, "ok": True, **operations[request["op"]](request)}
+    except Refusal as refusal:
+        answer = {"protocol": PROTOCOL, "ok": False, "error": refusal.kind, "message": refusal.message,
+                  **refusal.extra}
+    except json.JSONDecodeError as exc:
+        answer = {"protocol": PROTOCOL, "ok": False, "error": "request", "message": f"not JSON: {exc}"}
+    with os.fdopen(answer_fd, "w", encoding="utf-8") as out:
+        out.write(json.dumps(answer, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
