@@ -955,9 +955,9 @@ def kv_rows_tps(backend, prompt: list[int], tokens: int, rows: int, loras=None) 
     counts = [0] * rows
 
     def one(index: int) -> None:
-        slot = loras[index % len(loras)] if loras else None
+        lora = loras[index % len(loras)] if loras else None
         counts[index] = len(backend.generate(prompt + [1000 + index], Sampling(min_tokens=tokens, max_tokens=tokens),
-                                             index, "semantic", **({"lora": slot} if slot else {})).ids)
+                                             index, "semantic", **({"lora": lora} if lora else {})).ids)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(rows)]
@@ -1094,13 +1094,13 @@ def engine_lora(args) -> Rows:
                 used = free_before - torch.cuda.mem_get_info()[0]
                 row.update(engine_used_bytes=used, within_plan=used <= backend.plan.engine)
             ids = LoraIds()
-            slots = [ids.slot(c.sha256, 1.0, c.ar_path) for c in converted]
-            adapted = backend.generate(prompt, greedy, 3, "semantic", lora=slots[0]).ids
+            loras = [ids.request(c.sha256, 1.0, c.ar_path) for c in converted]
+            adapted = backend.generate(prompt, greedy, 3, "semantic", lora=loras[0]).ids
             row.update(adapter_equals_merged=adapted == merged_ids,
                        first_divergence=first_divergence(adapted, merged_ids),
                        tps_8_rows_off=off, tps_8_rows_unused=kv_rows_tps(backend, prompt, tokens, 8),
-                       tps_8_rows_1_adapter=kv_rows_tps(backend, prompt, tokens, 8, slots[:1]),
-                       tps_8_rows_4_adapters=kv_rows_tps(backend, prompt, tokens, 8, slots))
+                       tps_8_rows_1_adapter=kv_rows_tps(backend, prompt, tokens, 8, loras[:1]),
+                       tps_8_rows_4_adapters=kv_rows_tps(backend, prompt, tokens, 8, loras))
             rows.append(row)
         except Exception as exc:
             rows.append({"row": f"engine LoRA {runner}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})

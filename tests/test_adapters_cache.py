@@ -5,12 +5,13 @@ import os
 import pytest
 import torch
 
-from yue2_vllm.adapters.cache import (AR_DIR, NAR_FILE, PEFT_CONFIG, PEFT_WEIGHTS, RECORD, content_sha256,
-                                      convert_adapter)
+from yue2_vllm.adapters.cache import AR_DIR, NAR_FILE, RECORD, content_sha256, convert_adapter
 from yue2_vllm.adapters.weights import AdapterError
 from yue2_vllm.checkpoint import read_header, sha256_file
 from yue2_vllm.model.lora import applied, merged
 from yue2_vllm.model.modeling import YuE2Config
+from yue2_vllm.peft_format import CONFIG as PEFT_CONFIG
+from yue2_vllm.peft_format import WEIGHTS as PEFT_WEIGHTS
 from yue2_vllm.testing import TINY_CONFIG, random_model
 from yue2_vllm.testing_adapters import write_tiny_adapter
 
@@ -104,7 +105,7 @@ def test_the_torch_edits_equal_the_truth(tmp_path, cache):
 def test_replacements_convert_for_the_torch_side(tmp_path, cache):
     tiny = write_tiny_adapter(tmp_path / "n.safetensors", "plain", half="nar")
     converted = convert_adapter(tiny.path, TINY_CONFIG, cache_dir=cache)
-    assert converted.record["nar"]["replacements"] == 2 and converted.ar_path is None
+    assert converted.record.nar.replacements == 2 and converted.ar_path is None
     edits = converted.edits()
     assert torch.equal(edits["vae2llm"][0].weight.float(), tiny.edits["vae2llm"][0].weight)
 
@@ -112,7 +113,7 @@ def test_replacements_convert_for_the_torch_side(tmp_path, cache):
 def test_a_multi_file_adapter_hashes_its_names_and_contents(tmp_path, cache):
     tiny = write_tiny_adapter(tmp_path / "a", "alpha-rank")
     converted = convert_adapter(tiny.path, TINY_CONFIG, cache_dir=cache)
-    files = converted.record["source"]["files"]
+    files = converted.record.files
     assert set(files) == {"lora.safetensors", "adapter_config.json"}
     assert converted.sha256 == content_sha256(files) and len(converted.sha256) == 64
 

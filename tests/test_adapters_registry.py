@@ -7,6 +7,7 @@ from yue2_vllm.adapters.registry import (AdapterRegistry, LoraSpec, UnknownAdapt
                                          parse_lora_spec, resolve_adapter_path)
 from yue2_vllm.adapters.weights import AdapterError
 from yue2_vllm.hub import HubError
+from yue2_vllm.protocol import AdapterRef, adapter_refs
 from yue2_vllm.testing import TINY_CONFIG
 from yue2_vllm.testing_adapters import write_tiny_adapter
 
@@ -54,21 +55,25 @@ def test_register_list_and_use(tmp_path, registry):
     info = inst.info()
     assert (info["half"], info["rank"], info["layout"], info["licence"]) == ("ar", 8, "plain", "cc-by-nc-4.0")
     assert info["sha256"] == inst.sha256 and "self_attn.q_proj" in info["modules"]
-    uses = registry.uses([{"name": "instrumental"}, {"name": "voice", "scale": 0.5}, {"name": "voice", "scale": 0}])
+    uses = registry.uses(adapter_refs([{"name": "instrumental"}, {"name": "voice", "scale": 0.5},
+                                       {"name": "voice", "scale": 0}]))
     assert [(u.adapter.name, u.scale) for u in uses] == [("instrumental", 1.0), ("voice", 0.5)]
     assert uses[1].identity() == {"sha256": registry.get("voice").sha256, "scale": 0.5}
-    assert uses[0].record()["name"] == "instrumental"
+    assert uses[0].record() == {"name": "instrumental", "half": "ar", "sha256": inst.sha256, "scale": 1.0, "rank": 8,
+                                "layout": "plain", "licence": "cc-by-nc-4.0"}
+    assert uses[1].ref == AdapterRef("voice", 0.5)
     assert registry.max_ar_rank() == 8
 
 
 def test_unknown_names_and_bad_entries_are_named(registry, tmp_path):
     registry.register("a", write_tiny_adapter(tmp_path / "a.safetensors", "plain").path)
     with pytest.raises(UnknownAdapter, match=r"unknown adapter 'nope' \(registered: a\)"):
-        registry.uses([{"name": "nope"}])
-    with pytest.raises(AdapterError, match=r"adapters\[0\]: needs a string name"):
-        registry.uses([{"scale": 1}])
-    with pytest.raises(AdapterError, match=r"adapters\[1\].scale: 20 is not a number"):
-        registry.uses([{"name": "a"}, {"name": "a", "scale": 20}])
+        registry.uses([AdapterRef("nope")])
+    # names and scales are checked once, where a request's AdapterRefs are made (protocol.adapter_refs)
+    with pytest.raises(ValueError, match=r"adapters\[0\]: needs a name"):
+        adapter_refs([{"scale": 1}], "adapters")
+    with pytest.raises(ValueError, match=r"adapters\[1\]: adapter a scale: 20 is not a number"):
+        adapter_refs([{"name": "a"}, {"name": "a", "scale": 20}], "adapters")
 
 
 def test_a_failed_registration_changes_nothing(registry, tmp_path):

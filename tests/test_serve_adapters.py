@@ -66,6 +66,19 @@ def test_a_song_with_adapters_records_them(server):
     assert "adapters" not in base and base["identity"] != result["identity"]
 
 
+def test_a_posted_songs_adapters_are_resolved_once(server, adapted, monkeypatch):
+    """The POST's admission checks the names against the listing; the song's admission on the worker looks each
+    adapter up once, and every stage, result.json and the verification of the finished song read what it carries."""
+    registry = adapted.adapters.registry
+    looked_up, real = [], registry.get
+    monkeypatch.setattr(registry, "get", lambda name: looked_up.append(name) or real(name))
+    body = {"style": "pop", "lyrics": LYRICS, "seed": 4, "adapters": [{"name": "inst", "scale": 0.5},
+                                                                      {"name": "voice"}]}
+    job = server.client.post("/v1/songs", json=body).json()["id"]
+    assert finished(server, job)["status"] == "complete"
+    assert looked_up == ["inst", "voice"]
+
+
 @pytest.mark.parametrize("adapters, message", [
     ([{"name": "nope"}], "adapters[0]: unknown adapter 'nope' (registered: inst, voice)"),
     ([{"name": "inst", "scale": 11}], "scale"),

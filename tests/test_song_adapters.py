@@ -1,5 +1,9 @@
 """A song's adapters through the pipeline: run time equals the merged checkpoint (float32, both backends), the same
-tokens on vLLM and on torch, identities (none: today's; names never count), refusals before anything runs."""
+tokens on vLLM and on torch, identities (none: today's; names never count), refusals before anything runs, and the
+adapters resolved once per song (a check writes nothing)."""
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -33,6 +37,18 @@ def torch_pipe(tiny_model_dir, tiny_vae_dir, adapters):
 
 def song(pipe, **fields):
     return pipe(SongRequest(**{**REQUEST, **fields}))
+
+
+def counted(owner, name: str) -> list:
+    """Each call of `owner.name` from now on, by its positional arguments (the calls still happen)."""
+    calls, real = [], getattr(owner, name)
+
+    def call(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    setattr(owner, name, call)
+    return calls
 
 
 def test_run_time_adapters_equal_the_merged_checkpoint_on_torch(torch_pipe, adapters, tiny_vae_dir, tmp_path):
@@ -84,8 +100,6 @@ def test_refusals_before_anything_runs(torch_pipe, tiny_model_dir, tiny_vae_dir,
 def test_vllm_songs_equal_torch_songs_with_the_same_adapters(torch_pipe, tiny_model_dir, tiny_vae_dir, adapters):
     """Two AR adapters stacked into one vLLM adapter (rank 4 + 8: above the default max_lora_rank 8, which refuses
     the stack, so 16 is asked for), a NAR part beside them: the vLLM pipeline's song equals the torch pipeline's."""
-    from dataclasses import replace
-
     chosen = [{"name": "both", "scale": 0.5}, {"name": "style", "scale": 0.25}]
     with pytest.raises(AdapterError, match="adapters both \\+ style: their AR parts stack to rank 12, above the "
                                            "engine's max_lora_rank 8"):
@@ -96,7 +110,10 @@ def test_vllm_songs_equal_torch_songs_with_the_same_adapters(torch_pipe, tiny_mo
                       ar=AROptions(backend="vllm", dtype="float32"),
                       adapters=replace(adapters["options"], max_lora_rank=16)) as pipe:
         assert pipe.engine_life.inputs.lora.max_loras == 2 and pipe.engine_life.inputs.lora.max_lora_rank == 16
+        looked_up, made = counted(pipe.adapters.registry, "get"), counted(pipe.adapters.ids, "request")
         on_vllm = song(pipe, adapters=chosen)
+        # both phases ran with the one LoraRequest the song's admission made: one look-up per adapter, one request
+        assert [call[0] for call in looked_up] == ["both", "style"] and len(made) == 1
         assert on_vllm.semantic.timing["backend_actual"] == "vllm" and "lora" in on_vllm.semantic.timing
         base = song(pipe)
         paired = song(pipe, adapters=chosen, cfg_scale=1.5)  # a CFG pair: both rows run with the adapters
@@ -108,7 +125,6 @@ def test_vllm_songs_equal_torch_songs_with_the_same_adapters(torch_pipe, tiny_mo
 
 
 def test_instrumental_with_the_instrumental_adapter(tiny_model_dir, tiny_vae_dir, adapters, tmp_path):
-    from dataclasses import replace
     import json
 
     from yue2_vllm.instrumental import ADAPTER_LYRICS, section_lyrics
@@ -222,3 +238,68 @@ def test_under_reproducible_songs_with_different_adapters_and_none_together_equa
     semantic = {key: tuple(np.load(tmp_path / "alone" / key / "semantic.npy").tolist()) for key in chosen}
     assert len(set(semantic.values())) == 3  # one seed: the adapters alone tell the songs apart
     assert max(shared) > 1.5  # the songs really shared the engine's steps
+
+
+def test_a_songs_adapters_are_resolved_once(torch_pipe, tmp_path, monkeypatch):
+    """From a song's admission to its result.json (identity, both AR phases, the NAR, the record, a resume), its
+    adapters' names are checked once and looked up once each; through the scheduler's admission too, and a batch
+    row's check carries its adapters to its song."""
+    from yue2_vllm.protocol import SongRules
+    from yue2_vllm.scheduler import SongScheduler, generate_many
+
+    checked = []
+    real_check = SongRules.check_adapters
+    monkeypatch.setattr(SongRules, "check_adapters", lambda rules, request: checked.append(request.id)
+                        or real_check(rules, request))
+    looked_up = counted(torch_pipe.adapters.registry, "get")
+    try:
+        chosen = [{"name": "both", "scale": 0.5}, {"name": "style", "scale": 0.25}]
+        request = SongRequest(**REQUEST, id="one", adapters=chosen)
+        document = torch_pipe.generate_to(tmp_path / "one", request)
+        assert [call[0] for call in looked_up] == ["both", "style"] and checked == ["one"]
+        assert [(a["name"], a["scale"]) for a in document["adapters"]] == [("both", 0.5), ("style", 0.25)]
+        assert document["identity"] == torch_pipe.run_identity(request, torch_pipe.effective_config(request))
+        looked_up.clear(), checked.clear()
+        reused = torch_pipe.generate_to(tmp_path / "one", request, resume=True)  # a finished song
+        assert reused["resumed"] is True and reused["adapters"] == document["adapters"]
+        assert len(looked_up) == 2 and checked == ["one"]
+        looked_up.clear(), checked.clear()
+        many = [SongRequest(**{**REQUEST, "seed": k}, id=f"s{k}", adapters=chosen[k:]) for k in range(2)]
+        assert {h.state for h in generate_many(torch_pipe, many, tmp_path / "many")} == {"complete"}
+        assert sorted(call[0] for call in looked_up) == ["both", "style", "style"] and sorted(checked) == ["s0", "s1"]
+        looked_up.clear(), checked.clear()
+        admitted = torch_pipe.check_request(many[1])  # as a batch row's check does: the song takes what it resolved
+        with SongScheduler(torch_pipe) as scheduler:
+            handle = scheduler.submit(many[1], tmp_path / "row", adapters=admitted)
+            assert next(scheduler.as_completed([handle])).state == "complete" and handle.adapters is admitted
+        assert len(looked_up) == 1 and checked == ["s1"]
+    finally:
+        del torch_pipe.adapters.registry.get
+
+
+@pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
+def test_a_check_writes_nothing(tiny_model_dir, tiny_vae_dir, adapters, tmp_path):
+    """Checking a song whose AR adapters stack (or run at a scale other than 1) takes no lock and makes no directory:
+    its LoraRequest names where the directory will be, and the song makes it when it runs on the engine."""
+    from yue2_vllm.engine.lora import LoraRequest
+
+    cache = tmp_path / "cache"
+    options = replace(adapters["options"], max_lora_rank=16, cache_dir=cache)
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                      ar=AROptions(backend="vllm", dtype="float32"), adapters=options) as pipe:
+        def files():
+            return sorted(str(path.relative_to(cache)) for path in cache.rglob("*"))
+
+        before = files()
+        stacked = pipe.check_request(SongRequest(**REQUEST, adapters=[{"name": "both", "scale": 0.5},
+                                                                      {"name": "style", "scale": 0.25}]))
+        scaled = pipe.check_request(SongRequest(**REQUEST, adapters=[{"name": "style", "scale": 0.5}]))
+        plain = pipe.check_request(SongRequest(**REQUEST, adapters=[{"name": "style"}]))
+        assert files() == before  # no lock file, no directory
+        lora = stacked.lora_request
+        assert isinstance(lora, LoraRequest) and Path(lora.path).parent.name == "stacks"
+        assert not Path(lora.path).exists()
+        assert stacked.prepared_lora() == lora and (Path(lora.path) / "adapter_config.json").is_file()
+        assert Path(scaled.prepared_lora().path).name == "ar-scale-0.5"
+        assert plain.lora_request.path == str(pipe.adapters.registry.get("style").converted.ar_path)
+        assert stacked.prepared_lora() == lora  # made once: the second song's phase finds it

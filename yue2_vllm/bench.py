@@ -108,7 +108,7 @@ def decode_rate(timing: dict) -> float:
 def run_ar(backend, phase: str, tokens: int, concurrency: int, prompt_tokens: int = PROMPT_TOKENS,
            loras=None) -> dict:
     """Prefill tok/s and decode tok/s of `concurrency` requests at once (aggregate and per sequence); `loras`: the
-    vLLM adapter of each request (engine.lora.LoraSlot or None), cycled."""
+    vLLM adapter of each request (engine.lora.LoraRequest or None), cycled."""
     from .protocol import Sampling
 
     sampling = Sampling(min_tokens=tokens, max_tokens=tokens)
@@ -116,9 +116,9 @@ def run_ar(backend, phase: str, tokens: int, concurrency: int, prompt_tokens: in
     results = [None] * concurrency
 
     def one(index: int) -> None:
-        slot = loras[index % len(loras)] if loras else None
+        lora = loras[index % len(loras)] if loras else None
         results[index] = backend.generate(jobs[index], sampling, 1000 + index, phase,
-                                          **({"lora": slot} if slot is not None else {})).timing
+                                          **({"lora": lora} if lora is not None else {})).timing
 
     start = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
@@ -305,8 +305,8 @@ def bench_lora(config: BenchConfig) -> dict:
             write_tiny_adapter(path, "plain", rank=LORA_RANK, seed=index, config=mot)
         converted.append(convert_adapter(path, mot, cache_dir=config.workdir / "adapter-cache"))
     ids = LoraIds()
-    slots = [ids.slot(c.sha256, 1.0, c.ar_path) for c in converted]
-    cases = {"off": None, "on_unused": None, "one_adapter": slots[:1], f"{LORA_ADAPTERS}_adapters": slots}
+    loras = [ids.request(c.sha256, 1.0, c.ar_path) for c in converted]
+    cases = {"off": None, "on_unused": None, "one_adapter": loras[:1], f"{LORA_ADAPTERS}_adapters": loras}
     rates, starts = {}, {}
     for lora in (False, True):
         backend, _ = open_engine(config, "vllm-bf16")

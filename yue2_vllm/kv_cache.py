@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .attention import READ_RELEASES, Packages, Setup, card_name, choose, serves, stored_form
+from .vllm_release import release
 
 DEFAULT_FORM = "auto"
 FP8_FORMS = ("fp8", "fp8_e4m3", "fp8_e5m2")
@@ -52,13 +53,6 @@ def cpu_fp8_isa() -> bool:
 
     probes = (getattr(torch.cpu, "_is_avx512_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
     return any(probe is not None and probe() for probe in probes)
-
-
-def release(version: str | None) -> tuple[int, int] | None:
-    try:
-        return tuple(int(part) for part in (version or "").split("+")[0].split(".")[:2])
-    except ValueError:
-        return None
 
 
 def checkpoint_kv_scheme(path) -> dict | None:

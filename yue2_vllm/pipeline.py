@@ -30,7 +30,7 @@ from .model.torch_quant import apply_memory_cap, module_bytes
 from .model.modeling import YuE2Config
 from .options import AdapterOptions, AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions
 from .protocol import GenerationConfig, Sampling, SongRequest, SongRules, default_cfg_scale
-from .song.adapters import ServedAdapters
+from .song.adapters import AdapterRequest, ServedAdapters
 from .song.admission import device_room, memory_target
 from .kv_cache import explicit as explicit_kv
 from .song.engine_life import (CLOSE_TIMEOUT_S, EngineInputs, EngineLife, check_kv_form, check_split,  # noqa: F401
@@ -228,7 +228,11 @@ class YuE2Pipeline:
     def sampling_for(self, request_overrides: dict | Sampling | None, phase: str) -> Sampling:
         return self.rules.sampling_for(request_overrides, phase)
 
-    def effective_config(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> dict:
+    def effective_config(self, request: SongRequest, abc_sampling=None, semantic_sampling=None, *,
+                         adapters: AdapterRequest | None = None) -> dict:
+        """What the song's identity holds besides the request and the weights; `adapters` what `check_request`
+        resolved for the song (None: resolved here)."""
+        adapters = adapters if adapters is not None else self.adapters.resolve(request, engine=False)
         generation = replace(self.generation_config, abc=self.rules.phase_sampling(request, abc_sampling, "abc"),
                              semantic=self.rules.phase_sampling(request, semantic_sampling, "semantic"))
         defaults = GenerationConfig().to_dict()
@@ -252,29 +256,17 @@ class YuE2Pipeline:
             "decoder_release": self.vae_config.release_variant if self.vae_config else None,
             **({"reproducible": True} if ar.reproducible else {}),  # absent: identities of earlier runs hold
             **explicit_kv(self.options.engine.kv_cache_dtype),  # auto: absent, so identities of earlier runs hold
-            # the adapters' contents and scales; absent without any, so identities of earlier runs hold
-            **({"adapters": self.adapters.for_song(request).config()} if request.adapters else {}),
-            **self._instrumental_config(request),
+            # the adapters' contents and scales (an instrumental adapter's recipe too); absent without any, so
+            # identities of earlier runs hold
+            **adapters.config(),
         }
 
-    def _instrumental_config(self, request: SongRequest) -> dict:
-        """An instrumental song rendered with the instrumental adapter: its recipe and the adapter in the identity."""
-        adapter = self.adapters.instrumental_for(request)
-        if adapter is None:
-            return {}
-        registered = self.adapters.registry.get(adapter.name)
-        return {"instrumental_recipe": "adapter",
-                "instrumental_adapter": {"sha256": registered.sha256, "scale": adapter.scale}}
-
-    def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> None:
+    def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> AdapterRequest:
+        """Refuse, before anything runs, what `SongRules.check_request` refuses (an unknown adapter among it) and a
+        stack of AR adapters above the engine's rank. Returns the song's adapters, resolved once: pass them on
+        (`effective_config`, `plan`, `generate_to`) so that no stage resolves them again."""
         self.rules.check_request(request, abc_sampling, semantic_sampling)
-        song = self.adapters.for_song(request)  # an unknown adapter is refused before anything runs
-        if song.ar_uses and self.backend_requested != "torch":
-            self.adapters.lora_slot(song)  # a stack above the engine's rank is refused now, not mid-song
-
-    def adapter_record(self, request: SongRequest) -> list[dict]:
-        """result.json's `adapters` for a song (song.adapters.SongAdapters.record)."""
-        return self.adapters.for_song(request).record()
+        return self.adapters.resolve(request, engine=self.backend_requested != "torch")
 
     def source_records(self) -> dict:
         """Where the weights were read from, recorded beside the identity (LoadedModels.source_records)."""
@@ -291,8 +283,10 @@ class YuE2Pipeline:
     # -- stages (song/stages.py)
 
     def plan(self, request: SongRequest, *, abc_sampling=None, cancelled: Cancelled | None = None,
-             on_token: OnToken | None = None) -> SymbolicPlan:
-        return self.stages.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token)
+             on_token: OnToken | None = None, adapters: AdapterRequest | None = None) -> SymbolicPlan:
+        """The song's score; `adapters` what `check_request` returned (None: resolved here), carried on the plan."""
+        return self.stages.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token,
+                                adapters=adapters)
 
     def generate_semantic(self, plan: SymbolicPlan, *, sampling=None, cancelled: Cancelled | None = None,
                           on_token: OnToken | None = None,
@@ -320,10 +314,11 @@ class YuE2Pipeline:
     def __call__(self, request: SongRequest, *, abc_sampling=None, semantic_sampling=None,
                  cancelled: Cancelled | None = None, on_token: OnToken | None = None,
                  on_progress: OnProgress | None = None) -> SongResult:
-        self.check_request(request, abc_sampling, semantic_sampling)
-        config = self.effective_config(request, abc_sampling, semantic_sampling)
+        adapters = self.check_request(request, abc_sampling, semantic_sampling)
+        config = self.effective_config(request, abc_sampling, semantic_sampling, adapters=adapters)
         start = time.perf_counter()
-        plan = self.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token)
+        plan = self.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token,
+                         adapters=adapters)
         semantic = self.generate_semantic(plan, sampling=semantic_sampling, cancelled=cancelled, on_token=on_token)
         nar_start = time.perf_counter()
         latents = self.synthesize(semantic, cancelled=cancelled, on_progress=on_progress)
@@ -342,9 +337,10 @@ class YuE2Pipeline:
                     cancelled: Cancelled | None = None, on_token: OnToken | None = None,
                     on_progress: OnProgress | None = None, on_stage: OnStage | None = None,
                     synthesizer: Synthesizer | None = None, decoder: Decoder | None = None,
-                    parent: ParentSong | None = None) -> dict:
+                    parent: ParentSong | None = None, adapters: AdapterRequest | None = None) -> dict:
         """Run into `directory`, checkpointing each stage; returns the `result.json` document
-        (or, with `stage="plan"`, the plan record). Resuming redoes only stages that do not verify.
+        (or, with `stage="plan"`, the plan record). Resuming redoes only stages that do not verify. `adapters`:
+        what `check_request` returned for this request when the caller admitted it (None: admitted here).
 
         `on_stage(stage, event, meta)` reports each stage as it starts (`"start"`), is reused from a
         verified checkpoint (`"reused"`) or finishes (`"done"`, with the stage's record). A song
@@ -353,7 +349,7 @@ class YuE2Pipeline:
         return generate_to(self, directory, request, resume=resume, abc_sampling=abc_sampling,
                            semantic_sampling=semantic_sampling, stage=stage, cancelled=cancelled, on_token=on_token,
                            on_progress=on_progress, on_stage=on_stage, synthesizer=synthesizer, decoder=decoder,
-                           parent=parent)
+                           parent=parent, adapters=adapters)
 
     def continue_song(self, parent_dir: str | os.PathLike, directory: str | os.PathLike, seconds: float, *,
                       song_id: str | None = None, resume: bool = False, cancelled: Cancelled | None = None,

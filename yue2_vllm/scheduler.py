@@ -61,6 +61,7 @@ class SongHandle:
                  listener: Listener | None):
         self.request, self.directory, self.overrides = request, Path(directory), dict(overrides or {})
         self.resume, self.stage = resume, stage
+        self.adapters = None  # the song's adapters (song.adapters.AdapterRequest), resolved once when it is admitted
         self.state = "queued"
         self.tokens = {"abc": 0, "semantic": 0}
         self.progress: dict[str, tuple[int, int]] = {}
@@ -427,11 +428,15 @@ class SongScheduler:
         return cpu_split()[1]
 
     def submit(self, request: SongRequest, directory: str | os.PathLike, *, overrides: dict | None = None,
-               resume: bool = False, stage: str = "audio", group: str | None = None) -> SongHandle:
+               resume: bool = False, stage: str = "audio", group: str | None = None,
+               adapters=None) -> SongHandle:
         """Queue a song. Its events may reach the listener before `submit` returns (a song thread can
         take it at once); `event.song` is the handle this returns. Songs of one `group` (a job's takes; default:
-        the song alone) are taken in turn with other groups' (FairQueue)."""
+        the song alone) are taken in turn with other groups' (FairQueue). `adapters`: what the caller's
+        `pipe.check_request` returned for this request (None: the song is checked, and its adapters resolved, when
+        it starts)."""
         handle = SongHandle(request, Path(directory), overrides or {}, resume, stage, self.listener)
+        handle.adapters = adapters
         with self._lock:
             if request.id in self._handles and not self._handles[request.id].done:
                 raise ValueError(f"song id {request.id!r} is already in flight")
@@ -534,11 +539,14 @@ class SongScheduler:
         try:
             continued = handle.overrides.get(CONTINUE_KEY)  # a capped song to go on from: its run directory
             parent = read_parent(continued["directory"]) if continued else None
+            abc, semantic = handle.overrides.get("abc"), handle.overrides.get("semantic")
+            if handle.adapters is None:  # the song's admission: checked, its adapters resolved once
+                handle.adapters = self.pipe.check_request(handle.request, abc, semantic)
             document = self.pipe.generate_to(
-                handle.directory, handle.request, resume=handle.resume, stage=handle.stage,
-                abc_sampling=handle.overrides.get("abc"), semantic_sampling=handle.overrides.get("semantic"),
-                cancelled=handle.cancelled, on_token=handle.on_token, on_progress=handle.on_progress,
-                on_stage=handle.on_stage, synthesizer=self.lane.synthesize, decoder=self.lane.decode, parent=parent)
+                handle.directory, handle.request, resume=handle.resume, stage=handle.stage, abc_sampling=abc,
+                semantic_sampling=semantic, cancelled=handle.cancelled, on_token=handle.on_token,
+                on_progress=handle.on_progress, on_stage=handle.on_stage, synthesizer=self.lane.synthesize,
+                decoder=self.lane.decode, parent=parent, adapters=handle.adapters)
         except (InterruptedError, KeyboardInterrupt) as exc:
             handle._finish("cancelled", error=exc)
         except BaseException as exc:  # recorded on the song; the other songs go on

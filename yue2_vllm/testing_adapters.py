@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import peft_format as peft
 from .checkpoint import atomic_directory, write_json_atomic
 from .model.lora import Additive, Edit, LowRank, Replacement
 from .model.modeling import YuE2Config, tensor_shapes
@@ -130,7 +131,7 @@ def write_tiny_adapter(path: str | os.PathLike, layout: str, *, half: str = "ar"
         for module in modules:
             a, b = factors(module)
             stem = {"plain": module.removeprefix("model."), "alpha-rank": module}.get(layout,
-                                                                                     f"base_model.model.{module}")
+                                                                                     f"{peft.KEY_PREFIX}{module}")
             suffix = ".weight" if layout.startswith("peft") else ""
             tensors[f"{stem}.lora_A{suffix}"], tensors[f"{stem}.lora_B{suffix}"] = a, b
             truth[module] = [LowRank(a.float(), b.float(), scale)]
@@ -139,12 +140,12 @@ def write_tiny_adapter(path: str | os.PathLike, layout: str, *, half: str = "ar"
         if layout == "plain":
             _emit(path, tensors)
         elif layout == "alpha-rank":
-            _emit(path, tensors, ("adapter_config.json", {"alpha": alpha, "rank": rank}), "lora.safetensors")
+            _emit(path, tensors, (peft.CONFIG, {"alpha": alpha, "rank": rank}), "lora.safetensors")
         else:
-            _emit(path, tensors, ("adapter_config.json", {
+            _emit(path, tensors, (peft.CONFIG, {
                 "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
                 "use_rslora": layout == "peft-rslora", "bias": "none",
-                "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules})}), "adapter_model.safetensors")
+                "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules})}), peft.WEIGHTS)
         return TinyAdapter(path, "peft" if layout.startswith("peft") else layout, half, truth)
 
     if layout in ("comfyui", "lora.json"):
@@ -215,11 +216,10 @@ def write_tiny_adapter(path: str | os.PathLike, layout: str, *, half: str = "ar"
         tensors["lm_head.lora_A"] = torch.zeros(rank, config.hidden_size, dtype=dtype)
         tensors["lm_head.lora_B"] = torch.zeros(config.vocab_size, rank, dtype=dtype)
     if layout == "dora":
-        stem = "base_model.model.model.layers.0.self_attn.q_proj"
-        _emit(path, {f"{stem}.lora_A.weight": a, f"{stem}.lora_B.weight": b,
-                     f"{stem}.lora_magnitude_vector": torch.ones(b.shape[0])},
-              ("adapter_config.json", {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_dora": True,
-                                       "target_modules": ["q_proj"]}), "adapter_model.safetensors")
+        a_key, b_key = peft.lora_keys(module)
+        _emit(path, {a_key: a, b_key: b, f"{peft.KEY_PREFIX}{module}.lora_magnitude_vector": torch.ones(b.shape[0])},
+              (peft.CONFIG, {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_dora": True,
+                             "target_modules": ["q_proj"]}), peft.WEIGHTS)
     else:
         _emit(path, tensors, metadata=metadata)
     return TinyAdapter(path, layout, "ar", {})

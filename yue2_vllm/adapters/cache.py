@@ -21,26 +21,26 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from .. import peft_format as peft
 from ..checkpoint import (HashCache, atomic_directory, cache_root, default_hash_cache, identity, load_tensors,
                           read_header, read_json, sha256_file, write_json_atomic)
 from ..derive import MATCHED_FIELDS, _exclusive
 from ..model.lora import Additive, Edits, LowRank, Replacement
 from ..model.modeling import YuE2Config
-from .checks import MAX_RANK, check_adapter, max_lora_rank_for
+from .checks import MAX_RANK, Summary, check_adapter, max_lora_rank_for
 from .halves import AR_PROJECTIONS, half_of
 from .layouts import locate, read_adapter
+from .record import AdapterRecord, ARPart, NARPart
 from .weights import AdapterError, Diff, Full, Pair
 
 CONVERTER = "yue2-vllm-adapters-1"
 SCHEMA = 1
 RECORD, AR_DIR, NAR_FILE = "conversion.json", "ar", "nar.safetensors"
-PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
-PEFT_PREFIX = "base_model.model."
 
 
 def adapters_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -72,9 +72,9 @@ def _fold(change: Pair) -> torch.Tensor:
 def _peft_tensors(modules: dict) -> dict[str, torch.Tensor]:
     out = {}
     for module, change in sorted(modules.items()):
+        a_key, b_key = peft.lora_keys(module)
         # Copies: a fused pair's parts share one A, and safetensors stores no shared tensors.
-        out[f"{PEFT_PREFIX}{module}.lora_A.weight"] = change.a.clone()
-        out[f"{PEFT_PREFIX}{module}.lora_B.weight"] = _fold(change).contiguous()
+        out[a_key], out[b_key] = change.a.clone(), _fold(change).contiguous()
     return out
 
 
@@ -111,48 +111,51 @@ class Converted:
     """One converted adapter (a cache entry): where its parts are and what its record says."""
 
     directory: Path
-    record: dict
+    record: AdapterRecord
     _tensors: dict = field(default_factory=dict, repr=False)
 
     @property
     def sha256(self) -> str:
-        return self.record["sha256"]
+        return self.record.sha256
 
     @property
-    def summary(self) -> dict:
-        return self.record["summary"]
+    def summary(self) -> Summary:
+        return self.record.summary
 
     @property
     def half(self) -> str:
-        return self.summary["half"]
+        return self.summary.half
 
     @property
     def ar_rank(self) -> int:
-        return self.summary["ar_rank"]
+        return self.summary.ar_rank
 
     @property
     def ar_path(self) -> Path | None:
-        return self.directory / AR_DIR if self.record.get("ar") else None
+        return self.directory / AR_DIR if self.record.ar else None
+
+    def scaled_ar_path(self, scale: float = 1.0) -> Path:
+        """Where the PEFT directory vLLM loads for this adapter at `scale` is (`ar_directory` makes it): the AR
+        part's own at 1, else a sibling per scale. Writes nothing."""
+        if self.ar_path is None:
+            raise AdapterError(f"{self.record.source}: has no AR part")
+        scale = float(scale)
+        return self.ar_path if scale == 1 else self.directory / f"{AR_DIR}-scale-{scale!r}"
 
     def ar_directory(self, scale: float = 1.0) -> Path:
         """The PEFT directory vLLM loads for this adapter at `scale` (made once per scale, atomically)."""
-        if self.ar_path is None:
-            raise AdapterError(f"{self.record['source']['path']}: has no AR part")
-        scale = float(scale)
-        if scale == 1:
-            return self.ar_path
-        target = self.directory / f"{AR_DIR}-scale-{scale!r}"
+        target = self.scaled_ar_path(scale)
         if not target.is_dir():
             try:
                 with atomic_directory(target) as tmp:
-                    write_json_atomic(tmp / PEFT_CONFIG, peft_config(self.record["ar"]["rank"],
-                                                                     self.record["ar"]["target_modules"], scale))
+                    write_json_atomic(tmp / peft.CONFIG, peft_config(self.record.ar.rank,
+                                                                     self.record.ar.target_modules, float(scale)))
                     try:
-                        os.link(self.ar_path / PEFT_WEIGHTS, tmp / PEFT_WEIGHTS)
+                        os.link(self.ar_path / peft.WEIGHTS, tmp / peft.WEIGHTS)
                     except OSError:
                         import shutil
 
-                        shutil.copyfile(self.ar_path / PEFT_WEIGHTS, tmp / PEFT_WEIGHTS)
+                        shutil.copyfile(self.ar_path / peft.WEIGHTS, tmp / peft.WEIGHTS)
             except FileExistsError:
                 pass  # another process made it
         return target
@@ -165,18 +168,18 @@ class Converted:
 
     def ar_pairs(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """`{module: (lora_A, lora_B)}` of the AR part as stored (the layout's scale folded into B)."""
-        tensors = self.load_part(f"{AR_DIR}/{PEFT_WEIGHTS}")
-        return {key[len(PEFT_PREFIX):-len(".lora_A.weight")]: (a, tensors[key.replace(".lora_A.", ".lora_B.")])
-                for key, a in tensors.items() if key.endswith(".lora_A.weight")}
+        tensors = self.load_part(f"{AR_DIR}/{peft.WEIGHTS}")
+        modules = {peft.module_of(key): a for key, a in tensors.items()}
+        return {module: (a, tensors[peft.lora_keys(module)[1]]) for module, a in modules.items() if module}
 
     def edits(self, scale: float = 1.0, half: str = "both") -> Edits:
         """The torch side's edits at a request's `scale`: LoRA deltas and additive deltas times `scale`,
         replacements at strength `scale` (`model.lora`)."""
         edits: dict[str, list] = {}
-        if half in ("ar", "both") and self.record.get("ar"):
+        if half in ("ar", "both") and self.record.ar:
             for module, (a, b) in self.ar_pairs().items():
                 edits[module] = [LowRank(a, b, scale)]
-        if half in ("nar", "both") and self.record.get("nar"):
+        if half in ("nar", "both") and self.record.nar:
             tensors = self.load_part(NAR_FILE)
             for key in tensors:
                 module, _, role = key.rpartition(".")
@@ -191,12 +194,12 @@ class Converted:
 
     def tensor_bytes(self, half: str = "both") -> int:
         """Bytes of the converted tensors of a half as stored (what the torch side holds once it loads them)."""
-        names = ([f"{AR_DIR}/{PEFT_WEIGHTS}"] if half in ("ar", "both") and self.record.get("ar") else []) + \
-            ([NAR_FILE] if half in ("nar", "both") and self.record.get("nar") else [])
+        names = ([f"{AR_DIR}/{peft.WEIGHTS}"] if half in ("ar", "both") and self.record.ar else []) + \
+            ([NAR_FILE] if half in ("nar", "both") and self.record.nar else [])
         return sum(info.nbytes for name in names for info in read_header(self.directory / name)[0].values())
 
 
-def _verify(target: Path, key: str, hashes: HashCache) -> dict:
+def _verify(target: Path, key: str, hashes: HashCache) -> AdapterRecord:
     clear = f"delete {target} to convert it again"
     record_path = target / RECORD
     if not record_path.is_file():
@@ -208,7 +211,7 @@ def _verify(target: Path, key: str, hashes: HashCache) -> dict:
         path = target / name
         if not path.is_file() or hashes.sha256(path) != digest:
             raise AdapterError(f"corrupt adapter cache: {path} does not match its sha256 in {RECORD}; {clear}")
-    return record
+    return AdapterRecord.from_dict(record)
 
 
 def convert_adapter(path: str | os.PathLike, config: YuE2Config, *, cache_dir: str | os.PathLike | None = None,
@@ -230,40 +233,37 @@ def convert_adapter(path: str | os.PathLike, config: YuE2Config, *, cache_dir: s
     with _exclusive(root / f".{key}.lock"):
         if target.is_dir():
             record = _verify(target, key, hashes)
-            if record["summary"]["rank"] > max_rank:
-                raise AdapterError(f"{path}: rank {record['summary']['rank']} is above the limit {max_rank}")
+            if record.summary.rank > max_rank:
+                raise AdapterError(f"{path}: rank {record.summary.rank} is above the limit {max_rank}")
             return Converted(target, record)
         adapter = read_adapter(path, config)
         summary = check_adapter(adapter, config, max_rank)
         ar = {m: c for m, c in adapter.modules.items() if half_of(m) == "ar"}
         nar = {m: c for m, c in adapter.modules.items() if half_of(m) == "nar"}
-        record = {
-            "schema": SCHEMA, "converter": CONVERTER, "key": key, "sha256": content_sha256(files),
-            "source": {"path": str(path), "files": files}, "layout": adapter.layout, "notes": adapter.notes,
-            "card": adapter.card, "summary": summary.record(), "base": base,
-            "ar": None if not ar else {
-                "directory": AR_DIR, "modules": len(ar), "rank": summary.ar_rank,
-                "max_lora_rank": max_lora_rank_for(summary.ar_rank),
-                "target_modules": sorted({m.rsplit(".", 1)[-1] for m in ar}), "scale": "folded into lora_B"},
-            "nar": None if not nar else {
-                "file": NAR_FILE, "modules": len(nar), "pairs": sum(isinstance(c, Pair) for c in nar.values()),
-                "deltas": sum(isinstance(c, Diff) for c in nar.values()),
-                "replacements": sum(isinstance(c, Full) for c in nar.values())},
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }
-        assert not ar or set(record["ar"]["target_modules"]) <= set(AR_PROJECTIONS)
-        metadata = {"format": "pt", "yue2_vllm_adapter": record["sha256"]}
+        card = adapter.card
+        record = AdapterRecord(
+            SCHEMA, CONVERTER, key, content_sha256(files), str(path), files, adapter.layout, tuple(adapter.notes),
+            summary, base,
+            ar=None if not ar else ARPart(AR_DIR, len(ar), summary.ar_rank, max_lora_rank_for(summary.ar_rank),
+                                          tuple(sorted({m.rsplit(".", 1)[-1] for m in ar}))),
+            nar=None if not nar else NARPart(NAR_FILE, len(nar), sum(isinstance(c, Pair) for c in nar.values()),
+                                             sum(isinstance(c, Diff) for c in nar.values()),
+                                             sum(isinstance(c, Full) for c in nar.values())),
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            licence=card.get("licence"), triggers=tuple(card.get("triggers") or ()))
+        assert not ar or set(record.ar.target_modules) <= set(AR_PROJECTIONS)
+        metadata = {"format": "pt", "yue2_vllm_adapter": record.sha256}
         outputs = {}
         with atomic_directory(target) as tmp:
             if ar:
                 (tmp / AR_DIR).mkdir()
-                write_json_atomic(tmp / AR_DIR / PEFT_CONFIG, peft_config(summary.ar_rank, ar))
-                save_tensors(tmp / AR_DIR / PEFT_WEIGHTS, _peft_tensors(ar), metadata)
-                outputs[f"{AR_DIR}/{PEFT_CONFIG}"] = sha256_file(tmp / AR_DIR / PEFT_CONFIG)
-                outputs[f"{AR_DIR}/{PEFT_WEIGHTS}"] = sha256_file(tmp / AR_DIR / PEFT_WEIGHTS)
+                write_json_atomic(tmp / AR_DIR / peft.CONFIG, peft_config(summary.ar_rank, ar))
+                save_tensors(tmp / AR_DIR / peft.WEIGHTS, _peft_tensors(ar), metadata)
+                outputs[f"{AR_DIR}/{peft.CONFIG}"] = sha256_file(tmp / AR_DIR / peft.CONFIG)
+                outputs[f"{AR_DIR}/{peft.WEIGHTS}"] = sha256_file(tmp / AR_DIR / peft.WEIGHTS)
             if nar:
                 save_tensors(tmp / NAR_FILE, _nar_tensors(nar), metadata)
                 outputs[NAR_FILE] = sha256_file(tmp / NAR_FILE)
-            record["outputs"] = outputs
-            write_json_atomic(tmp / RECORD, record)
+            record = replace(record, outputs=outputs)
+            write_json_atomic(tmp / RECORD, record.to_dict())
         return Converted(target, record)

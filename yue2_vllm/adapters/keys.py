@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .. import peft_format as peft
+
 # Role suffixes, longest first: (suffix, role).
 ROLES = (
     (".lora_A.default.weight", "a"), (".lora_B.default.weight", "b"),
@@ -27,7 +29,7 @@ ROLES = (
     (".alpha", "alpha"), (".diff_b", "diff_b"), (".diff", "diff"), (".weight", "weight"), (".bias", "bias"),
 )
 # Container prefixes: (prefix, half it says the file meant or None).
-PREFIXES = (("text_encoders.", "ar"), ("diffusion_model.", "nar"), ("base_model.model.", None), ("module.", None))
+PREFIXES = (("text_encoders.", "ar"), ("diffusion_model.", "nar"), (peft.KEY_PREFIX, None), ("module.", None))
 LAYER_SITES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 FUSED_SITES = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -83,7 +85,7 @@ def parse_key(name: str) -> Key:
     for prefix, half in PREFIXES:
         if body.startswith(prefix):
             body, hint = body[len(prefix):], half or hint
-            if prefix == "base_model.model.":
+            if prefix == peft.KEY_PREFIX:
                 form = "peft"
             break
     if body.startswith("adapters."):  # ntc-ai's dashed module paths

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import peft_format as peft
 from ..checkpoint import CheckpointError, load_tensors, read_header
 from ..model.modeling import YuE2Config
 from .fused import split_pair, split_rows
@@ -26,8 +27,8 @@ from .keys import Key, parse_key, refusal, unfused
 from .weights import AdapterError, AdapterWeights, Diff, Full, Pair
 
 LAYOUTS = ("plain", "peft", "alpha-rank", "lora.json", "comfyui", "slider-distill")
-PEFT_CONFIG, LORA_JSON, CARD = "adapter_config.json", "lora.json", "README.md"
-WEIGHT_NAMES = ("adapter_model.safetensors", "lora.safetensors")
+PEFT_CONFIG, LORA_JSON, CARD = peft.CONFIG, "lora.json", "README.md"  # alpha-rank configs share PEFT's name
+WEIGHT_NAMES = (peft.WEIGHTS, "lora.safetensors")
 SLIDER_FORMAT, PARTICLE_FORMAT = "conceptmod-yue2-ar-v1", "conceptmod-yue2-routed-particle-ar-v1"
 # PEFT settings whose adapters are not a plain LoRA delta on the base weights: (key, refusing value test, what).
 PEFT_REFUSED = (

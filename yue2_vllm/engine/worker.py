@@ -218,15 +218,15 @@ def sampled_logprobs(completion, tokens: list[int]) -> list[float | None]:
     return values
 
 
-def checked_lora(slot: dict | None):
+def checked_lora(lora: dict | None):
     """The request's LoRARequest (None: the base model), its directory checked first: vLLM never sees an adapter it
     could fail to load (a failed load leaves its request unfinished in the engine for ever; engine/lora.py)."""
-    if slot is None:
+    if lora is None:
         return None
-    from .lora import check_peft_directory, lora_request
+    from .lora import check_peft_directory, vllm_lora_request
 
-    check_peft_directory(slot["path"])
-    return lora_request(slot)
+    check_peft_directory(lora["path"])
+    return vllm_lora_request(lora)
 
 
 def warm_params():

@@ -145,7 +145,8 @@ class SongWorker:
     def verify(self, handle: SongHandle) -> dict:
         """What result.json (or, for stage=plan, the plan record) holds, after checking every file."""
         pipe, request, overrides = self.pipe, handle.request, handle.overrides
-        config = pipe.effective_config(request, overrides.get("abc"), overrides.get("semantic"))
+        config = pipe.effective_config(request, overrides.get("abc"), overrides.get("semantic"),
+                                       adapters=handle.adapters)
         document = handle.document or {}
         if handle.stage == "plan":
             latent_id = pipe.latent_identity(request, config)

@@ -3,12 +3,15 @@ and the callbacks stages report through."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from ..instrumental import InstrumentalSteps
 from ..protocol import CODEC_SIZE, SongRequest, check_token_ids
+
+if TYPE_CHECKING:
+    from .adapters import AdapterRequest
 
 SAMPLE_RATE = 48000
 OnToken = Callable[[str, int], None]
@@ -30,6 +33,7 @@ class SymbolicPlan:
     timing: dict = field(default_factory=dict)
     truncated: bool = False
     instrumental: "InstrumentalSteps | None" = None  # an instrumental song's steps of the recipe
+    adapters: "AdapterRequest | None" = None  # the song's adapters, resolved once (song.adapters); None: not yet
 
 
 @dataclass

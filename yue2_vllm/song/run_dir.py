@@ -67,16 +67,18 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
                 cancelled: Cancelled | None = None, on_token: OnToken | None = None,
                 on_progress: OnProgress | None = None, on_stage: OnStage | None = None,
                 synthesizer: Synthesizer | None = None, decoder: Decoder | None = None,
-                parent: ParentSong | None = None) -> dict:
+                parent: ParentSong | None = None, adapters=None) -> dict:
     """Run `song` (a pipeline: its stages, identities and records) into `directory`; see
     `YuE2Pipeline.generate_to`. With `parent` the run continues that capped song (song/continuation.py): its plan
-    is copied and its semantic phase goes on from the parent's codes."""
+    is copied and its semantic phase goes on from the parent's codes. `adapters`: the song's, as the caller's
+    `check_request` resolved them (None: checked and resolved here); every stage and record reads them."""
     if stage not in ("plan", "audio"):
         raise ValueError(f"stage must be 'plan' or 'audio', got {stage!r}")
-    song.check_request(request, abc_sampling, semantic_sampling)  # before anything is written
+    if adapters is None:
+        adapters = song.check_request(request, abc_sampling, semantic_sampling)  # before anything is written
     if parent is not None:
         check_continuable(parent, song.weights, song.generation_config, directory)
-    config = song.effective_config(request, abc_sampling, semantic_sampling)
+    config = song.effective_config(request, abc_sampling, semantic_sampling, adapters=adapters)
     run_id = song.run_identity(request, config)
     # The directory belongs to the latents' identity, so a changed VAE redoes only the audio stage.
     latent_id = song.latent_identity(request, config)
@@ -117,7 +119,8 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
     def compute_plan():
         if parent is not None:  # a cap changes no score: the parent's plan is the longer request's
             return parent.child_plan(request)
-        plan = song.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token)
+        plan = song.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token,
+                         adapters=adapters)
         files = {"prefix.npy": art.npy_bytes(np.asarray(plan.prefix, np.int32)),
                  "abc_tokens.npy": art.npy_bytes(np.asarray(plan.abc_ids, np.int32))}
         if plan.abc is not None:
@@ -155,7 +158,7 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
         plan = SymbolicPlan(instrumental.rendered_request(plan_meta, request), plan_meta["abc"],
                             art.load_npy(run.path / "abc_tokens.npy").astype(int).tolist(),
                             art.load_npy(run.path / "prefix.npy").astype(int).tolist(),
-                            plan_meta["timing"], plan_meta["truncated"])
+                            plan_meta["timing"], plan_meta["truncated"], adapters=adapters)
         run.set_state(latent_id, request.to_dict(), "planned")
         if stage == "plan":
             return {"status": "planned", "identity": run_id, "resumed": reused == ["plan"],
@@ -179,7 +182,7 @@ def generate_to(song, directory: str | os.PathLike, request: SongRequest, *, res
             "status": "complete", "identity": run_id, "resumed": False, "stages_reused": list(reused),
             **({"instrumental": True} if request.instrumental else {}),  # its steps: instrumental.json
             # the adapters the song ran with (an instrumental adapter's recipe adds its adapter to the render)
-            **({"adapters": song.adapter_record(plan.request)} if plan.request.adapters else {}),
+            **({"adapters": adapters.record()} if adapters else {}),
             **batch_record(plan.timing, semantic.timing),
             **{key: config[key] for key in ("kv_cache_dtype",) if key in config},  # an FP8 KV engine's form
             **kv_cache_record(plan.timing, semantic.timing),  # what the engine ran, read back from it

@@ -24,7 +24,7 @@ from ..protocol import (CODEC_OFFSET, Sampling, SongRequest, SongRules, abc_prom
                         check_token_ids, negative_prompt, semantic_prompt)
 from ..room import DeviceRoom
 from ..tokenizer import YuE2Tokenizer
-from .adapters import ServedAdapters
+from .adapters import AdapterRequest, ServedAdapters
 from .admission import admitted, nar_need, torch_ar_admitted
 from .models import VAE_HALO_FRAMES
 from .results import Cancelled, OnProgress, OnToken, SemanticResult, SymbolicPlan, check_semantic
@@ -46,7 +46,7 @@ class SongStages:
     torch_lock: threading.RLock  # the torch lane; with load-time proxies it also covers synthesis
     proxy_mode: str | None
     ar_on_device: bool
-    adapters: ServedAdapters  # the registered adapters: what each song's request names
+    adapters: ServedAdapters  # the registered adapters: what each song's request names (resolved once per song)
     select_backend: Callable[[float, bool], tuple[ARBackend, str | None]]
     room: Callable[[], DeviceRoom | None]
     release_engine: Callable[[], None]
@@ -54,7 +54,13 @@ class SongStages:
 
     # -- the AR half
 
-    def generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, **kwargs) -> ARResult:
+    def resolve_adapters(self, request: SongRequest) -> AdapterRequest:
+        """The song's adapters, for a stage called without them (a song admitted by `check_request` carries them:
+        `SymbolicPlan.adapters`)."""
+        return self.adapters.resolve(request, engine=self.options.ar.backend != "torch")
+
+    def generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, adapters: AdapterRequest,
+                    **kwargs) -> ARResult:
         backend, reason = self.select_backend(kwargs.get("cfg_scale", 1.0), kwargs.get("legacy_off", False))
         continuation: ARContinuation | None = kwargs.get("continuation")
         if continuation is not None and continuation.backend == "torch" and backend is not self.torch_backend:
@@ -62,46 +68,48 @@ class SongStages:
                                                    "backend: its tokens and generator go on there")
         if reason is not None:
             LOG.info("%s phase: torch backend (%s)", phase, reason)
-        song = self.adapters.for_song(request)
         if backend is self.torch_backend:  # the song's AR adapters as run-time edits (model/lora.py)
             with self.torch_lock, torch_ar_admitted(self.room(), self.model, len(prefix), sampling, phase, kwargs), \
-                    applied(self.model, song.ar_edits() if song.ar_uses else None):
+                    applied(self.model, adapters.ar_edits()):
                 if self.proxy_mode:
                     prepare_ar_proxies(self.model, self.proxy_mode)  # idempotent; undone before each NAR stage
                 result = backend.generate(prefix, sampling, request.seed, phase, **kwargs)
         else:  # on vLLM: one LoRA per request (engine/lora.py)
-            slot = self.adapters.lora_slot(song)
+            lora = adapters.prepared_lora()
             result = backend.generate(prefix, sampling, request.seed, phase, **kwargs,
-                                      **({"lora": slot} if slot is not None else {}))
+                                      **({"lora": lora} if lora is not None else {}))
         timing = {**result.timing, "backend_requested": self.options.ar.backend, "fallback_reason": reason}
         timing.setdefault("batch_invariant", True)  # the torch backend serves one song per forward pass
         return result._replace(timing=timing)
 
     def plan(self, request: SongRequest, *, abc_sampling=None, cancelled: Cancelled | None = None,
-             on_token: OnToken | None = None) -> SymbolicPlan:
-        adapter = self.adapters.instrumental_for(request)
-        if adapter is not None:  # the instrumental adapter's recipe: one pass as its card prescribes
-            steps = instrumental.adapter_steps(request, adapter)
+             on_token: OnToken | None = None, adapters: AdapterRequest | None = None) -> SymbolicPlan:
+        """The song's score; `adapters` what `check_request` resolved for it (None: resolved here), carried on
+        the plan to the later stages."""
+        adapters = adapters if adapters is not None else self.resolve_adapters(request)
+        if request.instrumental and adapters.instrumental is not None:  # the instrumental adapter's card: one pass
+            steps = instrumental.adapter_steps(request, adapters.instrumental.ref)
             return replace(self.plan(steps.render, abc_sampling=abc_sampling, cancelled=cancelled,
-                                     on_token=on_token), instrumental=steps)
+                                     on_token=on_token, adapters=adapters), instrumental=steps)
         if request.instrumental:  # upstream's recipe: plan, move the vocal melody to Ins, render the edited score
             steps = instrumental.plan_steps(request, lambda asked: self.plan(
-                asked, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token))
-            plan = self.plan(steps.render)
+                asked, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token, adapters=adapters))
+            plan = self.plan(steps.render, adapters=adapters)
             return replace(plan, timing={**plan.timing, **steps.timing}, instrumental=steps)
         tokenizer = self.tokenizer
         if request.cot == "off":
             return SymbolicPlan(request, None, [], semantic_prompt(request, tokenizer),
-                                {"seconds": 0.0, "output_tokens": 0})
+                                {"seconds": 0.0, "output_tokens": 0}, adapters=adapters)
         if request.abc is not None:
             abc_ids = tokenizer.encode(request.abc)
             return SymbolicPlan(request, request.abc, abc_ids, semantic_prompt(request, tokenizer, abc_ids),
-                                {"seconds": 0.0, "output_tokens": 0, "external_prefix_tokens": len(abc_ids)})
+                                {"seconds": 0.0, "output_tokens": 0, "external_prefix_tokens": len(abc_ids)},
+                                adapters=adapters)
         ids, timing, truncated, _ = self.generate_ar(
             abc_prompt(request, tokenizer), self.rules.phase_sampling(request, abc_sampling, "abc"), request, "abc",
-            on_token=on_token, cancelled=cancelled)
+            adapters, on_token=on_token, cancelled=cancelled)
         return SymbolicPlan(request, tokenizer.decode(ids), ids, semantic_prompt(request, tokenizer, ids),
-                            timing, truncated)
+                            timing, truncated, adapters=adapters)
 
     def generate_semantic(self, plan: SymbolicPlan, *, sampling=None, cancelled: Cancelled | None = None,
                           on_token: OnToken | None = None,
@@ -120,7 +128,7 @@ class SongStages:
         extra = {"continuation": continuation} if continuation is not None else {}
         ids, timing, truncated, rng_state = self.generate_ar(
             plan.prefix, self.rules.phase_sampling(request, sampling, "semantic"), request, "semantic",
-            negative=negative, cfg_scale=request.guidance, legacy_off=request.cot == "off", on_token=on_token,
+            self._adapters_of(plan), negative=negative, cfg_scale=request.guidance, legacy_off=request.cot == "off", on_token=on_token,
             cancelled=cancelled, **extra)
         return SemanticResult(plan, [i - CODEC_OFFSET for i in ids], timing, truncated, rng_state=rng_state)
 
@@ -129,10 +137,12 @@ class SongStages:
     def nar_need(self, semantics: Sequence[SemanticResult]) -> int:
         return nar_need(self.model.config, semantics, self.options.generation.context, self.ar_on_device)
 
+    def _adapters_of(self, plan: SymbolicPlan) -> AdapterRequest:
+        return plan.adapters if plan.adapters is not None else self.resolve_adapters(plan.request)
+
     def _nar_edits(self, semantic: SemanticResult):
         """The song's adapters for the NAR: its AR parts in the prefix prefill, its NAR parts in the velocity."""
-        song = self.adapters.for_song(semantic.plan.request)
-        return song.nar_edits() if song else None
+        return self._adapters_of(semantic.plan).nar_edits()
 
     def _nar_lane(self):
         """With load-time proxies the NAR must not run while they are swapped in: it takes the torch lane."""

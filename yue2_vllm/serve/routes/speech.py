@@ -88,17 +88,27 @@ def speech_body(data) -> SpeechBody:
     return body
 
 
-def song_of(body: SpeechBody, adapters: dict) -> dict:
-    """The song a speech request asks for, as a POST /v1/songs body."""
+def song_of(body: SpeechBody) -> dict:
+    """The song a speech request asks for, as a POST /v1/songs body (its `model`, unless the base's, the song's
+    adapter: checked with the rest of the song by the submission, `submit_speech`)."""
     song = {"style": body.instructions, "lyrics": body.input}
     if body.model not in BASE_MODELS:
-        if body.model not in adapters:
-            raise NotFound(f"model {body.model!r} does not exist (the base model is {BASE_MODELS[0]!r}; adapters: "
-                           f"{', '.join(sorted(adapters)) or 'none'})", field="model")
         song["adapters"] = [{"name": body.model}]
     if isinstance(body.voice, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,179}", body.voice):
         song["id"] = body.voice  # kept as the job's label
     return song
+
+
+def submit_speech(service, song: dict, model: str, adapters: dict):
+    """`service.submit` of the song; the submission's refusal of its adapter (the one check of the name) is
+    answered as OpenAI's and vLLM's servers answer an unknown model: a 404 naming `model`."""
+    try:
+        return service.submit(json.dumps(song).encode("utf-8"))
+    except RequestInvalid as exc:
+        if exc.field != "adapters":
+            raise
+        raise NotFound(f"model {model!r} does not exist (the base model is {BASE_MODELS[0]!r}; adapters: "
+                       f"{', '.join(sorted(adapters)) or 'none'})", field="model") from None
 
 
 def audio_bytes(path, response_format: str) -> bytes:
@@ -170,7 +180,6 @@ def speech_router(api: Api, max_body_bytes: int) -> APIRouter:
         except UsageError as exc:
             raise RequestInvalid(f"body: {exc}") from None
         body = speech_body(data)
-        song = song_of(body, adapter_listing(api))
         most = service.config.max_waiting_calls
         if waiting["calls"] >= most:
             raise Unavailable(f"{waiting['calls']} speech calls are waiting for their songs, the most this server "
@@ -178,7 +187,8 @@ def speech_router(api: Api, max_body_bytes: int) -> APIRouter:
                               "job", headers={"Retry-After": str(service.retry_after())})
         waiting["calls"] += 1
         try:
-            record, _ = await run_in_threadpool(service.submit, json.dumps(song).encode("utf-8"))
+            record, _ = await run_in_threadpool(submit_speech, service, song_of(body), body.model,
+                                                adapter_listing(api))
             record = await finished(record.id)
         finally:
             waiting["calls"] -= 1
