@@ -201,6 +201,7 @@ def test_flat_keywords_set_their_groups_fields():
     assert pipeline_options(backend="vllm").ar == AROptions(backend="vllm")
     assert pipeline_options(offload_nar=True).device.offload_ar is True  # upstream: offload_ar or offload_nar
     assert pipeline_options(offload_nar=False, offload_ar=False).device.offload_ar is False
+    assert pipeline_options(offload_nar=True, offload_ar=False).device.offload_ar is True
     vllm = pipeline_options(kv_cache_dtype="fp8", max_num_seqs=4, max_num_batched_tokens=256, dtype="float32",
                             enforce_eager=True, max_model_len=8192, max_loras=2, max_lora_rank=16,
                             sliced_head=False)

@@ -259,10 +259,6 @@ def _flat_fields(keyword: str, value) -> list[tuple[str, object]]:
         if not isinstance(value, str) or value not in FLAT_BACKENDS:
             raise ValueError(f"backend must be one of {FLAT_BACKENDS}, got {value!r}")
         return [("backend", "torch"), ("torch_execution", "eager")] if value == "torch-eager" else [("backend", value)]
-    if keyword == "offload_nar":  # upstream: offload_ar = offload_ar or offload_nar (the NAR's placement is ours)
-        if not isinstance(value, bool):
-            raise ValueError(f"offload_nar must be True or False, got {value!r}")
-        return [("offload_ar", True)] if value else []
     if keyword == "engine_options":  # the earlier release's EngineSettings keywords: the named ones are fields now
         if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
             raise ValueError(f"engine_options must be a mapping of EngineSettings keywords, got {value!r}")
@@ -293,12 +289,19 @@ def pipeline_options(generation_config: GenerationConfig | Mapping | None = None
         if given[group] is not None:
             raise TypeError(f"YuE2Pipeline() got {keyword!r} both as a keyword and in {group}= "
                             f"({_GROUPS[group].__name__}); give it in one place")
+        if keyword == "offload_nar":  # upstream: offload_ar = offload_ar or offload_nar (the NAR's placement is ours)
+            if not isinstance(value, bool):
+                raise ValueError(f"offload_nar must be True or False, got {value!r}")
+            continue
         for name, item in _flat_fields(keyword, value):
             other = set_by.setdefault((group, name), keyword)
             if other != keyword:
                 raise TypeError(f"YuE2Pipeline() got {other!r} and {keyword!r}, which both set "
                                 f"{_GROUPS[group].__name__}.{name}; give one of them")
             fields[group][name] = item
+    if flat.get("offload_nar") and not fields["device"].get("offload_ar"):
+        fields["device"]["offload_ar"] = True
+        set_by.setdefault(("device", "offload_ar"), "offload_nar")
     built = {}
     for group, kind in _GROUPS.items():
         if given[group] is not None:
