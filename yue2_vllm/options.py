@@ -207,8 +207,9 @@ class AdapterOptions:
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """All of one pipeline's options: what `YuE2Pipeline` keeps, its defaults filled in (the device resolved, the
-    budget, the VAE tile and the AR checkpoint override decided)."""
+    """All of one pipeline's options: what `YuE2Pipeline` keeps, its defaults filled in by the resolver
+    (song/resolved.py: the device resolved, the budget, the VAE tile, the AR checkpoint override and the KV form
+    decided)."""
 
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     load: LoadOptions = field(default_factory=LoadOptions)
