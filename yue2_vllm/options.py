@@ -1,5 +1,5 @@
-"""What a pipeline is built from besides its weights, in four typed groups that the CLI, the server, the bench and the
-Python API each build once and hand down as they are:
+"""What a pipeline is built from besides its weights, in five typed groups that the CLI, the server, the bench and
+the Python API each build once and hand down as they are:
 
 - `LoadOptions`: what is loaded besides the MoT and the VAE, and how the weights are checked;
 - `AROptions`: how the AR half runs on either backend (which backend, its numerics, quantized forms, CFG songs);
@@ -7,13 +7,16 @@ Python API each build once and hand down as they are:
 - `DeviceOptions`: where the pipeline runs and how much of that device's memory it may take;
 - `AdapterOptions`: the adapters (LoRA) it serves, registered by name when it is built (docs/adapters.md).
 
-`YuE2Pipeline(model, vae, generation_config=..., load=..., ar=..., engine=..., device=...)` takes them; the pipeline
-keeps them, its defaults filled in, as one `PipelineOptions`. What one song asks for (its seed, length, style) is its
-`SongRequest`, never an option here.
+`YuE2Pipeline(model, vae, generation_config=..., load=..., ar=..., engine=..., device=..., adapters=...)` takes them;
+it also takes upstream's flat constructor keywords, vLLM's `LLM` keywords and this project's earlier flat keywords
+(`FLAT_KEYWORDS`), which `pipeline_options` maps onto the groups. What each option implies on a machine (the budget,
+the VAE tile, the AR checkpoint, the KV form, the LoRA slots) is worked out once from them (song/resolved.py); the
+pipeline keeps them, its defaults filled in, as one `PipelineOptions`. What one song asks for (its seed, length,
+style) is its `SongRequest`, never an option here.
 
 Each group checks its own fields when it is made: a bad value is a ValueError of one line naming the field
 (`AROptions.backend must be one of ...`), before anything is resolved or loaded. What depends on the machine or on
-several groups (a device this machine lacks, a KV form it cannot run, a budget above the card) the pipeline checks.
+several groups (a device this machine lacks, a KV form it cannot run, a budget above the card) the resolver checks.
 Importing this module imports neither torch nor vLLM (the CLI's parser reads its choices).
 """
 from __future__ import annotations
@@ -204,8 +207,9 @@ class AdapterOptions:
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """All of one pipeline's options: what `YuE2Pipeline` keeps, its defaults filled in (the device resolved, the
-    budget, the VAE tile and the AR checkpoint override decided)."""
+    """All of one pipeline's options: what `YuE2Pipeline` keeps, its defaults filled in by the resolver
+    (song/resolved.py: the device resolved, the budget, the VAE tile, the AR checkpoint override and the KV form
+    decided)."""
 
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     load: LoadOptions = field(default_factory=LoadOptions)
@@ -219,3 +223,102 @@ class PipelineOptions:
                            ("engine", EngineOptions), ("device", DeviceOptions), ("adapters", AdapterOptions)):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"{name} must be of type {kind.__name__}, got {type(getattr(self, name)).__name__}")
+
+
+# Upstream's `backend` values beside ours: torch-eager is our torch backend decoding eagerly.
+FLAT_BACKENDS = ("torch", "torch-eager", "vllm", "auto")
+_GROUPS = {"load": LoadOptions, "ar": AROptions, "engine": EngineOptions, "device": DeviceOptions,
+           "adapters": AdapterOptions}
+# The flat keywords the pipeline takes besides the groups, each onto the field of one group (docs/usage.md's table):
+# upstream's constructor's (device, memory_budget_gib, backend, verify_hashes, vae_core_frames, quantization,
+# offload_ar; a later upstream's offload_nar), vLLM's `LLM`'s (kv_cache_dtype, max_num_seqs, max_num_batched_tokens,
+# dtype, enforce_eager, max_model_len, max_loras, max_lora_rank), ours (sliced_head) and this project's earlier
+# release's (hash_cache, ar_checkpoint, keep_engine, start_engine, cfg_engine, quantized_policy, reproducible,
+# torch_execution, engine_options). "tuning": an EngineSettings keyword of EngineOptions.tuning.
+FLAT_KEYWORDS = {
+    "device": ("device", "device"), "memory_budget_gib": ("device", "budget_gib"),
+    "vae_core_frames": ("device", "vae_core_frames"), "offload_ar": ("device", "offload_ar"),
+    "offload_nar": ("device", "offload_ar"),
+    "backend": ("ar", "backend"), "quantization": ("ar", "quantization"), "dtype": ("ar", "dtype"),
+    "quantized_policy": ("ar", "quantized_policy"), "cfg_engine": ("ar", "cfg_engine"),
+    "torch_execution": ("ar", "torch_execution"), "reproducible": ("ar", "reproducible"),
+    "verify_hashes": ("load", "verify_hashes"), "ar_checkpoint": ("load", "ar_checkpoint"),
+    "hash_cache": ("load", "hash_cache"),
+    "kv_cache_dtype": ("engine", "kv_cache_dtype"), "max_num_seqs": ("engine", "max_num_seqs"),
+    "max_num_batched_tokens": ("engine", "max_num_batched_tokens"), "sliced_head": ("engine", "sliced_head"),
+    "start_engine": ("engine", "start"), "keep_engine": ("engine", "keep"),
+    "enforce_eager": ("engine", "tuning"), "max_model_len": ("engine", "tuning"),
+    "engine_options": ("engine", "tuning"),
+    "max_loras": ("adapters", "max_loras"), "max_lora_rank": ("adapters", "max_lora_rank"),
+}
+
+
+def _flat_fields(keyword: str, value) -> list[tuple[str, object]]:
+    """The `(field, value)`s one flat keyword sets on its group (`tuning[...]`: an EngineOptions.tuning entry)."""
+    group, name = FLAT_KEYWORDS[keyword]
+    if keyword == "backend":
+        if not isinstance(value, str) or value not in FLAT_BACKENDS:
+            raise ValueError(f"backend must be one of {FLAT_BACKENDS}, got {value!r}")
+        return [("backend", "torch"), ("torch_execution", "eager")] if value == "torch-eager" else [("backend", value)]
+    if keyword == "engine_options":  # the earlier release's EngineSettings keywords: the named ones are fields now
+        if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+            raise ValueError(f"engine_options must be a mapping of EngineSettings keywords, got {value!r}")
+        named = {*_ENGINE_SETTINGS, "kv_cache_dtype"}
+        return [(key if key in named else f"tuning[{key}]", item) for key, item in value.items()]
+    return [(f"tuning[{keyword}]" if name == "tuning" else name, value)]
+
+
+def pipeline_options(generation_config: GenerationConfig | Mapping | None = None, *,
+                     load: LoadOptions | None = None, ar: AROptions | None = None,
+                     engine: EngineOptions | None = None, device: DeviceOptions | str | None = None,
+                     adapters: AdapterOptions | None = None, **flat) -> PipelineOptions:
+    """The options the pipeline's keywords give: the groups as they are, each group not given built from the flat
+    keywords that set its fields (FLAT_KEYWORDS; `device` is a group or upstream's device name). A flat keyword whose
+    group is given too, two keywords that set one field, and an unknown keyword are a TypeError of one line naming
+    them, as Python's for a bad keyword; a bad value is the group's ValueError, naming the keyword."""
+    if device is not None and not isinstance(device, DeviceOptions):
+        flat = {"device": device, **flat}
+        device = None
+    unknown = [keyword for keyword in flat if keyword not in FLAT_KEYWORDS]
+    if unknown:
+        raise TypeError(f"YuE2Pipeline() got an unexpected keyword argument {unknown[0]!r}")
+    given = {"load": load, "ar": ar, "engine": engine, "device": device, "adapters": adapters}
+    fields: dict[str, dict] = {group: {} for group in given}
+    set_by: dict[tuple[str, str], str] = {}
+    for keyword, value in flat.items():
+        group = FLAT_KEYWORDS[keyword][0]
+        if given[group] is not None:
+            raise TypeError(f"YuE2Pipeline() got {keyword!r} both as a keyword and in {group}= "
+                            f"({_GROUPS[group].__name__}); give it in one place")
+        if keyword == "offload_nar":  # upstream: offload_ar = offload_ar or offload_nar (the NAR's placement is ours)
+            if not isinstance(value, bool):
+                raise ValueError(f"offload_nar must be True or False, got {value!r}")
+            continue
+        for name, item in _flat_fields(keyword, value):
+            other = set_by.setdefault((group, name), keyword)
+            if other != keyword:
+                raise TypeError(f"YuE2Pipeline() got {other!r} and {keyword!r}, which both set "
+                                f"{_GROUPS[group].__name__}.{name}; give one of them")
+            fields[group][name] = item
+    if flat.get("offload_nar") and not fields["device"].get("offload_ar"):
+        fields["device"]["offload_ar"] = True
+        set_by.setdefault(("device", "offload_ar"), "offload_nar")
+    built = {}
+    for group, kind in _GROUPS.items():
+        if given[group] is not None:
+            built[group] = given[group]
+            continue
+        values = {name: item for name, item in fields[group].items() if not name.startswith("tuning[")}
+        tuning = {name[7:-1]: item for name, item in fields[group].items() if name.startswith("tuning[")}
+        try:
+            built[group] = kind(**values, **({"tuning": tuning} if tuning else {}))
+        except ValueError as exc:  # name the keyword the bad value came from
+            message = str(exc)
+            for name in values:
+                prefix = f"{kind.__name__}.{name} "
+                if message.startswith(prefix):
+                    message = f"{set_by[(group, name)]} " + message[len(prefix):]
+            raise ValueError(message) from None
+    generation = (generation_config if isinstance(generation_config, GenerationConfig)
+                  else GenerationConfig.from_dict(generation_config))
+    return PipelineOptions(generation, **built)

@@ -21,27 +21,28 @@ from typing import Sequence
 import numpy as np
 
 from .checkpoint import default_hash_cache
-from .derive import OVERRIDE_ENV
 from .devices import (check_dtype_support, cuda_free_bytes, device_problem, empty_cache, engine_cuda_env,  # noqa: F401
                       resolve_device, set_upstream_numerics)
 from .hub import DEFAULT_MODEL, DEFAULT_VAE, HubOptions, ModelSource, resolve_model
-from .model.sampling import ARBackend, ARContinuation, TorchARBackend, resolve_execution
+from .model.sampling import ARBackend, ARContinuation, TorchARBackend
 from .model.torch_quant import apply_memory_cap, module_bytes
 from .model.modeling import YuE2Config
-from .options import AdapterOptions, AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions
+from .options import (AdapterOptions, AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions,
+                      pipeline_options)
 from .protocol import GenerationConfig, Sampling, SongRequest, SongRules, default_cfg_scale
 from .song.adapters import AdapterRequest, ServedAdapters
-from .song.admission import device_room, memory_target
+from .song.admission import device_room
 from .kv_cache import explicit as explicit_kv
-from .song.engine_life import (CLOSE_TIMEOUT_S, EngineInputs, EngineLife, check_kv_form, check_split,  # noqa: F401
-                               engine_settings, vllm_usable)
-from .song.models import (DTYPES, SLOW_LOAD_ENV, VAE_HALO_FRAMES, LoadedModels, default_vae_core_frames,  # noqa: F401
-                          vae_on_device, vae_placement)
+from .song.engine_life import CLOSE_TIMEOUT_S, EngineInputs, EngineLife, check_split, engine_settings
+from .song.models import (DTYPES, SLOW_LOAD_ENV, VAE_HALO_FRAMES, LoadedModels, vae_on_device,  # noqa: F401
+                          vae_placement)
+from .song.progress import Progress, token_budgets
+from .song.resolved import ResolvedOptions, ar_adapters, default_vae_core_frames, resolve_options  # noqa: F401
 from .song.results import (BATCH_NOTE, SAMPLE_RATE, Cancelled, Decoder, OnProgress, OnStage, OnToken,  # noqa: F401
                            SemanticResult, SongResult, SymbolicPlan, Synthesizer, batch_record, check_semantic)
 from .song.run_dir import (AUDIO_CONFIG_KEYS, FAILED_STATES, STAGE_RECORDS, generate_to, latent_identity,  # noqa: F401
                             peak_memory_bytes, run_identity)
-from .song.continuation import ContinueRefused, ParentSong, read_parent  # noqa: F401
+from .song.continuation import ContinueRefused, ParentSong, check_adapters, read_parent  # noqa: F401
 from .song.stages import SongStages
 
 
@@ -51,50 +52,101 @@ def _part(unit: str, name: str, doc: str) -> property:
     return property(lambda self: getattr(functools.reduce(getattr, path, self), name), doc=doc)
 
 
+def song_request(style=None, lyrics=None, tags=None, request: SongRequest | None = None, fields=None) -> SongRequest:
+    """The song a stage is asked for: our SongRequest (the first argument, or `request=`), or upstream's keywords
+    (`style` or its alias `tags`, `lyrics`, and SongRequest's other fields: `cot`, `seed`, `abc`, `cfg_scale`,
+    `id`, ...)."""
+    fields = dict(fields or {})
+    if isinstance(style, SongRequest):
+        request, style = style, None
+    if request is not None:
+        if not isinstance(request, SongRequest):
+            raise TypeError(f"request must be a SongRequest, got {type(request).__name__}")
+        beside = [name for name, value in (("style", style), ("lyrics", lyrics), ("tags", tags)) if value is not None]
+        if beside or fields:
+            raise TypeError(f"{(beside or list(fields))[0]} given beside a SongRequest, which holds the whole song; "
+                            "give one of them")
+        return request
+    if style is not None and tags is not None and style != tags:
+        raise ValueError("style and tags are aliases and cannot disagree")
+    style = tags if style is None else style
+    if lyrics is None and fields.get("instrumental") is True:
+        lyrics = ""  # lyrics are optional for an instrumental
+    if style is None or lyrics is None:
+        raise ValueError("Provide style and lyrics (or a SongRequest)")
+    return SongRequest(style=style, lyrics=lyrics, **fields)
+
+
 class YuE2Pipeline:
     def __init__(self, model_dir: str | os.PathLike | ModelSource, vae_dir: str | os.PathLike | ModelSource | None,
-                 *, generation_config: GenerationConfig | dict | None = None, load: LoadOptions = LoadOptions(),
-                 ar: AROptions = AROptions(), engine: EngineOptions = EngineOptions(),
-                 device: DeviceOptions = DeviceOptions(), adapters: AdapterOptions = AdapterOptions()):
-        """`model_dir` / `vae_dir`: directories, repo ids (their main revision; `from_pretrained` takes revisions and
-        the Hub's keywords) or resolved `hub.ModelSource`s; `vae_dir=None` for a pipeline that never decodes. The
-        options (options.py) are refused before anything loads when this machine cannot run them."""
-        generation = (generation_config if isinstance(generation_config, GenerationConfig)
-                      else GenerationConfig.from_dict(generation_config))
-        given = PipelineOptions(generation, load, ar, engine, device, adapters)
-        self.device = resolve_device(device.device)
-        resolve_execution(ar.torch_execution, self.device)  # refuse e.g. graph on the CPU before loading anything
-        check_dtype_support(self.device, DTYPES[ar.dtype])
-        kv_cache_dtype = check_kv_form(given, self.device)  # refused where vLLM would not start it or would run another
+                 *, device: str | DeviceOptions | None = None, memory_budget_gib: float | None = None,
+                 backend: str | None = None, generation_config: GenerationConfig | dict | None = None,
+                 verify_hashes: bool | None = None, vae_core_frames: int | None = None,
+                 quantization: str | None = None, offload_ar: bool | None = None, progress: bool = False,
+                 load: LoadOptions | None = None, ar: AROptions | None = None, engine: EngineOptions | None = None,
+                 adapters: AdapterOptions | None = None, options: PipelineOptions | ResolvedOptions | None = None,
+                 revision: str | None = None, vae_revision: str | None = None, **keywords):
+        """`model_dir` / `vae_dir`: directories, repo ids (at `revision` / `vae_revision`, else their main
+        revision; `from_pretrained` takes the Hub's other keywords) or resolved `hub.ModelSource`s; `vae_dir=None`
+        for a pipeline that never decodes.
+
+        The options: the typed groups (`generation_config`, `load`, `ar`, `engine`, `device`, `adapters`;
+        options.py), or all of them at once as `options` (a PipelineOptions, or a ResolvedOptions resolved on this
+        machine already: song/resolved.py), or flat keywords mapped onto the groups (options.FLAT_KEYWORDS):
+        upstream's (`device` a name such as "cpu", `memory_budget_gib`, `backend` "torch" / "torch-eager" / "vllm"
+        / "auto", `verify_hashes`, `vae_core_frames`, `quantization`, `offload_ar`), vLLM's `LLM`'s
+        (`kv_cache_dtype`, `max_num_seqs`, ...) and this project's earlier ones (docs/usage.md). A keyword given
+        flat and in its group too, or unknown, is a TypeError naming it. `progress`: upstream's English progress
+        on stderr, a bar per stage of every song this pipeline runs (song/progress.py). What this machine cannot
+        run is refused before anything loads."""
+        if not isinstance(progress, bool):
+            raise TypeError(f"progress must be True or False, got {progress!r}")
+        flat = {name: value for name, value in (
+            ("memory_budget_gib", memory_budget_gib), ("backend", backend), ("verify_hashes", verify_hashes),
+            ("vae_core_frames", vae_core_frames), ("quantization", quantization), ("offload_ar", offload_ar))
+            if value is not None}
+        if options is None:
+            options = pipeline_options(generation_config, load=load, ar=ar, engine=engine, device=device,
+                                       adapters=adapters, **flat, **keywords)
+        else:
+            beside = [name for name, value in (("device", device), ("generation_config", generation_config),
+                                               ("load", load), ("ar", ar), ("engine", engine), ("adapters", adapters))
+                      if value is not None] + list(flat) + list(keywords)
+            if beside:
+                raise TypeError(f"YuE2Pipeline() got {beside[0]!r} beside options=, which holds every option; give "
+                                "one of them")
+            if not isinstance(options, (PipelineOptions, ResolvedOptions)):
+                raise TypeError(f"options must be a PipelineOptions or a ResolvedOptions, got "
+                                f"{type(options).__name__}")
+            if isinstance(options, ResolvedOptions) and options.device is None:
+                raise ValueError(f"options: resolved for another machine's {options.device_type} (a Ray head's "
+                                 "view); resolve them on this one (song.resolved.resolve_options)")
+        # Refused (ValueError naming the option) before anything loads: the device, the torch execution, the dtype,
+        # the KV form, the budget.
+        resolved = options if isinstance(options, ResolvedOptions) else resolve_options(options)
+        self.device, self.unified, self.progress = resolved.device, resolved.unified, progress
         self.numerics = set_upstream_numerics()  # process-wide, as upstream sets them at construction
-        target = memory_target(self.device, device.budget_gib)
-        self.unified = target.unified
-        self.options = replace(  # the defaults filled in: what the engine, the stages and the records read
-            given, load=replace(load, ar_checkpoint=load.ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None),
-            engine=replace(engine, kv_cache_dtype=kv_cache_dtype),
-            device=replace(device, device=str(self.device), budget_gib=target.budget_gib,
-                           vae_core_frames=device.vae_core_frames or default_vae_core_frames(target.budget_gib)))
+        load, ar = resolved.options.load, resolved.options.ar
         start = time.perf_counter()
         # A local directory, or a Hugging Face repo id resolved to its cached snapshot (hub.py).
-        sources = {"mot": resolve_model(model_dir, what="model"),
-                   "vae": resolve_model(vae_dir, what="vae") if vae_dir is not None else None}
+        sources = {"mot": resolve_model(model_dir, revision=revision, what="model"),
+                   "vae": resolve_model(vae_dir, revision=vae_revision, what="vae") if vae_dir is not None else None}
         self.models = LoadedModels(sources, hashes=load.hash_cache if load.hash_cache is not None
                                    else default_hash_cache(), verify_hashes=load.verify_hashes,
                                    unified=self.unified is not None)
-        # Adapters are read, checked and converted before anything else loads (docs/adapters.md).
-        self.adapters = ServedAdapters.register(adapters, YuE2Config.load(self.model_dir))
-        self.rules = SongRules(generation, self.tokenizer, ar.reproducible, self.adapters.listing())
-        beside_engine = ar.backend != "torch" and vllm_usable()
-        # Beside the engine on a discrete GPU the torch side holds the AR expert in host memory (placement.py).
-        # (Load-time AR proxies serve torch-backend songs from the device: there the AR expert stays resident.)
-        self.ar_on_device = not (target.card_bytes is not None and beside_engine
-                                 and ar.quantization in ("none", "auto"))
-        self.engine_life = EngineLife(EngineInputs(self.model_dir, self.device, self.unified, self.vae_config,
-                                                   self.ar_on_device, self.options, self.adapters.lora),
+        # Adapters are read, checked and converted before anything else loads (docs/adapters.md); the LoRA the
+        # engine runs for them is sized with the other options.
+        registered = ServedAdapters.register(resolved.options.adapters, YuE2Config.load(self.model_dir))
+        self.resolved = resolved.with_adapters(*ar_adapters(registered.registry), self.model_dir, self.vae_config)
+        self.options = self.resolved.options  # the defaults filled in: what the engine, the stages and records read
+        self.adapters = replace(registered, lora=self.resolved.lora)
+        self.rules = SongRules(self.options.generation, self.tokenizer, ar.reproducible, self.adapters.listing())
+        self.ar_on_device = self.resolved.ar_on_device
+        self.engine_life = EngineLife(EngineInputs(self.model_dir, self.vae_config, self.resolved),
                                       self.models.hashes)
-        if self.device.type == "cuda" and beside_engine:  # refused before anything loads
+        if self.device.type == "cuda" and self.resolved.beside_engine:  # refused before anything loads
             check_split(self.engine_life.inputs)
-        self._load(engine.start and ar.backend != "torch")
+        self._load(self.options.engine.start and ar.backend != "torch")
         self.load_timing = {"identity_seconds": self.models.identity_seconds,
                             "load_seconds": time.perf_counter() - start}
 
@@ -132,7 +184,8 @@ class YuE2Pipeline:
         """Upstream's entry point: `m-a-p/YuE2-3B` with `m-a-p/YuE2-Vae` unless told otherwise (a repo id or a
         directory each; `vae=None` for a pipeline that never decodes). `revision` / `vae_revision`, `token`,
         `cache_dir` and `local_files_only` are huggingface_hub's (the token goes to it alone: no record, message
-        or log of ours holds it); `progress=False` hides its download bars. The other keywords are the
+        or log of ours holds it); `progress` shows its download bars and, as upstream, each song's progress on
+        stderr (the constructor's `progress`); `progress=False` hides both. The other keywords are the
         constructor's."""
         if not isinstance(progress, bool):
             raise TypeError(f"progress must be True or False, got {progress!r}")
@@ -141,7 +194,7 @@ class YuE2Pipeline:
         model_source = resolve_model(model, revision=revision, what="model", hub=hub)
         vae_source = resolve_model(vae, revision=vae_revision, what="vae", hub=hub) if vae is not None else None
         resolve_seconds = time.perf_counter() - start
-        pipe = cls(model_source, vae_source, **kwargs)
+        pipe = cls(model_source, vae_source, progress=progress, **kwargs)
         pipe.load_timing["resolve_seconds"] = resolve_seconds
         return pipe
 
@@ -282,23 +335,57 @@ class YuE2Pipeline:
 
     # -- stages (song/stages.py)
 
-    def plan(self, request: SongRequest, *, abc_sampling=None, cancelled: Cancelled | None = None,
-             on_token: OnToken | None = None, adapters: AdapterRequest | None = None) -> SymbolicPlan:
-        """The song's score; `adapters` what `check_request` returned (None: resolved here), carried on the plan."""
-        return self.stages.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token,
-                                adapters=adapters)
+    @contextlib.contextmanager
+    def _shown(self, on_token: OnToken | None, on_progress: OnProgress | None, budgets: dict | None = None,
+               done: dict | None = None):
+        """`(on_token, on_progress)` for one stage: the caller's, and with `progress` also its bar on stderr."""
+        if not self.progress:
+            yield on_token, on_progress
+            return
+        bars = Progress(True, budgets or {}, done)
+
+        def token(phase: str, token_id: int) -> None:
+            bars.on_token(phase, token_id)
+            if on_token is not None:
+                on_token(phase, token_id)
+
+        def progress(stage: str, count: int, total: int) -> None:
+            bars.on_progress(stage, count, total)
+            if on_progress is not None:
+                on_progress(stage, count, total)
+
+        try:
+            yield token, progress
+        finally:
+            bars.close()
+
+    def plan(self, style: str | SongRequest | None = None, lyrics: str | None = None, *, tags: str | None = None,
+             request: SongRequest | None = None, abc_sampling=None, cancelled: Cancelled | None = None,
+             on_token: OnToken | None = None, adapters: AdapterRequest | None = None, **fields) -> SymbolicPlan:
+        """The song's score: `plan(request)` (a SongRequest), or upstream's `plan(style, lyrics, cot=..., seed=...,
+        abc=..., id=...)` / `plan(request=...)`. `adapters`: what `check_request` returned (None: resolved
+        here), carried on the plan."""
+        request = song_request(style, lyrics, tags, request, fields)
+        budgets = token_budgets(self.rules, request, {"abc": abc_sampling}) if self.progress else None
+        with self._shown(on_token, None, budgets) as (on_token, _):
+            return self.stages.plan(request, abc_sampling=abc_sampling, cancelled=cancelled, on_token=on_token,
+                                    adapters=adapters)
 
     def generate_semantic(self, plan: SymbolicPlan, *, sampling=None, cancelled: Cancelled | None = None,
                           on_token: OnToken | None = None,
                           continuation: ARContinuation | None = None) -> SemanticResult:
         """The song's codec tokens; `continuation`: go on from a capped song's (see `continue_song`)."""
-        return self.stages.generate_semantic(plan, sampling=sampling, cancelled=cancelled, on_token=on_token,
-                                             continuation=continuation)
+        budgets = token_budgets(self.rules, plan.request, {"semantic": sampling}) if self.progress else None
+        done = {"semantic": len(continuation.tokens)} if continuation is not None else None
+        with self._shown(on_token, None, budgets, done) as (on_token, _):
+            return self.stages.generate_semantic(plan, sampling=sampling, cancelled=cancelled, on_token=on_token,
+                                                 continuation=continuation)
 
     def synthesize(self, semantic: SemanticResult, *, cancelled: Cancelled | None = None,
                    on_progress: OnProgress | None = None) -> np.ndarray:
         """One song's latents `[T, 64]`: upstream's one-song path, bit for bit."""
-        return self.stages.synthesize(semantic, cancelled=cancelled, on_progress=on_progress)
+        with self._shown(None, on_progress) as (_, on_progress):
+            return self.stages.synthesize(semantic, cancelled=cancelled, on_progress=on_progress)
 
     def synthesize_many(self, semantics: Sequence[SemanticResult], *, cancelled: Sequence[Cancelled | None] = (),
                         on_progress: Sequence[OnProgress | None] = ()) -> list[np.ndarray | BaseException]:
@@ -309,11 +396,16 @@ class YuE2Pipeline:
     def decode(self, latents: np.ndarray, *, cancelled: Cancelled | None = None,
                on_progress: OnProgress | None = None) -> np.ndarray:
         """`[T, 64]` latents → `[1920·T − 64, 2]` float32 audio clamped to [-1, 1]."""
-        return self.stages.decode(self.vae, latents, cancelled=cancelled, on_progress=on_progress)
+        with self._shown(None, on_progress) as (_, on_progress):
+            return self.stages.decode(self.vae, latents, cancelled=cancelled, on_progress=on_progress)
 
-    def __call__(self, request: SongRequest, *, abc_sampling=None, semantic_sampling=None,
-                 cancelled: Cancelled | None = None, on_token: OnToken | None = None,
-                 on_progress: OnProgress | None = None) -> SongResult:
+    def __call__(self, style: str | SongRequest | None = None, lyrics: str | None = None, *,
+                 tags: str | None = None, request: SongRequest | None = None, abc_sampling=None,
+                 semantic_sampling=None, cancelled: Cancelled | None = None, on_token: OnToken | None = None,
+                 on_progress: OnProgress | None = None, **fields) -> SongResult:
+        """One whole song: `pipe(request)` (a SongRequest), or upstream's `pipe(style=..., lyrics=..., cot=...,
+        seed=..., abc=..., cfg_scale=..., id=...)`, `pipe(**request_json)`."""
+        request = song_request(style, lyrics, tags, request, fields)
         adapters = self.check_request(request, abc_sampling, semantic_sampling)
         config = self.effective_config(request, abc_sampling, semantic_sampling, adapters=adapters)
         start = time.perf_counter()
@@ -361,6 +453,7 @@ class YuE2Pipeline:
         unfinished, not capped or from another model is refused (ContinueRefused, one line)."""
         parent = read_parent(parent_dir)
         request = parent.child_request(seconds, song_id)
+        check_adapters(parent, self.adapters.registry)
         overrides = parent.overrides()
         return self.generate_to(directory, request, resume=resume, abc_sampling=overrides["abc"],
                                 semantic_sampling=overrides["semantic"], cancelled=cancelled, on_token=on_token,

@@ -119,34 +119,40 @@ def memory_split(args, device: str | None = None) -> dict:
     """The engine / torch split `serve`, `batch` and `generate` would start with (memory.plan_memory) on this
     machine's device, or on a replica's `device` ("cuda": its card, or --budget when this machine has no GPU)."""
     from ..options import DeviceOptions, EngineOptions
-    from ..pipeline import resolve_device
     from .setup import memory_plan
 
     model_dir, vae_dir = Weights.of(args).resolve()
     model_dir, vae_dir = Path(model_dir), (Path(vae_dir) if vae_dir is not None else None)
-    plan = memory_plan(model_dir, vae_dir, device or resolve_device(args.device).type,
+    plan = memory_plan(model_dir, vae_dir, device or doctor_device(args),
                        DeviceOptions(device=args.device, budget_gib=args.budget, offload_ar=args.offload_ar),
                        EngineOptions(kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                                      max_num_seqs=args.concurrency))
     return {"model": str(model_dir), **plan.describe(), "problems": plan.problems()}
 
 
+def doctor_device(args) -> str:
+    """The device type `doctor` plans for: --device as this machine resolves it."""
+    from ..devices import resolve_device
+
+    return resolve_device(args.device).type
+
+
 def release_split(args, device: str | None = None) -> dict:
     """This machine's split for the released weights (m-a-p/YuE2-3B + m-a-p/YuE2-Vae, sizes from their shapes:
     nothing is downloaded), per AR form, with default flags or --budget / --concurrency: what is resident on the
     device, what is left for songs' buffers, and where our AR expert lives."""
-    import torch
-
-    from ..memory import default_budget_gib, device_pool, plan_memory, release_sizes, total_memory_bytes
+    from ..memory import plan_memory, release_sizes
     from ..model.modeling import YuE2Config
-    from ..pipeline import default_vae_core_frames, resolve_device
+    from ..options import DeviceOptions, PipelineOptions
+    from ..song.resolved import resolve_options
+    from .setup import card_bytes
 
-    device = device or resolve_device(args.device).type
-    pool = device_pool(device)
-    card = total_memory_bytes(device) if device == "cuda" and pool is None and torch.cuda.is_available() else None
-    budget = args.budget or default_budget_gib(pool, card)
-    sizes = release_sizes(vae_core_frames=default_vae_core_frames(budget))
-    total = None if device != "cuda" or torch.cuda.is_available() else int(budget * 2**30)
+    device = device or doctor_device(args)
+    resolved = resolve_options(PipelineOptions(device=DeviceOptions(device=args.device, budget_gib=args.budget)),
+                               device, kv_flag=None)  # the budget, the pool and the VAE tile, as a pipeline's
+    pool, budget = resolved.unified, resolved.budget_gib
+    sizes = release_sizes(vae_core_frames=resolved.vae_core_frames)
+    total = card_bytes(device, budget)
 
     def plan_for(weights: int, **extra):
         return plan_memory(YuE2Config(), device=device, budget_gib=budget, engine_weights=weights,

@@ -7,46 +7,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from .setup import EXPECTED_ERRORS, _signal_name, build_request, print_status, song_setup
-
-class Progress:
-    """tqdm bars on stderr: tokens per AR phase, steps for the NAR, tiles for the VAE."""
-
-    LABELS = {"abc": "Planning score", "semantic": "Generating song", "nar": "Synthesizing audio",
-              "vae": "Decoding audio"}
-
-    def __init__(self, enabled: bool, token_budget: dict[str, int], done: dict[str, int] | None = None):
-        self.enabled, self.token_budget = enabled, token_budget
-        self.done = done or {}  # tokens a phase has before it starts (a continued song's)
-        self.stage, self.bar = None, None
-
-    def _switch(self, stage: str, total: int | None) -> None:
-        if self.stage == stage:
-            return
-        self.close()
-        self.stage = stage
-        if self.enabled:
-            from tqdm import tqdm
-
-            unit = "tok" if stage in ("abc", "semantic") else ("step" if stage == "nar" else "tile")
-            self.bar = tqdm(total=total, desc=self.LABELS[stage], unit=unit, file=sys.stderr, leave=True,
-                            initial=self.done.get(stage, 0))
-
-    def on_token(self, phase: str, token: int) -> None:
-        self._switch(phase, self.token_budget.get(phase))
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def on_progress(self, stage: str, done: int, total: int) -> None:
-        self._switch(stage, total)
-        if self.bar is not None:
-            self.bar.total = total
-            self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        self.bar, self.stage = None, None
+from ..song.progress import Progress, token_budgets
+from .setup import EXPECTED_ERRORS, _signal_name, adapter_options, build_request, print_status, song_setup
 
 
 def _summary(document: dict) -> dict:
@@ -56,22 +18,11 @@ def _summary(document: dict) -> dict:
     return {**phases, **{k: timing[k] for k in ("nar_seconds", "vae_seconds") if k in timing}}
 
 
-def token_budgets(pipe, request, overrides: dict) -> dict:
-    """Each phase's token budget (the progress bars' totals; None where it does not resolve: refused later)."""
-    budget = {}
-    for phase in ("abc", "semantic"):
-        try:
-            budget[phase] = pipe.rules.phase_sampling(request, overrides.get(phase), phase).max_tokens
-        except ValueError:
-            budget[phase] = None
-    return budget
-
-
 def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, stage: str, quiet: bool,
              parent=None) -> dict:
     """Generate one song into `directory` (with `parent`: continue that capped song); returns the status line
     (failure.json is written on error)."""
-    progress = Progress(not quiet, token_budgets(pipe, request, overrides),
+    progress = Progress(not quiet, token_budgets(pipe.rules, request, overrides),
                         {"semantic": len(parent.tokens)} if parent is not None else None)
     try:
         document = pipe.generate_to(directory, request, resume=resume, stage=stage,
@@ -187,10 +138,53 @@ CONTINUE_TAKES_OWN = (("request", "--request"), ("style", "--style"), ("lyrics",
                       ("seed", "--seed"), ("cfg_scale", "--cfg-scale"), ("instrumental", "--instrumental"))
 
 
-def cmd_continue(args) -> int:
-    """`generate --continue RUN_DIR --seconds N`: the capped song in RUN_DIR continued to N seconds."""
+def continued_setup(setup, parent, child):
+    """`setup` with the song's own generation config and adapters, read from its directory (ParentSong): what its
+    continuation to `child` (its request) runs with. An adapter --lora / --lora-modules registers under the same
+    name is registered from the flag (check_adapters refuses one whose contents differ from the song's)."""
+    from dataclasses import replace
+
+    modules = dict(setup.adapters.modules)
+    for name, source in parent.adapter_sources():
+        modules.setdefault(name, source)
+    instrumental = parent.instrumental_adapter()
+    adapters = replace(setup.adapters, modules=tuple(modules.items()),
+                       instrumental=instrumental if instrumental in modules else None)
+    return replace(setup, generation=parent.generation_config(child), adapters=adapters)
+
+
+def check_continue_flags(args, setup, parent) -> None:
+    """The flags whose settings a continuation takes from the song instead, refused (naming the flag) where they
+    would change it: a --config whose NAR settings differ from the song's (its sampling is the song's anyway), a
+    --lora the song was not made with, another --instrumental-adapter. (The request's flags: CONTINUE_TAKES_OWN.)"""
     from ..request_json import UsageError
-    from ..song.continuation import read_parent
+    from ..song.continuation import SHARED_GENERATION
+
+    if args.config:
+        had, given = parent.config.get("generation") or {}, setup.generation.to_dict()
+        for key in SHARED_GENERATION:
+            if key in had and had[key] != given[key]:
+                raise UsageError(f"--config {args.config}: the song was made with {key} {had[key]!r}, --config gives "
+                                 f"{given[key]!r}; --continue goes on with the song's own generation config (its "
+                                 "config.json): leave --config out")
+    own = [(ref.name, ref.scale) for ref in parent.request.adapters]
+    for name, scale in setup.song_adapters:
+        if (name, scale) not in own:
+            made = ", ".join(f"{n} at {s:g}" for n, s in own) or "none"
+            raise UsageError(f"--lora: {name} at {scale:g} is not an adapter the song was made with ({made}); "
+                             "--continue goes on with the song's own adapters: leave --lora out")
+    chosen = getattr(args, "instrumental_adapter", None)
+    if chosen is not None and chosen != parent.instrumental_adapter():
+        raise UsageError(f"--instrumental-adapter {chosen}: the song was made with "
+                         f"{parent.instrumental_adapter() or 'none'}; --continue goes on with the song's own "
+                         "adapters: leave --instrumental-adapter out")
+
+
+def cmd_continue(args) -> int:
+    """`generate --continue RUN_DIR --seconds N`: the capped song in RUN_DIR continued to N seconds, with its own
+    request, generation config and adapters (read from RUN_DIR)."""
+    from ..request_json import UsageError
+    from ..song.continuation import check_adapters, read_parent
 
     if args.seconds is None:
         raise UsageError("--continue: give --seconds, the longer length to continue the song to")
@@ -206,7 +200,10 @@ def cmd_continue(args) -> int:
         message = str(exc).removeprefix("seconds: ")
         flag = "--id" if "SongRequest.id" in message else "--seconds"
         raise UsageError(f"{flag}: {message}") from None
-    with song_setup(args).pipeline() as pipe:
+    setup = song_setup(args)
+    check_continue_flags(args, setup, parent)
+    with continued_setup(setup, parent, request).pipeline() as pipe:
+        check_adapters(parent, pipe.adapters.registry)
         status = run_song(pipe, request, parent.overrides(), Path(args.output) / request.id, resume=args.resume,
                           stage="audio", quiet=args.quiet, parent=parent)
     print_status(status)
@@ -219,7 +216,8 @@ def cmd_continue(args) -> int:
 def cmd_generate(args) -> int:
     if getattr(args, "continue_from", None):
         return cmd_continue(args)
-    request, overrides = build_request(args)
+    adapters = adapter_options(args)  # --lora parsed once: the songs' adapters and the pipeline's
+    request, overrides = build_request(args, adapters[1])
     options = take_options(args)
     if options.many:
         from ..request_json import UsageError
@@ -229,7 +227,7 @@ def cmd_generate(args) -> int:
             check_takes_for(request, options, args.stage)
         except ValueError as exc:
             raise UsageError(f"--takes: {exc}") from None
-        with song_setup(args).pipeline() as pipe:
+        with song_setup(args, adapters=adapters).pipeline() as pipe:
             lines = run_takes_cli(pipe, request, overrides, Path(args.output) / request.id, options,
                                   resume=args.resume, stage=args.stage, quiet=args.quiet,
                                   scorer_command=args.scorer)
@@ -239,7 +237,7 @@ def cmd_generate(args) -> int:
         for line in failed:
             print(f"yue2-vllm: error: take {line['take']}: {line.get('reason')}", file=sys.stderr)
         return 1 if failed or lines[-1]["not_complete"] else 0
-    with song_setup(args).pipeline() as pipe:
+    with song_setup(args, adapters=adapters).pipeline() as pipe:
         status = run_song(pipe, request, overrides, Path(args.output) / request.id, resume=args.resume,
                           stage=args.stage, quiet=args.quiet)
     print_status(status)

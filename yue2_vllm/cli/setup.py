@@ -33,7 +33,10 @@ DEFAULT_REQUEST = {
 EXPECTED_ERRORS = (ValueError, OSError, InterruptedError)
 
 
-def build_request(args) -> tuple[object, dict]:
+def build_request(args, song_adapters: tuple = ()) -> tuple[object, dict]:
+    """The request from --request / the flags / the default, and its sampling overrides; `song_adapters`: the
+    `--lora` adapters' (name, scale) (`adapter_options`, parsed once), every song's unless its request file names
+    its own."""
     from ..protocol import SongRequest
 
     data, base_dir, where = {}, None, "request"
@@ -53,7 +56,6 @@ def build_request(args) -> tuple[object, dict]:
         flags["abc"], flag_values["abc"] = "--abc-file", read_abc(Path(args.abc_file), "--abc-file")
     if getattr(args, "instrumental", None):
         flags["instrumental"], flag_values["instrumental"] = "--instrumental", True
-    song_adapters = adapter_options(args)[1] if getattr(args, "lora", None) else ()
     if song_adapters and "adapters" not in data:  # --lora, unless the request file names its own
         flags["adapters"], flag_values["adapters"] = "--lora", [
             {"name": name, "scale": scale} for name, scale in song_adapters]
@@ -136,24 +138,32 @@ class SongSetup:
     device: DeviceOptions
     adapters: AdapterOptions = AdapterOptions()
     song_adapters: tuple = ()  # `--lora`: (name, scale) of the adapters every song of the run uses
+    device_here: object | None = None  # --device as this machine resolved it (torch.device); None: a replica's
 
     @property
     def options(self) -> PipelineOptions:
-        return PipelineOptions(self.generation, self.load, self.ar, self.engine, self.device)
+        return PipelineOptions(self.generation, self.load, self.ar, self.engine, self.device, self.adapters)
+
+    def resolved(self):
+        """The options resolved on the machine the pipeline is built on (song.resolved.resolve_options), refusals
+        naming the flags: --device there (once: this machine's was resolved by song_setup), --kv-cache-dtype,
+        --budget, --torch-execution, --dtype."""
+        from ..song.resolved import resolve_options
+
+        device = self.device_here if self.device_here is not None else flag_device(self.device.device)
+        return resolve_options(self.options, device, kv_flag=KV_FLAG)
 
     def pipeline(self):
-        """The pipeline, its engine starting while the MoT loads. What the machine it runs on cannot do is refused
-        first, naming the flag (a KV cache form, a vLLM runner)."""
+        """The pipeline, its engine starting while the MoT loads, built from the options resolved on this machine
+        (`resolved`: what it cannot do is refused first, naming the flag; a vLLM runner too)."""
         from ..pipeline import YuE2Pipeline
 
-        check_device(self.device.device)  # again on a replica: its machine, not the head's
-        check_kv_options(self.options)
+        resolved = self.resolved()
         model, vae = self.sources if self.sources is not None else self.weights.resolve()
         ar, engine = self.ar, self.engine
         if engine.runner != "auto":
-            check_runner(engine.runner, self.device.device, ar.backend)
-        pipe = YuE2Pipeline(model, vae, generation_config=self.generation, load=self.load, ar=ar, engine=engine,
-                            device=self.device, adapters=self.adapters)
+            check_runner(engine.runner, resolved.device_type, ar.backend)
+        pipe = YuE2Pipeline(model, vae, options=resolved)
         note = torch_ar_note(ar.backend, pipe.device.type, vllm_installed())
         if note is not None:
             import logging
@@ -162,44 +172,51 @@ class SongSetup:
         return pipe
 
     def for_replicas(self, concurrency: int) -> "SongSetup":
-        """What each replica builds its pipeline from: the weights resolved there, one engine row per song in
-        flight unless --max-num-seqs says."""
+        """What each replica builds its pipeline from: the weights and the device resolved there, one engine row per
+        song in flight unless --max-num-seqs says."""
         engine = replace(self.engine, max_num_seqs=self.engine.max_num_seqs or concurrency)
-        return replace(self, sources=None, engine=engine)
+        return replace(self, sources=None, engine=engine, device_here=None)
 
     def admission(self, device_type: str) -> tuple:
         """What a server whose songs run on replicas needs of these weights, resolved here without the weight files
         (song_setup with HEAD_PATTERNS): `(SongRules, rows)` — the rules it admits songs by (the pipeline's, without
         loading any weights), and the songs one replica serves at once when --max-concurrency is not given (the
-        engine's rows as the memory split on a replica's `device_type` sizes them, as `doctor` shows; 1 on the
-        torch backend)."""
+        engine's rows as the memory split on a replica's `device_type` sizes them beside the adapters' LoRA slots,
+        as a replica resolves them; 1 on the torch backend)."""
         from ..protocol import SongRules
+        from ..song.resolved import ar_adapters, resolve_options
         from ..tokenizer import YuE2Tokenizer
 
         model_dir, vae_dir = self.sources
         head_files(model_dir, vae_dir)
-        listing = {}
+        listing, sizes = {}, (0, 0)
         if self.adapters.modules:  # the head reads and checks them too: it admits songs by their names
             from ..model.modeling import YuE2Config
             from ..song.adapters import ServedAdapters
 
-            listing = ServedAdapters.register(self.adapters, YuE2Config.load(model_dir)).listing()
+            registered = ServedAdapters.register(self.adapters, YuE2Config.load(model_dir))
+            listing, sizes = registered.listing(), ar_adapters(registered.registry)
         rules = SongRules(self.generation, YuE2Tokenizer.from_model_dir(model_dir), self.ar.reproducible, listing)
         if self.ar.backend == "torch" or (self.ar.backend == "auto" and not vllm_installed()):
             return rules, 1
-        sized = replace(self.engine, max_num_seqs=None)  # rows as the split sizes them
-        rows = memory_plan(model_dir, vae_dir, device_type, self.device, sized, generation=self.generation,
-                           weights=head_weights_bytes(model_dir, vae_dir, self.weights.progress)).max_num_seqs
+        sized = replace(self.options, engine=replace(self.engine, max_num_seqs=None))  # rows as the split sizes them
+        resolved = resolve_options(sized, device_type, kv_flag=None).with_adapters(*sizes)
+        rows = split_plan(model_dir, vae_dir, resolved,
+                          weights=head_weights_bytes(model_dir, vae_dir, self.weights.progress)).max_num_seqs
         return rules, rows
 
 
-def song_setup(args, need_vae: bool = True, patterns: tuple | None = None) -> SongSetup:
+def song_setup(args, need_vae: bool = True, patterns: tuple | None = None, adapters: tuple | None = None) -> SongSetup:
     """A song command's `SongSetup` from its flags (the model flags, `--config`, --concurrency as the engine's rows):
     the embedded tiny default with its 10-second budgets when --model and --vae are both left out, else upstream's
-    names (model_names); `--backend` left out is default_backend's choice for these weights."""
+    names (model_names); `--backend` left out is default_backend's choice for these weights. `adapters`: the
+    adapter flags as `adapter_options` parsed them already (None: parsed here). --device is resolved here, once, on
+    a machine that builds a pipeline itself (not a Ray head: `patterns`)."""
     from ..testing import TINY_GENERATION
 
-    check_device(args.device)
+    device_here = flag_device(args.device) if patterns is None else None
+    if device_here is None:
+        check_device(args.device)
     generation = read_json_file(Path(args.config), "--config") if args.config else None
     weights = Weights.of(args, need_vae)
     model_dir, vae_dir = weights.resolve(patterns)
@@ -214,7 +231,8 @@ def song_setup(args, need_vae: bool = True, patterns: tuple | None = None) -> So
     except ValueError as exc:
         raise UsageError(f"--config {args.config}: {exc}") from None
     return SongSetup(weights, (model_dir, vae_dir), generation,
-                     *flag_options(args, args.backend or default_backend(model_dir)), *adapter_options(args))
+                     *flag_options(args, args.backend or default_backend(model_dir)),
+                     *(adapters if adapters is not None else adapter_options(args)), device_here=device_here)
 
 
 def flag_options(args, backend: str) -> tuple[LoadOptions, AROptions, EngineOptions, DeviceOptions]:
@@ -231,24 +249,16 @@ def flag_options(args, backend: str) -> tuple[LoadOptions, AROptions, EngineOpti
             DeviceOptions(device=args.device, budget_gib=args.budget, offload_ar=args.offload_ar))
 
 
-def check_kv_options(options: PipelineOptions, on_this_machine: bool = True) -> None:
-    """--kv-cache-dtype, refused naming the flag before anything loads (engine_life.check_kv_form): against the
-    backend, the AR checkpoint's kv_cache_scheme and, `on_this_machine`, this machine's device; a Ray head leaves
-    the device to its replicas (their pipelines check it there)."""
-    from ..devices import resolve_device
-    from ..pipeline import check_kv_form
-
-    check_kv_form(options, resolve_device(options.device.device) if on_this_machine else None, KV_FLAG)
-
-
 def check_kv_flag(args, on_this_machine: bool = True) -> None:
-    """`check_kv_options` from the flags alone, before any weights are resolved or anything is printed (`serve`:
-    before its "starting" line). --backend left out counts as auto here: the tiny default's torch is checked where
-    its pipeline is built."""
-    if on_this_machine:
-        check_device(args.device)
+    """The flags' options resolved before any weights are resolved or anything is printed (`serve`: before its
+    "starting" line), refused naming the flag: --device and --kv-cache-dtype (song.resolved.resolve_options) on
+    this machine; a Ray head checks what holds on any device (its replicas check their own). --backend left out
+    counts as auto here: the tiny default's torch is checked where its pipeline is built."""
+    from ..song.resolved import resolve_options
+
     load, ar, engine, device = flag_options(args, args.backend or "auto")
-    check_kv_options(PipelineOptions(load=load, ar=ar, engine=engine, device=device), on_this_machine)
+    options = PipelineOptions(load=load, ar=ar, engine=engine, device=device)
+    resolve_options(options, flag_device(args.device) if on_this_machine else args.device, kv_flag=KV_FLAG)
 
 
 def adapter_options(args) -> tuple[AdapterOptions, tuple]:
@@ -278,6 +288,14 @@ def check_device(device: str) -> None:
     problem = device_problem(device)
     if problem is not None:
         raise UsageError(f"--device {device}: {problem}")
+
+
+def flag_device(device: str):
+    """`--device` resolved on this machine (a torch.device), refused naming the flag when it cannot run it."""
+    from ..devices import resolve_device
+
+    check_device(device)
+    return resolve_device(device)
 
 
 def head_files(model_dir, vae_dir) -> dict:
@@ -314,42 +332,44 @@ def head_weights_bytes(model_dir, vae_dir, progress: bool = True) -> tuple[int, 
 def memory_plan(model_dir, vae_dir, device_type: str, device: DeviceOptions = DeviceOptions(),
                 engine: EngineOptions = EngineOptions(), *, generation: GenerationConfig | None = None,
                 weights: tuple[int, int] | None = None):
-    """The engine / torch split (memory.plan_memory) of these weights on `device_type` with these options
-    (options.DeviceOptions: the budget, --offload-ar, the VAE tile; options.EngineOptions: the rows, the KV cache
-    form counted by its element size); with `generation`, rows sized for its songs (a prompt + the larger phase
-    budget) instead of upstream's. On this machine's integrated GPU the split is one pool with the host (no budget:
-    the pool). `weights`: the (MoT, VAE) file bytes where the files are not here (a Ray head), else they are read
-    from the directories; the VAE is planned by its config.json, the release's where the directory has none (so the
-    rows never hang on it)."""
+    """`split_plan` of these options resolved for `device_type` (song.resolved.resolve_options: the budget, the VAE
+    tile, the KV form as given; `generation`: rows sized for its songs, default upstream's)."""
+    from ..song.resolved import resolve_options
+
+    options = PipelineOptions(generation or GenerationConfig(), device=device, engine=engine)
+    return split_plan(model_dir, vae_dir, resolve_options(options, device_type, kv_flag=None), weights=weights)
+
+
+def split_plan(model_dir, vae_dir, resolved, *, weights: tuple[int, int] | None = None):
+    """The engine / torch split (memory.plan_memory) of these weights with these resolved options
+    (song.resolved.ResolvedOptions: the device type, the budget, the unified pool, the VAE tile, the rows asked for,
+    --offload-ar, the KV cache form counted by its element size, the typical song, the adapters' LoRA slots). On
+    this machine's integrated GPU the split is one pool with the host (no budget: the pool). `weights`: the (MoT,
+    VAE) file bytes where the files are not here (a Ray head), else they are read from the directories; the VAE is
+    planned by its config.json, the release's where the directory has none (so the rows never hang on it)."""
     from ..checkpoint import read_json, weights_bytes
     from ..kv_cache import element_bytes
-    from ..memory import (PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, default_budget_gib, device_pool, plan_memory,
-                          total_memory_bytes, vae_decode_bytes)
+    from ..lora_memory import lora_slots_bytes
+    from ..memory import ar_expert_bytes, plan_memory, vae_decode_bytes
     from ..model.modeling import YuE2Config
     from ..model.vae import VAEConfig, decoder_bytes
-    from ..pipeline import VAE_HALO_FRAMES, default_vae_core_frames
+    from ..pipeline import VAE_HALO_FRAMES
 
     config = YuE2Config.load(Path(model_dir))
-    typical = {} if generation is None else {
-        "typical_tokens": PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)}
-    pool = device_pool(device_type)
-    import torch
-
-    card = (total_memory_bytes(device_type) if device_type.startswith("cuda") and pool is None
-            and torch.cuda.is_available() else None)
-    budget_gib = device.budget_gib or default_budget_gib(pool, card)
     vae, tile = 0, 0
     if vae_dir is not None:  # the decoder we keep, by its config (the release's where none is here yet)
         config_file = Path(vae_dir) / "config.json"
         vae_config = VAEConfig.from_dict(read_json(config_file)) if config_file.is_file() else VAEConfig()
         vae = decoder_bytes(vae_config)
-        tile = vae_decode_bytes(vae_config, device.vae_core_frames or default_vae_core_frames(budget_gib),
-                                VAE_HALO_FRAMES)
-    return plan_memory(config, device=device_type, budget_gib=budget_gib, engine_weights=ar_expert_bytes(config),
+        tile = vae_decode_bytes(vae_config, resolved.vae_core_frames, VAE_HALO_FRAMES)
+    options, lora = resolved.options, resolved.lora
+    return plan_memory(config, device=resolved.device_type, budget_gib=resolved.budget_gib,
+                       engine_weights=ar_expert_bytes(config),
                        torch_model=weights[0] if weights else weights_bytes(model_dir), vae=vae, vae_tile=tile,
-                       max_num_seqs=engine.max_num_seqs, offload_ar=device.offload_ar,
-                       total=card_bytes(device_type, budget_gib), unified=pool,
-                       kv_dtype_bytes=element_bytes(engine.kv_cache_dtype), **typical)
+                       max_num_seqs=options.engine.max_num_seqs, offload_ar=options.device.offload_ar,
+                       total=card_bytes(resolved.device_type, resolved.budget_gib), unified=resolved.unified,
+                       kv_dtype_bytes=element_bytes(resolved.kv_cache_dtype), typical_tokens=resolved.typical_tokens,
+                       lora_slots=lora_slots_bytes(config, lora.max_loras, lora.max_lora_rank))
 
 
 def card_bytes(device_type: str, budget_gib: float) -> int | None:
@@ -362,15 +382,15 @@ def card_bytes(device_type: str, budget_gib: float) -> int | None:
     return int(budget_gib * 2**30)
 
 
-def check_runner(runner: str, device: str, backend: str) -> str:
-    """`--vllm-runner`, refused before anything is written when this machine's vLLM cannot run it."""
+def check_runner(runner: str, device_type: str, backend: str) -> str:
+    """`--vllm-runner`, refused before anything is written when this machine's vLLM cannot run it on `device_type`
+    (the resolved --device's)."""
     if backend != "torch":
-        from ..devices import resolve_device
         from ..engine.backend import vllm_version
         from ..engine.runner import resolve_runner
 
         try:
-            resolve_runner(runner, resolve_device(device).type, vllm_version())
+            resolve_runner(runner, device_type, vllm_version())
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     return runner

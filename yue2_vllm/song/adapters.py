@@ -16,13 +16,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-from ..adapters.checks import max_lora_rank_for
 from ..adapters.registry import AdapterRegistry, AdapterUse
 from ..adapters.stacks import ar_target, make_ar_directory, stack_rank
 from ..adapters.weights import AdapterError
 from ..engine.lora import LoraIds, LoraRequest, LoraSettings
 from ..model.lora import Edits
-from ..options import DEFAULT_MAX_LORAS, AdapterOptions
+from ..options import AdapterOptions
+
+
+def recorded_source(source: str) -> str:
+    """An adapter's source as a record keeps it: a local path absolute (it stays findable from another directory),
+    a Hub repo id as given."""
+    local = Path(source).expanduser()
+    return str(local.resolve()) if local.exists() else source
 
 
 def _merged(parts: Sequence[Edits]) -> Edits:
@@ -89,8 +95,10 @@ class AdapterRequest:
         return config
 
     def record(self) -> list[dict]:
-        """result.json's `adapters`: name, half, content hash, scale, rank, layout and licence of each it ran with."""
-        return [use.record() for use in self.uses]
+        """result.json's `adapters`: name, half, content hash, scale, rank, layout and licence of each it ran with, and
+        where it was registered from (`source`: a Hub id, or a local path made absolute; what a continuation
+        registers)."""
+        return [{**use.record(), "source": recorded_source(use.adapter.source)} for use in self.uses]
 
 
 @dataclass
@@ -106,17 +114,13 @@ class ServedAdapters:
     @classmethod
     def register(cls, options: AdapterOptions, config) -> "ServedAdapters":
         """Register every `options.modules` adapter (read, checked, converted: AdapterError naming the first that
-        fails, before anything loads) and size the LoRA the engine needs for them."""
+        fails, before anything loads). The LoRA the engine runs for them is the resolved options' (resolved.py:
+        `ResolvedOptions.with_adapters`), set on the result by the pipeline."""
         registry = AdapterRegistry(config, cache_dir=options.cache_dir,
                                    **({"max_rank": options.max_lora_rank} if options.max_lora_rank else {}))
         for name, source in options.modules:
             registry.register(name, source)
-        ar = [a for a in registry.adapters() if a.converted.ar_path is not None]
-        lora = LoraSettings()
-        if ar:
-            rank = options.max_lora_rank or registry.max_ar_rank()
-            lora = LoraSettings(options.max_loras or min(len(ar), DEFAULT_MAX_LORAS), max_lora_rank_for(rank))
-        return cls(registry, options, lora)
+        return cls(registry, options)
 
     def listing(self) -> dict:
         """`{name: info}` of every registered adapter (what SongRules admits and GET /v1/adapters lists)."""

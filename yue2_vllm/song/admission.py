@@ -1,5 +1,6 @@
-"""Memory admission: the budget a pipeline runs in, the device room songs' buffers may still take, and what a
-stage needs before it runs (the NAR's chunks, a torch AR phase, a VAE tile) admitted into the engine's room.
+"""Memory admission: the device room songs' buffers may still take, and what a stage needs before it runs (the NAR's
+chunks, a torch AR phase, a VAE tile) admitted into the engine's room. The budget a pipeline runs in is resolved
+with its options (resolved.py).
 
 The one memory model is memory.py's; the one room is room.py's DeviceRoom, which the engine's life
 (engine_life.py) creates beside a vLLM engine on a discrete GPU. Everything here reads those.
@@ -8,41 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from ..devices import cuda_free_bytes
-from ..memory import (ar_host_bytes, budget_problem, default_budget_gib, device_pool, nar_song_bytes,
-                      torch_decode_bytes, total_memory_bytes, unified_pool)
+from ..memory import ar_host_bytes, nar_song_bytes, torch_decode_bytes, unified_pool
 from ..model.placement import placement_of
 from ..protocol import Sampling, chunk_ranges
 from ..room import DeviceRoom
 from .results import Cancelled, OnProgress, SemanticResult
-
-
-@dataclass(frozen=True)
-class MemoryTarget:
-    """The memory a pipeline runs in: the unified pool (an integrated GPU), the card's bytes (a discrete GPU;
-    None elsewhere), and the budget (the card less memory.DEVICE_RESERVE_FRACTION or the pool, unless told)."""
-
-    unified: object | None
-    card_bytes: int | None
-    budget_gib: float
-
-
-def memory_target(device: torch.device, budget_gib: float | None) -> MemoryTarget:
-    """The budget (None: the default) checked against the device (ValueError naming the limit) before anything
-    loads."""
-    # An integrated GPU (DGX Spark) shares the host's memory: one pool, MemAvailable less an OS reserve.
-    unified = device_pool(str(device)) if device.type == "cuda" else None
-    card = total_memory_bytes(str(device)) if device.type == "cuda" and unified is None else None
-    budget = float(budget_gib or default_budget_gib(unified, card))
-    problem = budget_problem(budget, unified, card)
-    if problem:
-        raise ValueError(problem)
-    return MemoryTarget(unified, card, budget)
 
 
 def device_room(device: torch.device, room: DeviceRoom | None, unified) -> int | None:

@@ -11,7 +11,7 @@ chunks over its full length, as the longer request would have. The parent's dire
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import artifacts as art
@@ -48,6 +48,7 @@ class ParentSong:
     plan_meta: dict
     rng_state: bytes | None = None
     name: str = ""  # what refusals call the song (default: its directory)
+    adapters: list = field(default_factory=list)  # result.json's `adapters`: name, sha256, scale, source, ... each
 
     def __post_init__(self):
         self.name = self.name or str(self.directory)
@@ -62,6 +63,23 @@ class ParentSong:
         generation = self.config["generation"]
         semantic = {k: v for k, v in generation["semantic"].items() if k != "max_tokens"}
         return {"abc": dict(generation["abc"]), "semantic": semantic}
+
+    def generation_config(self, child: SongRequest) -> GenerationConfig:
+        """The generation config the song was made with, as its config.json records it, for its continuation
+        `child`: the semantic phase's budget is the child's (a song's `seconds` cap is no setting of the config)."""
+        generation = dict(self.config["generation"])
+        semantic = {**generation["semantic"], "max_tokens": seconds_tokens(child.seconds)}
+        return GenerationConfig.from_dict({**generation, "semantic": semantic})
+
+    def adapter_sources(self) -> list[tuple[str, str]]:
+        """`(name, source)` of each adapter the song ran with, as its result.json records them (songs made before
+        the record named sources: none; their adapters must be registered again by name)."""
+        return [(entry["name"], entry["source"]) for entry in self.adapters if entry.get("source")]
+
+    def instrumental_adapter(self) -> str | None:
+        """The name of the adapter an instrumental song was rendered with (its recipe), None for any other song."""
+        chosen = self.config.get("instrumental_adapter") or {}
+        return next((entry["name"] for entry in self.adapters if entry.get("sha256") == chosen.get("sha256")), None)
 
     def child_request(self, seconds: float, song_id: str | None = None) -> SongRequest:
         """The parent's request with the longer `seconds` (and a new id: `<parent id>.<seconds>s` by default)."""
@@ -142,7 +160,8 @@ def read_parent(directory: str | os.PathLike, name: str | None = None) -> Parent
     if any(not 0 <= t < CODEC_SIZE for t in tokens):
         raise ContinueRefused(f"continue: {name}: its semantic.npy holds ids outside the codec range")
     return ParentSong(path, request, document["identity"], tokens, config, document.get("weights") or {},
-                      dict(semantic["meta"].get("timing") or {}), plan_files, dict(plan["meta"]), rng, name)
+                      dict(semantic["meta"].get("timing") or {}), plan_files, dict(plan["meta"]), rng, name,
+                      list(document.get("adapters") or []))
 
 
 def _stage(run: art.RunDirectory, stage: str, name: str) -> dict:
@@ -168,6 +187,19 @@ def check_continuable(parent: ParentSong, weights: dict, generation: GenerationC
     if target == source or source in target.parents:
         raise ContinueRefused(f"continue: {parent.name}: the continued song is a new song; write it outside its "
                               "directory (another --output or --id)")
+
+
+def check_adapters(parent: ParentSong, registry) -> None:
+    """Refuse (one line naming it) a continuation whose registry holds one of the song's adapters with other
+    contents than the song was made with (an adapter it lacks is refused by name when the song is checked)."""
+    for entry in parent.adapters:
+        if entry.get("name") not in registry:
+            continue
+        registered = registry.get(entry["name"])
+        if registered.sha256 != entry.get("sha256"):
+            raise ContinueRefused(f"continue: {parent.name}: adapter {entry['name']!r} ({registered.source}) is not "
+                                  f"the one the song was made with (sha256 {registered.sha256[:12]}, the song's "
+                                  f"{str(entry.get('sha256'))[:12]}); continue it with the adapter it was made with")
 
 
 def exactness(parent: ParentSong, config: dict, timing: dict) -> dict:

@@ -1,126 +1,25 @@
-"""The vLLM engine's life beside one pipeline: the settings it starts with, the split refused before any weights
-load, the start (in the background, or when the first song asks), the fallback reason and bounded retry of a
-failed start, stopping a start in progress, releasing it for the NAR, and closing it.
+"""The vLLM engine's life beside one pipeline: the split refused before any weights load (the settings it starts
+with are built from the resolved options, song/resolved.py), the start (in the background, or when the first song
+asks), the fallback reason and bounded retry of a failed start, stopping a start in progress, releasing it for the
+NAR, and closing it.
 
 Nothing here imports vLLM at module level; engine/backend.py is read inside the functions that drive it.
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
 
-import torch
-
-from ..checkpoint import HashCache, weights_bytes
-from ..derive import OVERRIDE_ENV, derivation_bytes
-from ..devices import engine_cuda_env
-from ..kv_cache import check_form, check_kv_cache, is_fp8, option_problem
-from ..memory import PROMPT_ESTIMATE_TOKENS, ar_expert_bytes, vae_decode_bytes
+from ..checkpoint import HashCache
+from ..derive import derivation_bytes
 from ..model.modeling import YuE2Config
-from ..model.vae import decoder_bytes
-from ..engine.lora import LoraSettings
-from ..options import PipelineOptions
 from ..room import DeviceRoom
 from ..startup import STARTUP, StartRetry, StepAborted, block_counter
-from .models import DTYPES, VAE_HALO_FRAMES
+from .resolved import EngineInputs, engine_settings, estimated_engine_weights, vllm_usable  # noqa: F401
 
 LOG = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 10.0  # close() waits this long at most for a background engine start to stop
-
-
-def vllm_usable() -> bool:
-    """Whether an installed vLLM can be driven (without importing it)."""
-    from ..engine.backend import unsupported_reason, vllm_version
-
-    return unsupported_reason(vllm_version()) is None
-
-
-@dataclass(frozen=True)
-class EngineInputs:
-    """What the engine is sized and derived from: the pipeline's options (their defaults filled in), its device and
-    what its torch side keeps."""
-
-    model_dir: Path
-    device: torch.device
-    unified: object | None
-    vae_config: object | None
-    ar_on_device: bool  # where the torch side holds the AR expert (placement.py)
-    options: PipelineOptions
-    lora: LoraSettings = LoraSettings()  # the LoRA slots registered AR adapters need (song/adapters.py)
-
-
-def engine_settings(inputs: EngineInputs, checkpoint) -> "EngineSettings":
-    """The engine a pipeline starts: its options, sized against what the torch side keeps."""
-    from ..engine.backend import EngineSettings
-
-    options, device = inputs.options, inputs.device
-    generation, ar, placement = options.generation, options.ar, options.device
-    typical = PROMPT_ESTIMATE_TOKENS + max(generation.abc.max_tokens, generation.semantic.max_tokens)
-    mot_bytes = weights_bytes(inputs.model_dir) * DTYPES[ar.dtype].itemsize // 2  # stored bf16
-    vae = inputs.vae_config
-    vae_bytes = decoder_bytes(vae) if vae is not None else 0
-    tile = vae_decode_bytes(vae, placement.vae_core_frames, VAE_HALO_FRAMES) if vae else 0
-    settings = {"typical_tokens": typical, "offload_ar": placement.offload_ar, "dtype": ar.dtype,
-                "torch_side_bytes": mot_bytes + vae_bytes, "vae_tile_bytes": tile,
-                "torch_ar_on_device": inputs.ar_on_device, "kv_cache_dtype": options.engine.kv_cache_dtype,
-                "lora": inputs.lora, **options.engine.settings()}  # what the caller set wins over what is sized here
-    settings.setdefault("cuda_visible_devices", engine_cuda_env(device).get("CUDA_VISIBLE_DEVICES"))
-    if device.type == "cuda":
-        settings.setdefault("cuda_capability", tuple(torch.cuda.get_device_capability(device)))
-        settings.setdefault("unified", inputs.unified)
-    if ar.reproducible:
-        from ..engine.runner import batch_invariance
-
-        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        settings["batch_invariance"] = invariance = batch_invariance(device.type, capability)
-        if invariance.dtype is not None:
-            settings["dtype"] = invariance.dtype
-    engine = EngineSettings(checkpoint, device_type=device.type, memory_budget_gib=placement.budget_gib, **settings)
-    if engine.lora.enabled and options.adapters.max_loras is None:  # slots sized by the plan: fewer while it fails
-        config = YuE2Config.load(inputs.model_dir)
-        weights = estimated_engine_weights(inputs, config)
-        while engine.lora.max_loras > 1 and engine.plan(config, engine_weights=weights).problems():
-            engine = replace(engine, lora=replace(engine.lora, max_loras=engine.lora.max_loras - 1))
-    return engine
-
-
-def estimated_engine_weights(inputs: EngineInputs, config: YuE2Config) -> int:
-    """The AR checkpoint's bytes before it exists: the override's files, else the bf16 AR expert a derivation holds."""
-    ar_checkpoint = inputs.options.load.ar_checkpoint
-    override = Path(ar_checkpoint) if ar_checkpoint else None
-    return weights_bytes(override) if override is not None and override.is_dir() else ar_expert_bytes(config)
-
-
-def check_kv_form(options: PipelineOptions, device: torch.device | None,
-                  flag: str = "EngineOptions.kv_cache_dtype") -> str:
-    """The engine's KV cache form (`options.engine.kv_cache_dtype`), refused (ValueError, one line naming `flag`, the
-    card and what works) before anything loads where vLLM would not start with it on `device`, or would store
-    another form, or where the AR checkpoint's own `kv_cache_scheme` would switch it (kv_cache.kv_cache_problem,
-    attention.choose). `device` None (a Ray head, whose replicas check their own devices): only what holds on any
-    device (kv_cache.option_problem)."""
-    from ..attention import installed_packages
-    from ..engine.backend import vllm_version
-
-    form, ar = check_form(options.engine.kv_cache_dtype, flag), options.ar
-    checkpoint = options.load.ar_checkpoint or os.environ.get(OVERRIDE_ENV) or None
-    if device is not None and vllm_version() is None:
-        checkpoint = None  # no engine here: its checkpoint is never served
-    if device is None or not is_fp8(form):
-        problem = option_problem(form, backend=ar.backend, cfg_engine=ar.cfg_engine, checkpoint=checkpoint,
-                                 flag=flag)
-        if problem:
-            raise ValueError(problem)
-        return form
-    cuda = device.type == "cuda"
-    return check_kv_cache(form, device_type=device.type, vllm_version=vllm_version(), backend=ar.backend,
-                          cfg_engine=ar.cfg_engine, capability=tuple(torch.cuda.get_device_capability(device))
-                          if cuda else None, device_name=torch.cuda.get_device_name(device) if cuda else None,
-                          packages=installed_packages() if cuda else None, reproducible=ar.reproducible,
-                          dtype=ar.dtype, checkpoint=checkpoint, flag=flag)
 
 
 def check_split(inputs: EngineInputs) -> None:
@@ -159,7 +58,7 @@ class EngineLife:
 
                 reason = unsupported_reason(vllm_version())
                 if reason is None:
-                    derived = not (load.ar_checkpoint or os.environ.get(OVERRIDE_ENV))
+                    derived = not load.ar_checkpoint  # resolved: the override, or $YUE2_AR_CHECKPOINT
                     with STARTUP.step("deriving", "AR checkpoint",
                                       derivation_bytes(inputs.model_dir) if derived else None) as step:
                         checkpoint = resolve_ar_checkpoint(inputs.model_dir, override=load.ar_checkpoint,

@@ -28,10 +28,6 @@ SLOW_LOAD_ENV = "YUE2_TEST_LOAD_DELAY_S"  # tests only: seconds added to the MoT
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # float32: verification runs of both AR backends
 
 
-def default_vae_core_frames(memory_budget_gib: float) -> int:
-    return 512 if memory_budget_gib <= 12 else 1024
-
-
 class LoadedModels:
     """The weights one pipeline serves: identified (hashed, the VAE's files checked) on construction, the MoT
     loaded by `load_mot`, the VAE on first use of `vae`."""

@@ -2,7 +2,9 @@
 and the callbacks stages report through."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -34,6 +36,26 @@ class SymbolicPlan:
     truncated: bool = False
     instrumental: "InstrumentalSteps | None" = None  # an instrumental song's steps of the recipe
     adapters: "AdapterRequest | None" = None  # the song's adapters, resolved once (song.adapters); None: not yet
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Upstream's plan files in `directory`: `score.abc` (when there is a score), `abc_tokens.npy` and
+        `prefix.npy` (int32), `plan.json` (request, timing, truncated, prefix, abc_ids, abc) and
+        `plan_manifest.json` (each of those files' sha256)."""
+        from ..artifacts import npy_bytes
+        from ..checkpoint import json_bytes, sha256_file, write_bytes_atomic
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        files = {"plan.json": json_bytes({"request": self.request.to_dict(), "timing": self.timing,
+                                          "truncated": self.truncated, "prefix": list(self.prefix),
+                                          "abc_ids": list(self.abc_ids), "abc": self.abc}),
+                 "abc_tokens.npy": npy_bytes(np.asarray(self.abc_ids, np.int32)),
+                 "prefix.npy": npy_bytes(np.asarray(self.prefix, np.int32)),
+                 **({"score.abc": self.abc.encode("utf-8")} if self.abc is not None else {})}
+        for name, data in files.items():
+            write_bytes_atomic(directory / name, data)
+        write_bytes_atomic(directory / "plan_manifest.json",
+                           json_bytes({name: sha256_file(directory / name) for name in files}))
 
 
 @dataclass
@@ -77,6 +99,39 @@ class SongResult:
     @property
     def audio_seconds(self) -> float:
         return len(self.audio) / self.sample_rate
+
+    def save(self, path: str | os.PathLike) -> str:
+        """The audio as upstream writes it: `.flac` (24-bit) or `.wav` (float); returns the path."""
+        import soundfile
+
+        path = Path(path)
+        subtype = {".flac": "PCM_24", ".wav": "FLOAT"}.get(path.suffix.lower())
+        if subtype is None:
+            raise ValueError(f"{path}: use .flac or .wav")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        soundfile.write(str(path), self.audio, self.sample_rate, subtype=subtype)
+        return str(path)
+
+    def save_artifacts(self, directory: str | os.PathLike) -> dict:
+        """Upstream's artifacts of a finished song in `directory`: the plan's files (`SymbolicPlan.save`),
+        `audio.flac`, `semantic.npy` (codec indices, int32), `latent.npy` (`[T, 64]` float32), `request.json`,
+        `config.json` (the effective config) and `result.json` (status, identity, truncated, sample rate, seconds,
+        weights, timing and every other file's sha256 and size), which it returns."""
+        from ..artifacts import RunDirectory, flac_bytes, npy_bytes
+        from ..checkpoint import json_bytes, write_bytes_atomic
+
+        directory = Path(directory)
+        self.plan.save(directory)
+        files = {"audio.flac": flac_bytes(self.audio, self.sample_rate),
+                 "semantic.npy": npy_bytes(np.asarray(self.semantic.tokens, np.int32)),
+                 "latent.npy": npy_bytes(np.asarray(self.latents, np.float32)),
+                 "request.json": json_bytes(self.request.to_dict()), "config.json": json_bytes(self.config)}
+        for name, data in files.items():
+            write_bytes_atomic(directory / name, data)
+        return RunDirectory(directory).write_result({
+            "status": "complete", "identity": self.identity, "truncated": self.truncated,
+            "sample_rate": self.sample_rate, "audio_seconds": self.audio_seconds, "weights": self.weights,
+            "timing": self.timing})
 
 
 def truncation_record(seconds: float | None, truncated: dict, generation: dict) -> dict:
