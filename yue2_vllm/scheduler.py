@@ -195,7 +195,6 @@ class SynthesisLane:
         self.expecting = expecting or (lambda: 0)  # songs still in their AR phases (they may join a batch)
         self.threads = threads
         self._queues: dict[str, queue.Queue[_LaneJob | None]] = {"nar": queue.Queue(), "vae": queue.Queue()}
-        self.started = time.perf_counter()
         self.batches: list[int] = []
         self._active, self._busy_since, self.busy_seconds = 0, 0.0, 0.0
         self._busy_lock = threading.Lock()
@@ -231,11 +230,6 @@ class SynthesisLane:
     def healthy(self) -> bool:
         """Both lane threads are running (a dead one would leave every song waiting for its synthesis)."""
         return all(thread.is_alive() for thread in self._threads)
-
-    @property
-    def idle_seconds(self) -> float:
-        """Wall time since the lane started during which neither of its threads had work."""
-        return time.perf_counter() - self.started - self.busy_seconds
 
     # -- the lane threads
 
