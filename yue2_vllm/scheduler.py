@@ -112,7 +112,7 @@ class SongHandle:
         self._emit("tokens", phase=phase, count=self.tokens[phase])
 
     def on_progress(self, stage: str, done: int, total: int) -> None:
-        if stage.endswith("_wait"):  # the stage waits for room on the device (pipeline._admitted): need, free
+        if stage.endswith("_wait"):  # the stage waits for room on the device (song.admission.admitted): need, free
             self.waiting = {"stage": stage[:-len("_wait")], "need_bytes": done, "free_bytes": total,
                             "since": time.time()}
             self._emit("waiting", **self.waiting)
