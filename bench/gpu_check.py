@@ -1088,7 +1088,7 @@ def engine_lora(args) -> Rows:
         try:
             free_before = torch.cuda.mem_get_info()[0] if cuda else None
             backend.start()
-            row = {"row": f"engine LoRA {runner}", "runner": backend.runner.runner, "rank": rank,
+            row = {"row": f"engine LoRA {runner}", "runner": backend.setup.runner.runner, "rank": rank,
                    "plan_lora_slots_bytes": backend.plan.lora_slots}
             if cuda:
                 used = free_before - torch.cuda.mem_get_info()[0]

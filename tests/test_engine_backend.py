@@ -82,7 +82,7 @@ def test_phases_are_masked_seeded_and_bounded(backend):
     assert {key: semantic.timing[key] for key in ("vllm_runner", "async_scheduling", "sliced_head")} == \
         {"vllm_runner": "v1", "async_scheduling": False, "sliced_head": True}
     assert semantic.timing["vllm_runner_reason"].startswith("Model Runner V2 needs a Triton backend for cpu")
-    assert semantic.timing["sliced_head_phases"] == backend.sliced_head_phases  # each phase's head, on the record
+    assert semantic.timing["sliced_head_phases"] == backend.setup.sliced_head_phases  # each phase's head, on the record
     assert set(semantic.timing["sliced_head_phases"]) == {"abc", "semantic"}
 
 
@@ -202,7 +202,7 @@ def test_stop_token_engine_death_and_bounded_restarts(ending_checkpoint):
                                  on_token=lambda p, t: seen.append(t))
         assert 6 <= len(result.ids) < 100 and not result.truncated and seen == result.ids + [MUSIC_END]
         assert result.timing["output_tokens"] == len(result.ids) + 1
-        group, log_dir = engine.process.pid, engine._worker.log_dir
+        group, log_dir = engine.process.pid, engine.life.worker.log_dir
         counts = [0] * 4
 
         def on_token(index):
@@ -234,7 +234,7 @@ def test_log_directory_is_removed_on_close(derived):
     engine = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(derived, "derived", None), max_num_seqs=1,
                                                      max_model_len=512))
     engine.start()
-    log_dir = engine._worker.log_dir
+    log_dir = engine.life.worker.log_dir
     assert (log_dir / "worker.log").exists()
     engine.close()
     assert not log_dir.exists() and not engine.running

@@ -107,7 +107,7 @@ def long_request(engine, on_token=None):
 @needs_vllm
 def test_a_torn_frame_is_fatal_and_named_to_every_request(stalling):
     stalling.start()
-    worker, restarts = stalling._worker, stalling.restarts
+    worker, restarts = stalling.life.worker, stalling.restarts
     counts = [0]
 
     def tear(phase, token):  # mid-song, a frame whose length does not match its body reaches the worker

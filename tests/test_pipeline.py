@@ -659,10 +659,10 @@ def test_close_stops_an_engine_start_at_once(tiny_model_dir, tiny_vae_dir, tmp_p
     pipe = _slow_engine_pipeline(tiny_model_dir, tiny_vae_dir, tmp_path, monkeypatch, 900.0)
     pipe.engine_life.start_in_background()
     deadline = time.monotonic() + 30
-    while pipe.engine_life._vllm is None or pipe.engine_life._vllm.process is None and pipe.engine_life._vllm._starting is None:
+    while pipe.engine_life._vllm is None or pipe.engine_life._vllm.process is None and pipe.engine_life._vllm.life.starting is None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    worker = pipe.engine_life._vllm._starting.process
+    worker = pipe.engine_life._vllm.life.starting.process
     start = time.monotonic()
     pipe.close()
     assert time.monotonic() - start < 3.0 and worker.poll() is not None

@@ -268,7 +268,7 @@ def reproducible_pipe(tiny_model_dir, tiny_vae_dir):
 
 @needs_vllm
 def test_under_the_switch_a_seed_fixes_the_song_whatever_else_the_engine_serves(reproducible_pipe, tmp_path):
-    assert reproducible_pipe.engine.settings.dtype == "float32" and reproducible_pipe.engine.invariance is not None
+    assert reproducible_pipe.engine.settings.dtype == "float32" and reproducible_pipe.engine.setup.invariance is not None
     mine, others = songs(8, prefix="m"), songs(8, prefix="o", cot="off")  # others: CFG pairs, other lengths
     alone = {h.id: h for h in generate_many(reproducible_pipe, mine, tmp_path / "alone", concurrency=1)}
     together = {h.id: h for h in generate_many(reproducible_pipe, mine + others, tmp_path / "together",

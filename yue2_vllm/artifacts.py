@@ -65,13 +65,6 @@ def flac_bytes(audio: np.ndarray, sample_rate: int = SAMPLE_RATE) -> bytes:
     return buffer.getvalue()
 
 
-def read_flac(path: Path) -> tuple[np.ndarray, int]:
-    import soundfile
-
-    audio, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
-    return audio, rate
-
-
 REQUIRED_ARTIFACTS = frozenset({"audio.flac", "prefix.npy", "semantic.npy", "latent.npy", "request.json",
                                 "config.json"})
 

@@ -40,7 +40,7 @@ from .song.progress import Progress, token_budgets
 from .song.resolved import ResolvedOptions, ar_adapters, default_vae_core_frames, resolve_options  # noqa: F401
 from .song.results import (BATCH_NOTE, SAMPLE_RATE, Cancelled, Decoder, OnProgress, OnStage, OnToken,  # noqa: F401
                            SemanticResult, SongResult, SymbolicPlan, Synthesizer, batch_record, check_semantic)
-from .song.run_dir import (AUDIO_CONFIG_KEYS, FAILED_STATES, STAGE_RECORDS, generate_to, latent_identity,  # noqa: F401
+from .song.run_dir import (AUDIO_CONFIG_KEYS, FAILED_STATES, STAGE_RECORDS, SongRun, latent_identity,  # noqa: F401
                             peak_memory_bytes, run_identity)
 from .song.continuation import ContinueRefused, ParentSong, check_adapters, read_parent  # noqa: F401
 from .song.stages import SongStages
@@ -438,10 +438,10 @@ class YuE2Pipeline:
         verified checkpoint (`"reused"`) or finishes (`"done"`, with the stage's record). A song
         scheduler passes `synthesizer` / `decoder` to run those stages in its shared synthesis lane
         (defaults: `self.synthesize` / `self.decode`). `parent` continues that capped song (`continue_song`)."""
-        return generate_to(self, directory, request, resume=resume, abc_sampling=abc_sampling,
-                           semantic_sampling=semantic_sampling, stage=stage, cancelled=cancelled, on_token=on_token,
-                           on_progress=on_progress, on_stage=on_stage, synthesizer=synthesizer, decoder=decoder,
-                           parent=parent, adapters=adapters)
+        return SongRun(self, directory, request, resume=resume, abc_sampling=abc_sampling,
+                       semantic_sampling=semantic_sampling, stage=stage, cancelled=cancelled, on_token=on_token,
+                       on_progress=on_progress, on_stage=on_stage, synthesizer=synthesizer, decoder=decoder,
+                       parent=parent, adapters=adapters).run()
 
     def continue_song(self, parent_dir: str | os.PathLike, directory: str | os.PathLike, seconds: float, *,
                       song_id: str | None = None, resume: bool = False, cancelled: Cancelled | None = None,

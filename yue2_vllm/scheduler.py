@@ -113,7 +113,7 @@ class SongHandle:
         self._emit("tokens", phase=phase, count=self.tokens[phase])
 
     def on_progress(self, stage: str, done: int, total: int) -> None:
-        if stage.endswith("_wait"):  # the stage waits for room on the device (pipeline._admitted): need, free
+        if stage.endswith("_wait"):  # the stage waits for room on the device (song.admission.admitted): need, free
             self.waiting = {"stage": stage[:-len("_wait")], "need_bytes": done, "free_bytes": total,
                             "since": time.time()}
             self._emit("waiting", **self.waiting)
@@ -196,7 +196,6 @@ class SynthesisLane:
         self.expecting = expecting or (lambda: 0)  # songs still in their AR phases (they may join a batch)
         self.threads = threads
         self._queues: dict[str, queue.Queue[_LaneJob | None]] = {"nar": queue.Queue(), "vae": queue.Queue()}
-        self.started = time.perf_counter()
         self.batches: list[int] = []
         self._active, self._busy_since, self.busy_seconds = 0, 0.0, 0.0
         self._busy_lock = threading.Lock()
@@ -232,11 +231,6 @@ class SynthesisLane:
     def healthy(self) -> bool:
         """Both lane threads are running (a dead one would leave every song waiting for its synthesis)."""
         return all(thread.is_alive() for thread in self._threads)
-
-    @property
-    def idle_seconds(self) -> float:
-        """Wall time since the lane started during which neither of its threads had work."""
-        return time.perf_counter() - self.started - self.busy_seconds
 
     # -- the lane threads
 

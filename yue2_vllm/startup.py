@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 #     KV cache allocation, profile run, warm-up                                        30 s
 #                                                                          sum  ~    870 s
 # i.e. the old fixed 900 s with no room; doubled for margin: 1800 s. Nothing waits on it blindly: a signal stops
-# the start at once, and a start that fails is retried later (pipeline.StartRetry).
+# the start at once, and a start that fails is retried later (StartRetry below).
 ENGINE_START_TIMEOUT_S = 1800.0
 PHASES = ("resolving", "hashing", "loading", "deriving", "starting_engine")
 OnBlock = Callable[[int], None]  # bytes of one more block done; may raise StepAborted

@@ -1,5 +1,6 @@
-"""One phase's run on the engine, over the backend's link to its worker: a single row streamed until it ends,
-or a CFG pair whose rows must agree on every token (resubmitted when they fall out of step, never unguided)."""
+"""One phase's run on the engine, over its link to the worker (`routing.EventRouter`): a single row streamed until
+it ends, or a CFG pair whose rows must agree on every token (resubmitted when they fall out of step, never
+unguided)."""
 from __future__ import annotations
 
 import time
@@ -12,7 +13,8 @@ from .worker_process import EngineError, Stream
 
 
 class EngineLink(Protocol):
-    """What a run needs of the backend: a stream per request id, framed commands, and the next event."""
+    """What a run needs of the engine (`routing.EventRouter`): a stream per request id, framed commands, and the
+    next event."""
 
     def open_stream(self, rids: Sequence[str]) -> Stream: ...
 

@@ -24,7 +24,6 @@ Importing this module imports torch only (no vLLM, Triton or llm-compressor).
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,7 +47,6 @@ FP8_SCHEMES = ("tensor", "channel")  # per-tensor scales (upstream's, the defaul
 GIB = 2**30
 AR_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-AR_LINEAR = re.compile(r"model\.layers\.(\d+)\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)")
 PROXY_MODES = ("int8", "fp8")
 ORIGINALS_ATTR = "_yue2_ar_originals"  # plain dict attribute: model.to() never moves what it holds
 STATUS_ATTR = "quantization_status"
@@ -62,10 +60,6 @@ KERNEL_K_MULTIPLE = 32  # in_features the packed kernel is trusted with (MPS nee
 def ar_linear_names(num_layers: int) -> list[str]:
     """Module names of the 7·layers AR linears, layer by layer."""
     return [f"model.layers.{layer}.{name}" for layer in range(num_layers) for name in AR_LINEARS]
-
-
-def is_ar_linear(module_name: str) -> bool:
-    return AR_LINEAR.fullmatch(module_name) is not None
 
 
 def checkpoint_method(config: dict, where: str = "config.json") -> str | None:
