@@ -116,7 +116,7 @@ def melody_from_json(data: dict, base_dir: Path | None, where: str, *, allow_fil
     if unknown:
         raise UsageError(f"{where}: melody: unknown field(s) {unknown}; the fields are {', '.join(MELODY_KNOBS)} "
                          "(the lyrics are the song's)")
-    return MelodyAudio((base_dir or Path.cwd()) / value, dict(knobs), f"{where}: melody_audio")
+    return MelodyAudio((base_dir or Path.cwd()) / value, dict(knobs), where)
 
 
 def request_from_json(data, base_dir: Path | None = None, where: str = "request", *,
