@@ -133,7 +133,7 @@ def request_from_json(data, base_dir: Path | None = None, where: str = "request"
     if unknown:
         raise UsageError(f"{where}: unknown field(s) {unknown}")
     melody = melody_from_json(data, base_dir, where, allow_files=allow_files)
-    if "transcription" in data and "abc" not in data and "abc_path" not in data:
+    if data.get("transcription") is not None and data.get("abc") is None and "abc_path" not in data:
         raise UsageError(f"{where}: 'transcription' records where the score given as 'abc' came from; give abc too")
     fields = {k: v for k, v in data.items() if k in REQUEST_FIELDS and k not in ("abc_sampling", "semantic_sampling")}
     tags = fields.pop("tags", None)

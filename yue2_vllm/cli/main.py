@@ -312,6 +312,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-calls", type=_count, default=256, metavar="N",
                        help="POST /v1/audio/speech calls waiting for their songs at once (no thread each) before "
                             "the next answers 503 with Retry-After (default %(default)s)")
+    serve.add_argument("--max-upload-mb", type=lambda t: _positive(t, "MB"), default=40.0, metavar="MB",
+                       help="the largest upload POST /v1/transcriptions and POST /v1/covers take (the audio and its "
+                            "fields; 1 MB = 10**6 bytes): past it they answer 413 naming it; the JSON routes keep "
+                            "their own 256 KiB (default %(default)g)")
+    serve.add_argument("--transcription-workers", type=_count, default=1, metavar="N",
+                       help="transcriptions (covers, hums) run at once, each in its own process beside the songs "
+                            "(default %(default)s)")
+    serve.add_argument("--transcription-queue", type=lambda t: _integer_in(t, 0, None, "an integer >= 0"), default=4,
+                       metavar="N", help="transcriptions waiting for a worker before the next call answers 429 "
+                                         "(default %(default)s)")
     serve.add_argument("--stall-seconds", type=_positive_seconds, default=300.0,
                        help="songs in flight but none progressed for this long: /health answers 503 (default "
                             "%(default)s)")
