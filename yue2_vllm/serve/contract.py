@@ -446,13 +446,11 @@ def song_body_schemas(*, reproducible: bool, max_takes: int = MAX_TAKES, adapter
     instrumental = {"required": ["instrumental"], "properties": {"instrumental": {"const": True}}}
     lyrics_needed = {"if": {"not": instrumental}, "then": {"required": ["lyrics"]}}
     no_score_to_edit = {"if": instrumental, "then": {"properties": {"cot": {"enum": ["melody", "full"]}}}}
-    transcribed_score = {"if": {"required": ["transcription"], "properties": {"transcription": {"type": "object"}}},
-                         "then": {"required": ["abc"], "properties": {"abc": {"type": "string"}}}}
     one_budget = {"not": {"required": ["seconds", "semantic_sampling"], "properties": {
         "seconds": {"type": "number"}, "semantic_sampling": {"type": "object", "required": ["max_tokens"]}}}}
     schema["allOf"] = [{"if": {"required": ["cot"], "properties": {"cot": {"const": "off"}}},
                         "then": {"properties": {"abc": {"type": "null"}}}}, *needs_takes, nothing_to_plan,
-                       lyrics_needed, no_score_to_edit, one_budget, transcribed_score]
+                       lyrics_needed, no_score_to_edit, one_budget]
     if not reproducible:
         schema["properties"]["reproducible"] = {**schema["properties"]["reproducible"], "const": False,
                                                 "description": "this server's engine is not batch-invariant: "
