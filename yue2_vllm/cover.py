@@ -11,7 +11,7 @@ from .protocol import SongRequest
 COVER_COT = "melody"
 
 
-def cover_request(transcription, *, style: str, lyrics: str, **fields) -> SongRequest:
+def cover_request(transcription, /, *, style: str, lyrics: str, **fields) -> SongRequest:
     """The SongRequest of a cover of `transcription` (a transcription.Transcription: its `abc` and `summary()`) with
     the song's `style`, `lyrics` and other SongRequest fields (seed, id, seconds, cfg_scale, adapters, ...). A
     field the cover decides (abc, transcription) or a cot other than melody is a ValueError naming it."""

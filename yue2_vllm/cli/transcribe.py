@@ -107,8 +107,7 @@ def cover_of(fields: dict, melody: MelodyAudio, build, flags=()):
 
 def cmd_transcribe(args) -> int:
     """`transcribe AUDIO --output score.abc`: the score and, beside it, its transcription.json (or --record)."""
-    from ..checkpoint import write_bytes_atomic
-    from .setup import print_status
+    from ..checkpoint import json_text, write_bytes_atomic
 
     lyrics = args.lyrics or ""
     if args.lyrics_file:
@@ -129,7 +128,7 @@ def cmd_transcribe(args) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(record, files[RECORD_FILE])
     write_bytes_atomic(output, files["score.abc"])
-    print_status({"status": "transcribed", "audio": args.audio, "score": str(output), "record": str(record),
-                  **summary_line(transcription),
-                  "seconds": round(transcription.timing["total_seconds"], 3)})
+    status = {"status": "transcribed", "audio": args.audio, "score": str(output), "record": str(record),
+              **summary_line(transcription), "seconds": round(transcription.timing["total_seconds"], 3)}
+    print(json_text(status), flush=True)  # the status line (setup.print_status's, without importing setup)
     return 0

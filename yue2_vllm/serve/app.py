@@ -32,12 +32,13 @@ from .routes.length import length_router
 from .routes.songs import JobIntake, songs_router
 from .routes.speech import speech_router
 from .routes.takes import takes_router
-from .routes.transcriptions import MAX_UPLOAD_MB, transcriptions_router
+from .routes.transcriptions import transcriptions_router
 from .safety import Guard, ResponseCounter, host_allowed, redact, redact_text  # noqa: F401 (re-exported)
 from .service import SongService
 from .transcribing import QUEUE, WORKERS, TranscriptionPool
 
 MAX_BODY_BYTES = 256 * 1024
+MAX_UPLOAD_MB = 40  # the multipart routes' bodies (--max-upload-mb; 1 MB = 10**6 bytes)
 MAX_SSE_CLIENTS = 256
 
 

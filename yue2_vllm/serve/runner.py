@@ -235,8 +235,7 @@ def _serve(args, api_key: str | None, workers: Callable, print_status: Callable)
     import uvicorn
 
     from ..startup import STARTUP
-    from .app import MAX_SSE_CLIENTS, create_app
-    from .routes.transcriptions import MAX_UPLOAD_MB
+    from .app import MAX_SSE_CLIENTS, MAX_UPLOAD_MB, create_app
     from .transcribing import QUEUE, WORKERS
     from .service import ServeConfig, SongService
     from .starting import answering_while_starting

@@ -29,7 +29,6 @@ from ..transcribing import TranscriptionPool
 from .common import Api
 from .songs import IDEMPOTENCY_HEADER, JobIntake
 
-MAX_UPLOAD_MB = 40
 RECORD_FILE = "transcription.json"
 # The form's fields besides `audio`, as the multipart parser gives them (text), and what each is read as.
 KNOB_TYPES = {"transcriber": str, "bpm": float, "meter": str, "key": str, "voice": str, "pickup_beats": float}
