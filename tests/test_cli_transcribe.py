@@ -50,7 +50,8 @@ def test_transcribe_writes_the_score_and_its_record_and_says_the_drift_on_stderr
     assert status == {"status": "transcribed", "audio": str(audio / "drift.wav"), "score": str(out),
                       "record": str(tmp_path / "out" / "score.transcription.json"), "transcriber": "pyin",
                       "transcriber_version": expected.transcriber_version, "bpm": expected.bpm, "meter": "4/4",
-                      "key": expected.key, "notes": len(expected.notes), "source_seconds": round(expected.source.seconds, 3),
+                      "key": expected.key, "notes": len(expected.notes),
+                      "source_seconds": round(expected.source.seconds, 3),
                       "warnings": [w.code for w in expected.warnings], "licence": None,
                       "seconds": status["seconds"]}
     drift = next(w for w in expected.warnings if w.code == "drift")
