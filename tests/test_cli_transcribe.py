@@ -175,3 +175,27 @@ def test_batch_rows_with_melody_audio_are_covers_and_a_bad_one_fails_alone(
         assert (tmp_path / "out" / song / "score.abc").read_text() == request["abc"]
         assert json.loads((tmp_path / "out" / song / "transcription.json").read_text())["request"]["bpm"] == 100
     assert captured.err.count("yue2-vllm: warning: ") == 1 and "in.jsonl:1: syllables:" in captured.err
+
+
+def test_a_sheetsage2_cover_shows_its_licence_where_it_is_used(tiny_model_dir, tiny_vae_dir, config_file, audio,
+                                                               tmp_path, capsys, monkeypatch):  # noqa: F811
+    """Through SheetSage2's worker with the tests' stand-in for its gated weights (our python runs it): the licence a
+    line on stderr and in the song's record, beside its warnings."""
+    import sys
+
+    from sheetsage_stand_in import stand_in_model
+    from test_transcription_sheetsage import FULL, MELODY
+    from yue2_vllm.transcription.sheetsage import LICENCE
+
+    monkeypatch.setenv("YUE2_SHEETSAGE_PYTHON", sys.executable)
+    monkeypatch.setenv("YUE2_SHEETSAGE_MODEL", str(stand_in_model(tmp_path / "SheetSage2-merged", FULL,
+                                                                  beats=[0.5 + 0.625 * k for k in range(24)])))
+    assert main(["generate", *model_args(tiny_model_dir, tiny_vae_dir, config_file), "--quiet", "--style", "pop",
+                 "--lyrics", "[verse]\n" + "la " * 13, "--melody-audio", str(audio / "hum.wav"), "--transcriber",
+                 "sheetsage2", "--output", str(tmp_path / "runs"), "--id", "mix"]) == 0
+    captured = capsys.readouterr()
+    assert f"yue2-vllm: licence: the score was transcribed by sheetsage2: {LICENCE}\n" in captured.err
+    assert "yue2-vllm: warning: SheetSage2: low confidence in bar 3\n" in captured.err
+    result = json.loads((tmp_path / "runs" / "mix" / "result.json").read_text())
+    assert result["transcription"]["licence"] == LICENCE == json.loads(captured.out)["transcription"]["licence"]
+    assert (tmp_path / "runs" / "mix" / "score.abc").read_text() == MELODY

@@ -601,3 +601,36 @@ def test_a_melody_from_a_file_and_a_hum_seen_heard_edited_and_rendered_as_a_cove
     assert not [p for p in problems if "status of 422" not in p], problems
     if os.environ.get("YUE2_UPDATE_SCREENSHOT") == "1":
         shutil.copyfile(shot, DOCS_MELODY_SCREENSHOT)
+
+
+def test_a_covers_view_shows_where_its_score_came_from_its_warnings_and_licence(server):
+    """A song made from a SheetSage2 transcription (its record as POST /v1/transcriptions answers it, sent back with
+    the score): its view says what transcribed it, each warning with its figures, and the licence."""
+    import hashlib
+
+    from test_instrumental import SCORE
+    from yue2_vllm.transcription.sheetsage import LICENCE
+
+    melody = SCORE.replace('"G"', "").replace('"C"', "")
+    drift = ("drift: the beats' tempo moves (92.0 to 124.0 bpm over two-bar stretches, 100.0 on average) and one "
+             "Q:1/4=100 cannot follow it: from 12.4 s a beat is more than a beat off the source")
+    record = {"transcriber": "sheetsage2", "transcriber_version": "m-a-p/SheetSage2@0123abcd (transformers 4.45.2)",
+              "source": {"sha256": "ab" * 32, "bytes": 1234, "seconds": 95.2, "format": "FLAC"}, "bpm": 100,
+              "meter": "4/4", "key": "G", "licence": LICENCE,
+              "warnings": [{"code": "drift", "message": drift, "figures": {"first_beat_off_second": 12.4}}],
+              "score_sha256": hashlib.sha256(melody.encode()).hexdigest()}
+    response = server.client.post("/v1/songs", json={"style": "pop", "lyrics": "[verse]\nla\n", "cot": "melody",
+                                                     "abc": melody, "transcription": record, "stage": "plan"})
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    assert finished(server.client, job_id)["request"]["transcription"] == {**record, "edited": False}
+    problems = []
+    with keyed_page(server, problems) as page:
+        page.click(f"#jobs tr[data-id='{job_id}'] [data-open]")
+        shown(page, "#current-cover", problems)
+        assert page.inner_text("#current-cover-facts") == (
+            "Transcribed by m-a-p/SheetSage2@0123abcd (transformers 4.45.2) from 1 min 35.2 s of FLAC: 4/4 · K:G · "
+            "♩ = 100 · the score as transcribed")
+        assert page.inner_text("#current-cover-warnings") == drift
+        assert page.inner_text("#current-cover-licence") == f"Licence: {LICENCE}"
+    assert not problems, problems

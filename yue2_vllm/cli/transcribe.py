@@ -62,8 +62,6 @@ def transcribe_source(melody: MelodyAudio, lyrics: str, flags=()):
         raise UsageError(f"{label(exc.field)}: {exc.reason}", exc) from None
     except TranscriberUnavailable as exc:
         raise UsageError(f"{label('transcriber')}: {exc}", exc) from None
-    except TypeError as exc:  # a knob of the wrong JSON type (e.g. bpm "fast")
-        raise UsageError(f"{label('melody')}: {exc}", exc) from None
 
 
 def report(transcription, where: str = "", stream=None) -> None:

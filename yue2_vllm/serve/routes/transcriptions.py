@@ -16,7 +16,6 @@ import json
 
 from fastapi import APIRouter, Header, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
 
 from ...cover import cover_request
 from ...request_json import MELODY_KNOBS
@@ -169,8 +168,8 @@ def transcriptions_router(api: Api, intake: JobIntake, pool: TranscriptionPool, 
         audio, values = await upload(request, {**KNOB_TYPES, "lyrics": str}, max_upload_bytes)
         knobs = transcription_request(values)
         transcription = await pool.transcribe(audio, knobs, await run_in_threadpool(gpu_free_bytes, service))
-        return JSONResponse({"abc": transcription.abc, "transcription": transcription.summary(),
-                             "record": transcription.record()})
+        return api.answer(request, {"abc": transcription.abc, "transcription": transcription.summary(),
+                                    "record": transcription.record()})  # no server path for callers without the key
 
     @router.post("/covers", status_code=202, summary="A cover: transcribe the melody of the audio and queue the song "
                  "that renders its score with this style and lyrics", openapi_extra=form_schema(song=True),
