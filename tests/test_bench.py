@@ -27,6 +27,24 @@ def test_bench_table_on_the_tiny_default(tmp_path):
     assert table == result.stdout and "| torch-bf16 |" in table and "semantic decode tok/s ×N" in table
 
 
+def test_bench_transcription_rows_measure_each_source_length_side_by_side(tmp_path, monkeypatch):
+    """The covers' transcribers, no model loaded: pyin's seconds per audio minute (warm and first) and peak memory
+    for each source length; SheetSage2, not set up here, is a line saying why."""
+    monkeypatch.setenv("YUE2_SHEETSAGE_PYTHON", str(tmp_path / "no-python"))
+    result = subprocess.run([sys.executable, "-m", "yue2_vllm.cli", "bench", "--paths", "transcription", "--repeats",
+                             "1", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True, check=True)
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    rows = report["transcription"]["rows"]
+    assert [(row["transcriber"], row["source_s"]) for row in rows] == [("pyin", 30.0), ("pyin", 120.0)]
+    for row in rows:
+        assert row["notes"] > row["source_s"] and row["s_per_audio_min"] > 0 and row["peak_rss_above_bytes"] > 0
+        assert row["first_s_per_audio_min"] > 0
+    assert report["synthesis"] is None and report["ar"] == []  # no model measured
+    assert "setup-sheetsage-env.sh" in report["transcription"]["not_run"]["sheetsage2"]
+    assert "| pyin | 120 |" in result.stdout and "(sheetsage2 not run: " in result.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 def test_bench_takes_row_compares_takes_with_separate_requests(tmp_path):

@@ -146,6 +146,10 @@ def test_doctor(capsys):
         assert longest["tokens"] == 24576 - longest["prompt_tokens"] - longest["score_budget_tokens"]
         assert longest["seconds"] == longest["tokens"] / 25 and longest["nar_chunks"] == 3
     assert length["longest_song"]["with_a_generated_score"]["score_budget_tokens"] == 48
+    transcribers = report["transcribers"]  # covers: whether pyin is usable and SheetSage2 set up (here: not)
+    assert transcribers["pyin"]["ready"] is True and transcribers["pyin"]["librosa"]
+    assert transcribers["sheetsage2"]["licence"].startswith("CC BY-NC 4.0")
+    assert transcribers["sheetsage2"]["ready"] is (transcribers["sheetsage2"]["reason"] is None)
 
 
 def test_external_abc_is_read_byte_exact(tiny_model_dir, tiny_vae_dir, config_file, tmp_path, capsys):

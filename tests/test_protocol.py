@@ -327,3 +327,52 @@ def test_a_phase_the_request_skips_still_has_its_overrides_checked():
         with pytest.raises(ValueError, match=r"^abc_sampling: Sampling.max_tokens must be"):
             rules.check_request(request, abc_sampling={"max_tokens": p.CONTEXT + 1})
         rules.check_request(request, abc_sampling={"max_tokens": p.CONTEXT})
+
+
+# --------------------------------------------------------------------------- a cover's transcription record
+
+
+def _record(**changes) -> dict:
+    import hashlib
+
+    record = {"transcriber": "pyin", "transcriber_version": "pyin-1 (librosa 0.11.0)",
+              "source": {"sha256": "ab" * 32, "bytes": 1234, "seconds": 9.6, "format": "WAV"}, "bpm": 100,
+              "meter": "4/4", "key": "C", "warnings": [{"code": "drift", "message": "drift: ...", "figures": {}}],
+              "licence": None, "score_sha256": hashlib.sha256(b"X:1\nK:C\nC|\n").hexdigest()}
+    return {**record, **changes}
+
+
+def test_a_transcription_record_is_kept_with_edited_worked_out_from_the_score():
+    from yue2_vllm.protocol import check_transcription
+
+    as_transcribed = SongRequest("pop", "la", cot="melody", abc="X:1\nK:C\nC|\n", transcription=_record())
+    assert as_transcribed.transcription == {**_record(), "edited": False}
+    edited = SongRequest("pop", "la", cot="melody", abc="X:1\nK:C\nD|\n", transcription=_record(edited=False))
+    assert edited.transcription["edited"] is True  # a value sent is not used
+    assert check_transcription(_record(), None)["edited"] is True  # no score given: not the transcribed one
+    assert edited.to_dict()["transcription"] == edited.transcription
+    assert "transcription" not in SongRequest("pop", "la").to_dict()
+    assert SongRequest.from_dict(edited.to_dict()) == edited and hash(edited)
+
+
+@pytest.mark.parametrize("value,words", [
+    ([], "SongRequest.transcription must be an object"),
+    (_record(notes=[]), r"SongRequest.transcription: unknown field\(s\) \['notes'\]"),
+    ({k: v for k, v in _record().items() if k != "bpm"}, r"SongRequest.transcription: missing \['bpm'\]"),
+    (_record(bpm=True), r"SongRequest.transcription.bpm has the wrong type \(bool\)"),
+    (_record(bpm="100"), r"SongRequest.transcription.bpm has the wrong type \(str\)"),
+    (_record(licence=3), r"SongRequest.transcription.licence has the wrong type"),
+    (_record(score_sha256="AB" * 32), "SongRequest.transcription.score_sha256 must be 64 lowercase hex digits"),
+    (_record(source={"sha256": "x"}), "SongRequest.transcription.source: needs its sha256"),
+    (_record(source={"sha256": "ab" * 32, "path": "/tmp/a.wav"}),
+     r"SongRequest.transcription.source: unknown field\(s\) \['path'\]"),
+    (_record(source={"sha256": "ab" * 32, "seconds": "9"}), r"SongRequest.transcription.source.seconds has the "),
+    (_record(warnings=["drift"]), r"SongRequest.transcription.warnings\[0\] must be an object \{code, message"),
+    (_record(warnings=[{"code": "drift", "message": "m", "figures": {"at": float("nan")}}]),
+     "SongRequest.transcription is not JSON-ready data"),
+    (_record(licence="x" * 17000), "SongRequest.transcription is 17[0-9]{3} bytes of JSON, more than 16384"),
+    (_record(key="\ud800"), "SongRequest.transcription is not JSON-ready data"),
+])
+def test_a_transcription_record_that_is_not_one_is_refused_naming_the_field(value, words):
+    with pytest.raises(ValueError, match="^" + words):
+        SongRequest("pop", "la", cot="melody", abc="X:1\n", transcription=value)

@@ -20,7 +20,8 @@ MAX_TIME = 120
 # What a schema-valid body may still be refused for (tests/schemathesis.toml says why): the context budget,
 # min_tokens over a merged max_tokens, an instrumental's score that the edit cannot read (named by its line).
 CROSS_FIELD = re.compile(r"the request is too long|min_tokens must be in \[0, max_tokens\]|"
-                         r"^abc: (score line \d+|score): |^seconds: .* below the semantic phase's min_tokens")
+                         r"^abc: (score line \d+|score): |^seconds: .* below the semantic phase's min_tokens|"
+                         r"^transcription is \d+ bytes of JSON, more than 16384|'transcription' records where the score")
 schemathesis = pytest.importorskip("schemathesis", reason="pip install 'yue2-vllm[test]'")
 
 
@@ -50,7 +51,7 @@ def test_schemathesis_all_checks_pass(server, tmp_path):
     run = subprocess.run(command, capture_output=True, text=True, timeout=MAX_TIME + 240, cwd=tmp_path)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-12000:]
-    assert re.search(r"Tested: 32\b", output), output[-3000:]
+    assert re.search(r"Tested: 34\b", output), output[-3000:]
     assert "enabled = false" not in (ROOT / "tests" / "schemathesis.toml").read_text(encoding="utf-8")  # no check off
 
 

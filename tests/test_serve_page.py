@@ -495,3 +495,142 @@ def test_a_score_that_does_not_read_is_its_text_and_the_readers_line(server):
         page.wait_for_timeout(500)
         assert page.is_hidden("#score-card")
     assert not problems, problems
+
+
+DOCS_MELODY_SCREENSHOT = DOCS_SCREENSHOT.with_name("serve-melody.png")
+FAKE_MICROPHONE = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
+
+
+def test_a_melody_from_a_file_and_a_hum_seen_heard_edited_and_rendered_as_a_cover(server, tmp_path):
+    """The melody source: a file that is not audio refused (the server's 422 on the panel), a hummed melody's file
+    transcribed into the score panel (notation, the reader's verdict, its facts and warnings), edited and rendered as
+    a cover with the form's style, lyrics and seed (cot melody; the song records the transcription, edited); and a
+    hum recorded from the microphone (faked from the same file), sent as 16-bit WAV and transcribed."""
+    from melodies import synthesize, wav_bytes
+    from yue2_vllm.score_notes import check_score
+
+    twinkle = [60, 60, 67, 67, 69, 69, 67, 67, 65, 65, 64, 64, 62, 62, 60, 60]
+    hum = tmp_path / "hum.wav"
+    hum.write_bytes(wav_bytes(synthesize([(i, 1, p) for i, p in enumerate(twinkle)], 100, rate=48000,
+                                         vibrato_semitones=0.2, noise_dbfs=-50), 48000))
+    client = server.client
+    expected = client.post("/v1/transcriptions", files={"audio": ("hum.wav", hum.read_bytes(), "audio/wav")},
+                           data={"lyrics": "[verse]\nla la\n"}, timeout=300)
+    assert expected.status_code == 200, expected.text
+    problems, uploads = [], []
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=[
+            *ARGS, *FAKE_MICROPHONE, f"--use-file-for-fake-audio-capture={hum}"])
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.on("pageerror", lambda error: problems.append(str(error)))
+        page.on("console", lambda message: message.type == "error" and problems.append(message.text))
+        page.on("response", lambda response: response.url.endswith("/v1/transcriptions")
+                and uploads.append(response))
+        page.goto(server.url + "/")
+        page.locator("#health.ok").wait_for()
+        page.fill("#api-key", KEY)
+        page.dispatch_event("#api-key", "change")
+        page.fill("#style", "pop, piano, warm female vocal")
+        page.fill("#lyrics", "[verse]\nla la\n")
+        page.fill("#seed", "5")
+
+        page.set_input_files("#melody-file", files=[{"name": "notes.txt", "mimeType": "text/plain",
+                                                     "buffer": b"these are not notes"}])
+        shown(page, "#melody-error", problems, timeout=300_000)
+        assert page.inner_text("#melody-error").startswith("422: audio: not audio libsndfile reads")
+        assert page.is_hidden("#score-card")
+
+        page.fill("#melody-bpm", "500")  # a knob the server refuses: on its field
+        page.set_input_files("#melody-file", str(hum))
+        wait_for(lambda: page.inner_text("#melody-error"), lambda text: text.startswith("422: bpm:"), timeout=60)
+        assert page.get_attribute("#melody-bpm", "aria-invalid") == "true"
+        page.fill("#melody-bpm", "")
+        page.click("#melody-transcribe")
+        shown(page, "#notation svg", problems, timeout=300_000)
+        assert page.input_value("#score-text") == expected.json()["abc"]
+        assert page.inner_text("#score-check") == "Reads as YuE2's score: it renders with cot melody (no chord " \
+                                                  "symbols)."
+        assert page.evaluate("document.querySelectorAll('#notation .abcjs-note.abcjs-v0').length") == 16
+        facts = page.inner_text("#melody-facts")
+        assert facts.startswith("Transcribed by pyin-1 (librosa ") and "4/4 · K:C · ♩ = 100" in facts, facts
+        codes = page.evaluate("[...document.querySelectorAll('#melody-warnings li')].map((li) => li.dataset.code)")
+        assert codes == [w["code"] for w in expected.json()["transcription"]["warnings"]]
+        assert page.is_hidden("#melody-licence")  # pyin's score carries no licence
+        page.click("#score-play")  # heard: the synth plays its 16 notes
+        wait_for(lambda: page.evaluate("scoreSynth.started.Vocal"), lambda count: count == 16, timeout=30)
+        page.click("#score-play")
+        time.sleep(0.3)
+        shot = tmp_path / "serve-melody.png"
+        page.screenshot(path=str(shot), full_page=True)
+
+        edited = expected.json()["abc"].replace("C4C4G4G4|", "C4C4G4A4|")
+        page.click("#score-editor summary")
+        page.fill("#score-text", edited)
+        wait_for(lambda: page.inner_text("#score-render-hint"),
+                 lambda text: text.startswith("Makes a cover: a new song from this melody"), timeout=30)
+        assert check_score(edited)["valid"] and "cot melody" in page.inner_text("#score-check")
+        page.click("#score-render")
+        shown(page, "#current-cover", problems)
+        job_id = page.evaluate("location.hash").lstrip("#")
+        doc = finished(client, job_id)
+        assert doc["status"] == "complete", doc["error"]
+        request = doc["request"]
+        assert (request["style"], request["lyrics"], request["seed"], request["cot"], request["abc"]) == \
+            ("pop, piano, warm female vocal", "[verse]\nla la\n", 5, "melody", edited)
+        assert request["transcription"] == {**expected.json()["transcription"], "edited": True}
+        assert doc["result"]["transcription"] == request["transcription"]
+        assert client.get(f"/v1/songs/{job_id}/score").text == edited
+        wait_for(lambda: page.inner_text("#current-cover-facts"), lambda text: "the score edited since" in text,
+                 timeout=30)
+
+        page.click("#melody-record")  # a hum from the microphone: the same melody, played by the fake device
+        page.locator("#melody-record.recording").wait_for()
+        time.sleep(5)
+        page.click("#melody-record")
+        wait_for(lambda: page.inner_text("#melody-recording"), lambda text: text.startswith("recorded"), timeout=30)
+        wait_for(lambda: page.inner_text("#melody-status") + page.inner_text("#melody-error"),
+                 lambda text: text == "", timeout=300)
+        assert len(uploads) == 4 and uploads[-1].status == 200, [u.status for u in uploads]
+        source = uploads[-1].json()["transcription"]["source"]  # the recording, sent as 16-bit WAV at 16 kHz
+        assert (source["format"], source["subtype"], source["sample_rate"], source["channels"]) == \
+            ("WAV", "PCM_16", 16000, 1) and 4.5 < source["seconds"] < 6, source
+        recorded = page.input_value("#score-text")
+        assert recorded != edited and check_score(recorded)["valid"], recorded
+        assert page.inner_text("#score-check").startswith("Reads as YuE2's score")
+        browser.close()
+    assert not [p for p in problems if "status of 422" not in p], problems
+    if os.environ.get("YUE2_UPDATE_SCREENSHOT") == "1":
+        shutil.copyfile(shot, DOCS_MELODY_SCREENSHOT)
+
+
+def test_a_covers_view_shows_where_its_score_came_from_its_warnings_and_licence(server):
+    """A song made from a SheetSage2 transcription (its record as POST /v1/transcriptions answers it, sent back with
+    the score): its view says what transcribed it, each warning with its figures, and the licence."""
+    import hashlib
+
+    from test_instrumental import SCORE
+    from yue2_vllm.transcription.sheetsage import LICENCE
+
+    melody = SCORE.replace('"G"', "").replace('"C"', "")
+    drift = ("drift: the beats' tempo moves (92.0 to 124.0 bpm over two-bar stretches, 100.0 on average) and one "
+             "Q:1/4=100 cannot follow it: from 12.4 s a beat is more than a beat off the source")
+    record = {"transcriber": "sheetsage2", "transcriber_version": "m-a-p/SheetSage2@0123abcd (transformers 4.45.2)",
+              "source": {"sha256": "ab" * 32, "bytes": 1234, "seconds": 95.2, "format": "FLAC"}, "bpm": 100,
+              "meter": "4/4", "key": "G", "licence": LICENCE,
+              "warnings": [{"code": "drift", "message": drift, "figures": {"first_beat_off_second": 12.4}}],
+              "score_sha256": hashlib.sha256(melody.encode()).hexdigest()}
+    response = server.client.post("/v1/songs", json={"style": "pop", "lyrics": "[verse]\nla\n", "cot": "melody",
+                                                     "abc": melody, "transcription": record, "stage": "plan"})
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    assert finished(server.client, job_id)["request"]["transcription"] == {**record, "edited": False}
+    problems = []
+    with keyed_page(server, problems) as page:
+        page.click(f"#jobs tr[data-id='{job_id}'] [data-open]")
+        shown(page, "#current-cover", problems)
+        assert page.inner_text("#current-cover-facts") == (
+            "Transcribed by m-a-p/SheetSage2@0123abcd (transformers 4.45.2) from 1 min 35.2 s of FLAC: 4/4 · K:G · "
+            "♩ = 100 · the score as transcribed")
+        assert page.inner_text("#current-cover-warnings") == drift
+        assert page.inner_text("#current-cover-licence") == f"Licence: {LICENCE}"
+    assert not problems, problems

@@ -54,3 +54,21 @@ def test_refusals_keep_their_field_through_pickling():
     assert isinstance(error, ValueError)
     off = pickle.loads(pickle.dumps(TranscriberUnavailable("sheetsage2", "turned off")))
     assert (off.transcriber, str(off)) == ("sheetsage2", "sheetsage2: turned off") and isinstance(off, RuntimeError)
+
+
+def test_the_summary_is_what_a_song_records_of_it():
+    """`summary()`: the record a cover's request carries (protocol.check_transcription reads it): no notes, no
+    timings, the score's sha256 so the song can tell whether it renders the score unedited."""
+    import hashlib
+
+    from yue2_vllm.protocol import check_transcription
+
+    made = transcription()
+    summary = made.summary()
+    assert summary == {"transcriber": "pyin", "transcriber_version": "pyin-1 (librosa 0.11.0)",
+                       "source": INFO.record(), "bpm": 100, "meter": "4/4", "key": "C",
+                       "warnings": [{"code": "tuning", "message": "tuning: the source is 30 cents flat",
+                                     "figures": {"cents": -30}}],
+                       "licence": None, "score_sha256": hashlib.sha256(b"X:1\n").hexdigest()}
+    assert check_transcription(summary, made.abc) == {**summary, "edited": False}
+    assert json.loads(json.dumps(summary)) == summary

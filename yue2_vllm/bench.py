@@ -10,6 +10,7 @@ decode tok/s per phase at batch 1 and at `--concurrency` songs, NAR seconds per 
 second, the VAE real-time factor, peak memory and engine start time: medians of `--repeats`, as JSON
 and a Markdown table headed by the machine. Each quantized checkpoint carries the speed policy's
 verdict for this device (`quant.schemes.slow_reason`); the bench serves it regardless, to measure it.
+`--paths transcription` measures the covers' transcribers (no model): seconds per audio minute and peak memory.
 """
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PATHS = ("torch-bf16", "torch-int8", "vllm-bf16", "vllm-bf16-full-head", "vllm-bf16-reproducible", "vllm-fp8",
-         "vllm-int8", "mrv2-head", "head", "takes", "engine-memory", "engine-memory-fp8", "lora")
+         "vllm-int8", "mrv2-head", "head", "takes", "engine-memory", "engine-memory-fp8", "lora", "transcription")
 LORA_RANK, LORA_ADAPTERS = 64, 4  # the lora path: rank-64 AR adapters (the released instrumental one's rank)
 DEFAULT_PATHS = ("torch-bf16", "vllm-bf16", "head", "vllm-bf16-reproducible", "vllm-fp8", "vllm-int8")
-SECTIONS = {"takes": "bench_takes", "head": "bench_head"}  # paths reported as their own table
+SECTIONS = {"takes": "bench_takes", "head": "bench_head",  # paths reported as their own table
+            "transcription": "bench_transcription"}
+NO_MODEL = ("transcription",)  # paths that measure no model (a run of these alone times no NAR or VAE)
 PROMPT_TOKENS = 512
 NAR_FRAMES = 250  # 10 s of audio
 
@@ -575,6 +578,72 @@ def bench_takes(config: BenchConfig) -> dict:
     return {"takes": TAKES, "rows": rows}
 
 
+# --------------------------------------------------------------------------- transcription
+
+
+TRANSCRIPTION_SECONDS = (30, 120)  # the sources measured side by side
+# Transcriptions in a fresh process: its peak resident memory before (VmHWM, which exec resets: ru_maxrss would be
+# the bench's own, inherited), the first transcription (librosa's lazy imports and numba's kernels compiled) and a
+# second of the same source, then the process's peak.
+_TRANSCRIPTION_CHILD = """
+import json, os, sys, time
+from pathlib import Path
+from yue2_vllm.bench import peak_rss_bytes
+base = peak_rss_bytes(os.getpid())
+from yue2_vllm.transcription import transcribe
+runs = []
+for _ in range(2):
+    start = time.perf_counter(); result = transcribe(Path(sys.argv[1]), transcriber=sys.argv[2])
+    runs.append(time.perf_counter() - start)
+print(json.dumps({"first_s": runs[0], "warm_s": runs[1], "notes": len(result.notes), "source_s": result.source.seconds,
+                  "peak_above_bytes": peak_rss_bytes(os.getpid()) - base}))
+"""
+
+
+def melody_wav(seconds: float, path: Path, rate: int = 16000) -> Path:
+    """A sung-like melody (a tone and its harmonics, vibrato, a note every 0.4-0.8 s) of `seconds`, as 16-bit WAV."""
+    import numpy as np
+    import soundfile
+
+    t = np.arange(int(seconds * rate)) / rate
+    lengths = np.array([0.4, 0.4, 0.8, 0.6, 0.2, 0.8])
+    onsets = np.cumsum(np.tile(lengths, int(seconds / lengths.sum()) + 1))
+    index = np.searchsorted(onsets, t)
+    pitch = np.array([60, 62, 64, 65, 67, 69, 67, 64])[index % 8] + 0.2 * np.sin(2 * np.pi * 5.5 * t)
+    phase = 2 * np.pi * np.cumsum(440.0 * 2 ** ((pitch - 69) / 12)) / rate
+    since = t - np.concatenate([[0.0], onsets])[index]
+    envelope = np.minimum(1.0, since / 0.02) * np.where(since < 0.9 * lengths[index % 6], 1.0, 0.0)
+    soundfile.write(str(path), (0.25 * envelope * (np.sin(phase) + 0.4 * np.sin(2 * phase))).astype(np.float32), rate,
+                    subtype="PCM_16")
+    return path
+
+
+def bench_transcription(config: BenchConfig) -> dict:
+    """pyin's (and SheetSage2's, where it is set up) transcription of sung-like melodies of TRANSCRIPTION_SECONDS:
+    seconds per audio minute once warm and on a process's first call (librosa's imports and numba's kernels), peak
+    resident memory above the process's own; each repeat a fresh process, medians of `--repeats`."""
+    from .transcription import transcribers_status
+
+    status = transcribers_status()
+    rows, not_run = [], {}
+    config.workdir.mkdir(parents=True, exist_ok=True)
+    for transcriber in ("pyin", "sheetsage2"):
+        if not status[transcriber]["ready"]:
+            not_run[transcriber] = status[transcriber]["reason"]
+            continue
+        for seconds in TRANSCRIPTION_SECONDS:
+            source = melody_wav(seconds, config.workdir / f"melody-{seconds}s.wav")
+            runs = [json.loads(subprocess.run([sys.executable, "-c", _TRANSCRIPTION_CHILD, str(source), transcriber],
+                                              capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+                    for _ in range(config.repeats)]
+            minutes = runs[0]["source_s"] / 60
+            rows.append({"transcriber": transcriber, "source_s": runs[0]["source_s"], "notes": runs[0]["notes"],
+                         "s_per_audio_min": median(r["warm_s"] for r in runs) / minutes,
+                         "first_s_per_audio_min": median(r["first_s"] for r in runs) / minutes,
+                         "peak_rss_above_bytes": median(r["peak_above_bytes"] for r in runs)})
+    return {"rows": rows, "not_run": not_run, "repeats": config.repeats}
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -635,6 +704,20 @@ def markdown(report: dict) -> str:
                 "—" if row.get(k) is None else (f"{row[k]:.3f}" if isinstance(row[k], float) else str(row[k]))
                 for k in ("wall_s", "songs_per_s", "prompt_tokens", "cached_prompt_tokens",
                           "computed_prompt_tokens")]) + " |")
+    if report.get("transcription"):
+        t = report["transcription"]
+        lines += ["", f"Transcription (covers): sung-like melodies, each repeat a fresh process (medians of "
+                      f"{t.get('repeats')}); warm: a second transcription in the process, first: its first (librosa's "
+                      "imports, numba's kernels compiled), peak: resident memory above the process's own", "",
+                  "| transcriber | source s | notes | s per audio min (warm) | s per audio min (first) | peak MiB |",
+                  "|---|---|---|---|---|---|"]
+        for row in t["rows"]:
+            lines.append(f"| {row['transcriber']} | {row['source_s']:.0f} | {row['notes']} | "
+                         f"{row['s_per_audio_min']:.2f} | {row['first_s_per_audio_min']:.2f} | "
+                         f"{row['peak_rss_above_bytes'] / 2**20:.0f} |")
+        not_run = t.get("not_run") or {}
+        for transcriber, reason in (not_run.items() if isinstance(not_run, dict) else [("it", not_run)]):
+            lines.append(f"({transcriber} not run: {reason})")
     if s is not None:
         lines += ["", f"NAR: {s['nar_s_per_step']:.3f} s per midpoint step at {NAR_FRAMES} frames, "
                       f"{s['nar_s_per_audio_s']:.3f} s per audio second (32 steps)"
@@ -663,9 +746,10 @@ def run(config: BenchConfig, on_row=None) -> dict:
         report["ar"].append(row)
         if on_row is not None:
             on_row(row)
-    # The memory rows alone (a release-size model) leave the NAR / VAE timing out: it would load the full MoT.
-    memory_only = all(path.startswith("engine-memory") for path in config.paths)
-    report["synthesis"] = None if memory_only else bench_synthesis(config)
+    # The memory rows alone (a release-size model) leave the NAR / VAE timing out: it would load the full MoT; so do
+    # the paths that measure no model.
+    no_model = all(path.startswith("engine-memory") or path in NO_MODEL for path in config.paths)
+    report["synthesis"] = None if no_model else bench_synthesis(config)
     return report
 
 

@@ -188,6 +188,66 @@ def adapter_refs(value, what: str = "SongRequest.adapters") -> tuple[AdapterRef,
     return tuple(ref for ref in refs if ref.scale)
 
 
+# A cover's record of the transcription its score came from (docs/covers.md): JSON-ready, small (no notes: the run's
+# transcription.json keeps them). Its fields and their JSON types; `edited` is not given but worked out (below).
+TRANSCRIPTION_FIELDS = {"transcriber": str, "transcriber_version": str, "source": dict, "bpm": int, "meter": str,
+                        "key": str, "warnings": list, "licence": (str, type(None)), "score_sha256": str}
+TRANSCRIPTION_SOURCE_FIELDS = {"sha256": str, "bytes": int, "seconds": (int, float), "sample_rate": int,
+                               "channels": int, "format": str, "subtype": str, "peak_dbfs": (int, float)}
+MAX_TRANSCRIPTION_BYTES = 16 * 1024  # its JSON: a record, not the notes
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_json_type(value, types, what: str) -> None:
+    """`value` is one of `types` (a bool is not a number here)."""
+    types = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, types) or isinstance(value, bool):
+        raise ValueError(f"{what} has the wrong type ({type(value).__name__})")
+
+
+def check_transcription(value, abc: str | None) -> dict:
+    """A request's `transcription` record checked — a JSON object of TRANSCRIPTION_FIELDS (source: its sha256 and
+    TRANSCRIPTION_SOURCE_FIELDS; warnings: {code, message, figures} objects), at most MAX_TRANSCRIPTION_BYTES of
+    JSON — and completed: `edited` is whether `abc`, the song's score, differs from the transcribed score (by its
+    sha256). ValueError naming `SongRequest.transcription` and the field."""
+    import hashlib
+    import json
+
+    what = "SongRequest.transcription"
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be an object (a transcription's record), got {type(value).__name__}")
+    unknown = sorted(set(value) - set(TRANSCRIPTION_FIELDS) - {"edited"})
+    missing = [name for name in TRANSCRIPTION_FIELDS if name not in value]
+    if unknown or missing:
+        raise ValueError(f"{what}: " + (f"unknown field(s) {unknown}" if unknown else f"missing {missing}")
+                         + f"; its fields are {', '.join(TRANSCRIPTION_FIELDS)} (and edited, worked out)")
+    try:
+        size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8"))
+    except (TypeError, ValueError, UnicodeEncodeError) as exc:
+        raise ValueError(f"{what} is not JSON-ready data ({exc})") from None
+    if size > MAX_TRANSCRIPTION_BYTES:
+        raise ValueError(f"{what} is {size} bytes of JSON, more than {MAX_TRANSCRIPTION_BYTES} (a record without "
+                         "its notes)")
+    for name, types in TRANSCRIPTION_FIELDS.items():
+        _check_json_type(value[name], types, f"{what}.{name}")
+    if not _SHA256.fullmatch(value["score_sha256"]):
+        raise ValueError(f"{what}.score_sha256 must be 64 lowercase hex digits (the transcribed score's sha256)")
+    source = value["source"]
+    unknown = sorted(set(source) - set(TRANSCRIPTION_SOURCE_FIELDS))
+    if unknown or not isinstance(source.get("sha256"), str) or not _SHA256.fullmatch(source["sha256"]):
+        raise ValueError(f"{what}.source: " + (f"unknown field(s) {unknown}" if unknown else
+                                               "needs its sha256 (64 lowercase hex digits)"))
+    for name, item in source.items():
+        _check_json_type(item, TRANSCRIPTION_SOURCE_FIELDS[name], f"{what}.source.{name}")
+    for index, warning in enumerate(value["warnings"]):
+        if not isinstance(warning, dict) or set(warning) != {"code", "message", "figures"} or \
+                not isinstance(warning["code"], str) or not isinstance(warning["message"], str) or \
+                not isinstance(warning["figures"], dict):
+            raise ValueError(f"{what}.warnings[{index}] must be an object {{code, message, figures}}")
+    edited = abc is None or hashlib.sha256(abc.encode("utf-8")).hexdigest() != value["score_sha256"]
+    return {**{name: value[name] for name in TRANSCRIPTION_FIELDS}, "edited": edited}
+
+
 @dataclass(frozen=True)
 class SongRequest:
     """One song: conditions, chain-of-thought mode, seed, optional external ABC and CFG scale."""
@@ -207,6 +267,9 @@ class SongRequest:
     seconds: float | None = None
     # Adapters by registered name and scale (AdapterRef); their contents enter the identity through the config.
     adapters: tuple = ()
+    # A cover's record of the transcription its score came from (check_transcription); not part of the song's
+    # identity: the song depends on its score, not on where the score came from.
+    transcription: dict | None = field(default=None, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "adapters", adapter_refs(self.adapters))
@@ -237,6 +300,8 @@ class SongRequest:
                 raise ValueError("SongRequest.abc needs cot 'melody' or 'full' (cot 'off' has no score)")
         if self.seconds is not None:
             object.__setattr__(self, "seconds", check_seconds(self.seconds, "SongRequest.seconds"))
+        if self.transcription is not None:
+            object.__setattr__(self, "transcription", check_transcription(self.transcription, self.abc))
         if self.cfg_scale is not None and (not _is_real(self.cfg_scale)
                                            or not 0 <= self.cfg_scale <= MAX_CFG_SCALE):
             raise ValueError(f"SongRequest.cfg_scale must be a finite number in [0, 20], got {self.cfg_scale!r}")
@@ -261,9 +326,11 @@ class SongRequest:
         return f"{INSTRUCTIONS[self.cot]}\n[Tags]\n{self.style}\n[Lyrics]\n{self.lyrics}\n"
 
     def to_dict(self) -> dict:
-        """The fields; `instrumental`, `seconds` and `adapters` only when set, so every other song keeps the identity it
-        always had."""
+        """The fields; `instrumental`, `seconds`, `adapters` and `transcription` only when set, so every other song
+        keeps the identity it always had."""
         data = asdict(self)
+        if self.transcription is None:
+            del data["transcription"]
         if not self.instrumental:
             del data["instrumental"]
         if self.seconds is None:

@@ -6,11 +6,16 @@ them as they are.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 REQUEST_FIELDS = {"style", "tags", "lyrics", "cot", "seed", "abc", "cfg_scale", "id", "abc_sampling",
-                  "semantic_sampling", "instrumental", "seconds", "adapters"}
+                  "semantic_sampling", "instrumental", "seconds", "adapters", "transcription"}
 IGNORED_FIELDS = {"lang", "eval_index", "clip_id", "prompt", "abc_path"}
+# A cover's source (docs/covers.md): the audio to transcribe into the song's score, and how (the transcription
+# request's fields but the lyrics, which are the song's).
+MELODY_FIELDS = {"melody_audio", "melody"}
+MELODY_KNOBS = ("transcriber", "bpm", "meter", "key", "voice", "pickup_beats")
 
 
 class UsageError(ValueError):
@@ -76,18 +81,60 @@ def read_abc(path: Path, what: str) -> str:
     return read_text_file(path, what, exact=True)
 
 
+@dataclass(frozen=True)
+class MelodyAudio:
+    """A request's `melody_audio`: the audio file whose transcription becomes the song's score (a cover), and its
+    `melody` knobs as given (MELODY_KNOBS; the transcription request checks their values). The CLI transcribes it
+    (`cli.transcribe`); `where` names the document in errors."""
+
+    path: Path
+    knobs: dict
+    where: str
+
+
+def melody_from_json(data: dict, base_dir: Path | None, where: str, *, allow_files: bool) -> MelodyAudio | None:
+    """The document's `melody_audio` and `melody` read as data (None when it has none): a path relative to the
+    document's directory, refused from the network (`allow_files` False) and beside a score (`abc`, `abc_path`,
+    `transcription`: the transcription is the score), each refusal naming both fields."""
+    if "melody_audio" not in data:
+        if "melody" in data:
+            raise UsageError(f"{where}: 'melody' sets how 'melody_audio' is transcribed; give melody_audio too")
+        return None
+    if not allow_files:
+        raise UsageError(f"{where}: melody_audio is not accepted here (no file is read for a request); send the "
+                         "audio to POST /v1/covers, or POST /v1/transcriptions and the score as 'abc'")
+    for name in ("abc", "abc_path", "transcription"):
+        if name in data:
+            raise UsageError(f"{where}: give 'melody_audio' or '{name}', not both (a cover's score is the "
+                             "transcription of its melody_audio)")
+    value, knobs = data["melody_audio"], data.get("melody", {})
+    if not isinstance(value, str) or not value.strip():
+        raise UsageError(f"{where}: melody_audio must be a file name, got {_json_type(value)} {value!r}")
+    if not isinstance(knobs, dict):
+        raise UsageError(f"{where}: melody must be an object of {', '.join(MELODY_KNOBS)}, got {_json_type(knobs)}")
+    unknown = sorted(set(knobs) - set(MELODY_KNOBS))
+    if unknown:
+        raise UsageError(f"{where}: melody: unknown field(s) {unknown}; the fields are {', '.join(MELODY_KNOBS)} "
+                         "(the lyrics are the song's)")
+    return MelodyAudio((base_dir or Path.cwd()) / value, dict(knobs), where)
+
+
 def request_from_json(data, base_dir: Path | None = None, where: str = "request", *,
                       allow_files: bool = True) -> tuple[dict, dict]:
     """Upstream's request JSON → (SongRequest fields, per-phase sampling overrides); `where` names
-    the document in errors. Without `allow_files` (a document from the network) `abc_path` is refused:
-    the score must come as `abc` text."""
+    the document in errors. Without `allow_files` (a document from the network) `abc_path` and `melody_audio` are
+    refused: the score must come as `abc` text. A cover's `melody_audio` comes back as the field `melody_audio`, a
+    MelodyAudio for the caller to transcribe into the song's `abc` (cover.cover_request)."""
     from .protocol import PHASES, SongRequest, check_sampling_overrides
 
     if not isinstance(data, dict):
         raise UsageError(f"{where}: must be a JSON object, got {_json_type(data)}")
-    unknown = sorted(set(data) - REQUEST_FIELDS - IGNORED_FIELDS)
+    unknown = sorted(set(data) - REQUEST_FIELDS - IGNORED_FIELDS - MELODY_FIELDS)
     if unknown:
         raise UsageError(f"{where}: unknown field(s) {unknown}")
+    melody = melody_from_json(data, base_dir, where, allow_files=allow_files)
+    if data.get("transcription") is not None and data.get("abc") is None and "abc_path" not in data:
+        raise UsageError(f"{where}: 'transcription' records where the score given as 'abc' came from; give abc too")
     fields = {k: v for k, v in data.items() if k in REQUEST_FIELDS and k not in ("abc_sampling", "semantic_sampling")}
     tags = fields.pop("tags", None)
     if tags is not None:
@@ -119,9 +166,14 @@ def request_from_json(data, base_dir: Path | None = None, where: str = "request"
                 raise UsageError(f"{where}: {key}: {exc}", exc) from None
             if value:
                 overrides[phase] = value
+    if melody is not None and fields.setdefault("cot", "melody") != "melody":
+        raise UsageError(f"{where}: cot: a cover renders its transcribed melody_audio with cot 'melody', got "
+                         f"{fields['cot']!r}")
     if "prompt" in data:
         if "style" not in fields or "lyrics" not in fields:
             raise UsageError(f"{where}: 'prompt' needs 'style' (or 'tags') and 'lyrics' beside it")
         if data["prompt"] != SongRequest(**fields).text():
             raise UsageError(f"{where}: 'prompt' does not equal the text built from style and lyrics")
+    if melody is not None:
+        fields["melody_audio"] = melody
     return fields, overrides

@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,16 +46,60 @@ class RowError:
     line: int
 
 
-def _batch_rows(path: Path, default_cot: str | None, check=None,
-                default_adapters: tuple = ()) -> list[tuple[str, object, dict, RowError | None]]:
+class Covers:
+    """The batch's covers (rows with `melody_audio`): each melody transcribed once (the rows are read twice, before
+    and after the model loads), its warnings and licence told once on stderr, and by song id the transcription
+    whose transcription.json goes into the song's directory once it is made."""
+
+    def __init__(self):
+        self.transcribed: dict[tuple, object] = {}
+        self.of_song: dict[str, object] = {}
+
+    def request(self, fields: dict, melody, row: str):
+        """The row's SongRequest: a cover of `melody` (a MelodyAudio), or the plain song without one."""
+        from ..cover import cover_request
+        from ..protocol import SongRequest
+        from .transcribe import cover_of, report
+
+        def build(values: dict, transcription):
+            return SongRequest(**values) if transcription is None else cover_request(transcription, **values)
+
+        if melody is None:
+            return SongRequest(**fields)
+        key = (str(melody.path), json.dumps(melody.knobs, sort_keys=True), fields.get("lyrics", ""))
+        if key not in self.transcribed:
+            request, transcription = cover_of(fields, melody, build)
+            report(transcription, row)
+            self.transcribed[key] = transcription
+        else:
+            request = cover_request(self.transcribed[key], **fields)
+        self.of_song[request.id] = self.transcribed[key]
+        return request
+
+    def finished(self, status: dict) -> dict:
+        """A song's status line; a made cover's transcription.json written beside its score, and named."""
+        from .transcribe import summary_line, write_record
+
+        transcription = self.of_song.get(status.get("id"))
+        if transcription is not None and status.get("status") in ("complete", "planned"):
+            write_record(Path(status["directory"]), transcription)
+            status = {**status, "transcription": summary_line(transcription)}
+        return status
+
+
+def _batch_rows(path: Path, default_cot: str | None, check=None, default_adapters: tuple = (),
+                covers: Covers | None = None) -> list[tuple[str, object, dict, RowError | None]]:
     """`(id, request, overrides, error)` per non-blank JSONL line; a bad row becomes an error, not an abort.
 
     Lines are decoded one by one, so a line that is not UTF-8 fails alone. `check(request,
     overrides)` may refuse a row before any song starts (e.g. overrides outside the pipeline's
     limits). A row's id is its song id, or `_row<LINE>` when it has no usable id of its own (a name
-    no song id can take), so every failure has a directory of its own."""
-    from ..protocol import SongRequest, valid_song_id
+    no song id can take), so every failure has a directory of its own. A row with `melody_audio` is a cover, its
+    melody transcribed through `covers` (bad audio fails the row alone)."""
+    from ..protocol import valid_song_id
     from ..takes import check_takes_for, pop_take_options
+
+    covers = covers if covers is not None else Covers()
 
     try:
         lines = path.read_bytes().split(b"\n")
@@ -75,13 +120,18 @@ def _batch_rows(path: Path, default_cot: str | None, check=None,
             if isinstance(data, dict) and valid_song_id(data.get("id")) and data["id"] not in seen:
                 row_id = data["id"]
             seen.add(row_id)
-            if isinstance(data, dict) and default_cot and "cot" not in data:
-                data["cot"] = default_cot
+            if isinstance(data, dict) and default_cot and "cot" not in data and "melody_audio" not in data:
+                data["cot"] = default_cot  # a cover's is melody
             if isinstance(data, dict) and default_adapters and "adapters" not in data:  # --lora, unless the row names
                 data["adapters"] = [{"name": name, "scale": scale} for name, scale in default_adapters]
             options = pop_take_options(data) if isinstance(data, dict) else None
             fields, overrides = request_from_json(data, path.parent, "row")
-            request = SongRequest(**fields)
+            melody = fields.pop("melody_audio", None)
+            if melody is not None and "id" not in data:  # said before the melody is transcribed
+                raise UsageError("missing 'id' (each batch row needs a unique id)")
+            if melody is not None and valid_song_id(data["id"]) and data["id"] != row_id:
+                raise UsageError(f"duplicate id {data['id']!r}")
+            request = covers.request(fields, melody, f"{path}:{number}")
             if "id" not in data:
                 raise UsageError("missing 'id' (each batch row needs a unique id)")
             if request.id != row_id:
@@ -158,15 +208,16 @@ class TakesRow:
 
 
 def cmd_batch(args) -> int:
-    _batch_rows(Path(args.input), args.cot)  # an unreadable file stops here, before any model loads
+    covers = Covers()  # the rows' melodies, transcribed in the first reading, before any model loads
+    _batch_rows(Path(args.input), args.cot, covers=covers)  # an unreadable file stops here, before any model loads
     setup = song_setup(args)
     with setup.pipeline() as pipe:
         admitted: dict = {}
-        rows = _batch_rows(Path(args.input), args.cot, _row_check(pipe, admitted), setup.song_adapters)
-        return _run_batch(pipe, rows, args, admitted)
+        rows = _batch_rows(Path(args.input), args.cot, _row_check(pipe, admitted), setup.song_adapters, covers)
+        return _run_batch(pipe, rows, args, admitted, covers)
 
 
-def _run_batch(pipe, rows, args, admitted: dict) -> int:
+def _run_batch(pipe, rows, args, admitted: dict, covers: Covers | None = None) -> int:
     """Every valid row through the song scheduler (`--concurrency` at once); batch.json after each song.
 
     batch.json lists the finished rows in row order; `all_attempted` turns true once every row was
@@ -194,6 +245,8 @@ def _run_batch(pipe, rows, args, admitted: dict) -> int:
         return True
 
     def record(index: int, status: dict) -> None:
+        if covers is not None:
+            status = covers.finished(status)
         finished[index] = status
         summary["failed"] = sum(s["status"] != "complete" for s in finished.values())
         summary["results"] = [finished[i] for i in sorted(finished)]

@@ -34,11 +34,19 @@ def cmd_doctor(args) -> int:
     report = {"python": platform.python_version(), "versions": versions, "devices": devices, "backends": backends,
               "default_cot": "full", "default_cfg": {"full": 1.0, "melody": 1.0, "off": 1.01},
               "song_length": song_length(args), "memory": memory_split(args), "memory_release": release_split(args),
-              "cluster": cluster_report(args)}
+              "cluster": cluster_report(args), "transcribers": transcribers_report()}
     if getattr(args, "lora_modules", None):
         report["adapters"] = adapters_report(args)
     print(json.dumps(report, indent=2))
     return 0 if all(versions[name] for name in required) else 1
+
+
+def transcribers_report() -> dict:
+    """Whether each transcriber of covers can run here (docs/covers.md): pyin (librosa installed) and SheetSage2 (its
+    environment and weights set up), with why not and SheetSage2's licence; nothing is imported or started."""
+    from ..transcription import transcribers_status
+
+    return transcribers_status()
 
 
 def song_length(args) -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..song.progress import Progress, token_budgets
 from .setup import EXPECTED_ERRORS, _signal_name, adapter_options, build_request, print_status, song_setup
+from .transcribe import KNOB_FLAGS, report, summary_line, write_record
 
 
 def _summary(document: dict) -> dict:
@@ -135,7 +136,8 @@ def run_takes_cli(pipe, request, overrides: dict, directory: Path, options, *, r
 # What `generate --continue` takes from the song it continues, not from flags.
 CONTINUE_TAKES_OWN = (("request", "--request"), ("style", "--style"), ("lyrics", "--lyrics"),
                       ("lyrics_file", "--lyrics-file"), ("abc_file", "--abc-file"), ("cot", "--cot"),
-                      ("seed", "--seed"), ("cfg_scale", "--cfg-scale"), ("instrumental", "--instrumental"))
+                      ("seed", "--seed"), ("cfg_scale", "--cfg-scale"), ("instrumental", "--instrumental"),
+                      ("melody_audio", "--melody-audio"), *KNOB_FLAGS.items())
 
 
 def continued_setup(setup, parent, child):
@@ -217,8 +219,11 @@ def cmd_generate(args) -> int:
     if getattr(args, "continue_from", None):
         return cmd_continue(args)
     adapters = adapter_options(args)  # --lora parsed once: the songs' adapters and the pipeline's
-    request, overrides = build_request(args, adapters[1])
+    request, overrides, transcription = build_request(args, adapters[1])
+    if transcription is not None:  # a cover: its warnings and licence before the model loads
+        report(transcription)
     options = take_options(args)
+    directory = Path(args.output) / request.id
     if options.many:
         from ..request_json import UsageError
         from ..takes import check_takes_for
@@ -228,9 +233,12 @@ def cmd_generate(args) -> int:
         except ValueError as exc:
             raise UsageError(f"--takes: {exc}") from None
         with song_setup(args, adapters=adapters).pipeline() as pipe:
-            lines = run_takes_cli(pipe, request, overrides, Path(args.output) / request.id, options,
+            lines = run_takes_cli(pipe, request, overrides, directory, options,
                                   resume=args.resume, stage=args.stage, quiet=args.quiet,
                                   scorer_command=args.scorer)
+        if transcription is not None and lines[-1]["complete"]:
+            write_record(directory, transcription)
+            lines[-1]["transcription"] = summary_line(transcription)
         for line in lines:
             print_status(line)
         failed = [line for line in lines[:-1] if line["status"] == "failed"]
@@ -238,8 +246,11 @@ def cmd_generate(args) -> int:
             print(f"yue2-vllm: error: take {line['take']}: {line.get('reason')}", file=sys.stderr)
         return 1 if failed or lines[-1]["not_complete"] else 0
     with song_setup(args, adapters=adapters).pipeline() as pipe:
-        status = run_song(pipe, request, overrides, Path(args.output) / request.id, resume=args.resume,
+        status = run_song(pipe, request, overrides, directory, resume=args.resume,
                           stage=args.stage, quiet=args.quiet)
+    if transcription is not None and status["status"] in ("complete", "planned"):
+        write_record(directory, transcription)
+        status["transcription"] = summary_line(transcription)
     print_status(status)
     if status["status"] == "failed":
         print(f"yue2-vllm: error: {status['reason']}", file=sys.stderr)

@@ -16,6 +16,7 @@ from .batch import cmd_batch
 from .doctor import cmd_doctor
 from .generate import cmd_generate
 from .setup import _interrupt, _signal_name, print_status
+from .transcribe import add_knob_flags, cmd_transcribe
 from .tools import cmd_calibrate, cmd_derive, cmd_evaluate, cmd_make_tiny, cmd_quantize, cmd_serve
 
 DESCRIPTION = """`yue2-vllm`: generate songs, run batches, check the installation, write tiny checkpoints.
@@ -222,13 +223,19 @@ def build_parser() -> argparse.ArgumentParser:
     generate = command("generate", "generate one song")
     _model_flags(generate)
     generate.add_argument("--request", help="request JSON (style/tags, lyrics, cot, seed, abc or abc_path, cfg_scale, "
-                                            "id, abc_sampling, semantic_sampling, seconds, instrumental); flags "
-                                            "override its fields")
+                                            "id, abc_sampling, semantic_sampling, seconds, instrumental, "
+                                            "melody_audio and melody); flags override its fields")
     generate.add_argument("--style", help="style tags, e.g. 'pop, piano, female vocal' (default: the request's)")
     generate.add_argument("--lyrics", help="lyrics text with [verse]/[chorus] sections (default: the request's)")
     generate.add_argument("--lyrics-file", help="read the lyrics from this UTF-8 file")
     generate.add_argument("--abc-file", help="external ABC score (cot melody/full), read byte for byte: skips the "
                                              "score phase")
+    generate.add_argument("--melody-audio", metavar="FILE",
+                          help="a cover: transcribe the melody of this audio (a hum, a sung or played melody; any "
+                               "format libsndfile reads) and render its score byte for byte with cot melody, the "
+                               "style and lyrics; the transcription's warnings go to stderr and its record to "
+                               "result.json and transcription.json (docs/covers.md)")
+    add_knob_flags(generate, "with --melody-audio: ")
     generate.add_argument("--cot", choices=("full", "melody", "off"),
                           help="chain of thought: full (chord-annotated score first), melody (melody-only score), "
                                "off (no score, paired CFG 1.01); default: the request's, else full")
@@ -305,6 +312,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-calls", type=_count, default=256, metavar="N",
                        help="POST /v1/audio/speech calls waiting for their songs at once (no thread each) before "
                             "the next answers 503 with Retry-After (default %(default)s)")
+    serve.add_argument("--max-upload-mb", type=lambda t: _positive(t, "MB"), default=40.0, metavar="MB",
+                       help="the largest upload POST /v1/transcriptions and POST /v1/covers take (the audio and its "
+                            "fields; 1 MB = 10**6 bytes): past it they answer 413 naming it; the JSON routes keep "
+                            "their own 256 KiB (default %(default)g)")
+    serve.add_argument("--transcription-workers", type=_count, default=1, metavar="N",
+                       help="transcriptions (covers, hums) run at once, each in its own process beside the songs "
+                            "(default %(default)s)")
+    serve.add_argument("--transcription-queue", type=lambda t: _integer_in(t, 0, None, "an integer >= 0"), default=4,
+                       metavar="N", help="transcriptions waiting for a worker before the next call answers 429 "
+                                         "(default %(default)s)")
     serve.add_argument("--stall-seconds", type=_positive_seconds, default=300.0,
                        help="songs in flight but none progressed for this long: /health answers 503 (default "
                             "%(default)s)")
@@ -315,6 +332,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="free disk kept beyond what every admitted song may still write (its FLAC, arrays and "
                             "records at its token budgets); POST answers 507 past it (default %(default)s)")
     _cluster_flags(serve)
+
+    transcribe = command("transcribe", "transcribe the melody of an audio file into a melody-mode ABC score, the score "
+                                       "a cover renders (docs/covers.md)")
+    transcribe.add_argument("audio", metavar="AUDIO", help="the audio: any format libsndfile reads (WAV, FLAC, OGG, "
+                                                           "MP3, AIFF, ...), 1 s up to the transcriber's limit")
+    transcribe.add_argument("--output", required=True, help="where the score goes (e.g. score.abc)")
+    transcribe.add_argument("--record", help="where its record goes (transcription.json: the notes, warnings, "
+                                             "tempo figures); default: beside --output as NAME.transcription.json")
+    add_knob_flags(transcribe)
+    transcribe.add_argument("--lyrics", help="the song's lyrics: their [verse]/[chorus] tags become the score's "
+                                             "section labels, their syllables are counted against the notes")
+    transcribe.add_argument("--lyrics-file", help="read the lyrics from this UTF-8 file")
+    transcribe.set_defaults(func=cmd_transcribe)
 
     doctor = command("doctor", "versions, devices, which backends are usable, and the engine / torch memory split")
     doctor.add_argument("--model", help=MODEL_HELP + "; for the memory split")

@@ -33,19 +33,24 @@ DEFAULT_REQUEST = {
 EXPECTED_ERRORS = (ValueError, OSError, InterruptedError)
 
 
-def build_request(args, song_adapters: tuple = ()) -> tuple[object, dict]:
-    """The request from --request / the flags / the default, and its sampling overrides; `song_adapters`: the
-    `--lora` adapters' (name, scale) (`adapter_options`, parsed once), every song's unless its request file names
-    its own."""
+def build_request(args, song_adapters: tuple = ()) -> tuple[object, dict, object | None]:
+    """The request from --request / the flags / the default, its sampling overrides and, for a cover, its
+    Transcription (else None): a --melody-audio (or the request file's melody_audio) is transcribed here, before
+    any model loads, and its score is the song's (cli.transcribe.cover_of). `song_adapters`: the `--lora` adapters'
+    (name, scale) (`adapter_options`, parsed once), every song's unless its request file names its own."""
+    from ..cover import COVER_COT, cover_request
     from ..protocol import SongRequest
+    from .transcribe import cover_of, flag_knobs
 
     data, base_dir, where = {}, None, "request"
     if args.request:
         path = Path(args.request)
         data, base_dir, where = read_json_file(path, "--request"), path.parent, f"--request {path}"
-    elif args.style is None and args.lyrics is None and args.lyrics_file is None:
+    elif args.style is None and args.lyrics is None and args.lyrics_file is None \
+            and getattr(args, "melody_audio", None) is None:
         data = dict(DEFAULT_REQUEST)
     fields, overrides = request_from_json(data, base_dir, where)
+    melody = melody_flags(args, fields.pop("melody_audio", None), fields, where)
     flags = {"style": "--style", "lyrics": "--lyrics", "cot": "--cot", "seed": "--seed", "cfg_scale": "--cfg-scale",
              "id": "--id", "seconds": "--seconds"}
     flag_values = {name: getattr(args, name, None) for name in flags}
@@ -61,17 +66,57 @@ def build_request(args, song_adapters: tuple = ()) -> tuple[object, dict]:
             {"name": name, "scale": scale} for name, scale in song_adapters]
     given = {k: v for k, v in flag_values.items() if v is not None}
     fields.update(given)
+    if melody is not None and fields.get("cot", COVER_COT) != COVER_COT:
+        raise UsageError(f"{flags['cot'] if 'cot' in given else where}: a cover renders its transcribed melody with "
+                         f"cot {COVER_COT!r}, got {fields['cot']!r}")
     if fields.get("instrumental") is True:
         fields.setdefault("lyrics", "")  # lyrics are optional for an instrumental
     for name in ("style", "lyrics"):
         if name not in fields:
             raise UsageError(f"request: missing '{name}' (give --{name} or a --request file)")
-    try:
-        return SongRequest(**fields), overrides
-    except ValueError as exc:  # name the flag or the file the bad value came from
-        field = re.match(r"SongRequest\.(\w+)", str(exc))
-        source = flags[field.group(1)] if field and field.group(1) in given else where
-        raise UsageError(f"{source}: {exc}", exc) from None
+
+    def make(values: dict, transcription) -> SongRequest:
+        try:
+            if transcription is not None:
+                return cover_request(transcription, **values)
+            return SongRequest(**values)
+        except ValueError as exc:  # name the flag or the file the bad value came from
+            field = re.match(r"SongRequest\.(\w+)", str(exc))
+            source = flags[field.group(1)] if field and field.group(1) in given else where
+            raise UsageError(f"{source}: {exc}", exc) from None
+
+    if melody is None:
+        return make(fields, None), overrides, None
+    request, transcription = cover_of(fields, melody, make, tuple(flag_knobs(args)))
+    return request, overrides, transcription
+
+
+def melody_flags(args, melody, fields: dict, where: str):
+    """A cover's melody: the request file's `melody_audio` (a MelodyAudio) with --melody-audio and the knob flags
+    over it; a knob flag without a melody, or a melody beside a score (--abc-file, the file's abc), is refused
+    naming both. None when the song is no cover."""
+    from dataclasses import replace as changed
+
+    from ..request_json import MelodyAudio
+    from .transcribe import KNOB_FLAGS, flag_knobs
+
+    knobs = flag_knobs(args)
+    audio = getattr(args, "melody_audio", None)
+    if audio is not None:
+        for name in ("abc", "transcription"):
+            if name in fields:
+                raise UsageError(f"--melody-audio: {where} gives the song's score ('{name}'); a cover's score is "
+                                 "the transcription of --melody-audio: give one of them")
+        melody = MelodyAudio(Path(audio), {**(melody.knobs if melody else {}), **knobs}, "--melody-audio")
+        fields.setdefault("cot", "melody")
+    elif melody is not None:
+        melody = changed(melody, knobs={**melody.knobs, **knobs})
+    elif knobs:
+        raise UsageError(f"{KNOB_FLAGS[next(iter(knobs))]}: sets how --melody-audio is transcribed; give "
+                         "--melody-audio")
+    if melody is not None and args.abc_file:
+        raise UsageError(f"--abc-file: give --abc-file or a melody to transcribe ({melody.where}), not both")
+    return melody
 
 
 def print_status(status: dict, stream=None) -> None:

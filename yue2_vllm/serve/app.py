@@ -1,10 +1,12 @@
 """The HTTP API and the web page: a FastAPI app over one `SongService`, made of the routers in `serve.routes` (one
-per resource: the page, health, songs, files, takes, events, adapters, scores, and OpenAI's speech).
+per resource: the page, health, songs, files, takes, events, adapters, scores, transcriptions and covers, and
+OpenAI's speech).
 
 Every error is `{"error": {"status", "message", "field"}}` (documented for every status in /openapi.json);
 with an API key, every /v1 path and /metrics need `Authorization: Bearer KEY` (/health and the page stay open).
 Safe by default: the Host must be a loopback name, an IP address or an `allowed_hosts` name (no DNS rebinding);
-an unsafe method from a browser page of another origin is refused (403), a POST body must be JSON (415), and a
+an unsafe method from a browser page of another origin is refused (403), a POST body must be JSON (415; an upload
+to the transcription routes multipart/form-data), and a
 caller without the key (everyone, when there is none) never sees a server path or a trace.
 """
 from __future__ import annotations
@@ -30,21 +32,32 @@ from .routes.length import length_router
 from .routes.songs import JobIntake, songs_router
 from .routes.speech import speech_router
 from .routes.takes import takes_router
+from .routes.transcriptions import transcriptions_router
 from .safety import Guard, ResponseCounter, host_allowed, redact, redact_text  # noqa: F401 (re-exported)
 from .service import SongService
+from .transcribing import QUEUE, WORKERS, TranscriptionPool
 
 MAX_BODY_BYTES = 256 * 1024
+MAX_UPLOAD_MB = 40  # the multipart routes' bodies (--max-upload-mb; 1 MB = 10**6 bytes)
 MAX_SSE_CLIENTS = 256
 
 
 def create_app(service: SongService, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               allowed_hosts: tuple[str, ...] = (), max_sse_clients: int = MAX_SSE_CLIENTS) -> FastAPI:
+               allowed_hosts: tuple[str, ...] = (), max_sse_clients: int = MAX_SSE_CLIENTS,
+               max_upload_bytes: int = MAX_UPLOAD_MB * 10**6, transcription_workers: int = WORKERS,
+               transcription_queue: int = QUEUE) -> FastAPI:
+    """The app; `max_upload_bytes` bounds the multipart routes' bodies (the audio of a transcription or a cover), the
+    JSON routes keep `max_body_bytes`; transcriptions run `transcription_workers` at once with
+    `transcription_queue` more waiting (serve/transcribing.py)."""
+    pool = TranscriptionPool(transcription_workers, transcription_queue)
+
     @asynccontextmanager
     async def lifespan(app):
         await run_in_threadpool(service.start)
         try:
             yield
         finally:
+            await run_in_threadpool(pool.close)
             await run_in_threadpool(service.close)
 
     app = FastAPI(title="yue2-vllm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -58,7 +71,8 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
     intake = JobIntake(max_body_bytes)  # both routes that queue a job: one Idempotency-Key in flight at a time
     for router in (page_router(), health_router(api), songs_router(api, intake), length_router(api, intake),
                    files_router(api), takes_router(api), events_router(api, max_sse_clients), adapters_router(api),
-                   scores_router(api, max_body_bytes), speech_router(api, max_body_bytes), signed_audio_router(api)):
+                   scores_router(api, max_body_bytes), transcriptions_router(api, intake, pool, max_upload_bytes),
+                   speech_router(api, max_body_bytes), signed_audio_router(api)):
         app.include_router(router)
     app.openapi = lambda: openapi_document(app, reproducible=bool(service.rules.reproducible),
                                            max_takes=service.config.max_takes,

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..protocol import (ADAPTER_SCALE_RANGE, CONTEXT, DEFAULT_SEED, MAX_CFG_SCALE, MAX_SECONDS, MAX_SEED,
                         TOKENS_PER_SECOND)
+from ..score import KEYS
 from ..takes import MAX_TAKES
 
 # At least one character that is not white space as Python's str.strip() (the CLI's check) counts it, spelled out:
@@ -44,6 +45,56 @@ class AdapterChoice(BaseModel):
     name: str = Field(..., pattern=ADAPTER_NAME, description="a registered adapter's name", examples=["instrumental"])
     scale: float = Field(1.0, ge=ADAPTER_SCALE_RANGE[0], le=ADAPTER_SCALE_RANGE[1],
                          description="its strength: LoRA deltas times scale, replacements at strength scale")
+
+
+SHA256 = r"^[0-9a-f]{64}$"
+
+
+class TranscriptionSource(BaseModel):
+    """The audio a score was transcribed from, as given: its bytes' sha256 and size, length, rate, channels and
+    libsndfile's format."""
+
+    model_config = ConfigDict(extra="forbid", title="TranscriptionSource")
+    sha256: str = Field(..., pattern=SHA256)
+    bytes: int = Field(None, ge=0)
+    seconds: float = Field(None, ge=0)
+    sample_rate: int = Field(None, ge=0)
+    channels: int = Field(None, ge=0)
+    format: str = Field(None, max_length=64, examples=["WAV"])
+    subtype: str = Field(None, max_length=64, examples=["PCM_16"])
+    peak_dbfs: float = Field(None, le=100)
+
+
+class TranscriptionNote(BaseModel):
+    """Something a musician should check, in one line, with its figures (the drift: where and how far a cover will
+    drift out of sync)."""
+
+    model_config = ConfigDict(extra="forbid", title="TranscriptionNote")
+    code: str = Field(..., max_length=64, examples=["drift"])
+    message: str = Field(..., max_length=2000)
+    figures: dict = Field(..., description="the warning's figures (JSON)")
+
+
+class TranscriptionRecord(BaseModel):
+    """Where a score came from (docs/covers.md): what POST /v1/transcriptions answers as `transcription`, and what a
+    song rendered from that score (edited or not) records as its request's `transcription`: the transcriber and its
+    version, the source, tempo, meter and key, the warnings with their figures, the licence (SheetSage2's CC BY-NC
+    4.0) and the transcribed score's sha256. At most 16 KiB of JSON; `edited` is worked out by the server (whether
+    the song's abc differs from the transcribed score)."""
+
+    model_config = ConfigDict(extra="forbid", title="TranscriptionRecord")
+    transcriber: str = Field(..., max_length=64, examples=["pyin"])
+    transcriber_version: str = Field(..., max_length=200, examples=["pyin-1 (librosa 0.11.0)"])
+    source: TranscriptionSource
+    bpm: int = Field(..., description="the score's Q:1/4")
+    meter: str = Field(..., max_length=16, examples=["4/4"])
+    key: str = Field(..., max_length=16, examples=["G"])
+    warnings: list[TranscriptionNote] = Field(..., max_length=32)
+    licence: str | None = Field(..., max_length=1000, description="the weights' licence where one applies "
+                                "(SheetSage2: CC BY-NC 4.0, non-commercial use with attribution); null for pyin")
+    score_sha256: str = Field(..., pattern=SHA256, description="the transcribed score's sha256 (UTF-8)")
+    edited: bool = Field(None, description="worked out by the server: whether the song's abc differs from the "
+                                           "transcribed score (a value sent is not used)")
 
 
 class SongBody(BaseModel):
@@ -81,6 +132,10 @@ class SongBody(BaseModel):
     adapters: list[AdapterChoice] | None = Field([], description="registered adapters the song runs with (the AR "
                                                  "parts on vLLM, the NAR parts in synthesis; docs/adapters.md; null: "
                                                  "none)")
+    transcription: TranscriptionRecord | None = Field(None, description="where the given abc came from: the "
+                                                      "`transcription` POST /v1/transcriptions answered (the song "
+                                                      "records it, outside its identity, and whether its abc is the "
+                                                      "transcribed score edited); needs abc")
     stage: Literal["plan", "audio"] = Field("audio", description="plan: the score only (render its audio later)")
     reproducible: bool = Field(False, description="ask for a batch-invariant song (only on a server started with "
                                                   "--reproducible)")
@@ -219,6 +274,16 @@ class ScoreCheck(BaseModel):
     score: ScoreMusic | None
 
 
+class TranscriptionAnswer(BaseModel):
+    """A melody transcribed: the score (melody-mode ABC, read back by the server's reader), its record as a song
+    takes it (`transcription`: send it back with the score, edited or not, to POST /v1/songs), and the whole record
+    (`record`: transcription.json, the notes as heard and as written, the tempo's drift figures, the timings)."""
+
+    abc: str
+    transcription: TranscriptionRecord
+    record: dict
+
+
 class ErrorDetail(BaseModel):
     status: int = Field(..., examples=[422])
     message: str = Field(..., examples=["cfg_scale must be a finite number in [0, 20], got 99"])
@@ -248,6 +313,13 @@ class SongCreated(BaseModel):
     stage: Literal["plan", "audio"]
     created: bool = Field(..., description="false: an earlier request with this Idempotency-Key made the job")
     urls: Urls
+
+
+class CoverCreated(SongCreated):
+    """A cover's song job, queued: as POST /v1/songs answers, with the transcription its score came from (warnings,
+    licence)."""
+
+    transcription: TranscriptionRecord
 
 
 class TakeEntry(BaseModel):

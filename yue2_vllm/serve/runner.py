@@ -235,7 +235,8 @@ def _serve(args, api_key: str | None, workers: Callable, print_status: Callable)
     import uvicorn
 
     from ..startup import STARTUP
-    from .app import MAX_SSE_CLIENTS, create_app
+    from .app import MAX_SSE_CLIENTS, MAX_UPLOAD_MB, create_app
+    from .transcribing import QUEUE, WORKERS
     from .service import ServeConfig, SongService
     from .starting import answering_while_starting
 
@@ -257,7 +258,10 @@ def _serve(args, api_key: str | None, workers: Callable, print_status: Callable)
                 max_takes=getattr(args, "max_takes", 8), speech_wait_seconds=getattr(args, "speech_timeout", 900.0),
                 max_waiting_calls=getattr(args, "max_waiting_calls", 256)))
             app = create_app(service, api_key=api_key, allowed_hosts=tuple(getattr(args, "allowed_host", None) or ()),
-                             max_sse_clients=getattr(args, "max_sse_clients", MAX_SSE_CLIENTS))
+                             max_sse_clients=getattr(args, "max_sse_clients", MAX_SSE_CLIENTS),
+                             max_upload_bytes=int(getattr(args, "max_upload_mb", MAX_UPLOAD_MB) * 10**6),
+                             transcription_workers=getattr(args, "transcription_workers", WORKERS),
+                             transcription_queue=getattr(args, "transcription_queue", QUEUE))
             config = uvicorn.Config(app, lifespan="on", ws="none", log_config=stderr_logging(),
                                     log_level="warning" if args.quiet else "info", access_log=not args.quiet,
                                     timeout_graceful_shutdown=5, server_header=False,

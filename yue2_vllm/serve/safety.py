@@ -135,3 +135,33 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def is_multipart(content_type: str | None) -> bool:
+    return (content_type or "").split(";", 1)[0].strip().lower() == "multipart/form-data"
+
+
+async def read_form(request: Request, limit: int, max_fields: int):
+    """A multipart/form-data body (an upload) parsed as it streams in, refused with 413 naming the limit once it
+    passes `limit` bytes (declared or streamed); its files are spooled to temporary files (removed when the form is
+    closed: `async with` it, or `await form.close()`)."""
+    from starlette.requests import Request as Stream
+
+    mb = f"{limit / 1e6:g} MB"
+    too_large = TooLarge(f"audio: the upload is larger than the limit of {mb} ({limit} bytes; --max-upload-mb)",
+                         field="audio")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    seen = 0
+
+    async def receive():
+        nonlocal seen
+        message = await request.receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise too_large
+        return message
+
+    return await Stream(request.scope, receive).form(max_files=1, max_fields=max_fields, max_part_size=1 << 20)

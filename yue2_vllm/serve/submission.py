@@ -44,6 +44,9 @@ _FIELD_PATTERNS = (
     re.compile(r"'(tags)' and 'style' differ"),
     re.compile(r"^(?:body: )?(adapters)\["),
     re.compile(r"^body: (abc_path) "),
+    re.compile(r"^body: (melody_audio) "),
+    re.compile(r"^body: '(melody)' sets how"),
+    re.compile(r"^body: '(transcription)' records"),
     re.compile(r"^body: (lyrics) must be non-blank"),
     re.compile(r"'(prompt)'"),
 )

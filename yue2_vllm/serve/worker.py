@@ -159,7 +159,8 @@ class SongWorker:
                 "sample_rate": document["sample_rate"], "truncated": document["truncated"],
                 "resumed": document["resumed"], "audio_bytes": document["artifacts"]["audio.flac"]["bytes"],
                 "batch_invariant": document.get("batch_invariant", False), "signals": take_signals(document),
-                **{key: document[key] for key in ("truncation", "continuation") if document.get(key)}}
+                **{key: document[key] for key in ("truncation", "continuation", "transcription")
+                   if document.get(key)}}
 
     # -- the engine
 

@@ -37,9 +37,11 @@ FAILED_STATES = {"plan": "plan_failed", "semantic": "semantic_failed", "synthesi
 
 def identity_request(request: SongRequest) -> dict:
     """The request as its identity holds it: adapters' names left out (their content hashes and scales are in the
-    config), so a renamed adapter keeps its songs' identities."""
+    config), so a renamed adapter keeps its songs' identities; a cover's transcription record left out, so a song
+    depends on its score and not on where the score came from."""
     data = request.to_dict()
     data.pop("adapters", None)
+    data.pop("transcription", None)
     return data
 
 
@@ -245,6 +247,8 @@ class SongRun:
             # resumed: as upstream, only a finished result reused untouched (reuse_result) says True
             "status": "complete", "identity": self.run_id, "resumed": False, "stages_reused": list(self.reused),
             **({"instrumental": True} if request.instrumental else {}),  # its steps: instrumental.json
+            # a cover: where its score came from (the run's transcription.json, where a face wrote one, has the notes)
+            **({"transcription": request.transcription} if request.transcription is not None else {}),
             # the adapters the song ran with (an instrumental adapter's recipe adds its adapter to the render)
             **({"adapters": adapters.record()} if adapters else {}),
             **batch_record(plan.timing, semantic.timing),

@@ -130,6 +130,18 @@ class Transcription:
                 "request": self.request.to_dict(), "details": self.details or {},
                 "timing": {name: round(value, 4) for name, value in self.timing.items()}}
 
+    def summary(self) -> dict:
+        """What a song rendered from this score records of it (`SongRequest.transcription`, result.json, an API
+        answer): who wrote the score and from what, its tempo, meter and key, the warnings with their figures, the
+        licence and the score's sha256 (so the song can tell whether it renders it unedited); no notes
+        (transcription.json keeps them)."""
+        import hashlib
+
+        return {"transcriber": self.transcriber, "transcriber_version": self.transcriber_version,
+                "source": self.source.record(), "bpm": self.bpm, "meter": self.meter, "key": self.key,
+                "warnings": [warning.record() for warning in self.warnings], "licence": self.licence,
+                "score_sha256": hashlib.sha256(self.abc.encode("utf-8")).hexdigest()}
+
     def files(self) -> dict[str, bytes]:
         """The files a face writes for it: score.abc (the score's exact text) and transcription.json."""
         from ..checkpoint import json_text

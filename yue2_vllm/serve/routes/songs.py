@@ -54,14 +54,26 @@ class JobIntake:
         """`queue(body, key)` -> `(record, created)` runs in a worker thread."""
         if not is_json(request.headers.get("content-type")):
             return error_response(415, "body: send it as Content-Type: application/json", "Content-Type")
-        body = await read_body(request, self.max_body_bytes)
+        return await self.queued(await read_body(request, self.max_body_bytes), idempotency_key, queue)
+
+    async def queued(self, body: bytes, idempotency_key: str | None, queue, *, extra: dict | None = None,
+                     on_queued=None) -> Response:
+        """`body` queued by `queue(body, key)` -> `(record, created)` in a worker thread, then `on_queued(record,
+        created)` there too; the job's answer (with `extra` in it)."""
         if idempotency_key is not None and idempotency_key in self.in_flight_keys:
             raise Conflict("Idempotency-Key: a request with this key is still being processed; retry in a moment",
                            field="Idempotency-Key", headers={"Retry-After": "1"})
         if idempotency_key is not None:
             self.in_flight_keys.add(idempotency_key)
+
+        def run():
+            record, created = queue(body, idempotency_key)
+            if on_queued is not None:
+                on_queued(record, created)
+            return record, created
+
         try:
-            record, created = await run_in_threadpool(queue, body, idempotency_key)
+            record, created = await run_in_threadpool(run)
         except ServiceError as exc:
             if exc.status == 409 and exc.field == "Idempotency-Key":  # reused with another body: IETF draft → 422
                 raise RequestInvalid(exc.message, field=exc.field) from None
@@ -69,7 +81,7 @@ class JobIntake:
         finally:
             self.in_flight_keys.discard(idempotency_key)
         document = {"id": record.id, "label": record.label, "status": record.status, "stage": record.stage,
-                    "created": created, "urls": urls(record.id)}
+                    "created": created, "urls": urls(record.id), **(extra or {})}
         return JSONResponse(document, status_code=202 if created else 200,
                             headers={"Location": document["urls"]["self"]})
 

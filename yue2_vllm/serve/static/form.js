@@ -20,7 +20,8 @@ export function randomSeed() {
   return ((BigInt(words[0] & 0x7fffffff) << 32n) | BigInt(words[1])).toString();
 }
 
-export function collect() {
+// The form as a POST /v1/songs body (JSON text); `overrides` replace its fields (a melody source's score and cot).
+export function collect(overrides = {}) {
   const body = { style: $("style").value, lyrics: $("lyrics").value, cot: $("cot").value };
   if ($("seconds").value.trim() !== "") body.seconds = Number($("seconds").value);
   const cfg = $("cfg_scale").value.trim();
@@ -39,7 +40,7 @@ export function collect() {
   const adapters = chosenAdapters();
   if (adapters.length) body.adapters = adapters;
   if ($("plan-only").checked) body.stage = "plan";
-  Object.assign(body, takesOf($("takes").value));
+  Object.assign(body, takesOf($("takes").value), overrides);
   let text = JSON.stringify(body);
   const seed = $("seed").value.trim();
   if (seed !== "") {  // seeds go up to 2**63: sent as typed, not through a float

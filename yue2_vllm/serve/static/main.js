@@ -1,13 +1,15 @@
 // yue2-vllm's page: submit a song, follow it live (SSE over fetch, so an API key can be sent), play it.
 // The modules: api (fetch, key, errors), form, song (the song in view), stream (its events), player, picture,
 // takes, jobs (the list and health), adapters (the server's, picked with a scale), score (a score as music: notation,
-// synth, the reader's verdict as you edit, a new song from the edit); this one wires them to the page.
+// synth, the reader's verdict as you edit, a new song from the edit), melody (a hum or a file transcribed into the
+// score panel, rendered as a cover), transcribed (a transcription's record shown); this one wires them to the page.
 
 import { loadAdapters } from "./adapters.js";
 import { $, auth, needKey, saveKey, show } from "./api.js";
 import { collect, randomSeed, submit } from "./form.js";
 import { forgetListed, refreshHealth, refreshJobs } from "./jobs.js";
 import { continueSong, refreshLongest } from "./length.js";
+import { wireMelody } from "./melody.js";
 import { wirePlayer } from "./player.js";
 import { wireScore } from "./score.js";
 import { act, drawPicture, pictureSeconds, select, view } from "./song.js";
@@ -38,6 +40,7 @@ function start() {
   $("refresh").addEventListener("click", refreshJobs);
   wirePlayer(pictureSeconds);
   wireScore({ opened: async (id) => { await select(id); refreshJobs(); } });
+  wireMelody();
   let resized = null;
   window.addEventListener("resize", () => { clearTimeout(resized); resized = setTimeout(drawPicture, 100); });
   $("api-key").addEventListener("change", () => {

@@ -1,8 +1,8 @@
 // The score panel: a score as music. Its notation (both voices, chord symbols) drawn by abcjs, played by a plain
 // synth from the server's reader's notes, its ABC editable with the reader's verdict as you type (one line naming
 // the score line), rendered as a new song from the edit, and downloaded as ABC or MIDI.
-// `showScore(text, source)` opens any score: a song's (`songSource`), or whatever else yields one later (a melody
-// source hands its transcription and a source whose `body` renders it with the form's fields).
+// `showScore(text, source)` opens any score: a song's (`songSource`), or a melody's transcription (melody.js: a source
+// without files, whose `body` renders it as a cover with the form's fields).
 
 import { $, api, describeError, headers, show } from "./api.js";
 import { drawNotation } from "./notation.js";
@@ -10,7 +10,8 @@ import { play, playing, stop } from "./synth.js";
 
 const CHECK_DELAY_MS = 250;
 
-// source: {key, label, abcUrl, midiUrl, describe(cot), body(abc, cot) -> Promise<JSON text>}; text: the editor's;
+// source: {key, label, abcUrl, midiUrl (null: made from the text), describe(cot), body(abc, cot) -> Promise<JSON
+// text>}; text: the editor's;
 // verdict: the reader's answer for `checked`; drawn: {text, music} of the notation shown (the last valid text)
 export const panel = { source: null, original: "", text: "", checked: null, verdict: null, drawn: null, asked: 0,
                        timer: null };
@@ -26,13 +27,22 @@ export function wireScore({ opened }) {
   });
   $("score-render").addEventListener("click", () => renderEdit().catch(() => {}));
   $("score-check").addEventListener("click", showProblemLine);
-  $("score-abc").addEventListener("click", () => download(() => fetchBlob(panel.source.abcUrl), "abc"));
-  $("score-midi").addEventListener("click", () => download(() => fetchBlob(panel.source.midiUrl), "mid"));
-  $("edit-abc").addEventListener("click", () => download(async () => new Blob([panel.text], { type: "text/vnd.abc" }),
-                                                           "edit.abc"));
-  $("edit-midi").addEventListener("click", () => download(() => fetchBlob("/v1/scores/midi", {
-    method: "POST", body: JSON.stringify({ abc: panel.text }), headers: { "Content-Type": "application/json" } }),
-  "edit.mid"));
+  // a song's files from the server; a source without files (a melody's transcription) from its text
+  $("score-abc").addEventListener("click", () => download(() => panel.source.abcUrl ? fetchBlob(panel.source.abcUrl)
+    : textBlob(panel.original), "abc"));
+  $("score-midi").addEventListener("click", () => download(() => panel.source.midiUrl
+    ? fetchBlob(panel.source.midiUrl) : midiOf(panel.original), "mid"));
+  $("edit-abc").addEventListener("click", () => download(() => textBlob(panel.text), "edit.abc"));
+  $("edit-midi").addEventListener("click", () => download(() => midiOf(panel.text), "edit.mid"));
+}
+
+async function textBlob(text) {
+  return new Blob([text], { type: "text/vnd.abc" });
+}
+
+function midiOf(text) {  // the server's MIDI of a score
+  return fetchBlob("/v1/scores/midi", { method: "POST", body: JSON.stringify({ abc: text }),
+                                        headers: { "Content-Type": "application/json" } });
 }
 
 // A song's score as a source: downloads from its files, a render keeps its request (seed, style, lyrics, ...).

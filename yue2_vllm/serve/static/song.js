@@ -9,6 +9,7 @@ import { follow } from "./stream.js";
 import { minutes, renderContinue } from "./length.js";
 import { hideScore, showScore, songSource } from "./score.js";
 import { renderTakes } from "./takes.js";
+import { showTranscription } from "./transcribed.js";
 
 const STAGES = [  // stage, label, progress key, unit
   ["plan", "Score", "abc", "tokens"],
@@ -130,6 +131,12 @@ function render() {
     (doc.continued_from.take > 1 ? ` take ${doc.continued_from.take}` : ""));
   if (doc.retries && doc.retries.length) parts.push(`retried: ${doc.retries[doc.retries.length - 1].reason}`);
   $("current-meta").textContent = parts.join(" · ");
+  const cover = doc.request.transcription;  // a cover: where its score came from, its warnings and licence
+  $("current-cover").hidden = !cover;
+  if (cover) {
+    showTranscription(cover, $("current-cover"), $("current-cover-facts"), $("current-cover-warnings"),
+                      $("current-cover-licence"));
+  }
   renderBars(doc);
   show($("current-error"), doc.error ? `${doc.error.type}: ${doc.error.message}` : "");
   $("cancel").hidden = FINAL.has(doc.status);

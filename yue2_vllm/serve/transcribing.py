@@ -1,0 +1,89 @@
+"""Transcriptions beside the songs: CPU work of seconds to minutes (pyin ~3.5 s an audio minute plus librosa's first
+import; SheetSage2 minutes on a CPU), run in a bounded pool of processes so that it neither stalls the event loop
+nor holds one of its threads while it waits.
+
+The processes are spawned (never forked from a server whose engine and synthesis run threads), started on the
+first transcription and kept warm; at most `workers` run at once and `queue` more wait for one, so a call past
+`workers + queue` is refused at once (429 with the figures and Retry-After). A call awaits its transcription on the
+event loop. A worker process that dies (killed, out of memory) fails its calls with a 503 and the pool is made
+again for the next.
+"""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from .errors import RequestInvalid, ServiceError, TooManyJobs, Unavailable
+
+WORKERS = 1
+QUEUE = 4
+SECONDS_PER_CALL = 10  # what Retry-After guesses a call ahead takes (a minute of humming is a few seconds)
+
+
+def _transcribe(audio: bytes, request: dict, gpu_free_bytes: int | None):
+    """Runs in a pool process: the room imported there (librosa stays out of the server's process)."""
+    from ..transcription import TranscriptionRequest, transcribe
+
+    return transcribe(audio, TranscriptionRequest.from_dict(request), gpu_free_bytes=gpu_free_bytes)
+
+
+class TranscriptionPool:
+    """`await pool.transcribe(audio, request)`: a Transcription, or the ServiceError to answer (422 naming the field
+    for bad audio or a bad knob, 503 for a transcriber that cannot run here or a worker that died, 429 past the
+    bound)."""
+
+    def __init__(self, workers: int = WORKERS, queue: int = QUEUE):
+        if workers < 1 or queue < 0:
+            raise ValueError(f"a transcription pool needs workers >= 1 and queue >= 0, got {workers} and {queue}")
+        self.workers, self.queue = workers, queue
+        self.calls = 0  # running or waiting (only the event loop's thread counts them)
+        self._executor: ProcessPoolExecutor | None = None
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        return self._executor
+
+    async def transcribe(self, audio: bytes, request: dict, gpu_free_bytes: int | None = None):
+        from ..transcription import TranscriberUnavailable, TranscriptionError
+
+        if self.calls >= self.workers + self.queue:
+            waiting = self.calls - self.workers
+            raise TooManyJobs(f"{self.workers} transcription{'s are' if self.workers > 1 else ' is'} running and "
+                              f"{waiting} waiting, the most this server keeps (--transcription-workers "
+                              f"{self.workers}, --transcription-queue {self.queue}); retry later",
+                              headers={"Retry-After": str(SECONDS_PER_CALL * (waiting + 1))})
+        self.calls += 1
+        executor = self._pool()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(executor, _transcribe, audio, request,
+                                                                    gpu_free_bytes)
+        except TranscriptionError as exc:
+            raise RequestInvalid(str(exc), field=exc.field) from None
+        except TranscriberUnavailable as exc:
+            raise Unavailable(str(exc), field="transcriber") from None
+        except BrokenProcessPool:
+            if self._executor is executor:  # the next call starts a new one
+                self._executor = None
+                executor.shutdown(wait=False, cancel_futures=True)
+            raise Unavailable("the transcription worker died (killed, or out of memory); retry",
+                              headers={"Retry-After": str(SECONDS_PER_CALL)}) from None
+        except Exception as exc:  # a transcriber's own failure: said, not hidden behind a bare 500
+            raise ServiceError(f"the transcription failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            self.calls -= 1
+
+    def close(self) -> None:
+        """Stop the workers: waiting calls are cancelled, a running transcription is ended with its process."""
+        executor, self._executor = self._executor, None
+        if executor is None:
+            return
+        processes = list((executor._processes or {}).values())  # the executor has no public way to end them
+        executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join(timeout=10)
