@@ -344,3 +344,44 @@ def test_the_queue_takes_a_jobs_takes_in_turn_with_other_jobs():
     songs.put("d1", "d")
     taker.join(5)
     assert got == ["d1"]
+
+
+def test_a_scheduler_threads_count_is_theirs_and_ends_with_the_last_of_them():
+    """torch.set_num_threads in one thread sets the count every later thread starts with: a closed scheduler must
+    not leave it changed (a later song in a fresh thread would sum in another order than one made before)."""
+    import threading
+
+    import torch
+
+    from yue2_vllm.scheduler import torch_threads
+
+    def in_a_fresh_thread(fn):
+        out = []
+        thread = threading.Thread(target=lambda: out.append(fn()))
+        thread.start()
+        thread.join()
+        return out[0]
+
+    before = in_a_fresh_thread(torch.get_num_threads)
+    own = 1 if before > 1 else 2
+    entered, release, seen = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()], {}
+
+    def lane(index):
+        with torch_threads(own):
+            seen[index] = torch.get_num_threads()
+            entered[index].set()
+            release[index].wait(30)
+
+    lanes = [threading.Thread(target=lane, args=(i,)) for i in range(2)]
+    for index, thread in enumerate(lanes):
+        thread.start()
+        assert entered[index].wait(30)
+    release[0].set()
+    lanes[0].join()
+    assert seen == {0: own, 1: own}
+    assert in_a_fresh_thread(torch.get_num_threads) == own  # the other lane still runs with its count
+    release[1].set()
+    lanes[1].join()
+    assert in_a_fresh_thread(torch.get_num_threads) == before  # the last one gone: fresh threads as before
+    with torch_threads(None):
+        assert torch.get_num_threads() == before
