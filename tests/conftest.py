@@ -14,6 +14,16 @@ def tiny_vae_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def engines():
+    """The session's vLLM engines, one per settings (tests/engines.py); stopped at the session's end."""
+    from engines import EnginePool
+
+    pool = EnginePool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
     from yue2_vllm.tokenizer import YuE2Tokenizer
 

@@ -17,7 +17,7 @@ from yue2_vllm.protocol import ABC_END, ABC_START, CODEC_OFFSET, CODEC_SIZE, EOD
 from yue2_vllm.testing import TINY_CONFIG
 from yue2_vllm.engine.backend import EngineError, EngineSettings, VLLMBackend, vllm_version
 from yue2_vllm.model.sampling import ARContinuation
-from yue2_vllm.options import AROptions, LoadOptions
+from yue2_vllm.options import AROptions
 
 pytestmark = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 
@@ -241,11 +241,10 @@ def test_log_directory_is_removed_on_close(derived):
 
 
 @pytest.fixture(scope="module")
-def vllm_pipe(tiny_model_dir, tiny_vae_dir, derived):
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
-                        load=LoadOptions(ar_checkpoint=derived), ar=AROptions(backend="vllm"))
-    yield pipe
-    pipe.close()
+def vllm_pipe(tiny_model_dir, tiny_vae_dir, engines):
+    with engines.pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                          ar=AROptions(backend="vllm")) as pipe:
+        yield pipe
 
 
 def test_song_on_vllm_and_recorded_fallbacks(vllm_pipe, monkeypatch):
@@ -294,12 +293,10 @@ def test_missing_vllm_falls_back_with_reason(tiny_model_dir, tiny_vae_dir, monke
     assert plan.timing["backend_actual"] == "torch" and "vllm is not installed" in plan.timing["fallback_reason"]
 
 
-def test_cli_real_length_lyrics_on_vllm(tiny_model_dir, tiny_vae_dir, tmp_path):
+def test_cli_real_length_lyrics_on_vllm(tiny_model_dir, tiny_vae_dir, engines, tmp_path, capsys):
     """40 verses/choruses (~10.8k characters): the prompt is prefilled in chunks (default 2048-token
-    steps) and the song completes on the engine, seeded."""
-    import subprocess
-    import sys
-
+    steps) and the song completes on the engine, seeded (the CLI in this process, on the session's engine)."""
+    from yue2_vllm.cli import main
     from yue2_vllm.tokenizer import YuE2Tokenizer
 
     sections = [f"[{'verse' if i % 2 else 'chorus'}]\n" + "\n".join(
@@ -309,12 +306,12 @@ def test_cli_real_length_lyrics_on_vllm(tiny_model_dir, tiny_vae_dir, tmp_path):
     prompt_tokens = len(YuE2Tokenizer.from_model_dir(tiny_model_dir).encode(lyrics))
     (tmp_path / "lyrics.txt").write_text(lyrics)
     (tmp_path / "gen.json").write_text(json.dumps(GENERATION))
-    result = subprocess.run([sys.executable, "-m", "yue2_vllm.cli", "generate", "--backend", "vllm", "--quiet",
-                             "--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--config",
-                             str(tmp_path / "gen.json"), "--output", str(tmp_path / "runs"), "--style", "pop",
-                             "--lyrics-file", str(tmp_path / "lyrics.txt"), "--cot", "full", "--id", "long"],
-                            capture_output=True, text=True, check=True)
-    status = json.loads(result.stdout.strip().splitlines()[-1])
+    with engines.shared():
+        assert main(["generate", "--backend", "vllm", "--quiet", "--model", str(tiny_model_dir), "--vae",
+                     str(tiny_vae_dir), "--config", str(tmp_path / "gen.json"), "--output", str(tmp_path / "runs"),
+                     "--style", "pop", "--lyrics-file", str(tmp_path / "lyrics.txt"), "--cot", "full", "--id",
+                     "long"]) == 0
+    status = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert status["status"] == "complete"
     assert status["timing"]["abc"]["backend_actual"] == status["timing"]["semantic"]["backend_actual"] == "vllm"
     timing = json.loads((tmp_path / "runs" / "long" / "result.json").read_text())["timing"]

@@ -1,8 +1,6 @@
 """CFG and cot=off served on vLLM as paired rows: parity with the torch CFG backend (float32), under
 chunked prefill, preemption and batching; the guided distribution; the recorded backends."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,8 @@ from yue2_vllm.model.sampling import mix_cfg, phase_scores
 from yue2_vllm.scheduler import SongScheduler
 from yue2_vllm.engine.backend import vllm_version
 from yue2_vllm.options import AROptions, EngineOptions
+
+from engines import FLOAT32_ENGINE
 
 pytestmark = pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 GREEDY = {"abc": {"max_tokens": 16, "min_tokens": 16, "temperature": 0},
@@ -46,17 +46,18 @@ def tokens_of(directory):
     return (np.load(directory / "abc_tokens.npy").tolist(), np.load(directory / "semantic.npy").tolist())
 
 
-def test_greedy_cfg_alone_and_in_a_chunked_batch_equals_torch(tiny_model_dir, tiny_vae_dir, reference, tmp_path):
-    """Step budget 96 < the ~250-token prompts: every prefill is chunked, also inside the batch."""
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GREEDY,
-                      ar=AROptions(backend="vllm", dtype="float32"),
-                      engine=EngineOptions(max_num_seqs=12, max_num_batched_tokens=96)) as pipe:
+def test_greedy_cfg_alone_and_in_a_chunked_batch_equals_torch(tiny_model_dir, tiny_vae_dir, engines, reference,
+                                                              tmp_path):
+    """Step budget 64 < the ~250-token prompts: every prefill is chunked, also inside the batch (the engine
+    tests/test_scheduler.py's songs share)."""
+    with engines.pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GREEDY,
+                          ar=AROptions(backend="vllm", dtype="float32"), engine=FLOAT32_ENGINE) as pipe:
         for request in GUIDED:
             plan = pipe.plan(request)
             semantic = pipe.generate_semantic(plan)
             assert (plan.abc_ids, semantic.tokens) == reference[request.id], request.id
             assert semantic.timing["backend_actual"] == "vllm" and semantic.timing["cfg_branches"] == 2
-            assert semantic.timing["prefix_tokens"] > 96 or request.id == "g3"
+            assert semantic.timing["prefix_tokens"] > 64 or request.id == "g3"
         with SongScheduler(pipe, concurrency=6) as scheduler:
             handles = [scheduler.submit(r, tmp_path / r.id) for r in GUIDED + PLAIN]
             assert {h.state for h in scheduler.as_completed(handles)} == {"complete"}
@@ -129,14 +130,18 @@ def test_seeded_sampled_cfg_song_is_the_same_alone_and_in_a_batch(tiny_model_dir
     assert tokens_of(tmp_path / "sampled")[1] == alone
 
 
-def test_cli_records_vllm_for_cfg_and_cot_off(tiny_model_dir, tiny_vae_dir, tmp_path):
+def test_cli_records_vllm_for_cfg_and_cot_off(tiny_model_dir, tiny_vae_dir, engines, tmp_path, capsys):
+    """The CLI in this process, on the session's engine for its settings (both songs share it)."""
+    from yue2_vllm.cli import main
+
     (tmp_path / "gen.json").write_text(json.dumps(GREEDY))
-    common = [sys.executable, "-m", "yue2_vllm.cli", "generate", "--backend", "vllm", "--quiet", "--model",
-              str(tiny_model_dir), "--vae", str(tiny_vae_dir), "--config", str(tmp_path / "gen.json"), "--output",
-              str(tmp_path / "runs"), "--style", "pop", "--lyrics", "la la"]
+    common = ["generate", "--backend", "vllm", "--quiet", "--model", str(tiny_model_dir), "--vae", str(tiny_vae_dir),
+              "--config", str(tmp_path / "gen.json"), "--output", str(tmp_path / "runs"), "--style", "pop",
+              "--lyrics", "la la"]
     for extra, name in ((["--cfg-scale", "1.5", "--id", "g"], "g"), (["--cot", "off", "--id", "o"], "o")):
-        status = json.loads(subprocess.run(common + extra, capture_output=True, text=True, check=True)
-                            .stdout.strip().splitlines()[-1])
+        with engines.shared():
+            assert main(common + extra) == 0
+        status = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert status["status"] == "complete"
         timing = json.loads((tmp_path / "runs" / name / "result.json").read_text())["timing"]
         assert timing["semantic"]["backend_actual"] == "vllm" and timing["semantic"]["fallback_reason"] is None

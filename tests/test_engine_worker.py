@@ -89,12 +89,16 @@ def test_sixteen_threads_of_32kb_commands_do_not_tear(derived):
         engine.close()
 
 
+def restartable(derived, **settings) -> VLLMBackend:
+    """An engine of the test's own (these tests break its worker: a shared one would be restarted under others)."""
+    return VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(derived, "derived", None), max_num_seqs=4,
+                                                   max_model_len=8192, max_restarts=5, dtype="float32", **settings))
+
+
 @pytest.fixture(scope="module")
 def stalling(derived):
     """A worker whose requests time out after 3 s without progress (restarts allowed)."""
-    engine = VLLMBackend(TINY_CONFIG, EngineSettings(ARCheckpoint(derived, "derived", None), max_num_seqs=4,
-                                                     max_model_len=8192, progress_timeout_s=3, max_restarts=5,
-                                                     dtype="float32"))
+    engine = restartable(derived, progress_timeout_s=3)
     yield engine
     engine.close()
 
@@ -105,26 +109,30 @@ def long_request(engine, on_token=None):
 
 
 @needs_vllm
-def test_a_torn_frame_is_fatal_and_named_to_every_request(stalling):
-    stalling.start()
-    worker, restarts = stalling.life.worker, stalling.restarts
-    counts = [0]
+def test_a_torn_frame_is_fatal_and_named_to_every_request(derived):
+    engine = restartable(derived)  # the default progress timeout: a loaded machine's slow step is no stall here
+    try:
+        engine.start()
+        worker, restarts = engine.life.worker, engine.restarts
+        counts = [0]
 
-    def tear(phase, token):  # mid-song, a frame whose length does not match its body reaches the worker
-        counts[0] += 1
-        if counts[0] == 5:
-            with worker._send_lock:
-                os.write(worker.process.stdin.fileno(), b'5\t{"command": "abort"}\n')
+        def tear(phase, token):  # mid-song, a frame whose length does not match its body reaches the worker
+            counts[0] += 1
+            if counts[0] == 5:
+                with worker._send_lock:
+                    os.write(worker.process.stdin.fileno(), b'5\t{"command": "abort"}\n')
 
-    with pytest.raises(EngineError) as failure:
-        long_request(stalling, tear)
-    message = str(failure.value)
-    assert "protocol error on the command pipe: a 5-byte frame is followed by b'm', not a newline" in message
-    assert "exited with code 3" in message and str(worker.log_path) in message
-    assert "protocol error" in worker.log_tail()  # and in the kept log
-    assert not stalling.running
-    again = stalling.generate(long_prompt(1, 100), Sampling(min_tokens=4, max_tokens=4), 1, "semantic")
-    assert len(again.ids) == 4 and stalling.restarts == restarts + 1
+        with pytest.raises(EngineError) as failure:
+            long_request(engine, tear)
+        message = str(failure.value)
+        assert "protocol error on the command pipe: a 5-byte frame is followed by b'm', not a newline" in message
+        assert "exited with code 3" in message and str(worker.log_path) in message
+        assert "protocol error" in worker.log_tail()  # and in the kept log
+        assert not engine.running
+        again = engine.generate(long_prompt(1, 100), Sampling(min_tokens=4, max_tokens=4), 1, "semantic")
+        assert len(again.ids) == 4 and engine.restarts == restarts + 1
+    finally:
+        engine.close()
 
 
 @pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow

@@ -405,10 +405,9 @@ from yue2_vllm.engine.backend import vllm_version  # noqa: E402
 
 
 @pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
-def test_an_instrumental_song_on_vllm_is_its_render_request_song(tiny_model_dir, tiny_vae_dir, tmp_path):
-    from yue2_vllm.pipeline import YuE2Pipeline
-
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(backend="vllm")) as pipe:
+def test_an_instrumental_song_on_vllm_is_its_render_request_song(tiny_model_dir, tiny_vae_dir, engines, tmp_path):
+    with engines.pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                          ar=AROptions(backend="vllm")) as pipe:
         request = SongRequest("jazz", "", abc=SCORE, instrumental=True, seed=9, id="v")
         document = pipe.generate_to(tmp_path / "v", request)
         assert document["status"] == "complete"

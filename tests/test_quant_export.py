@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -183,19 +184,39 @@ def derived(tiny_model_dir, cache_dir):
     return derive_ar_checkpoint(tiny_model_dir, cache_dir)
 
 
-@pytest.fixture(scope="module")
-def exports(tiny_model_dir, cache_dir, tmp_path_factory):
-    """fp8, int8 and int8-smoothquant-gptq exports of the tiny model, made concurrently by the quant venv's CLI."""
-    if QUANT_PYTHON is None:
-        pytest.skip("no quantization venv")
-    root = tmp_path_factory.mktemp("exports")
-    calibration = write_windows(root / "calibration")
+# What an export is made from, besides the model's files and the calibration windows: the code that makes it, the
+# recipes and the quantization venv's packages. Exports are cached under their sha256 (`export_key`).
+EXPORT_CODE = sorted([*(REPO / "yue2_vllm" / "quant").glob("*.py"),
+                      *(REPO / "yue2_vllm" / name for name in ("checkpoint.py", "derive.py", "quant_scheme.py",
+                                                               "model/modeling.py"))])
+QUANT_PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "torch")
+
+
+def export_key(model_dir: Path, calibration: Path) -> str:
+    """The sha256 of every input that defines the exports: the model's and the calibration's files, the recipes, the
+    code, the quant venv's package versions. Any change gives another key, hence new exports."""
+    versions = subprocess.run([str(QUANT_PYTHON), "-c", "import sys, importlib.metadata as m; "
+                               "print({p: m.version(p) for p in sys.argv[1:]})", *QUANT_PACKAGES],
+                              capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256(versions.encode())
+    for kind, root, files in (("model", model_dir, model_dir.rglob("*")), ("calibration", calibration,
+                                                                           calibration.rglob("*")),
+                              ("repo", REPO, [*RECIPES.glob("*.yaml"), *EXPORT_CODE])):
+        for path in sorted(path for path in files if path.is_file()):
+            digest.update(f"{kind}:{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def make_exports(model_dir: Path, cache_dir: Path, root: Path) -> dict:
+    """fp8, int8 and int8-smoothquant-gptq exports of the model into `root`, made concurrently by the quant venv's
+    CLI (its calibration windows in `root` already): each scheme's one JSON status line."""
     jobs = {}
     for scheme in SCHEMES:
-        argv = [str(QUANT_PYTHON), "-m", "yue2_vllm.quant.export", str(tiny_model_dir), "--scheme", scheme,
+        argv = [str(QUANT_PYTHON), "-m", "yue2_vllm.quant.export", str(model_dir), "--scheme", scheme,
                 "--out", str(root / scheme), "--cache-dir", str(cache_dir)]
         if scheme == "int8-smoothquant-gptq":
-            argv += ["--calibration", str(calibration)]
+            argv += ["--calibration", str(root / "calibration")]
         env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
         jobs[scheme] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                         cwd=root)
@@ -205,11 +226,45 @@ def exports(tiny_model_dir, cache_dir, tmp_path_factory):
         assert job.returncode == 0, f"{scheme} export failed:\n{err[-6000:]}"
         lines = out.strip().splitlines()
         assert len(lines) == 1, f"stdout must be one JSON status line, got {out!r}"
-        status = json.loads(lines[0])
-        assert status["status"] == "complete" and status["quantization"] == SCHEMES[scheme][0]
-        made[scheme] = (root / scheme, status)
+        made[scheme] = json.loads(lines[0])
     assert sorted(p.name for p in root.iterdir()) == sorted([*SCHEMES, "calibration"])  # no stray files in cwd
     return made
+
+
+@pytest.fixture(scope="module")
+def made_exports(tiny_model_dir, cache_dir, tmp_path_factory, request):
+    """`(model_dir, {scheme: (path, status)})`: the exports of the tiny model and the directory they were made from,
+    cached by their inputs' sha256 (`export_key`) under pytest's cache (`--cache-clear` makes them again); other
+    keys' exports are removed when new ones are made."""
+    if QUANT_PYTHON is None:
+        pytest.skip("no quantization venv")
+    calibration = write_windows(tmp_path_factory.mktemp("windows") / "calibration")
+    key = export_key(Path(tiny_model_dir), calibration)
+    cached = Path(request.config.cache.mkdir("yue2-quant-exports"))
+    entry = cached / key
+    if not (entry / "made.json").is_file():
+        building = cached / f".{key}.{os.getpid()}"
+        shutil.rmtree(building, ignore_errors=True)
+        shutil.copytree(calibration, building / "calibration")
+        statuses = make_exports(Path(tiny_model_dir), cache_dir, building)
+        (building / "made.json").write_text(json.dumps({"model_dir": str(Path(tiny_model_dir).resolve()),
+                                                        "statuses": statuses}))
+        for stale in cached.iterdir():
+            if stale.name != building.name:
+                shutil.rmtree(stale, ignore_errors=True)
+        try:
+            building.rename(entry)
+        except OSError:  # another session made them meanwhile
+            shutil.rmtree(building, ignore_errors=True)
+    made = json.loads((entry / "made.json").read_text())
+    return made["model_dir"], {scheme: (entry / scheme, status) for scheme, status in made["statuses"].items()}
+
+
+@pytest.fixture(scope="module")
+def exports(made_exports):
+    for scheme, (_, status) in made_exports[1].items():
+        assert status["status"] == "complete" and status["quantization"] == SCHEMES[scheme][0]
+    return made_exports[1]
 
 
 def header(path: Path) -> dict:
@@ -291,8 +346,9 @@ def test_int8_weights_are_symmetric_per_channel(exports, derived):
 
 
 @needs_quant_env
-def test_quantization_record(exports, derived, tiny_model_dir):
+def test_quantization_record(exports, made_exports, derived):
     derivation = json.loads((derived / "derivation.json").read_text())
+    model_dir = made_exports[0]  # the tiny model's directory when they were made (its files are today's: the key)
     for scheme, (path, status) in exports.items():
         record = json.loads((path / "yue2_quantization.json").read_text())
         recipe_text = (RECIPES / f"{scheme}.yaml").read_text()
@@ -300,7 +356,7 @@ def test_quantization_record(exports, derived, tiny_model_dir):
         assert record["quantization"]["name"] == SCHEMES[scheme][0] and record["vllm_cpu_unservable"] is None
         assert record["recipe"] == {"file": f"{scheme}.yaml", "text": recipe_text,
                                     "sha256": hashlib.sha256(recipe_text.encode()).hexdigest()}
-        assert record["source"] == {"model_dir": str(Path(tiny_model_dir).resolve()),
+        assert record["source"] == {"model_dir": model_dir,
                                     "derivation_identity": derivation["identity"],
                                     "derivation_source": derivation["source"]}
         versions = record["versions"]

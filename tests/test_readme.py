@@ -42,14 +42,16 @@ def test_the_test_command_is_what_ci_runs_and_says_how_to_enable_export_tests():
     (command,) = re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     runs = [line for line in ci.splitlines() if "-m pytest" in line and not line.startswith("#")]
-    # README's command first, then the slow tests; each failure is kept and the script exits with it.
-    assert runs == [f"{command} || status=$?", f"{command} -m slow || status=$?"]
+    # README's command first, then the slow tests, each printing its 25 slowest tests (and nothing else added);
+    # each failure is kept and the script exits with it.
+    assert runs == [f"{command} --durations=25 || status=$?", f"{command} -m slow --durations=25 || status=$?"]
     assert ci.rstrip().splitlines()[-1] == "exit $status"
     assert f"`{command} -m slow`" in section
     assert "bash calibration/setup-quant-env.sh" in section and "tests/test_quant_export.py" in section
     for step in ("entry_point_installed", "yue2-vllm doctor", "setup-quant-env.sh"):
         assert step in ci
     assert "entry point" in section and "`yue2-vllm doctor`" in section and "setup-quant-env.sh" in section
+    assert "`--durations=25`" in section
 
 
 # --------------------------------------------------------------------------- every shown command parses

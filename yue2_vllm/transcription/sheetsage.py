@@ -145,8 +145,8 @@ def run_worker(python: Path, request: dict, timeout: float) -> dict:
     a worker that crashes, hangs or answers garbage is a RuntimeError with its stderr's tail."""
     try:
         done = subprocess.run([str(python), str(WORKER)], input=json.dumps({"protocol": PROTOCOL, **request}),
-                              capture_output=True, text=True, timeout=timeout, env={**os.environ,
-                                                                                     "PYTHONNOUSERSITE": "1"})
+                              capture_output=True, text=True, encoding="utf-8", timeout=timeout,
+                              env={**os.environ, "PYTHONNOUSERSITE": "1"})
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{NAME} ran past its {timeout:g} s limit and was stopped") from None
     except OSError as exc:

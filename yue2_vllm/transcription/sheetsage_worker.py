@@ -139,7 +139,7 @@ def transcribe(request: dict) -> dict:
 def main() -> int:
     answer_fd = os.dup(1)
     os.dup2(2, 1)  # whatever the model prints (Python or C) goes to stderr; stdout carries only the answer
-    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False, encoding="utf-8")
     try:
         request = json.loads(sys.stdin.read() or "null")
         if not isinstance(request, dict) or request.get("protocol") != PROTOCOL:
