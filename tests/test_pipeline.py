@@ -682,9 +682,10 @@ def test_a_retried_engine_start_that_succeeds_serves_the_later_songs(tiny_model_
         from dataclasses import replace
 
         life = pipe.engine_life  # a longer timeout for the next start (the options are frozen: new inputs)
-        options = life.inputs.options
-        life.inputs = replace(life.inputs, options=replace(options, engine=replace(options.engine,
-                                                                                    start_timeout_s=900.0)))
+        resolved = life.inputs.resolved
+        engine = replace(resolved.options.engine, start_timeout_s=900.0)
+        life.inputs = replace(life.inputs, resolved=replace(resolved, options=replace(resolved.options,
+                                                                                      engine=engine)))
         pipe.start_retry.failed_at -= 60
         assert pipe.select_ar_backend(1.0, False)[1].endswith("a new start is under way")
         deadline = time.monotonic() + 600

@@ -1,7 +1,7 @@
 """Which quantized AR checkpoints vLLM serves, and where they are faster than bf16."""
 import pytest
 
-from yue2_vllm.quant.schemes import DeviceInfo, QuantScheme, device_info, runnable_reason, slow_reason
+from yue2_vllm.quant.schemes import DeviceInfo, QuantScheme, device_info, lora_reason, runnable_reason, slow_reason
 
 
 def scheme(name, weight_type, bits, act_bits, dynamic=True):
@@ -34,6 +34,17 @@ def test_cuda_policy(capability, fp8_fast, int8_fast):
     assert (slow_reason(FP8, device) is None) == fp8_fast
     assert (slow_reason(INT8, device) is None) == int8_fast
     assert slow_reason(W8A16, device) is not None
+
+
+def test_lora_on_a_quantized_base_is_refused_only_where_vllm_cpus_int8_kernel_drops_the_weight():
+    from dataclasses import replace
+
+    amx = DeviceInfo("cpu", "AVX512", amx=True)
+    assert lora_reason(INT8, AVX512) == ("W8A8-INT8 with LoRA adapters: vLLM-CPU's int8 kernel on a CPU without AMX "
+                                         "(CPU AVX512) releases the weight vLLM's LoRA layers read")
+    assert lora_reason(INT8, amx) is None and lora_reason(FP8, AVX2) is None and lora_reason(None, AVX2) is None
+    assert "asymmetric activations" in lora_reason(replace(INT8, activation_symmetric=False), amx)
+    assert lora_reason(INT8, DeviceInfo("cuda", cuda_capability=(9, 0))) is None
 
 
 def test_this_cpu_is_described():

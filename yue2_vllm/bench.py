@@ -633,8 +633,9 @@ def bench_transcription(config: BenchConfig) -> dict:
             continue
         for seconds in TRANSCRIPTION_SECONDS:
             source = melody_wav(seconds, config.workdir / f"melody-{seconds}s.wav")
-            runs = [json.loads(subprocess.run([sys.executable, "-c", _TRANSCRIPTION_CHILD, str(source), transcriber],
-                                              capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+            command = [sys.executable, "-c", _TRANSCRIPTION_CHILD, str(source), transcriber]
+            runs = [json.loads(subprocess.run(command, capture_output=True, text=True, encoding="utf-8",
+                                              check=True).stdout.splitlines()[-1])
                     for _ in range(config.repeats)]
             minutes = runs[0]["source_s"] / 60
             rows.append({"transcriber": transcriber, "source_s": runs[0]["source_s"], "notes": runs[0]["notes"],

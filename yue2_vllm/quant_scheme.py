@@ -26,6 +26,7 @@ class QuantScheme:
     activation_dynamic: bool | None
     activation_strategy: str | None
     ignore: tuple[str, ...]
+    activation_symmetric: bool | None = None  # None: weight-only (compressed-tensors' default is symmetric)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "format": self.format, "weights": f"{self.weight_type}{self.weight_bits}/"
@@ -61,4 +62,5 @@ def parse_quantization(config: dict) -> QuantScheme | None:
         activation_dynamic=bool(activations.get("dynamic")) if activations else None,
         activation_strategy=activations.get("strategy") if activations else None,
         ignore=tuple(qc.get("ignore") or ()),
+        activation_symmetric=bool(activations.get("symmetric", True)) if activations else None,
     )

