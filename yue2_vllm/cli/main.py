@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-calls", type=_count, default=256, metavar="N",
                        help="POST /v1/audio/speech calls waiting for their songs at once (no thread each) before "
                             "the next answers 503 with Retry-After (default %(default)s)")
-    serve.add_argument("--max-upload-mb", type=lambda t: _positive(t, "MB"), default=40.0, metavar="MB",
+    serve.add_argument("--max-upload-mb", type=lambda t: _positive(t, "MB"), default=40, metavar="MB",
                        help="the largest upload POST /v1/transcriptions and POST /v1/covers take (the audio and its "
                             "fields; 1 MB = 10**6 bytes): past it they answer 413 naming it; the JSON routes keep "
                             "their own 256 KiB (default %(default)s)")
