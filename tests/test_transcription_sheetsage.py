@@ -163,6 +163,18 @@ def test_the_workers_refusals_become_the_faces_errors():
         _raise_refusal({"error": "environment", "message": "torch is missing"})
     with pytest.raises(RuntimeError, match="^sheetsage2's worker refused the request: the request has no 'audio'"):
         _raise_refusal({"error": "request", "message": "the request has no 'audio'"})
+    with pytest.raises(RuntimeError, match="^sheetsage2: SheetSage2 failed: OutOfMemoryError: CUDA out of memory$") \
+            as caught:
+        _raise_refusal({"error": "model", "message": "SheetSage2 failed: OutOfMemoryError: CUDA out of memory"})
+    assert not isinstance(caught.value, TranscriptionError)  # the server's 500, not a 422 blaming the audio
+
+
+def test_a_model_that_runs_out_of_memory_does_not_blame_the_audio(environment):
+    stand_in_model(environment, FULL, fail="CUDA out of memory")
+    with pytest.raises(RuntimeError, match="^sheetsage2: SheetSage2 failed: OutOfMemoryError: CUDA out of memory$") \
+            as caught:
+        transcribe(wav_bytes(np.full(8000 * 2, 0.1, np.float32), rate=8000), transcriber="sheetsage2")
+    assert not isinstance(caught.value, TranscriptionError)
 
 
 def test_turned_off_or_not_set_up_it_refuses_before_reading_the_audio(environment, monkeypatch):

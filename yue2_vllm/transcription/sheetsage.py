@@ -168,6 +168,8 @@ def _raise_refusal(answer: dict) -> None:
         raise TranscriptionError("audio", message)
     if answer.get("error") == "environment":
         raise TranscriberUnavailable(NAME, f"{message} ({SETUP_HINT})")
+    if answer.get("error") == "model":  # it ran and failed (out of memory, ...): nothing to say of the audio
+        raise RuntimeError(f"{NAME}: {message}")
     raise RuntimeError(f"{NAME}'s worker refused the request: {message}")
 
 
