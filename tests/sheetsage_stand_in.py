@@ -67,7 +67,9 @@ class StandIn(PreTrainedModel):
         with open(os.path.join(output_dir, "beat.lab"), "w") as handle:
             handle.writelines(f"{time:.4f}\\t{index % 4 + 1}\\n" for index, time in enumerate(self.config.beats))
         return {"abc": self.config.abc, "warnings": ["low confidence in bar 3", {"window": 1}],
-                "labs": {}, "diagnostics": [json.dumps(call)]}
+                "labs": {}, "diagnostics": [json.dumps(call)], "window_seconds": 300.0,
+                "overlap_seconds": 200.0 if overlap_seconds is None else overlap_seconds,
+                "lookahead_seconds": 100.0 if lookahead_seconds is None else lookahead_seconds}
 '''
 
 

@@ -17,9 +17,9 @@ from yue2_vllm.score import read_score
 from yue2_vllm.transcription import TranscriberUnavailable, TranscriptionError, transcribe
 from yue2_vllm.transcription import sheetsage
 from yue2_vllm.transcription.sheetsage import (GPU_FREE_GIB, LICENCE, SETUP_RECORD, SheetSageSettings,
-                                               _raise_refusal, melody_only_score, placement, run_worker, score_notes,
-                                               score_sections, sheetsage_model_dir, sheetsage_python,
-                                               sheetsage_status)
+                                               _raise_refusal, _warnings, melody_only_score, model_windows,
+                                               placement, run_worker, score_notes, score_sections,
+                                               sheetsage_model_dir, sheetsage_python, sheetsage_status)
 
 GIB = 2 ** 30
 HEADER = ('X:1\nT:\nM:4/4\nL:1/16\nQ:1/4=96\nV: Vocal clef=treble name="Vocal Melody" snm="Vocal"\n'
@@ -150,9 +150,22 @@ def test_a_transcription_through_the_worker_carries_the_score_its_licence_and_th
                     "max_seconds": sheetsage.MAX_SECONDS, "overlap_seconds": sheetsage.OVERLAP_SECONDS,
                     "lookahead_seconds": sheetsage.LOOKAHEAD_SECONDS, "device": "cpu"}
     assert (result.details["device"], result.details["dtype"], result.details["beats"]) == ("cpu", "fp32", 80)
+    assert result.details["windows"] == {"window_seconds": 300.0, "overlap_seconds": 200.0, "lookahead_seconds": 100.0}
     assert result.details["peak_rss_bytes"] > 0 and result.record()["licence"] == LICENCE
     assert {"read_seconds", "worker_seconds", "load_seconds", "transcribe_seconds", "score_seconds",
             "total_seconds"} <= set(result.timing)
+
+
+def test_the_window_joins_are_warned_about_at_the_window_sheetsage2_reports():
+    # the window is its model's input length, not an argument: what its result reports, else its 300 s default
+    score, answer = read_score(MELODY), {"windows": {"window_seconds": 240.0, "overlap_seconds": 160.0,
+                                                     "lookahead_seconds": 80.0}}
+    (joins,) = [w for w in _warnings(answer, score, 250.0, "", "both") if w.code == "window-joins"]
+    assert joins.message.startswith("windows: the source is 250 s, longer than SheetSage2's 240 s window")
+    assert joins.figures == {"seconds": 250.0, "window_seconds": 240.0, "overlap_seconds": 160.0,
+                             "lookahead_seconds": 80.0}
+    assert [w.code for w in _warnings({}, score, 250.0, "", "both")] == []
+    assert model_windows({}) == {"window_seconds": 300.0, "overlap_seconds": 200.0, "lookahead_seconds": 100.0}
 
 
 def test_the_workers_refusals_become_the_faces_errors():

@@ -7,8 +7,9 @@ here, once (`placement`): on the GPU in bf16 when at least GPU_FREE_GIB stays fr
 says what is free), else on the CPU in fp32 (minutes a song), or not at all ("off"). Its score is melody-only
 (`melody_only=True`, no chord prediction asked) and stripped of chords again as upstream's `strip-chords` does (the
 sounding notes checked unchanged; `voice` keeps one melody and silences the other), then read back. Sources up to
-MAX_SECONDS; SheetSage2 reads them in WINDOW_SECONDS windows overlapping by OVERLAP_SECONDS (LOOKAHEAD_SECONDS
-looked ahead), and a source longer than one window is warned about (users report phrases repeated near the joins).
+MAX_SECONDS; SheetSage2 reads them in windows of its model's input length (WINDOW_SECONDS, 300 s: not an argument,
+read back from its result) overlapping by OVERLAP_SECONDS (LOOKAHEAD_SECONDS looked ahead; both passed), and a
+source longer than one window is warned about (users report phrases repeated near the joins).
 The licence travels in every result.
 """
 from __future__ import annotations
@@ -32,7 +33,9 @@ MODEL_REPO = "m-a-p/SheetSage2"
 LICENCE = ("CC BY-NC 4.0: SheetSage2's weights (m-a-p/SheetSage2) are for non-commercial use, with attribution; "
            "a score transcribed with them carries that licence")
 MAX_SECONDS = 600.0  # ten minutes: two windows and their join
-WINDOW_SECONDS, OVERLAP_SECONDS, LOOKAHEAD_SECONDS = 300.0, 200.0, 100.0  # SheetSage2's defaults, passed explicitly
+# SheetSage2's defaults. The overlap and lookahead are passed explicitly; the window is its model's input length
+# (hparams.input_audio_length), which transcribe takes no argument for: the result's `window_seconds` says what it was.
+WINDOW_SECONDS, OVERLAP_SECONDS, LOOKAHEAD_SECONDS = 300.0, 200.0, 100.0
 GPU_FREE_GIB = 8.0  # GPU memory that must stay free beside the engine for SheetSage2 to run there (bf16)
 PROMPTS = ("timestamp", "downbeat_meter", "structure", "key", "melody_full")  # its tasks without chord prediction
 DEVICES = ("auto", "cuda", "cpu", "off")
@@ -204,14 +207,24 @@ def score_notes(score, bpm: int) -> tuple[Note, ...]:
     return tuple(sorted(notes, key=lambda note: (note.position, note.voice)))
 
 
+def model_windows(answer: dict) -> dict:
+    """The windows SheetSage2 read the source in, as its result reports them (the worker's `windows`), else its
+    defaults."""
+    reported = answer.get("windows") if isinstance(answer.get("windows"), dict) else {}
+    defaults = {"window_seconds": WINDOW_SECONDS, "overlap_seconds": OVERLAP_SECONDS,
+                "lookahead_seconds": LOOKAHEAD_SECONDS}
+    return {name: float(reported[name]) if isinstance(reported.get(name), (int, float)) else value
+            for name, value in defaults.items()}
+
+
 def _warnings(answer: dict, score, audio_seconds: float, lyrics: str, voice: str) -> list:
     found = [TranscriptionWarning("sheetsage2", f"SheetSage2: {text}", {}) for text in answer.get("warnings", ())]
-    if audio_seconds > WINDOW_SECONDS:
+    windows = model_windows(answer)
+    if audio_seconds > windows["window_seconds"]:
         found.append(TranscriptionWarning(
             "window-joins", f"windows: the source is {audio_seconds:.0f} s, longer than SheetSage2's "
-                            f"{WINDOW_SECONDS:g} s window; check the score near the joins (users report phrases "
-                            "repeated there)", {"seconds": round(audio_seconds, 2), "window_seconds": WINDOW_SECONDS,
-                                                "overlap_seconds": OVERLAP_SECONDS}))
+                            f"{windows['window_seconds']:g} s window; check the score near the joins (users report "
+                            "phrases repeated there)", {"seconds": round(audio_seconds, 2), **windows}))
     vocal, ins = score.voices["Vocal"].notes, score.voices["Ins"].notes
     if voice in ("both", "Vocal") and not vocal and ins:
         found.append(TranscriptionWarning(
@@ -266,8 +279,7 @@ def transcribe_sheetsage(audio, request, *, settings: SheetSageSettings | None =
                "peak_gpu_mib": answer.get("peak_gpu_mib"), "peak_rss_bytes": answer.get("peak_rss_bytes"),
                "diagnostics": answer.get("diagnostics", []), "beats": len(answer.get("beats") or []),
                "key_changes": [key for _, key in score.voices["Vocal"].keys[1:]],
-               "windows": {"window_seconds": WINDOW_SECONDS, "overlap_seconds": OVERLAP_SECONDS,
-                           "lookahead_seconds": LOOKAHEAD_SECONDS}}
+               "windows": model_windows(answer)}
     version = f"{MODEL_REPO}@{answer.get('revision') or 'unrecorded'} " \
               f"(transformers {(answer.get('versions') or {}).get('transformers')})"
     return Transcription(abc, NAME, version, source.info, score.bpm, f"{first_bar_meter[0]}/{first_bar_meter[1]}",

@@ -17,6 +17,9 @@ Answer (the last line of stdout; everything the model prints goes to stderr): {"
 - "model": SheetSage2 failed while it ran (out of memory, or any other error: `exception` names its type), which
   says nothing of the audio;
 - "request": the request itself is not one this worker reads.
+A transcription's answer holds the score (`abc`), its warnings and diagnostics, the beats, where it ran, its peak
+memory and timings, and `windows`: the window, overlap and lookahead its result reports (its window is its model's
+input length, which no argument sets).
 
 SheetSage2's model card documents `transcribe(path, output_dir=, melody_only=)`; the other arguments passed
 (ASSUMED_ARGUMENTS) are its pipeline's (`transcribe(model, audio, output_dir=None, *, dtype="bf16",
@@ -160,7 +163,9 @@ def transcribe(request: dict) -> dict:
         peak_gpu = torch.cuda.max_memory_allocated() / 2 ** 20
     import resource
 
-    return {**found, "abc": result["abc"], "warnings": _texts(result.get("warnings")) + notes,
+    windows = {name: result[name] for name in ("window_seconds", "overlap_seconds", "lookahead_seconds")
+               if isinstance(result.get(name), (int, float))}  # the window is its model's, not an argument
+    return {**found, "abc": result["abc"], "warnings": _texts(result.get("warnings")) + notes, "windows": windows,
             "diagnostics": _texts(result.get("diagnostics")), "beats": beat_times(result, request["output_dir"]),
             "device": device, "dtype": dtype, "peak_gpu_mib": peak_gpu,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
