@@ -5,6 +5,7 @@ transformers' AutoModel, as SheetSage2's is, answering `transcribe` with that sc
 end-to-end run (tests/test_transcription_sheetsage_worker.py runs the worker itself)."""
 import json
 import os
+import re
 import sys
 from fractions import Fraction
 
@@ -19,7 +20,8 @@ from yue2_vllm.transcription import sheetsage
 from yue2_vllm.transcription.sheetsage import (GPU_FREE_GIB, LICENCE, SETUP_RECORD, SheetSageSettings,
                                                _raise_refusal, _warnings, melody_only_score, model_windows,
                                                placement, run_worker, score_notes, score_sections,
-                                               sheetsage_model_dir, sheetsage_python, sheetsage_status)
+                                               sheetsage_device, sheetsage_model_dir, sheetsage_python,
+                                               sheetsage_status)
 
 GIB = 2 ** 30
 HEADER = ('X:1\nT:\nM:4/4\nL:1/16\nQ:1/4=96\nV: Vocal clef=treble name="Vocal Melody" snm="Vocal"\n'
@@ -188,6 +190,24 @@ def test_a_model_that_runs_out_of_memory_does_not_blame_the_audio(environment):
             as caught:
         transcribe(wav_bytes(np.full(8000 * 2, 0.1, np.float32), rate=8000), transcriber="sheetsage2")
     assert not isinstance(caught.value, TranscriptionError)
+
+
+def test_its_device_is_the_settings_else_the_variable_else_auto(environment, monkeypatch):
+    monkeypatch.delenv("YUE2_SHEETSAGE_DEVICE", raising=False)
+    assert (sheetsage_device(), sheetsage_device(SheetSageSettings())) == ("auto", "auto")
+    monkeypatch.setenv("YUE2_SHEETSAGE_DEVICE", "off")  # an operator turns it off without a line of Python
+    assert sheetsage_device() == "off" and sheetsage_device(SheetSageSettings(device="cpu")) == "cpu"
+    with pytest.raises(TranscriberUnavailable, match="^sheetsage2: turned off here"):
+        transcribe(b"not even audio", transcriber="sheetsage2")
+    status = sheetsage_status()
+    assert (status.ready, status.record()["device"]) == (False, "off")
+    assert status.reason == "turned off here (device off: $YUE2_SHEETSAGE_DEVICE or serve --sheetsage-device)"
+    assert sheetsage_status(SheetSageSettings(device="cpu")).ready
+    monkeypatch.setenv("YUE2_SHEETSAGE_DEVICE", "gpu")
+    message = "$YUE2_SHEETSAGE_DEVICE='gpu' is not a device (one of auto, cuda, cpu, off)"
+    with pytest.raises(TranscriberUnavailable, match=re.escape(f"sheetsage2: {message}")):
+        transcribe(b"not even audio", transcriber="sheetsage2")
+    assert (sheetsage_status().ready, sheetsage_status().reason, sheetsage_status().device) == (False, message, None)
 
 
 def test_turned_off_or_not_set_up_it_refuses_before_reading_the_audio(environment, monkeypatch):

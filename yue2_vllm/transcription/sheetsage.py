@@ -39,6 +39,7 @@ WINDOW_SECONDS, OVERLAP_SECONDS, LOOKAHEAD_SECONDS = 300.0, 200.0, 100.0
 GPU_FREE_GIB = 8.0  # GPU memory that must stay free beside the engine for SheetSage2 to run there (bf16)
 PROMPTS = ("timestamp", "downbeat_meter", "structure", "key", "melody_full")  # its tasks without chord prediction
 DEVICES = ("auto", "cuda", "cpu", "off")
+DEVICE_VARIABLE = "YUE2_SHEETSAGE_DEVICE"  # the device where no SheetSageSettings says one (`serve --sheetsage-device`)
 TIMEOUT_SECONDS = 3600.0  # a song on the CPU takes minutes
 PROTOCOL = 1
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -52,23 +53,37 @@ SETUP_HINT = ("run `bash calibration/setup-sheetsage-env.sh` (it makes .venv-she
 
 @dataclass(frozen=True)
 class SheetSageSettings:
-    """Where SheetSage2 runs: `device` auto | cuda | cpu | off; `python` its environment's interpreter (default
-    $YUE2_SHEETSAGE_PYTHON, else <repo>/.venv-sheetsage/bin/python); `model_dir` its weights (default
-    $YUE2_SHEETSAGE_MODEL, else the directory the setup recorded, else <repo>/models/SheetSage2-merged)."""
+    """Where SheetSage2 runs: `device` auto | cuda | cpu | off (default $YUE2_SHEETSAGE_DEVICE, else auto); `python`
+    its environment's interpreter (default $YUE2_SHEETSAGE_PYTHON, else <repo>/.venv-sheetsage/bin/python);
+    `model_dir` its weights (default $YUE2_SHEETSAGE_MODEL, else the directory the setup recorded, else
+    <repo>/models/SheetSage2-merged)."""
 
-    device: str = "auto"
+    device: str | None = None
     python: str | None = None
     model_dir: str | None = None
     timeout_seconds: float = TIMEOUT_SECONDS
 
     def __post_init__(self):
-        if self.device not in DEVICES:
+        if self.device is not None and self.device not in DEVICES:
             raise ValueError(f"SheetSage2's device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+
+def sheetsage_device(settings: SheetSageSettings | None = None) -> str:
+    """The device asked for: the settings', else $YUE2_SHEETSAGE_DEVICE, else "auto"; a variable that names no
+    device is a TranscriberUnavailable naming it (the operator's to mend)."""
+    if settings is not None and settings.device is not None:
+        return settings.device
+    configured = os.environ.get(DEVICE_VARIABLE, "").strip()
+    if configured and configured not in DEVICES:
+        raise TranscriberUnavailable(NAME, f"${DEVICE_VARIABLE}={configured!r} is not a device (one of "
+                                           f"{', '.join(DEVICES)})")
+    return configured or "auto"
 
 
 @dataclass(frozen=True)
 class SheetSageStatus:
-    """Whether SheetSage2 is set up here (for `doctor`), and where."""
+    """Whether SheetSage2 is set up here (for `doctor`), and where; `device` the device asked for (None where
+    $YUE2_SHEETSAGE_DEVICE names none: `reason` says so)."""
 
     ready: bool
     reason: str | None  # why not, and what to do
@@ -76,11 +91,12 @@ class SheetSageStatus:
     model_dir: str | None
     setup: dict | None  # the setup script's record (versions, revision)
     licence: str = LICENCE
+    device: str | None = "auto"
 
     def record(self) -> dict:
         return {"ready": self.ready, "reason": self.reason, "python": self.python, "model_dir": self.model_dir,
                 "setup": self.setup, "licence": self.licence, "max_seconds": MAX_SECONDS,
-                "gpu_free_gib": GPU_FREE_GIB}
+                "gpu_free_gib": GPU_FREE_GIB, "device": self.device}
 
 
 def sheetsage_python(settings: SheetSageSettings | None = None) -> Path | None:
@@ -116,13 +132,18 @@ def sheetsage_status(settings: SheetSageSettings | None = None) -> SheetSageStat
     python = sheetsage_python(settings)
     record = setup_record(python)
     model_dir = sheetsage_model_dir(settings, record)
-    if python is None:
+    try:
+        device = sheetsage_device(settings)
+        reason = f"turned off here (device off: ${DEVICE_VARIABLE} or serve --sheetsage-device)" \
+            if device == "off" else None
+    except TranscriberUnavailable as exc:
+        device, reason = None, exc.reason
+    if reason is None and python is None:
         reason = f"no SheetSage2 environment (.venv-sheetsage or $YUE2_SHEETSAGE_PYTHON): {SETUP_HINT}"
-    elif not (model_dir / "config.json").is_file():
+    elif reason is None and not (model_dir / "config.json").is_file():
         reason = f"no SheetSage2 weights in {model_dir} (no config.json): {SETUP_HINT}"
-    else:
-        reason = None
-    return SheetSageStatus(reason is None, reason, str(python) if python else None, str(model_dir), record)
+    return SheetSageStatus(reason is None, reason, str(python) if python else None, str(model_dir), record,
+                           device=device)
 
 
 def placement(device: str, gpu_free_bytes: int | None) -> tuple[str, str, str]:
@@ -244,7 +265,7 @@ def transcribe_sheetsage(audio, request, *, settings: SheetSageSettings | None =
     from .audio import read_audio
 
     settings = settings or SheetSageSettings()
-    device, dtype, why = placement(settings.device, gpu_free_bytes)
+    device, dtype, why = placement(sheetsage_device(settings), gpu_free_bytes)
     status = sheetsage_status(settings)
     if not status.ready:
         raise TranscriberUnavailable(NAME, status.reason)
