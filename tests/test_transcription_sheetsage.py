@@ -123,6 +123,8 @@ def test_its_score_is_stripped_of_chords_as_upstream_does_with_the_sounding_note
 def test_its_sections_and_notes_are_read_from_the_score():
     score = read_score(MELODY)
     assert score_sections(score) == ((1, "intro"), (3, "verse"), (7, "chorus"))
+    # the labels as score_notes reads them (score.section_labels): a hand-edited "%  chorus " is "chorus"
+    assert score_sections(read_score(MELODY.replace("% chorus\n", "%  chorus \n"))) == score_sections(score)
     notes = score_notes(score, 96)
     assert [(n.voice, n.pitch, n.position, n.length) for n in notes[:3]] == [
         ("Ins", 69, Fraction(2), Fraction(1)), ("Ins", 71, Fraction(3), Fraction(1)), ("Ins", 73, Fraction(4), 1)]

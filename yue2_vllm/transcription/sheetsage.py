@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from ..score import ScoreError, read_score, strip_chords
+from ..score import ScoreError, read_score, section_labels, strip_chords
 from .result import Note, TranscriberUnavailable, Transcription, TranscriptionError, TranscriptionWarning
 from .sections import lyric_sections, syllable_warning
 from .tempo import beat_drift, drift_warning
@@ -208,15 +208,8 @@ def melody_only_score(abc: str, voice: str) -> str:
 
 
 def score_sections(score) -> tuple[tuple[int, str], ...]:
-    """Each `% label` and the bar (1-based) of the next Vocal music line's first bar."""
-    vocal, pending, found = score.voices["Vocal"], None, []
-    for number, line in enumerate(score.lines, start=1):
-        if line.startswith("% "):
-            pending = line[2:]
-        elif score.music_lines.get(number) == "Vocal" and pending is not None:
-            found.append((vocal.bar_lines.index(number) + 1, pending))
-            pending = None
-    return tuple(found)
+    """Each `% label` and the bar (1-based) it starts (score.section_labels)."""
+    return tuple((index + 1, label) for index, label in section_labels(score))
 
 
 def score_notes(score, bpm: int) -> tuple[Note, ...]:
