@@ -4,6 +4,7 @@ with `melody_audio` rendering the transcribed score byte for byte (cot melody) o
 result.json and transcription.json, the song's identity its score's; and every refusal in one line, before any
 model loads, with nothing written."""
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -89,6 +90,32 @@ def test_bad_audio_and_bad_knobs_are_refused_in_one_line_and_nothing_is_written(
     assert status["status"] == "failed" and status["reason"].startswith(reason.format(audio=audio / name)), status
     assert captured.err == f"yue2-vllm: error: {status['reason']}\n" and "\n" not in status["reason"]
     assert not (tmp_path / "out").exists()
+
+
+def test_sheetsage2_is_placed_by_the_device_variable_and_the_gpus_free_memory(audio, tmp_path, capsys, monkeypatch,
+                                                                              fake_gpu):
+    from sheetsage_stand_in import stand_in_model
+    from test_transcription_sheetsage import FULL
+
+    out = tmp_path / "score.abc"
+    # an operator's $YUE2_SHEETSAGE_DEVICE=off turns it off (its weights are non-commercial)
+    monkeypatch.setenv("YUE2_SHEETSAGE_DEVICE", "off")
+    assert main(["transcribe", str(audio / "hum.wav"), "--output", str(out), "--transcriber", "sheetsage2"]) == 2
+    assert json.loads(capsys.readouterr().out)["reason"].startswith("--transcriber: sheetsage2: turned off here")
+    monkeypatch.setenv("YUE2_SHEETSAGE_DEVICE", "gpu")
+    assert main(["transcribe", str(audio / "hum.wav"), "--output", str(out), "--transcriber", "sheetsage2"]) == 2
+    assert json.loads(capsys.readouterr().out)["reason"] == \
+        "--transcriber: sheetsage2: $YUE2_SHEETSAGE_DEVICE='gpu' is not a device (one of auto, cuda, cpu, off)"
+    # auto: the command weighs this machine's free GPU memory (a stand-in model; its worker's torch sees no GPU and
+    # runs on the CPU, saying so)
+    monkeypatch.setenv("YUE2_SHEETSAGE_DEVICE", "auto")
+    monkeypatch.setenv("YUE2_SHEETSAGE_PYTHON", sys.executable)
+    monkeypatch.setenv("YUE2_SHEETSAGE_MODEL", str(stand_in_model(tmp_path / "model", FULL)))
+    gpu = fake_gpu("H100")
+    assert main(["transcribe", str(audio / "hum.wav"), "--output", str(out), "--transcriber", "sheetsage2"]) == 0
+    details = json.loads((tmp_path / "score.transcription.json").read_text())["details"]
+    assert details["placement"] == f"{gpu['free'] / 2 ** 30:.1f} GiB free beside the engine (at least 8 GiB needed)"
+    assert "this environment's torch sees no CUDA device: ran on the CPU in fp32" in capsys.readouterr().err
 
 
 def test_generate_renders_a_hum_byte_for_byte_as_the_songs_score_whose_identity_is_the_scores(

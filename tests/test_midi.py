@@ -53,6 +53,9 @@ def test_variable_length_quantities():
         b"\x00", b"\x40", b"\x7f", b"\x81\x00", b"\xc0\x00", b"\xff\x7f", b"\x81\x80\x00", b"\xff\xff\xff\x7f"]
     with pytest.raises(ValueError, match="cannot be negative"):
         variable_length(-1)
+    with pytest.raises(ValueError, match=r"^MIDI cannot write 268435456 ticks or bytes in one variable-length "
+                                         r"quantity \(at most 268435455 = 0x0FFFFFFF, four bytes\)"):
+        variable_length(0x10000000)  # five bytes: no reader takes it
 
 
 def test_the_division_places_every_tuplet_exactly():
@@ -68,6 +71,10 @@ def test_the_division_places_every_tuplet_exactly():
 
 
 def test_what_midi_cannot_write_is_refused():
+    # 3.8 KB of score: 560 silent bars of 255 whole notes, then a note 274,176,000 ticks in
+    silence = header("C", unit=1, meter="255/1") + "% verse\n" + "V: Vocal\nZ4|\nV: Ins\nZ4|\n" * 140
+    with pytest.raises(ValueError, match="^MIDI cannot write 274176000 ticks or bytes in one variable-length"):
+        midi_file(score_notes(silence + "V: Vocal\nC" + "z" * 254 + "|\nV: Ins\nZ|\n"))
     with pytest.raises(ValueError, match=r"^MIDI cannot write the tempo Q:1/4=3 "):
         midi_file(score_notes(header("C", bpm=3) + "% verse\nV: Vocal\nC32|\nV: Ins\nZ|\n"))
     with pytest.raises(ValueError, match=r"^MIDI cannot write the meter 256/4"):

@@ -63,3 +63,6 @@ def test_melody_audio_is_refused_from_the_network():
     with pytest.raises(UsageError, match="^body: melody_audio is not accepted here .* POST /v1/covers"):
         request_from_json({"style": "a", "lyrics": "b", "melody_audio": "/etc/passwd"}, where="body",
                           allow_files=False)
+    # its knobs alone are refused the same way, not asked for the melody_audio that would then be refused
+    with pytest.raises(UsageError, match="^body: melody is not accepted here .* POST /v1/covers"):
+        request_from_json({"style": "a", "lyrics": "b", "melody": {"bpm": 96}}, where="body", allow_files=False)

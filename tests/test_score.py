@@ -1,9 +1,9 @@
-"""The native score's floor module: upstream's strip-chords (the reader itself is pinned by tests/test_instrumental.py,
-unchanged since it moved here)."""
+"""The native score's floor module: upstream's strip-chords and the section labels (the reader itself is pinned by
+tests/test_instrumental.py, unchanged since it moved here)."""
 import pytest
 
 from yue2_vllm import instrumental, score
-from yue2_vllm.score import ScoreError, read_score, strip_chords
+from yue2_vllm.score import ScoreError, read_score, section_labels, strip_chords
 
 HEADER = ('X:1\nT:\nM:4/4\nL:1/16\nQ:1/4=96\nV: Vocal clef=treble name="Vocal Melody" snm="Vocal"\n'
           'V: Ins clef=treble name="Ins Melody" snm="Inst."\nK:D\n')
@@ -44,3 +44,10 @@ def test_strip_chords_refuses_what_the_reader_refuses_and_an_unknown_voice():
 
 def test_instrumental_reads_with_the_same_reader():
     assert instrumental.read_score is score.read_score and instrumental.ScoreError is score.ScoreError
+
+
+def test_section_labels_name_the_bar_their_group_starts_with_stripped_as_a_name():
+    assert section_labels(read_score(FULL)) == ((0, "intro"), (2, "verse"))
+    # a hand-edited label: the name without the blanks around it; of a stack of labels, the last
+    edited = FULL.replace("% intro\n", "%  intro \n").replace("% verse\n", "% bridge\n%   verse\t\n")
+    assert section_labels(read_score(edited)) == ((0, "intro"), (2, "verse"))

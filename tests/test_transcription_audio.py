@@ -88,3 +88,35 @@ def test_a_file_past_the_size_limit_is_refused_before_it_is_read(monkeypatch, tm
     with open(path, "rb") as handle:
         assert refusal(handle) == f"audio: the file is {limit}"
         assert handle.tell() == 1001  # read no further than the limit
+
+
+def test_a_source_that_would_decode_past_what_is_read_is_refused_from_its_header():
+    # 6 KB of FLAC at 655,350 Hz in 8 channels: 1.1 s of it decodes to 22 MiB (350 s of it to 7.3 GB)
+    flac = encoded(np.zeros((int(655350 * 1.1), 8), np.float32), rate=655350, format="FLAC")
+    assert len(flac) < 10_000
+    assert refusal(flac) == "audio: its sample rate is 655350 Hz, above 192000 Hz (the highest read)"
+    assert refusal(encoded(np.full((int(8000 * 1.5), 9), 0.1, np.float32), rate=8000)) == \
+        "audio: it has 9 channels, more than 8 (the most read)"
+    # 1.5 s of 48 kHz 8-channel audio against a 2 s limit: 576,000 samples, past 2 s of 96 kHz stereo (384,000)
+    assert refusal(encoded(np.full((72000, 8), 0.1, np.float32), rate=48000), max_seconds=2.0) == \
+        "audio: 72000 frames of 8 channels at 48000 Hz decode to 2 MiB, more than the 1 MiB read (2 s of 96 kHz " \
+        "stereo)"
+    for rate, channels in ((192000, 1), (96000, 2)):  # what the limit holds: a 192 kHz master, 96 kHz stereo
+        source = read_audio(encoded(tone(1.5, rate=rate, channels=channels), rate=rate), max_seconds=2.0).info
+        assert (source.sample_rate, source.channels) == (rate, channels)
+
+
+def test_the_samples_are_decoded_once_and_checked_without_a_copy_of_them():
+    import tracemalloc
+
+    four = np.repeat(tone(3.0, rate=48000)[:, None], 4, axis=1)
+    data = encoded(four, rate=48000, subtype="FLOAT")
+    decoded = four.nbytes
+    tracemalloc.start()
+    try:
+        audio = read_audio(data, max_seconds=10)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # the decoded frames and their mono mix (a quarter of them); a whole-size copy (np.abs) would pass 2x
+    assert peak < 1.5 * decoded and audio.info.peak_dbfs == pytest.approx(20 * np.log10(0.3), abs=0.01)

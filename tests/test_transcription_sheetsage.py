@@ -5,6 +5,7 @@ transformers' AutoModel, as SheetSage2's is, answering `transcribe` with that sc
 end-to-end run (tests/test_transcription_sheetsage_worker.py runs the worker itself)."""
 import json
 import os
+import re
 import sys
 from fractions import Fraction
 
@@ -17,8 +18,9 @@ from yue2_vllm.score import read_score
 from yue2_vllm.transcription import TranscriberUnavailable, TranscriptionError, transcribe
 from yue2_vllm.transcription import sheetsage
 from yue2_vllm.transcription.sheetsage import (GPU_FREE_GIB, LICENCE, SETUP_RECORD, SheetSageSettings,
-                                               _raise_refusal, melody_only_score, placement, run_worker, score_notes,
-                                               score_sections, sheetsage_model_dir, sheetsage_python,
+                                               _raise_refusal, _warnings, melody_only_score, model_windows,
+                                               placement, run_worker, score_notes, score_sections,
+                                               sheetsage_device, sheetsage_model_dir, sheetsage_python,
                                                sheetsage_status)
 
 GIB = 2 ** 30
@@ -121,6 +123,8 @@ def test_its_score_is_stripped_of_chords_as_upstream_does_with_the_sounding_note
 def test_its_sections_and_notes_are_read_from_the_score():
     score = read_score(MELODY)
     assert score_sections(score) == ((1, "intro"), (3, "verse"), (7, "chorus"))
+    # the labels as score_notes reads them (score.section_labels): a hand-edited "%  chorus " is "chorus"
+    assert score_sections(read_score(MELODY.replace("% chorus\n", "%  chorus \n"))) == score_sections(score)
     notes = score_notes(score, 96)
     assert [(n.voice, n.pitch, n.position, n.length) for n in notes[:3]] == [
         ("Ins", 69, Fraction(2), Fraction(1)), ("Ins", 71, Fraction(3), Fraction(1)), ("Ins", 73, Fraction(4), 1)]
@@ -150,9 +154,22 @@ def test_a_transcription_through_the_worker_carries_the_score_its_licence_and_th
                     "max_seconds": sheetsage.MAX_SECONDS, "overlap_seconds": sheetsage.OVERLAP_SECONDS,
                     "lookahead_seconds": sheetsage.LOOKAHEAD_SECONDS, "device": "cpu"}
     assert (result.details["device"], result.details["dtype"], result.details["beats"]) == ("cpu", "fp32", 80)
+    assert result.details["windows"] == {"window_seconds": 300.0, "overlap_seconds": 200.0, "lookahead_seconds": 100.0}
     assert result.details["peak_rss_bytes"] > 0 and result.record()["licence"] == LICENCE
     assert {"read_seconds", "worker_seconds", "load_seconds", "transcribe_seconds", "score_seconds",
             "total_seconds"} <= set(result.timing)
+
+
+def test_the_window_joins_are_warned_about_at_the_window_sheetsage2_reports():
+    # the window is its model's input length, not an argument: what its result reports, else its 300 s default
+    score, answer = read_score(MELODY), {"windows": {"window_seconds": 240.0, "overlap_seconds": 160.0,
+                                                     "lookahead_seconds": 80.0}}
+    (joins,) = [w for w in _warnings(answer, score, 250.0, "", "both") if w.code == "window-joins"]
+    assert joins.message.startswith("windows: the source is 250 s, longer than SheetSage2's 240 s window")
+    assert joins.figures == {"seconds": 250.0, "window_seconds": 240.0, "overlap_seconds": 160.0,
+                             "lookahead_seconds": 80.0}
+    assert [w.code for w in _warnings({}, score, 250.0, "", "both")] == []
+    assert model_windows({}) == {"window_seconds": 300.0, "overlap_seconds": 200.0, "lookahead_seconds": 100.0}
 
 
 def test_the_workers_refusals_become_the_faces_errors():
@@ -163,6 +180,36 @@ def test_the_workers_refusals_become_the_faces_errors():
         _raise_refusal({"error": "environment", "message": "torch is missing"})
     with pytest.raises(RuntimeError, match="^sheetsage2's worker refused the request: the request has no 'audio'"):
         _raise_refusal({"error": "request", "message": "the request has no 'audio'"})
+    with pytest.raises(RuntimeError, match="^sheetsage2: SheetSage2 failed: OutOfMemoryError: CUDA out of memory$") \
+            as caught:
+        _raise_refusal({"error": "model", "message": "SheetSage2 failed: OutOfMemoryError: CUDA out of memory"})
+    assert not isinstance(caught.value, TranscriptionError)  # the server's 500, not a 422 blaming the audio
+
+
+def test_a_model_that_runs_out_of_memory_does_not_blame_the_audio(environment):
+    stand_in_model(environment, FULL, fail="CUDA out of memory")
+    with pytest.raises(RuntimeError, match="^sheetsage2: SheetSage2 failed: OutOfMemoryError: CUDA out of memory$") \
+            as caught:
+        transcribe(wav_bytes(np.full(8000 * 2, 0.1, np.float32), rate=8000), transcriber="sheetsage2")
+    assert not isinstance(caught.value, TranscriptionError)
+
+
+def test_its_device_is_the_settings_else_the_variable_else_auto(environment, monkeypatch):
+    monkeypatch.delenv("YUE2_SHEETSAGE_DEVICE", raising=False)
+    assert (sheetsage_device(), sheetsage_device(SheetSageSettings())) == ("auto", "auto")
+    monkeypatch.setenv("YUE2_SHEETSAGE_DEVICE", "off")  # an operator turns it off without a line of Python
+    assert sheetsage_device() == "off" and sheetsage_device(SheetSageSettings(device="cpu")) == "cpu"
+    with pytest.raises(TranscriberUnavailable, match="^sheetsage2: turned off here"):
+        transcribe(b"not even audio", transcriber="sheetsage2")
+    status = sheetsage_status()
+    assert (status.ready, status.record()["device"]) == (False, "off")
+    assert status.reason == "turned off here (device off: $YUE2_SHEETSAGE_DEVICE or serve --sheetsage-device)"
+    assert sheetsage_status(SheetSageSettings(device="cpu")).ready
+    monkeypatch.setenv("YUE2_SHEETSAGE_DEVICE", "gpu")
+    message = "$YUE2_SHEETSAGE_DEVICE='gpu' is not a device (one of auto, cuda, cpu, off)"
+    with pytest.raises(TranscriberUnavailable, match=re.escape(f"sheetsage2: {message}")):
+        transcribe(b"not even audio", transcriber="sheetsage2")
+    assert (sheetsage_status().ready, sheetsage_status().reason, sheetsage_status().device) == (False, message, None)
 
 
 def test_turned_off_or_not_set_up_it_refuses_before_reading_the_audio(environment, monkeypatch):

@@ -53,6 +53,33 @@ def test_a_model_that_builds_no_score_is_an_input_refusal_and_its_printing_stays
     assert "the model talks on stdout" in stderr
 
 
+def transcribe_request(model, tmp_path):
+    (tmp_path / "source.wav").write_bytes(b"RIFF")
+    return {"op": "transcribe", "model_dir": str(model), "audio": str(tmp_path / "source.wav"),
+            "output_dir": str(tmp_path / "out"), "device": "cpu", "dtype": "fp32", "prompts": ["timestamp"],
+            "melody_only": True, "max_seconds": 600.0}
+
+
+def test_a_model_that_fails_as_it_runs_is_the_models_failure_not_the_audios(tmp_path):
+    # torch's OutOfMemoryError is a RuntimeError, as SheetSage2's "no score" is: only the one carrying .result is
+    # the audio's
+    model = stand_in_model(tmp_path / "model", "X:1\n", fail="CUDA out of memory. Tried to allocate 2.00 GiB")
+    answer, _ = ask(transcribe_request(model, tmp_path))
+    assert {key: answer[key] for key in ("ok", "error", "message", "exception")} == {
+        "ok": False, "error": "model", "exception": "OutOfMemoryError",
+        "message": "SheetSage2 failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+
+
+def test_a_sheetsage2_that_does_not_take_an_assumed_argument_is_an_environment_refusal_naming_it(tmp_path):
+    model = stand_in_model(tmp_path / "model", "X:1\n", documented_only=True)
+    answer, _ = ask(transcribe_request(model, tmp_path))
+    assert (answer["ok"], answer["error"], answer["argument"]) == (False, "environment", "dtype")
+    assert answer["message"].startswith("this SheetSage2's transcribe does not take the argument 'dtype' (its "
+                                        "pipeline's, assumed here: dtype, prompts, max_seconds, overlap_seconds, "
+                                        "lookahead_seconds): ")
+    assert "dtype" in sheetsage_worker.ASSUMED_ARGUMENTS
+
+
 def test_beats_are_the_first_number_of_each_line_of_the_beat_annotation(tmp_path):
     assert beat_times({"labs": {"beat": "0.50\t1\n1.125 2\n\nnot a beat\n1.75,3\n"}}, None) == [0.5, 1.125, 1.75]
     (tmp_path / "beat.lab").write_text("0.25\t1\n0.75\t2\n")

@@ -53,6 +53,33 @@ def test_a_compound_meter_searches_its_eighths_three_to_a_beat():
     assert grid.written_bpm == 90 and list(grid.positions) == [round(q * 8) for q in quarters]
 
 
+@pytest.mark.parametrize("meter, searched, written", [
+    ((4, 16), (140.0, 280.0), 50),  # sixteenths: 35-70 quarters a minute (an octave up from 17.5-35)
+    ((7, 16), (140.0, 280.0), 50),
+    ((2, 2), (70.0, 140.0), 200),  # halves: 140-280 quarters, inside already
+    ((4, 4), (70.0, 140.0), 100),
+    ((6, 8), (140.0, 280.0), 100),
+])
+def test_the_searched_octave_lies_inside_the_tempi_a_request_may_give(meter, searched, written):
+    from yue2_vllm.transcription.request import BPM_RANGE
+    from yue2_vllm.transcription.tempo import beat_range
+
+    low, high = beat_range(meter)
+    assert (low, high) == searched and BPM_RANGE[0] <= low * 4 / meter[1] < high * 4 / meter[1] <= BPM_RANGE[1]
+    onsets = onsets_at(RHYTHM, 100)  # a melody at 100 quarters a minute, read in each meter's beats
+    grid = quantize(onsets, [t + 0.2 for t in onsets], meter)
+    assert grid.written_bpm == written and BPM_RANGE[0] <= grid.written_bpm <= BPM_RANGE[1]
+    # a step is 1/(4d) of a whole note: at Q:1/4=50 the melody's quarters are eighths, 8 sixty-fourths each
+    doubled = meter in ((6, 8), (4, 16), (7, 16))
+    assert list(grid.positions)[:6] == ([0, 8, 16, 20, 24, 32] if doubled else [0, 4, 8, 10, 12, 16])
+
+
+def test_the_written_tempo_is_rounded_inside_the_tempi_a_request_may_give():
+    from yue2_vllm.transcription.tempo import written_tempo
+
+    assert [written_tempo(bpm) for bpm in (29.4, 30.5, 99.5, 100.5, 299.6, 412.0)] == [30, 30, 100, 100, 300, 300]
+
+
 def test_a_given_tempo_is_written_and_the_grid_follows_it():
     onsets = onsets_at([0, 1, 2, 3, 4, 5], 100)
     grid = quantize(onsets, [t + 0.3 for t in onsets], (4, 4), bpm=50)

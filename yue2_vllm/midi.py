@@ -17,6 +17,7 @@ VELOCITY = {"Vocal": 96, "Ins": 88, "Chords": 56}
 PROGRAM = {"Vocal": 53, "Ins": 0, "Chords": 48}  # General MIDI: voice oohs, acoustic grand piano, strings
 CHANNEL = {"Vocal": 0, "Ins": 1, "Chords": 2}
 NOTE_OFF_VELOCITY = 64
+MAX_VARIABLE_LENGTH = 0x0FFFFFFF  # the largest variable-length quantity (four bytes) a Standard MIDI File holds
 
 
 def ticks_per_quarter(notes) -> int:
@@ -30,9 +31,13 @@ def ticks_per_quarter(notes) -> int:
 
 
 def variable_length(value: int) -> bytes:
-    """A MIDI variable-length quantity: 7 bits a byte, most significant first, the high bit on all but the last."""
+    """A MIDI variable-length quantity: 7 bits a byte, most significant first, the high bit on all but the last; at
+    most four bytes (MAX_VARIABLE_LENGTH), as the standard allows."""
     if value < 0:
         raise ValueError(f"a MIDI delta time cannot be negative, got {value}")
+    if value > MAX_VARIABLE_LENGTH:
+        raise ValueError(f"MIDI cannot write {value} ticks or bytes in one variable-length quantity (at most "
+                         f"{MAX_VARIABLE_LENGTH} = 0x0FFFFFFF, four bytes): a delta time or length that long")
     groups = [value & 0x7F]
     value >>= 7
     while value:

@@ -96,13 +96,14 @@ def melody_from_json(data: dict, base_dir: Path | None, where: str, *, allow_fil
     """The document's `melody_audio` and `melody` read as data (None when it has none): a path relative to the
     document's directory, refused from the network (`allow_files` False) and beside a score (`abc`, `abc_path`,
     `transcription`: the transcription is the score), each refusal naming both fields."""
+    given = [name for name in ("melody_audio", "melody") if name in data]
+    if given and not allow_files:  # first: "give melody_audio too" would ask for what is refused here
+        raise UsageError(f"{where}: {given[0]} is not accepted here (no file is read for a request); send the "
+                         "audio to POST /v1/covers, or POST /v1/transcriptions and the score as 'abc'")
     if "melody_audio" not in data:
         if "melody" in data:
             raise UsageError(f"{where}: 'melody' sets how 'melody_audio' is transcribed; give melody_audio too")
         return None
-    if not allow_files:
-        raise UsageError(f"{where}: melody_audio is not accepted here (no file is read for a request); send the "
-                         "audio to POST /v1/covers, or POST /v1/transcriptions and the score as 'abc'")
     for name in ("abc", "abc_path", "transcription"):
         if name in data:
             raise UsageError(f"{where}: give 'melody_audio' or '{name}', not both (a cover's score is the "

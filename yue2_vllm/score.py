@@ -321,6 +321,20 @@ def read_score(text: str) -> Score:
     return Score(lines, unit, bpm, voices, music_lines, "\r\n" in text)
 
 
+def section_labels(score: Score) -> tuple[tuple[int, str], ...]:
+    """Each `% label` of a read score and the index (0-based) of the Vocal bar its group starts with (of a stack of
+    labels before one group, the last). The label is the comment's text stripped: the writers write `% ` and the
+    bare label, so a hand-edited `%  chorus ` names the same section as theirs."""
+    vocal, pending, found = score.voices["Vocal"], None, []
+    for number, line in enumerate(score.lines, start=1):
+        if line.startswith("% "):
+            pending = line[2:].strip()
+        elif score.music_lines.get(number) == "Vocal" and pending is not None:
+            found.append((vocal.bar_lines.index(number), pending))
+            pending = None
+    return tuple(found)
+
+
 def strip_chords(text: str, keep_voice: str = "both") -> str:
     """Upstream's `abc_tools.py strip-chords`: the score with every chord symbol removed from its music lines (and,
     with `keep_voice` "Vocal" or "Ins", the other voice's notes turned into rests of the same length), the rest of

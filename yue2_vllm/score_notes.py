@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .score import NATURAL, VOICES, ScoreError, read_score
+from .score import NATURAL, VOICES, ScoreError, read_score, section_labels
 
 # Each chord quality the dialect writes (instrumental's chord symbols), as semitones above its root.
 CHORD_INTERVALS = {"": (0, 4, 7), "m": (0, 3, 7), "dim": (0, 3, 6), "aug": (0, 4, 8), "7": (0, 4, 7, 10),
@@ -117,15 +117,9 @@ def _chords(pairs, end: Fraction) -> tuple[Chord, ...]:
 
 
 def _sections(score) -> tuple[tuple[Fraction, str], ...]:
-    """Each `% label` line at the first bar of the Vocal music line after it (of a stack of labels, the last)."""
-    vocal, pending, found = score.voices["Vocal"], None, []
-    for number, line in enumerate(score.lines, start=1):
-        if line.startswith("% "):
-            pending = line[2:].strip()
-        elif score.music_lines.get(number) == "Vocal" and pending is not None:
-            found.append((vocal.bars[vocal.bar_lines.index(number)][0], pending))
-            pending = None
-    return tuple(found)
+    """Each `% label` at the onset of the bar it starts (score.section_labels)."""
+    bars = score.voices["Vocal"].bars
+    return tuple((bars[index][0], label) for index, label in section_labels(score))
 
 
 def score_notes(text: str) -> ScoreNotes:

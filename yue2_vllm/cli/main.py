@@ -322,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--transcription-queue", type=lambda t: _integer_in(t, 0, None, "an integer >= 0"), default=4,
                        metavar="N", help="transcriptions waiting for a worker before the next call answers 429 "
                                          "(default %(default)s)")
+    serve.add_argument("--sheetsage-device", choices=("auto", "cuda", "cpu", "off"),
+                       help="where SheetSage2 transcribes (docs/covers.md): auto (the GPU in bf16 when 8 GiB stays "
+                            "free beside the engine, else the CPU), cuda, cpu, or off (refused with 503: its weights "
+                            "are CC BY-NC 4.0, non-commercial); default: $YUE2_SHEETSAGE_DEVICE, else auto")
     serve.add_argument("--stall-seconds", type=_positive_seconds, default=300.0,
                        help="songs in flight but none progressed for this long: /health answers 503 (default "
                             "%(default)s)")

@@ -38,6 +38,21 @@ def flag_knobs(args) -> dict:
     return {name: getattr(args, name) for name in MELODY_KNOBS if getattr(args, name, None) is not None}
 
 
+def sheetsage_gpu_free_bytes(transcriber: str) -> int | None:
+    """For SheetSage2 where it may go to the GPU ($YUE2_SHEETSAGE_DEVICE auto or cuda): this machine's current CUDA
+    device's free memory (None without one). The command transcribes before any model loads, and SheetSage2's worker
+    has exited before one does, so the whole free memory is what its placement weighs."""
+    if transcriber != "sheetsage2":
+        return None
+    from ..transcription.sheetsage import sheetsage_device
+
+    if sheetsage_device() not in ("auto", "cuda"):
+        return None
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else None
+
+
 def transcribe_source(melody: MelodyAudio, lyrics: str, flags=()):
     """`melody`'s audio transcribed with its knobs and the song's `lyrics` (their tags become the score's section
     labels). Bad audio or a bad knob is a UsageError in one line naming where it came from: the flag (the knobs
@@ -57,7 +72,8 @@ def transcribe_source(melody: MelodyAudio, lyrics: str, flags=()):
         return f"{where}: melody.{field}"
 
     try:
-        return transcribe(melody.path, TranscriptionRequest.from_dict({**melody.knobs, "lyrics": lyrics}))
+        request = TranscriptionRequest.from_dict({**melody.knobs, "lyrics": lyrics})
+        return transcribe(melody.path, request, gpu_free_bytes=sheetsage_gpu_free_bytes(request.transcriber))
     except TranscriptionError as exc:
         raise UsageError(f"{label(exc.field)}: {exc.reason}", exc) from None
     except TranscriberUnavailable as exc:

@@ -45,11 +45,11 @@ MAX_SSE_CLIENTS = 256
 def create_app(service: SongService, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                allowed_hosts: tuple[str, ...] = (), max_sse_clients: int = MAX_SSE_CLIENTS,
                max_upload_bytes: int = MAX_UPLOAD_MB * 10**6, transcription_workers: int = WORKERS,
-               transcription_queue: int = QUEUE) -> FastAPI:
+               transcription_queue: int = QUEUE, sheetsage_device: str | None = None) -> FastAPI:
     """The app; `max_upload_bytes` bounds the multipart routes' bodies (the audio of a transcription or a cover), the
     JSON routes keep `max_body_bytes`; transcriptions run `transcription_workers` at once with
-    `transcription_queue` more waiting (serve/transcribing.py)."""
-    pool = TranscriptionPool(transcription_workers, transcription_queue)
+    `transcription_queue` more waiting, SheetSage2 where `sheetsage_device` says (serve/transcribing.py)."""
+    pool = TranscriptionPool(transcription_workers, transcription_queue, sheetsage_device)
 
     @asynccontextmanager
     async def lifespan(app):

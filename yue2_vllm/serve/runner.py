@@ -261,7 +261,8 @@ def _serve(args, api_key: str | None, workers: Callable, print_status: Callable)
                              max_sse_clients=getattr(args, "max_sse_clients", MAX_SSE_CLIENTS),
                              max_upload_bytes=int(getattr(args, "max_upload_mb", MAX_UPLOAD_MB) * 10**6),
                              transcription_workers=getattr(args, "transcription_workers", WORKERS),
-                             transcription_queue=getattr(args, "transcription_queue", QUEUE))
+                             transcription_queue=getattr(args, "transcription_queue", QUEUE),
+                             sheetsage_device=getattr(args, "sheetsage_device", None))
             config = uvicorn.Config(app, lifespan="on", ws="none", log_config=stderr_logging(),
                                     log_level="warning" if args.quiet else "info", access_log=not args.quiet,
                                     timeout_graceful_shutdown=5, server_header=False,

@@ -22,22 +22,29 @@ QUEUE = 4
 SECONDS_PER_CALL = 10  # what Retry-After guesses a call ahead takes (a minute of humming is a few seconds)
 
 
-def _transcribe(audio: bytes, request: dict, gpu_free_bytes: int | None):
+def _transcribe(audio: bytes, request: dict, gpu_free_bytes: int | None, sheetsage_device: str | None):
     """Runs in a pool process: the room imported there (librosa stays out of the server's process)."""
     from ..transcription import TranscriptionRequest, transcribe
 
-    return transcribe(audio, TranscriptionRequest.from_dict(request), gpu_free_bytes=gpu_free_bytes)
+    settings = None
+    if sheetsage_device is not None:
+        from ..transcription.sheetsage import SheetSageSettings
+
+        settings = SheetSageSettings(device=sheetsage_device)
+    return transcribe(audio, TranscriptionRequest.from_dict(request), gpu_free_bytes=gpu_free_bytes,
+                      sheetsage=settings)
 
 
 class TranscriptionPool:
     """`await pool.transcribe(audio, request)`: a Transcription, or the ServiceError to answer (422 naming the field
     for bad audio or a bad knob, 503 for a transcriber that cannot run here or a worker that died, 429 past the
-    bound)."""
+    bound). `sheetsage_device` (auto | cuda | cpu | off; None: $YUE2_SHEETSAGE_DEVICE, else auto) is where
+    SheetSage2 may run."""
 
-    def __init__(self, workers: int = WORKERS, queue: int = QUEUE):
+    def __init__(self, workers: int = WORKERS, queue: int = QUEUE, sheetsage_device: str | None = None):
         if workers < 1 or queue < 0:
             raise ValueError(f"a transcription pool needs workers >= 1 and queue >= 0, got {workers} and {queue}")
-        self.workers, self.queue = workers, queue
+        self.workers, self.queue, self.sheetsage_device = workers, queue, sheetsage_device
         self.calls = 0  # running or waiting (only the event loop's thread counts them)
         self._executor: ProcessPoolExecutor | None = None
 
@@ -59,7 +66,7 @@ class TranscriptionPool:
         executor = self._pool()
         try:
             return await asyncio.get_running_loop().run_in_executor(executor, _transcribe, audio, request,
-                                                                    gpu_free_bytes)
+                                                                    gpu_free_bytes, self.sheetsage_device)
         except TranscriptionError as exc:
             raise RequestInvalid(str(exc), field=exc.field) from None
         except TranscriberUnavailable as exc:

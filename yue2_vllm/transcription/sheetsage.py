@@ -7,8 +7,9 @@ here, once (`placement`): on the GPU in bf16 when at least GPU_FREE_GIB stays fr
 says what is free), else on the CPU in fp32 (minutes a song), or not at all ("off"). Its score is melody-only
 (`melody_only=True`, no chord prediction asked) and stripped of chords again as upstream's `strip-chords` does (the
 sounding notes checked unchanged; `voice` keeps one melody and silences the other), then read back. Sources up to
-MAX_SECONDS; SheetSage2 reads them in WINDOW_SECONDS windows overlapping by OVERLAP_SECONDS (LOOKAHEAD_SECONDS
-looked ahead), and a source longer than one window is warned about (users report phrases repeated near the joins).
+MAX_SECONDS; SheetSage2 reads them in windows of its model's input length (WINDOW_SECONDS, 300 s: not an argument,
+read back from its result) overlapping by OVERLAP_SECONDS (LOOKAHEAD_SECONDS looked ahead; both passed), and a
+source longer than one window is warned about (users report phrases repeated near the joins).
 The licence travels in every result.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from ..score import ScoreError, read_score, strip_chords
+from ..score import ScoreError, read_score, section_labels, strip_chords
 from .result import Note, TranscriberUnavailable, Transcription, TranscriptionError, TranscriptionWarning
 from .sections import lyric_sections, syllable_warning
 from .tempo import beat_drift, drift_warning
@@ -32,10 +33,13 @@ MODEL_REPO = "m-a-p/SheetSage2"
 LICENCE = ("CC BY-NC 4.0: SheetSage2's weights (m-a-p/SheetSage2) are for non-commercial use, with attribution; "
            "a score transcribed with them carries that licence")
 MAX_SECONDS = 600.0  # ten minutes: two windows and their join
-WINDOW_SECONDS, OVERLAP_SECONDS, LOOKAHEAD_SECONDS = 300.0, 200.0, 100.0  # SheetSage2's defaults, passed explicitly
+# SheetSage2's defaults. The overlap and lookahead are passed explicitly; the window is its model's input length
+# (hparams.input_audio_length), which transcribe takes no argument for: the result's `window_seconds` says what it was.
+WINDOW_SECONDS, OVERLAP_SECONDS, LOOKAHEAD_SECONDS = 300.0, 200.0, 100.0
 GPU_FREE_GIB = 8.0  # GPU memory that must stay free beside the engine for SheetSage2 to run there (bf16)
 PROMPTS = ("timestamp", "downbeat_meter", "structure", "key", "melody_full")  # its tasks without chord prediction
 DEVICES = ("auto", "cuda", "cpu", "off")
+DEVICE_VARIABLE = "YUE2_SHEETSAGE_DEVICE"  # the device where no SheetSageSettings says one (`serve --sheetsage-device`)
 TIMEOUT_SECONDS = 3600.0  # a song on the CPU takes minutes
 PROTOCOL = 1
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -49,23 +53,37 @@ SETUP_HINT = ("run `bash calibration/setup-sheetsage-env.sh` (it makes .venv-she
 
 @dataclass(frozen=True)
 class SheetSageSettings:
-    """Where SheetSage2 runs: `device` auto | cuda | cpu | off; `python` its environment's interpreter (default
-    $YUE2_SHEETSAGE_PYTHON, else <repo>/.venv-sheetsage/bin/python); `model_dir` its weights (default
-    $YUE2_SHEETSAGE_MODEL, else the directory the setup recorded, else <repo>/models/SheetSage2-merged)."""
+    """Where SheetSage2 runs: `device` auto | cuda | cpu | off (default $YUE2_SHEETSAGE_DEVICE, else auto); `python`
+    its environment's interpreter (default $YUE2_SHEETSAGE_PYTHON, else <repo>/.venv-sheetsage/bin/python);
+    `model_dir` its weights (default $YUE2_SHEETSAGE_MODEL, else the directory the setup recorded, else
+    <repo>/models/SheetSage2-merged)."""
 
-    device: str = "auto"
+    device: str | None = None
     python: str | None = None
     model_dir: str | None = None
     timeout_seconds: float = TIMEOUT_SECONDS
 
     def __post_init__(self):
-        if self.device not in DEVICES:
+        if self.device is not None and self.device not in DEVICES:
             raise ValueError(f"SheetSage2's device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+
+def sheetsage_device(settings: SheetSageSettings | None = None) -> str:
+    """The device asked for: the settings', else $YUE2_SHEETSAGE_DEVICE, else "auto"; a variable that names no
+    device is a TranscriberUnavailable naming it (the operator's to mend)."""
+    if settings is not None and settings.device is not None:
+        return settings.device
+    configured = os.environ.get(DEVICE_VARIABLE, "").strip()
+    if configured and configured not in DEVICES:
+        raise TranscriberUnavailable(NAME, f"${DEVICE_VARIABLE}={configured!r} is not a device (one of "
+                                           f"{', '.join(DEVICES)})")
+    return configured or "auto"
 
 
 @dataclass(frozen=True)
 class SheetSageStatus:
-    """Whether SheetSage2 is set up here (for `doctor`), and where."""
+    """Whether SheetSage2 is set up here (for `doctor`), and where; `device` the device asked for (None where
+    $YUE2_SHEETSAGE_DEVICE names none: `reason` says so)."""
 
     ready: bool
     reason: str | None  # why not, and what to do
@@ -73,11 +91,12 @@ class SheetSageStatus:
     model_dir: str | None
     setup: dict | None  # the setup script's record (versions, revision)
     licence: str = LICENCE
+    device: str | None = "auto"
 
     def record(self) -> dict:
         return {"ready": self.ready, "reason": self.reason, "python": self.python, "model_dir": self.model_dir,
                 "setup": self.setup, "licence": self.licence, "max_seconds": MAX_SECONDS,
-                "gpu_free_gib": GPU_FREE_GIB}
+                "gpu_free_gib": GPU_FREE_GIB, "device": self.device}
 
 
 def sheetsage_python(settings: SheetSageSettings | None = None) -> Path | None:
@@ -113,13 +132,18 @@ def sheetsage_status(settings: SheetSageSettings | None = None) -> SheetSageStat
     python = sheetsage_python(settings)
     record = setup_record(python)
     model_dir = sheetsage_model_dir(settings, record)
-    if python is None:
+    try:
+        device = sheetsage_device(settings)
+        reason = f"turned off here (device off: ${DEVICE_VARIABLE} or serve --sheetsage-device)" \
+            if device == "off" else None
+    except TranscriberUnavailable as exc:
+        device, reason = None, exc.reason
+    if reason is None and python is None:
         reason = f"no SheetSage2 environment (.venv-sheetsage or $YUE2_SHEETSAGE_PYTHON): {SETUP_HINT}"
-    elif not (model_dir / "config.json").is_file():
+    elif reason is None and not (model_dir / "config.json").is_file():
         reason = f"no SheetSage2 weights in {model_dir} (no config.json): {SETUP_HINT}"
-    else:
-        reason = None
-    return SheetSageStatus(reason is None, reason, str(python) if python else None, str(model_dir), record)
+    return SheetSageStatus(reason is None, reason, str(python) if python else None, str(model_dir), record,
+                           device=device)
 
 
 def placement(device: str, gpu_free_bytes: int | None) -> tuple[str, str, str]:
@@ -168,6 +192,8 @@ def _raise_refusal(answer: dict) -> None:
         raise TranscriptionError("audio", message)
     if answer.get("error") == "environment":
         raise TranscriberUnavailable(NAME, f"{message} ({SETUP_HINT})")
+    if answer.get("error") == "model":  # it ran and failed (out of memory, ...): nothing to say of the audio
+        raise RuntimeError(f"{NAME}: {message}")
     raise RuntimeError(f"{NAME}'s worker refused the request: {message}")
 
 
@@ -182,15 +208,8 @@ def melody_only_score(abc: str, voice: str) -> str:
 
 
 def score_sections(score) -> tuple[tuple[int, str], ...]:
-    """Each `% label` and the bar (1-based) of the next Vocal music line's first bar."""
-    vocal, pending, found = score.voices["Vocal"], None, []
-    for number, line in enumerate(score.lines, start=1):
-        if line.startswith("% "):
-            pending = line[2:]
-        elif score.music_lines.get(number) == "Vocal" and pending is not None:
-            found.append((vocal.bar_lines.index(number) + 1, pending))
-            pending = None
-    return tuple(found)
+    """Each `% label` and the bar (1-based) it starts (score.section_labels)."""
+    return tuple((index + 1, label) for index, label in section_labels(score))
 
 
 def score_notes(score, bpm: int) -> tuple[Note, ...]:
@@ -202,14 +221,24 @@ def score_notes(score, bpm: int) -> tuple[Note, ...]:
     return tuple(sorted(notes, key=lambda note: (note.position, note.voice)))
 
 
+def model_windows(answer: dict) -> dict:
+    """The windows SheetSage2 read the source in, as its result reports them (the worker's `windows`), else its
+    defaults."""
+    reported = answer.get("windows") if isinstance(answer.get("windows"), dict) else {}
+    defaults = {"window_seconds": WINDOW_SECONDS, "overlap_seconds": OVERLAP_SECONDS,
+                "lookahead_seconds": LOOKAHEAD_SECONDS}
+    return {name: float(reported[name]) if isinstance(reported.get(name), (int, float)) else value
+            for name, value in defaults.items()}
+
+
 def _warnings(answer: dict, score, audio_seconds: float, lyrics: str, voice: str) -> list:
     found = [TranscriptionWarning("sheetsage2", f"SheetSage2: {text}", {}) for text in answer.get("warnings", ())]
-    if audio_seconds > WINDOW_SECONDS:
+    windows = model_windows(answer)
+    if audio_seconds > windows["window_seconds"]:
         found.append(TranscriptionWarning(
             "window-joins", f"windows: the source is {audio_seconds:.0f} s, longer than SheetSage2's "
-                            f"{WINDOW_SECONDS:g} s window; check the score near the joins (users report phrases "
-                            "repeated there)", {"seconds": round(audio_seconds, 2), "window_seconds": WINDOW_SECONDS,
-                                                "overlap_seconds": OVERLAP_SECONDS}))
+                            f"{windows['window_seconds']:g} s window; check the score near the joins (users report "
+                            "phrases repeated there)", {"seconds": round(audio_seconds, 2), **windows}))
     vocal, ins = score.voices["Vocal"].notes, score.voices["Ins"].notes
     if voice in ("both", "Vocal") and not vocal and ins:
         found.append(TranscriptionWarning(
@@ -229,7 +258,7 @@ def transcribe_sheetsage(audio, request, *, settings: SheetSageSettings | None =
     from .audio import read_audio
 
     settings = settings or SheetSageSettings()
-    device, dtype, why = placement(settings.device, gpu_free_bytes)
+    device, dtype, why = placement(sheetsage_device(settings), gpu_free_bytes)
     status = sheetsage_status(settings)
     if not status.ready:
         raise TranscriberUnavailable(NAME, status.reason)
@@ -264,8 +293,7 @@ def transcribe_sheetsage(audio, request, *, settings: SheetSageSettings | None =
                "peak_gpu_mib": answer.get("peak_gpu_mib"), "peak_rss_bytes": answer.get("peak_rss_bytes"),
                "diagnostics": answer.get("diagnostics", []), "beats": len(answer.get("beats") or []),
                "key_changes": [key for _, key in score.voices["Vocal"].keys[1:]],
-               "windows": {"window_seconds": WINDOW_SECONDS, "overlap_seconds": OVERLAP_SECONDS,
-                           "lookahead_seconds": LOOKAHEAD_SECONDS}}
+               "windows": model_windows(answer)}
     version = f"{MODEL_REPO}@{answer.get('revision') or 'unrecorded'} " \
               f"(transformers {(answer.get('versions') or {}).get('transformers')})"
     return Transcription(abc, NAME, version, source.info, score.bpm, f"{first_bar_meter[0]}/{first_bar_meter[1]}",

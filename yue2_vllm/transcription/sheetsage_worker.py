@@ -9,20 +9,35 @@ Request: {"protocol": 1, "op": "check" | "transcribe", "model_dir": DIR, and for
 "output_dir": DIR, "device": "cuda" | "cpu", "dtype": "bf16" | "fp32", "prompts": [...], "melody_only": true,
 "max_seconds": S, "overlap_seconds": S, "lookahead_seconds": S}.
 Answer (the last line of stdout; everything the model prints goes to stderr): {"protocol": 1, "ok": true, ...} or
-{"protocol": 1, "ok": false, "error": "environment" | "input" | "request", "message": ..., ...}:
-- "environment": this environment or the model directory cannot run SheetSage2 (set it up again);
-- "input": SheetSage2 ran but built no score from this audio (`abc_error`, its warnings);
+{"protocol": 1, "ok": false, "error": "environment" | "input" | "model" | "request", "message": ..., ...}:
+- "environment": this environment or the model directory cannot run SheetSage2 (set it up again), or its
+  `transcribe` does not take an argument this worker passes (`argument`);
+- "input": SheetSage2 ran but built no score from this audio (its RuntimeError carrying `.result`: `abc_error`, its
+  warnings);
+- "model": SheetSage2 failed while it ran (out of memory, or any other error: `exception` names its type), which
+  says nothing of the audio;
 - "request": the request itself is not one this worker reads.
+A transcription's answer holds the score (`abc`), its warnings and diagnostics, the beats, where it ran, its peak
+memory and timings, and `windows`: the window, overlap and lookahead its result reports (its window is its model's
+input length, which no argument sets).
+
+SheetSage2's model card documents `transcribe(path, output_dir=, melody_only=)`; the other arguments passed
+(ASSUMED_ARGUMENTS) are its pipeline's (`transcribe(model, audio, output_dir=None, *, dtype="bf16",
+melody_only=False, **kwargs)` handing `prompts`, `max_seconds`, `overlap_seconds` and `lookahead_seconds` to its
+analyzer), read from its remote code: a revision that does not take one is an "environment" refusal naming it.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
 PROTOCOL = 1
 PACKAGES = ("torch", "transformers", "numpy", "huggingface-hub")
+ASSUMED_ARGUMENTS = ("dtype", "prompts", "max_seconds", "overlap_seconds", "lookahead_seconds")
+_UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
 
 
 class Refusal(Exception):
@@ -89,6 +104,31 @@ def _texts(values) -> list[str]:
     return [value if isinstance(value, str) else json.dumps(value, default=str) for value in values or ()]
 
 
+def run_model(model, audio: str, **arguments) -> dict:
+    """SheetSage2's `transcribe(audio, **arguments)`, its failures told apart: the RuntimeError carrying `.result`
+    it raises when it builds no melody-only score is the audio's ("input"); an argument it does not take is the
+    environment's; anything else (torch's OutOfMemoryError, a RuntimeError of its own) is the model's."""
+    try:
+        return model.transcribe(audio, **arguments)
+    except TypeError as exc:
+        unexpected = _UNEXPECTED.search(str(exc))
+        if unexpected is None or unexpected.group(1) not in arguments:
+            raise Refusal("model", f"SheetSage2 failed: TypeError: {exc}", exception="TypeError") from None
+        raise Refusal("environment", f"this SheetSage2's transcribe does not take the argument "
+                                     f"{unexpected.group(1)!r} (its pipeline's, assumed here: "
+                                     f"{', '.join(ASSUMED_ARGUMENTS)}): {exc}", argument=unexpected.group(1)) from None
+    except RuntimeError as exc:
+        if not hasattr(exc, "result"):  # not its "no score": torch's OutOfMemoryError is a RuntimeError too
+            raise Refusal("model", f"SheetSage2 failed: {type(exc).__name__}: {exc}",
+                          exception=type(exc).__name__) from None
+        partial = exc.result if isinstance(exc.result, dict) else {}
+        raise Refusal("input", f"SheetSage2 built no score: {exc}", abc_error=partial.get("abc_error"),
+                      warnings=_texts(partial.get("warnings"))) from None
+    except Exception as exc:  # its own ValueErrors and the like: said in the answer, not a traceback on stderr
+        raise Refusal("model", f"SheetSage2 failed: {type(exc).__name__}: {exc}",
+                      exception=type(exc).__name__) from None
+
+
 def transcribe(request: dict) -> dict:
     for name in ("audio", "output_dir", "device", "dtype", "prompts"):
         if name not in request:
@@ -112,14 +152,8 @@ def transcribe(request: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     options = {name: request[name] for name in ("max_seconds", "overlap_seconds", "lookahead_seconds")
                if request.get(name) is not None}
-    try:
-        result = model.transcribe(request["audio"], output_dir=request["output_dir"], dtype=dtype,
-                                  prompts=tuple(request["prompts"]), melody_only=bool(request.get("melody_only")),
-                                  **options)
-    except RuntimeError as exc:
-        partial = getattr(exc, "result", None) or {}
-        raise Refusal("input", f"SheetSage2 built no score: {exc}", abc_error=partial.get("abc_error"),
-                      warnings=_texts(partial.get("warnings"))) from None
+    result = run_model(model, request["audio"], output_dir=request["output_dir"], dtype=dtype,
+                       prompts=tuple(request["prompts"]), melody_only=bool(request.get("melody_only")), **options)
     done = time.perf_counter()
     if result.get("abc_error") or not result.get("abc"):
         raise Refusal("input", f"SheetSage2 built no score: {result.get('abc_error') or 'no ABC'}",
@@ -129,7 +163,9 @@ def transcribe(request: dict) -> dict:
         peak_gpu = torch.cuda.max_memory_allocated() / 2 ** 20
     import resource
 
-    return {**found, "abc": result["abc"], "warnings": _texts(result.get("warnings")) + notes,
+    windows = {name: result[name] for name in ("window_seconds", "overlap_seconds", "lookahead_seconds")
+               if isinstance(result.get(name), (int, float))}  # the window is its model's, not an argument
+    return {**found, "abc": result["abc"], "warnings": _texts(result.get("warnings")) + notes, "windows": windows,
             "diagnostics": _texts(result.get("diagnostics")), "beats": beat_times(result, request["output_dir"]),
             "device": device, "dtype": dtype, "peak_gpu_mib": peak_gpu,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .request import BPM_RANGE
 from .result import TempoReport
 
 STEPS_PER_BEAT = 4
@@ -48,8 +49,22 @@ def compound(meter: tuple[int, int]) -> bool:
 
 
 def beat_range(meter: tuple[int, int]) -> tuple[float, float]:
-    """The searched tempi in the meter's beats a minute (a compound meter's eighths run three to its felt beat)."""
-    return tuple(value * 2 for value in TEMPO_OCTAVE) if compound(meter) else TEMPO_OCTAVE
+    """The searched tempi in the meter's beats a minute (a compound meter's eighths run three to its felt beat),
+    moved by whole octaves until their quarter notes a minute lie inside BPM_RANGE, the tempi a request may give
+    (x/16: 140-280 sixteenths, 35-70 quarters, not 17.5-35)."""
+    low, high = (value * 2 for value in TEMPO_OCTAVE) if compound(meter) else TEMPO_OCTAVE
+    quarters = 4 / meter[1]  # quarter notes in one of the meter's beats
+    while low * quarters < BPM_RANGE[0]:
+        low, high = low * 2, high * 2
+    while high * quarters > BPM_RANGE[1]:
+        low, high = low / 2, high / 2
+    return low, high
+
+
+def written_tempo(fitted_bpm: float) -> int:
+    """The score's Q:1/4 for a fitted tempo: rounded, and inside BPM_RANGE (a tempo that moved past it is written at
+    its edge; the drift says what that makes of the source)."""
+    return min(max(int(round(fitted_bpm)), int(BPM_RANGE[0])), int(BPM_RANGE[1]))
 
 
 def quarter_bpm(step_seconds: float, meter: tuple[int, int]) -> float:
@@ -174,7 +189,7 @@ def quantize(onsets, offsets, meter: tuple[int, int], bpm: float | None = None,
     lead = (bar - round(pickup_beats * STEPS_PER_BEAT)) % bar if pickup_beats is not None \
         else pickup_phase(positions, durations, meter)
     fitted = quarter_bpm(_line_fit(positions, onsets)[0], meter) if positions[-1] > 0 else quarter_bpm(start, meter)
-    written = int(np.rint(bpm if bpm is not None else fitted))
+    written = int(np.rint(bpm)) if bpm is not None else written_tempo(fitted)
     placed = [position + lead for position in positions]
     return Grid(tuple(placed), tuple(note_lengths(placed, onsets, offsets, steps)), tuple(steps), meter, written,
                 fitted)
