@@ -42,7 +42,7 @@ from .song.results import (BATCH_NOTE, SAMPLE_RATE, Cancelled, Decoder, OnProgre
                            SemanticResult, SongResult, SymbolicPlan, Synthesizer, batch_record, check_semantic)
 from .song.run_dir import (AUDIO_CONFIG_KEYS, FAILED_STATES, STAGE_RECORDS, SongRun, latent_identity,  # noqa: F401
                             peak_memory_bytes, run_identity)
-from .song.continuation import ContinueRefused, ParentSong, check_adapters, read_parent  # noqa: F401
+from .song.continuation import ContinueRefused, ParentSong, read_parent  # noqa: F401
 from .song.stages import SongStages
 
 
@@ -450,10 +450,10 @@ class YuE2Pipeline:
         """Continue the capped song in `parent_dir` to `seconds` into `directory` (a new song, `<parent id>.
         <seconds>s` unless `song_id`): the song the parent's request with this `seconds` makes, its semantic
         phase going on from the parent's codes (song/continuation.py). Returns its result.json; a song that is
-        unfinished, not capped or from another model is refused (ContinueRefused, one line)."""
+        unfinished, not capped, from another model or made with other adapters is refused (ContinueRefused, one
+        line)."""
         parent = read_parent(parent_dir)
         request = parent.child_request(seconds, song_id)
-        check_adapters(parent, self.adapters.registry)
         overrides = parent.overrides()
         return self.generate_to(directory, request, resume=resume, abc_sampling=overrides["abc"],
                                 semantic_sampling=overrides["semantic"], cancelled=cancelled, on_token=on_token,
