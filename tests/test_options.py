@@ -167,6 +167,16 @@ def test_engine_options_entries_land_on_their_fields_and_are_named_when_bad():
         assert str(caught.value) == message
 
 
+def test_a_torch_device_is_its_name():
+    """Upstream takes `device=torch.device("cuda:1")`: the options keep its name."""
+    import torch
+
+    from yue2_vllm.options import pipeline_options
+
+    assert DeviceOptions(torch.device("cuda:1")) == DeviceOptions("cuda:1")
+    assert pipeline_options(device=torch.device("cpu")).device == DeviceOptions("cpu")
+
+
 def test_the_defaults_are_the_clis():
     assert AROptions() == AROptions("torch", "bfloat16", "none", "auto", "vllm", "auto", False)
     assert EngineOptions() == EngineOptions("auto", None, None, True, "auto", None, False, None, {})

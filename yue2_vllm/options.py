@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
@@ -191,13 +192,16 @@ class EngineOptions:
 class DeviceOptions:
     """Where the pipeline runs and how much of that device's memory it may take."""
 
-    device: str = "auto"  # auto (CUDA if available, else MPS, else CPU), cpu, cuda, cuda:N or mps
+    device: str = "auto"  # auto (CUDA if available, else MPS, else CPU), cpu, cuda, cuda:N or mps (or a torch.device)
     budget_gib: float | None = None  # None: a discrete GPU's memory less 10 %, unified memory's pool, on the CPU
     # 24 or the machine's memory less 10 %, the lesser (memory.default_budget_gib)
     offload_ar: bool = False  # the AR expert leaves the accelerator during the NAR's ODE steps (16-24 GB cards)
     vae_core_frames: int | None = None  # VAE tile size; None: 512 under a 12 GiB budget, else 1024
 
     def __post_init__(self):
+        torch = sys.modules.get("torch")  # a torch.device (upstream takes one) is its name; torch is not imported here
+        if torch is not None and isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", str(self.device))
         if not isinstance(self.device, str) or not self.device:
             _refuse("DeviceOptions", "device", "a device name (auto, cpu, cuda, cuda:N or mps)", self.device)
         _positive("DeviceOptions", "budget_gib", self.budget_gib)
