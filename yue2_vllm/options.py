@@ -294,15 +294,20 @@ FLAT_KEYWORDS = {
 _ENGINE_OPTIONS_ELSEWHERE = {"dtype": ("ar", "dtype"), "offload_ar": ("device", "offload_ar")}
 
 
+def backend_fields(value) -> dict[str, str]:
+    """The AROptions fields one of upstream's backend values (FLAT_BACKENDS) sets: `torch-eager` is the torch
+    backend decoding eagerly (the Python API's `backend=` and the CLI's `--backend`)."""
+    if not isinstance(value, str) or value not in FLAT_BACKENDS:
+        raise ValueError(f"backend must be one of {FLAT_BACKENDS}, got {value!r}")
+    return {"backend": "torch", "torch_execution": "eager"} if value == "torch-eager" else {"backend": value}
+
+
 def _flat_fields(keyword: str, value) -> list[tuple[str, str, str, object]]:
     """The `(group, field, label, value)`s one flat keyword sets (field `tuning[...]`: an EngineOptions.tuning
     entry; label: what a bad value's message names, the keyword or the `engine_options[...]` entry)."""
     group, name = FLAT_KEYWORDS[keyword]
     if keyword == "backend":
-        if not isinstance(value, str) or value not in FLAT_BACKENDS:
-            raise ValueError(f"backend must be one of {FLAT_BACKENDS}, got {value!r}")
-        return ([(group, "backend", keyword, "torch"), (group, "torch_execution", keyword, "eager")]
-                if value == "torch-eager" else [(group, "backend", keyword, value)])
+        return [(group, field, keyword, item) for field, item in backend_fields(value).items()]
     if keyword == "engine_options":  # the earlier release's EngineSettings keywords: the named ones are fields now
         if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
             raise ValueError(f"engine_options must be a mapping of EngineSettings keywords, got {value!r}")
