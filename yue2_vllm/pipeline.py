@@ -175,7 +175,8 @@ class YuE2Pipeline:
             self.model, self.tokenizer, self.rules, self.options, self.torch_backend, self.torch_lock,
             self.proxy_mode, self.ar_on_device, self.adapters, select_backend=self.select_ar_backend,
             room=lambda: self.room,
-            release_engine=self.engine_life.release_for_nar, vae_on_device=self._vae_on_device)
+            release_engine=self.engine_life.release_for_nar, vae_on_device=self._vae_on_device,
+            beside_engine=self.resolved.beside_engine)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = DEFAULT_MODEL, *, vae: str | os.PathLike | None = DEFAULT_VAE,
@@ -317,11 +318,12 @@ class YuE2Pipeline:
         }
 
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> AdapterRequest:
-        """Refuse, before anything runs, what `SongRules.check_request` refuses (an unknown adapter among it) and a
-        stack of AR adapters above the engine's rank. Returns the song's adapters, resolved once: pass them on
+        """Refuse, before anything runs, what `SongRules.check_request` refuses (an unknown adapter among it) and,
+        where the AR half may run on vLLM (`resolved.beside_engine`), a stack of AR adapters above the engine's
+        rank. Returns the song's adapters, resolved once: pass them on
         (`effective_config`, `plan`, `generate_to`) so that no stage resolves them again."""
         self.rules.check_request(request, abc_sampling, semantic_sampling)
-        return self.adapters.resolve(request, engine=self.backend_requested != "torch")
+        return self.adapters.resolve(request, engine=self.resolved.beside_engine)
 
     def source_records(self) -> dict:
         """Where the weights were read from, recorded beside the identity (LoadedModels.source_records)."""

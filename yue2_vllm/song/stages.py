@@ -52,13 +52,14 @@ class SongStages:
     room: Callable[[], DeviceRoom | None]
     release_engine: Callable[[], None]
     vae_on_device: Callable[..., contextlib.AbstractContextManager]
+    beside_engine: bool  # the AR half may run on vLLM (resolved.beside_engine): a song's AR adapters need a LoRA
 
     # -- the AR half
 
     def resolve_adapters(self, request: SongRequest) -> AdapterRequest:
         """The song's adapters, for a stage called without them (a song admitted by `check_request` carries them:
         `SymbolicPlan.adapters`)."""
-        return self.adapters.resolve(request, engine=self.options.ar.backend != "torch")
+        return self.adapters.resolve(request, engine=self.beside_engine)
 
     def generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, adapters: AdapterRequest,
                     **kwargs) -> ARResult:
