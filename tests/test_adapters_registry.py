@@ -62,7 +62,6 @@ def test_register_list_and_use(tmp_path, registry):
     assert uses[0].record() == {"name": "instrumental", "half": "ar", "sha256": inst.sha256, "scale": 1.0, "rank": 8,
                                 "layout": "plain", "licence": "cc-by-nc-4.0"}
     assert uses[1].ref == AdapterRef("voice", 0.5)
-    assert registry.max_ar_rank() == 8
 
 
 def test_unknown_names_and_bad_entries_are_named(registry, tmp_path):
@@ -96,7 +95,6 @@ def test_specs_register_under_their_stems(registry, tmp_path):
     second = write_tiny_adapter(tmp_path / "y" / "style.safetensors", "plain", seed=2)
     uses = registry.register_specs([LoraSpec(str(first.path), 0.5), LoraSpec(str(second.path))])
     assert [(u.adapter.name, u.scale) for u in uses] == [("style", 0.5), ("style-2", 1.0)]
-    assert registry.max_ar_rank() == 8
 
 
 def test_hub_ids_resolve_through_the_hub_cache(tmp_path):

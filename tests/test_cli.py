@@ -731,6 +731,29 @@ def test_the_flags_are_read_once_into_the_pipelines_options(tiny_model_dir, tiny
     assert tiny.for_replicas(5).engine.max_num_seqs == 5  # one engine row per song a replica serves
 
 
+def test_upstreams_flag_values_run_with_upstreams_meanings(tiny_model_dir, tiny_vae_dir, config_file, tmp_path,
+                                                          capfd):
+    """Upstream's CLI: `--backend torch-eager` (our torch backend decoding eagerly), `--no-progress` (its name of
+    --quiet), `--offload-nar` (offload_ar = offload_ar or offload_nar); `--no-offload-nar` is this CLI's default."""
+    common = [*model_args(tiny_model_dir, tiny_vae_dir, config_file), "--style", "pop", "--lyrics", "la", "--seed",
+              "3", "--output", str(tmp_path / "out")]
+    assert main(["generate", *common, "--id", "up", "--backend", "torch-eager", "--no-progress", "--offload-nar"]) == 0
+    captured = capfd.readouterr()
+    assert captured.err == ""  # no bars, no notes
+    config = json.loads((tmp_path / "out" / "up" / "config.json").read_text())
+    assert (config["backend"], config["offload_ar"]) == ("torch", True)
+    timing = json.loads((tmp_path / "out" / "up" / "result.json").read_text())["timing"]["semantic"]
+    assert timing["execution"] == "eager"
+    assert main(["generate", *common, "--id", "plain", "--quiet", "--backend", "torch", "--no-offload-nar"]) == 0
+    capfd.readouterr()
+    assert json.loads((tmp_path / "out" / "plain" / "config.json").read_text())["offload_ar"] is False
+    assert main(["generate", *common, "--id", "both", "--quiet", "--backend", "torch-eager", "--torch-execution",
+                 "graph"]) == 2
+    assert ("--backend torch-eager: is the torch backend decoding eager, and --torch-execution graph asks otherwise; "
+            "give one of them") in capfd.readouterr().err
+    assert not (tmp_path / "out" / "both").exists()
+
+
 def test_help_names_the_default_backend():
     from yue2_vllm.cli import build_parser
 

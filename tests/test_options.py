@@ -46,6 +46,17 @@ from yue2_vllm.protocol import GenerationConfig
      "EngineOptions.tuning must be a mapping of EngineSettings keywords, got {3: 1}"),
     (EngineOptions, {"tuning": {"max_num_seqs": 4}},
      "EngineOptions.tuning['max_num_seqs']: set EngineOptions.max_num_seqs instead"),
+    (EngineOptions, {"tuning": {"bogus": 1}},
+     "EngineOptions.tuning['bogus']: not an engine setting tuning takes (one of max_model_len, kv_cache_bytes, "
+     "enforce_eager, progress_timeout_s, max_restarts, restart_window_s, synthesis_batch, threads, kv_admission, "
+     "meminfo_path)"),
+    (EngineOptions, {"tuning": {"dtype": "float32"}},
+     "EngineOptions.tuning['dtype']: the pipeline works it out from AROptions.dtype; set that instead"),
+    (EngineOptions, {"tuning": {"checkpoint": "/ar"}},
+     "EngineOptions.tuning['checkpoint']: the pipeline works it out from LoadOptions.ar_checkpoint; set that instead"),
+    (EngineOptions, {"tuning": {"memory_budget_gib": 8}},
+     "EngineOptions.tuning['memory_budget_gib']: the pipeline works it out from DeviceOptions.budget_gib; set that "
+     "instead"),
     (DeviceOptions, {"device": ""},
      "DeviceOptions.device must be a device name (auto, cpu, cuda, cuda:N or mps), got ''"),
     (DeviceOptions, {"device": 0},
@@ -103,6 +114,67 @@ def test_engine_settings_are_what_was_set_plus_tuning():
                             tuning={"max_restarts": 2, "kv_admission": False})
     assert options.settings() == {"max_num_seqs": 8, "max_num_batched_tokens": 256, "sliced_head": False,
                                   "runner": "v1", "start_timeout_s": 90.0, "max_restarts": 2, "kv_admission": False}
+
+
+def test_tuning_takes_the_engine_settings_no_other_option_sets():
+    """Every EngineSettings keyword is one of: an EngineOptions field, a tuning keyword (ENGINE_TUNING), or worked
+    out from another option (ENGINE_DERIVED, refused in tuning naming that option). The options module may not
+    import engine/, so its tables are checked here against EngineSettings itself."""
+    from yue2_vllm.engine.backend import EngineSettings
+    from yue2_vllm.options import _ENGINE_SETTINGS, ENGINE_DERIVED, ENGINE_TUNING
+
+    named = {*_ENGINE_SETTINGS, "kv_cache_dtype"}
+    tables = [named, set(ENGINE_TUNING), set(ENGINE_DERIVED)]
+    assert sum(map(len, tables)) == len(set().union(*tables))  # each keyword in one table
+    assert set().union(*tables) == {f.name for f in dataclasses.fields(EngineSettings)}
+    assert named <= {f.name for f in dataclasses.fields(EngineOptions)}
+    assert EngineOptions(tuning={key: 1 for key in ENGINE_TUNING}).tuning == {key: 1 for key in ENGINE_TUNING}
+    for key, option in ENGINE_DERIVED.items():
+        with pytest.raises(ValueError, match=rf"^EngineOptions.tuning\['{key}'\]: the pipeline works it out from "):
+            EngineOptions(tuning={key: 1})
+        assert option.startswith(("LoadOptions.", "AROptions.", "DeviceOptions.", "AdapterOptions.", "the "))
+
+
+def test_engine_options_entries_land_on_their_fields_and_are_named_when_bad():
+    """The earlier release's `engine_options` dict: its named keys are EngineOptions' fields, `dtype` and
+    `offload_ar` the fields vLLM's and upstream's flat keywords of those names set; a bad value or key is refused
+    naming its entry."""
+    from yue2_vllm.options import pipeline_options
+
+    options = pipeline_options(engine_options={"dtype": "float32", "offload_ar": True, "max_num_seqs": 2,
+                                               "max_restarts": 1})
+    assert (options.ar.dtype, options.device.offload_ar) == ("float32", True)
+    assert options.engine == EngineOptions(max_num_seqs=2, tuning={"max_restarts": 1})
+    for entries, message in (
+            ({"max_num_seqs": 0}, "engine_options['max_num_seqs'] must be an integer >= 1 or None, got 0"),
+            ({"kv_cache_dtype": "fp4"},
+             "engine_options['kv_cache_dtype'] must be one of ('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'), got 'fp4'"),
+            ({"dtype": "float16"}, "engine_options['dtype'] must be one of ('bfloat16', 'float32'), got 'float16'"),
+            ({"bogus": 1}, "engine_options['bogus']: not an engine setting tuning takes (one of max_model_len, "),
+            ({"memory_budget_gib": 8}, "engine_options['memory_budget_gib']: the pipeline works it out from "
+                                       "DeviceOptions.budget_gib; set that instead")):
+        with pytest.raises(ValueError) as caught:
+            pipeline_options(engine_options=entries)
+        assert str(caught.value).startswith(message), str(caught.value)
+    for keywords, message in (
+            ({"engine_options": {"dtype": "float32"}, "dtype": "bfloat16"},
+             "YuE2Pipeline() got 'engine_options' and 'dtype', which both set AROptions.dtype; give one of them"),
+            ({"engine_options": {"offload_ar": True}, "device": DeviceOptions()},
+             "YuE2Pipeline() got engine_options['offload_ar'] both as a keyword and in device= (DeviceOptions); give "
+             "it in one place")):
+        with pytest.raises(TypeError) as caught:
+            pipeline_options(**keywords)
+        assert str(caught.value) == message
+
+
+def test_a_torch_device_is_its_name():
+    """Upstream takes `device=torch.device("cuda:1")`: the options keep its name."""
+    import torch
+
+    from yue2_vllm.options import pipeline_options
+
+    assert DeviceOptions(torch.device("cuda:1")) == DeviceOptions("cuda:1")
+    assert pipeline_options(device=torch.device("cpu")).device == DeviceOptions("cpu")
 
 
 def test_the_defaults_are_the_clis():

@@ -701,3 +701,24 @@ def test_a_retried_engine_start_that_succeeds_serves_the_later_songs(tiny_model_
         assert song.semantic.timing["backend_actual"] == "vllm"
     finally:
         pipe.close()
+
+
+def test_without_a_usable_vllm_a_stack_above_the_engines_rank_is_not_refused(tiny_model_dir, tiny_vae_dir, tmp_path,
+                                                                             monkeypatch):
+    """`backend="auto"` where no vLLM can serve (resolved.beside_engine false): the AR half runs on torch, which takes
+    any stack, so a stack above the max_lora_rank an engine would have is resolved without a LoRA request, at the
+    song's admission and in the staged API alike (where vLLM may serve it, it is refused: test_song_adapters)."""
+    from yue2_vllm.options import AdapterOptions
+    from yue2_vllm.testing_adapters import write_tiny_adapter
+
+    monkeypatch.setattr("yue2_vllm.song.resolved.vllm_usable", lambda: False)  # a machine without vLLM
+    first = write_tiny_adapter(tmp_path / "a.safetensors", "plain", rank=4)
+    second = write_tiny_adapter(tmp_path / "b.safetensors", "plain", rank=8, seed=1)
+    adapters = AdapterOptions((("a", str(first.path)), ("b", str(second.path))))
+    request = SongRequest(**{**REQUEST.to_dict(), "adapters": [{"name": "a"}, {"name": "b"}]})
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION, ar=AROptions(backend="auto"),
+                      adapters=adapters, load=LoadOptions(hash_cache=HashCache(tmp_path / "h.json"))) as pipe:
+        assert not pipe.resolved.beside_engine and pipe.resolved.lora.max_lora_rank == 8  # 4 + 8 stack above it
+        admitted = pipe.check_request(request)
+        assert admitted.lora_request is None and [use.adapter.name for use in admitted.uses] == ["a", "b"]
+        assert pipe.stages.resolve_adapters(request).lora_request is None

@@ -74,6 +74,8 @@ def test_the_readme_quick_start(pipe, tmp_path, capsys):
     ours = pipe(SongRequest(**SONG_JSON))  # our API, the same song
     assert ours.identity == song.identity and ours.semantic.tokens == song.semantic.tokens
     assert np.array_equal(ours.audio, song.audio)
+    # upstream's SongResult names beside ours
+    assert song.request_identity == song.identity and song.abc == song.plan.abc is not None
 
 
 def test_the_readme_cover_and_edit(pipe, tmp_path):
@@ -131,6 +133,87 @@ def test_examples_instrumental_clip_py(pipe):
     assert 8 <= frames <= 10 and audio.shape == (1920 * frames - 64, 2) and audio.dtype == np.float32
     assert semantic.truncated == (frames == 10)
     assert audio[: int(seconds * 48000)].shape == (min(15360, 1920 * frames - 64), 2)
+
+
+def test_the_generation_guides_saved_plan_restored(pipe, tmp_path):
+    """docs/generation.md: `plan.save("outputs/plan")`, `restored = SymbolicPlan.load("outputs/plan")`,
+    `pipe.generate_semantic(restored)`, `pipe.synthesize`, `pipe.decode`: the plan's exact ids come back and give
+    the song the plan itself gives; a changed or incomplete saved plan is refused in one line naming the file."""
+    import shutil
+
+    from yue2_vllm.pipeline import SymbolicPlan
+
+    plan = pipe.plan(**json.loads(json.dumps(SONG_JSON)))
+    plan.save(tmp_path / "plan")
+    restored = SymbolicPlan.load(tmp_path / "plan")
+    assert (restored.request, restored.abc, restored.abc_ids, restored.prefix, restored.timing, restored.truncated) \
+        == (plan.request, plan.abc, plan.abc_ids, plan.prefix, plan.timing, plan.truncated)
+    semantic = pipe.generate_semantic(restored)
+    assert semantic.tokens == pipe.generate_semantic(plan).tokens
+    assert pipe.decode(pipe.synthesize(semantic)).shape == (1920 * len(semantic.tokens) - 64, 2)
+
+    def refused(edit, words):
+        copy = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tmp_path / "plan", copy)
+        edit(copy)
+        with pytest.raises(ValueError) as caught:
+            SymbolicPlan.load(copy)
+        assert words.format(copy) in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+
+    refused(lambda d: (d / "score.abc").write_text(plan.abc + "|\n", encoding="utf-8"),
+            "{}/score.abc: changed since the plan was saved; give an edited score as a new request's abc")
+    def listed_extra(directory):
+        (directory / "extra.txt").write_text("x")
+        manifest = json.loads((directory / "plan_manifest.json").read_text())
+        (directory / "plan_manifest.json").write_text(json.dumps({**manifest, "extra.txt": sha256_file(
+            directory / "extra.txt")}))
+
+    refused(listed_extra, "{}/extra.txt: not a plan file")
+    refused(lambda d: (d / "plan_manifest.json").write_text(json.dumps({"plan.json": "0" * 64})),
+            "{}/plan_manifest.json: lists no complete plan")
+    refused(lambda d: (d / "plan_manifest.json").unlink(), "{}: cannot read the saved plan")
+
+
+def test_decode_takes_upstreams_keywords_and_latent_shape(tiny_model_dir, tiny_vae_dir, tmp_path):
+    """Upstream's `decode(latents, full=..., vae=...)` (its skill decodes cached latents with another decoder) and
+    its `[1, 64, T]` latents; `device=torch.device(...)` as upstream takes it."""
+    import torch
+
+    from yue2_vllm.testing import write_tiny_vae
+
+    other = write_tiny_vae(tmp_path / "other-vae", seed=1)
+    with YuE2Pipeline(tiny_model_dir, tiny_vae_dir, device=torch.device("cpu"), vae_core_frames=4,
+                      generation_config=GENERATION, hash_cache=HashCache(tmp_path / "h.json")) as pipe:
+        assert pipe.options.device.device == "cpu" and pipe.device == torch.device("cpu")
+        latents = pipe.synthesize(pipe.generate_semantic(pipe.plan(**SONG_JSON)))
+        tiled = pipe.decode(latents)
+        assert len(latents) > 4  # more than one tile
+        assert np.array_equal(pipe.decode(latents.T[None]), tiled)
+        assert np.array_equal(pipe.decode(latents, vae=str(tiny_vae_dir)), tiled)
+        shown = []
+        full = pipe.decode(latents, full=True, on_progress=lambda *event: shown.append(event))
+        assert shown == [("vae", 1, 1)] and full.shape == tiled.shape and full.dtype == np.float32
+        np.testing.assert_allclose(full, tiled, rtol=0, atol=1e-4)  # tiles equal the whole up to conv rounding
+        again = pipe.decode(latents, full=True)
+        assert np.array_equal(again, full)
+        assert not np.allclose(pipe.decode(latents, vae=other), tiled, atol=1e-3)  # another decoder's audio
+        with pytest.raises(ValueError, match=r"^latents must be \[frames, 64\] or \[1, 64, frames\], got \[2, 64, "):
+            pipe.decode(np.stack([latents.T, latents.T]))
+
+
+def test_a_song_cancelled_during_the_nar_is_not_decoded(pipe):
+    """As upstream's `__call__`: the cancellation is checked once more before the VAE."""
+    done = {"nar": False}
+    decoded = []
+
+    def progress(stage, count, total):
+        done["nar"] = done["nar"] or (stage == "nar" and count == total)
+        if stage == "vae":
+            decoded.append(count)
+
+    with pytest.raises(InterruptedError, match="^cancelled before the VAE$"):
+        pipe(**SONG_JSON, cancelled=lambda: done["nar"], on_progress=progress)
+    assert done["nar"] and decoded == []
 
 
 def test_a_request_is_ours_or_upstreams_keywords_never_both(pipe):

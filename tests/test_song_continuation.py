@@ -2,6 +2,7 @@
 the song its longer request makes (tokens, latents, audio), past one NAR chunk; what cannot continue is refused
 in one line and leaves the parent as it was."""
 import json
+import re
 import shutil
 from dataclasses import replace
 
@@ -116,6 +117,64 @@ def test_an_instrumental_song_continues_to_its_longer_song(tiny_model_dir, tiny_
     assert result["identity"] == longer["identity"] and result["instrumental"] is True
     record = json.loads((tmp_path / "ins.1.6s" / "instrumental.json").read_text())
     assert record["render_request"]["seconds"] == 1.6
+
+
+def _adapted_pipeline(tiny_model_dir, tiny_vae_dir, adapter, **options):
+    from yue2_vllm.options import AdapterOptions
+
+    return YuE2Pipeline(tiny_model_dir, tiny_vae_dir, generation_config=GENERATION,
+                        adapters=AdapterOptions((("style", adapter),), **options))
+
+
+def test_a_continuation_with_other_adapters_is_refused_on_every_path(tiny_model_dir, tiny_vae_dir, tmp_path):
+    """The check is the run's (SongRun), so a scheduler's job (a server's continuation) refuses, as the API does, a
+    registry whose adapter of the song's name has other contents (e.g. a server restarted with another
+    `--lora-modules style=...`): one line naming it, nothing written."""
+    from yue2_vllm.scheduler import SongScheduler
+    from yue2_vllm.song.continuation import CONTINUE_KEY
+    from yue2_vllm.testing_adapters import write_tiny_adapter
+
+    made = write_tiny_adapter(tmp_path / "made" / "style.safetensors", "plain", half="both", rank=4)
+    other = write_tiny_adapter(tmp_path / "other" / "style.safetensors", "plain", half="both", rank=4, seed=9)
+    request = replace(REQUEST, adapters=({"name": "style"},))
+    with _adapted_pipeline(tiny_model_dir, tiny_vae_dir, made.path) as pipe:
+        pipe.generate_to(tmp_path / "song", request)
+    parent = read_parent(tmp_path / "song")
+    overrides = {**parent.overrides(), CONTINUE_KEY: {"directory": str(tmp_path / "song")}}
+    words = (f"continue: {tmp_path / 'song'}: adapter 'style' ({other.path}) is not the one the song was made with "
+             f"(sha256 ")
+    with _adapted_pipeline(tiny_model_dir, tiny_vae_dir, other.path) as pipe:
+        with SongScheduler(pipe, concurrency=1) as scheduler:
+            handle = scheduler.submit(parent.child_request(1.6), tmp_path / "job", overrides=overrides)
+            assert handle.wait(timeout=600) and handle.state == "failed"
+        assert isinstance(handle.error, ContinueRefused) and str(handle.error).startswith(words)
+        with pytest.raises(ContinueRefused, match="^" + re.escape(words)):
+            pipe.continue_song(tmp_path / "song", tmp_path / "api", 1.6)
+    assert not (tmp_path / "job").exists() and not (tmp_path / "api").exists()
+
+
+def test_a_continuation_with_another_instrumental_recipe_is_refused(tiny_model_dir, tiny_vae_dir, tmp_path):
+    """An instrumental song rendered with the instrumental adapter continues only with it: a pipeline without one
+    (upstream's recipe) or with another of its name is refused, naming the recipe or the adapter."""
+    from yue2_vllm.testing_adapters import write_tiny_adapter
+
+    made = write_tiny_adapter(tmp_path / "made" / "style.safetensors", "plain", half="both", rank=4)
+    other = write_tiny_adapter(tmp_path / "other" / "style.safetensors", "plain", half="both", rank=4, seed=9)
+    request = replace(REQUEST, lyrics="[verse]\nla\n", instrumental=True, id="ins")
+    with _adapted_pipeline(tiny_model_dir, tiny_vae_dir, made.path, instrumental="style") as pipe:
+        pipe.generate_to(tmp_path / "ins", request)
+        continued = pipe.continue_song(tmp_path / "ins", tmp_path / "ins.1.6s", 1.6)  # with its own: it goes on
+    assert continued["continuation"]["exact"] is True and continued["adapters"][0]["name"] == "style"
+    with _adapted_pipeline(tiny_model_dir, tiny_vae_dir, made.path) as pipe:  # registered, not the instrumental one
+        with pytest.raises(ContinueRefused, match=r": the song was rendered with instrumental adapter 'style' "
+                                                  r"\(sha256 [0-9a-f]{12}\), this pipeline renders it with "
+                                                  r"upstream's instrumental recipe \(no instrumental adapter\); "
+                                                  r"continue it with the instrumental adapter it was made with$"):
+            pipe.continue_song(tmp_path / "ins", tmp_path / "plain", 1.6)
+    with _adapted_pipeline(tiny_model_dir, tiny_vae_dir, other.path, instrumental="style") as pipe:
+        with pytest.raises(ContinueRefused, match=r"adapter 'style' \(.*\) is not the one the song was made with"):
+            pipe.continue_song(tmp_path / "ins", tmp_path / "changed", 1.6)
+    assert not (tmp_path / "plain").exists() and not (tmp_path / "changed").exists()
 
 
 def _copy(songs, tmp_path, edit=None):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
@@ -115,13 +116,41 @@ class AROptions:
 
 # EngineOptions' fields that EngineSettings (engine/backend.py) takes under the same name.
 _ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "sliced_head", "runner", "start_timeout_s")
+# The EngineSettings keywords EngineOptions.tuning takes: the engine's own, which no other option sets. This module
+# may not import engine/ (nor vLLM or torch); tests/test_options.py checks these two tables against EngineSettings'
+# fields, so a field added there is sorted into one of them.
+ENGINE_TUNING = ("max_model_len", "kv_cache_bytes", "enforce_eager", "progress_timeout_s", "max_restarts",
+                 "restart_window_s", "synthesis_batch", "threads", "kv_admission", "meminfo_path")
+# The EngineSettings keywords the pipeline works out from other options (song/resolved.py: engine_settings), each
+# with the option that sets it: tuning refuses them (they would win over, or clash with, what was worked out).
+ENGINE_DERIVED = {
+    "checkpoint": "LoadOptions.ar_checkpoint", "device_type": "DeviceOptions.device",
+    "memory_budget_gib": "DeviceOptions.budget_gib", "dtype": "AROptions.dtype",
+    "offload_ar": "DeviceOptions.offload_ar", "typical_tokens": "the generation config (its phases' max_tokens)",
+    "torch_side_bytes": "the weights loaded (the MoT's and the VAE's bytes)",
+    "vae_tile_bytes": "DeviceOptions.vae_core_frames",
+    "torch_ar_on_device": "the resolved memory split (the device, the backend and AROptions.quantization)",
+    "cuda_visible_devices": "DeviceOptions.device", "cuda_capability": "DeviceOptions.device (its GPU)",
+    "unified": "DeviceOptions.device (its memory)", "batch_invariance": "AROptions.reproducible",
+    "lora": "AdapterOptions.max_loras and AdapterOptions.max_lora_rank",
+}
+
+
+def _tuning_problem(key: str) -> str | None:
+    """Why `key` is no EngineOptions.tuning keyword (None: it is one)."""
+    if key in ENGINE_TUNING:
+        return None
+    if key in ENGINE_DERIVED:
+        return f"the pipeline works it out from {ENGINE_DERIVED[key]}; set that instead"
+    return f"not an engine setting tuning takes (one of {', '.join(ENGINE_TUNING)})"
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     """The vLLM engine's settings. None: sized by the memory plan (rows) or the engine's default. `tuning` holds
-    any other `EngineSettings` keyword (tests and benchmarks: max_restarts, kv_cache_bytes, ...); they win over
-    the sized ones."""
+    the engine's other `EngineSettings` keywords (ENGINE_TUNING: tests and benchmarks: max_restarts, kv_cache_bytes,
+    ...; they win over the sized ones); one another option sets (ENGINE_DERIVED) or no engine setting is refused,
+    naming it."""
 
     kv_cache_dtype: str = "auto"  # the KV cache form (kv_cache.py): auto (the model dtype) or an FP8 form
     max_num_seqs: int | None = None  # engine rows
@@ -147,6 +176,10 @@ class EngineOptions:
         named = sorted({f.name for f in fields(self)} & set(self.tuning))
         if named:
             raise ValueError(f"EngineOptions.tuning[{named[0]!r}]: set EngineOptions.{named[0]} instead")
+        for key in self.tuning:
+            problem = _tuning_problem(key)
+            if problem is not None:
+                raise ValueError(f"EngineOptions.tuning[{key!r}]: {problem}")
         object.__setattr__(self, "tuning", dict(self.tuning))  # a copy: the caller's dict may change later
 
     def settings(self) -> dict:
@@ -159,13 +192,16 @@ class EngineOptions:
 class DeviceOptions:
     """Where the pipeline runs and how much of that device's memory it may take."""
 
-    device: str = "auto"  # auto (CUDA if available, else MPS, else CPU), cpu, cuda, cuda:N or mps
+    device: str = "auto"  # auto (CUDA if available, else MPS, else CPU), cpu, cuda, cuda:N or mps (or a torch.device)
     budget_gib: float | None = None  # None: a discrete GPU's memory less 10 %, unified memory's pool, on the CPU
     # 24 or the machine's memory less 10 %, the lesser (memory.default_budget_gib)
     offload_ar: bool = False  # the AR expert leaves the accelerator during the NAR's ODE steps (16-24 GB cards)
     vae_core_frames: int | None = None  # VAE tile size; None: 512 under a 12 GiB budget, else 1024
 
     def __post_init__(self):
+        torch = sys.modules.get("torch")  # a torch.device (upstream takes one) is its name; torch is not imported here
+        if torch is not None and isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", str(self.device))
         if not isinstance(self.device, str) or not self.device:
             _refuse("DeviceOptions", "device", "a device name (auto, cpu, cuda, cuda:N or mps)", self.device)
         _positive("DeviceOptions", "budget_gib", self.budget_gib)
@@ -253,19 +289,32 @@ FLAT_KEYWORDS = {
 }
 
 
-def _flat_fields(keyword: str, value) -> list[tuple[str, object]]:
-    """The `(field, value)`s one flat keyword sets on its group (`tuning[...]`: an EngineOptions.tuning entry)."""
+# engine_options' keys that another group's field holds now, as the flat keywords of those names set it (vLLM's
+# `dtype`, upstream's `offload_ar`): the earlier release passed them to the engine alone.
+_ENGINE_OPTIONS_ELSEWHERE = {"dtype": ("ar", "dtype"), "offload_ar": ("device", "offload_ar")}
+
+
+def backend_fields(value) -> dict[str, str]:
+    """The AROptions fields one of upstream's backend values (FLAT_BACKENDS) sets: `torch-eager` is the torch
+    backend decoding eagerly (the Python API's `backend=` and the CLI's `--backend`)."""
+    if not isinstance(value, str) or value not in FLAT_BACKENDS:
+        raise ValueError(f"backend must be one of {FLAT_BACKENDS}, got {value!r}")
+    return {"backend": "torch", "torch_execution": "eager"} if value == "torch-eager" else {"backend": value}
+
+
+def _flat_fields(keyword: str, value) -> list[tuple[str, str, str, object]]:
+    """The `(group, field, label, value)`s one flat keyword sets (field `tuning[...]`: an EngineOptions.tuning
+    entry; label: what a bad value's message names, the keyword or the `engine_options[...]` entry)."""
     group, name = FLAT_KEYWORDS[keyword]
     if keyword == "backend":
-        if not isinstance(value, str) or value not in FLAT_BACKENDS:
-            raise ValueError(f"backend must be one of {FLAT_BACKENDS}, got {value!r}")
-        return [("backend", "torch"), ("torch_execution", "eager")] if value == "torch-eager" else [("backend", value)]
+        return [(group, field, keyword, item) for field, item in backend_fields(value).items()]
     if keyword == "engine_options":  # the earlier release's EngineSettings keywords: the named ones are fields now
         if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
             raise ValueError(f"engine_options must be a mapping of EngineSettings keywords, got {value!r}")
         named = {*_ENGINE_SETTINGS, "kv_cache_dtype"}
-        return [(key if key in named else f"tuning[{key}]", item) for key, item in value.items()]
-    return [(f"tuning[{keyword}]" if name == "tuning" else name, value)]
+        return [(*_ENGINE_OPTIONS_ELSEWHERE.get(key, (group, key if key in named else f"tuning[{key}]")),
+                 f"engine_options[{key!r}]", item) for key, item in value.items()]
+    return [(group, f"tuning[{keyword}]" if name == "tuning" else name, keyword, value)]
 
 
 def pipeline_options(generation_config: GenerationConfig | Mapping | None = None, *,
@@ -285,24 +334,28 @@ def pipeline_options(generation_config: GenerationConfig | Mapping | None = None
     given = {"load": load, "ar": ar, "engine": engine, "device": device, "adapters": adapters}
     fields: dict[str, dict] = {group: {} for group in given}
     set_by: dict[tuple[str, str], str] = {}
+    labels: dict[tuple[str, str], str] = {}  # what a bad value of each field names
     for keyword, value in flat.items():
-        group = FLAT_KEYWORDS[keyword][0]
-        if given[group] is not None:
-            raise TypeError(f"YuE2Pipeline() got {keyword!r} both as a keyword and in {group}= "
-                            f"({_GROUPS[group].__name__}); give it in one place")
         if keyword == "offload_nar":  # upstream: offload_ar = offload_ar or offload_nar (the NAR's placement is ours)
+            if given["device"] is not None:
+                raise TypeError("YuE2Pipeline() got 'offload_nar' both as a keyword and in device= (DeviceOptions); "
+                                "give it in one place")
             if not isinstance(value, bool):
                 raise ValueError(f"offload_nar must be True or False, got {value!r}")
             continue
-        for name, item in _flat_fields(keyword, value):
+        for group, name, label, item in _flat_fields(keyword, value):
+            if given[group] is not None:
+                raise TypeError(f"YuE2Pipeline() got {label if label != keyword else repr(keyword)} both as a "
+                                f"keyword and in {group}= ({_GROUPS[group].__name__}); give it in one place")
             other = set_by.setdefault((group, name), keyword)
             if other != keyword:
                 raise TypeError(f"YuE2Pipeline() got {other!r} and {keyword!r}, which both set "
                                 f"{_GROUPS[group].__name__}.{name}; give one of them")
             fields[group][name] = item
+            labels[(group, name)] = label
     if flat.get("offload_nar") and not fields["device"].get("offload_ar"):
         fields["device"]["offload_ar"] = True
-        set_by.setdefault(("device", "offload_ar"), "offload_nar")
+        labels.setdefault(("device", "offload_ar"), "offload_nar")
     built = {}
     for group, kind in _GROUPS.items():
         if given[group] is not None:
@@ -312,12 +365,13 @@ def pipeline_options(generation_config: GenerationConfig | Mapping | None = None
         tuning = {name[7:-1]: item for name, item in fields[group].items() if name.startswith("tuning[")}
         try:
             built[group] = kind(**values, **({"tuning": tuning} if tuning else {}))
-        except ValueError as exc:  # name the keyword the bad value came from
+        except ValueError as exc:  # name the keyword (or engine_options entry) the bad value came from
             message = str(exc)
-            for name in values:
-                prefix = f"{kind.__name__}.{name} "
+            for name in fields[group]:
+                prefix = (f"{kind.__name__}.tuning[{name[7:-1]!r}]:" if name.startswith("tuning[")
+                          else f"{kind.__name__}.{name} ")
                 if message.startswith(prefix):
-                    message = f"{set_by[(group, name)]} " + message[len(prefix):]
+                    message = labels[(group, name)] + prefix[-1] + message[len(prefix):]
             raise ValueError(message) from None
     generation = (generation_config if isinstance(generation_config, GenerationConfig)
                   else GenerationConfig.from_dict(generation_config))

@@ -27,6 +27,7 @@ from .hub import DEFAULT_MODEL, DEFAULT_VAE, HubOptions, ModelSource, resolve_mo
 from .model.sampling import ARBackend, ARContinuation, TorchARBackend
 from .model.torch_quant import apply_memory_cap, module_bytes
 from .model.modeling import YuE2Config
+from .model.vae import load_vae
 from .options import (AdapterOptions, AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions,
                       pipeline_options)
 from .protocol import GenerationConfig, Sampling, SongRequest, SongRules, default_cfg_scale
@@ -42,7 +43,7 @@ from .song.results import (BATCH_NOTE, SAMPLE_RATE, Cancelled, Decoder, OnProgre
                            SemanticResult, SongResult, SymbolicPlan, Synthesizer, batch_record, check_semantic)
 from .song.run_dir import (AUDIO_CONFIG_KEYS, FAILED_STATES, STAGE_RECORDS, SongRun, latent_identity,  # noqa: F401
                             peak_memory_bytes, run_identity)
-from .song.continuation import ContinueRefused, ParentSong, check_adapters, read_parent  # noqa: F401
+from .song.continuation import ContinueRefused, ParentSong, read_parent  # noqa: F401
 from .song.stages import SongStages
 
 
@@ -174,7 +175,8 @@ class YuE2Pipeline:
             self.model, self.tokenizer, self.rules, self.options, self.torch_backend, self.torch_lock,
             self.proxy_mode, self.ar_on_device, self.adapters, select_backend=self.select_ar_backend,
             room=lambda: self.room,
-            release_engine=self.engine_life.release_for_nar, vae_on_device=self._vae_on_device)
+            release_engine=self.engine_life.release_for_nar, vae_on_device=self._vae_on_device,
+            beside_engine=self.resolved.beside_engine)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = DEFAULT_MODEL, *, vae: str | os.PathLike | None = DEFAULT_VAE,
@@ -261,18 +263,19 @@ class YuE2Pipeline:
         return device_room(self.device, self.room, self.unified)
 
     @contextlib.contextmanager
-    def _vae_on_device(self):
-        """The fp32 VAE on the pipeline's device for one decode (on the CPU nothing moves). Only a discrete GPU
-        without the engine moves the AR expert out for it (models.vae_placement): beside the engine the tile was
-        admitted into the room and the AR expert is in host memory already; on unified memory a move to the host
-        frees nothing (one pool)."""
-        vae = self.vae
+    def _vae_on_device(self, vae=None, core_frames: int | None = None):
+        """`vae` (fp32; None: the pipeline's) on the pipeline's device for one decode in tiles of `core_frames`
+        (None: the pipeline's `vae_core_frames`; on the CPU nothing moves). Only a discrete GPU without the engine
+        moves the AR expert out for it (models.vae_placement): beside the engine the tile was admitted into the room
+        and the AR expert is in host memory already; on unified memory a move to the host frees nothing (one
+        pool)."""
+        vae = vae if vae is not None else self.vae
         if self.device.type == "cpu":
             yield vae
             return
         movable = self.room is None and self.unified is None
-        self.vae_placement = vae_placement(vae, self.model, self.device, self.options.device.vae_core_frames,
-                                           self._device_room(), movable)
+        core_frames = core_frames or self.options.device.vae_core_frames
+        self.vae_placement = vae_placement(vae, self.model, self.device, core_frames, self._device_room(), movable)
         with vae_on_device(vae, self.model, self.device, self.vae_placement["ar_moved"]):
             yield vae
 
@@ -315,11 +318,12 @@ class YuE2Pipeline:
         }
 
     def check_request(self, request: SongRequest, abc_sampling=None, semantic_sampling=None) -> AdapterRequest:
-        """Refuse, before anything runs, what `SongRules.check_request` refuses (an unknown adapter among it) and a
-        stack of AR adapters above the engine's rank. Returns the song's adapters, resolved once: pass them on
+        """Refuse, before anything runs, what `SongRules.check_request` refuses (an unknown adapter among it) and,
+        where the AR half may run on vLLM (`resolved.beside_engine`), a stack of AR adapters above the engine's
+        rank. Returns the song's adapters, resolved once: pass them on
         (`effective_config`, `plan`, `generate_to`) so that no stage resolves them again."""
         self.rules.check_request(request, abc_sampling, semantic_sampling)
-        return self.adapters.resolve(request, engine=self.backend_requested != "torch")
+        return self.adapters.resolve(request, engine=self.resolved.beside_engine)
 
     def source_records(self) -> dict:
         """Where the weights were read from, recorded beside the identity (LoadedModels.source_records)."""
@@ -393,11 +397,14 @@ class YuE2Pipeline:
         per song its latents or the exception that ended it."""
         return self.stages.synthesize_many(semantics, cancelled=cancelled, on_progress=on_progress)
 
-    def decode(self, latents: np.ndarray, *, cancelled: Cancelled | None = None,
-               on_progress: OnProgress | None = None) -> np.ndarray:
-        """`[T, 64]` latents → `[1920·T − 64, 2]` float32 audio clamped to [-1, 1]."""
+    def decode(self, latents: np.ndarray, *, full: bool = False, vae: str | os.PathLike | None = None,
+               cancelled: Cancelled | None = None, on_progress: OnProgress | None = None) -> np.ndarray:
+        """`[T, 64]` (or `[1, 64, T]`) latents → `[1920·T − 64, 2]` float32 audio clamped to [-1, 1]. Upstream's
+        keywords: `full` decodes in one pass instead of tiles; `vae` decodes with another VAE (a directory or a
+        Hub repo id, loaded for this call; e.g. the legacy decoder for cached latents) instead of the pipeline's."""
+        decoder = self.vae if vae is None else load_vae(resolve_model(vae, what="vae").path, device="cpu")
         with self._shown(None, on_progress) as (_, on_progress):
-            return self.stages.decode(self.vae, latents, cancelled=cancelled, on_progress=on_progress)
+            return self.stages.decode(decoder, latents, full=full, cancelled=cancelled, on_progress=on_progress)
 
     def __call__(self, style: str | SongRequest | None = None, lyrics: str | None = None, *,
                  tags: str | None = None, request: SongRequest | None = None, abc_sampling=None,
@@ -415,7 +422,9 @@ class YuE2Pipeline:
         nar_start = time.perf_counter()
         latents = self.synthesize(semantic, cancelled=cancelled, on_progress=on_progress)
         vae_start = time.perf_counter()
-        audio = self.decode(latents, on_progress=on_progress)
+        if cancelled is not None and cancelled():  # as upstream: a song cancelled during the NAR is not decoded
+            raise InterruptedError("cancelled before the VAE")
+        audio = self.decode(latents, cancelled=cancelled, on_progress=on_progress)
         end = time.perf_counter()
         timing = {"abc": plan.timing, "semantic": semantic.timing, "nar_seconds": vae_start - nar_start,
                   "vae_seconds": end - vae_start, "load": self.load_timing, "e2e_seconds": end - start}
@@ -450,10 +459,10 @@ class YuE2Pipeline:
         """Continue the capped song in `parent_dir` to `seconds` into `directory` (a new song, `<parent id>.
         <seconds>s` unless `song_id`): the song the parent's request with this `seconds` makes, its semantic
         phase going on from the parent's codes (song/continuation.py). Returns its result.json; a song that is
-        unfinished, not capped or from another model is refused (ContinueRefused, one line)."""
+        unfinished, not capped, from another model or made with other adapters is refused (ContinueRefused, one
+        line)."""
         parent = read_parent(parent_dir)
         request = parent.child_request(seconds, song_id)
-        check_adapters(parent, self.adapters.registry)
         overrides = parent.overrides()
         return self.generate_to(directory, request, resume=resume, abc_sampling=overrides["abc"],
                                 semantic_sampling=overrides["semantic"], cancelled=cancelled, on_token=on_token,

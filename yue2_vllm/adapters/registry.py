@@ -24,7 +24,7 @@ from ..protocol import ADAPTER_NAME as NAME
 from ..protocol import ADAPTER_SCALE_RANGE as SCALE_RANGE
 from ..protocol import AdapterRef
 from .cache import Converted, convert_adapter
-from .checks import MAX_RANK, max_lora_rank_for
+from .checks import MAX_RANK
 from .layouts import CARD, LORA_JSON
 from .weights import AdapterError
 
@@ -223,8 +223,3 @@ class AdapterRegistry:
         """A request's adapters as uses: each name looked up once (UnknownAdapter naming one the registry lacks).
         Names and scales were checked, and scale-0 entries dropped, when the AdapterRefs were made."""
         return tuple(AdapterUse(self.get(ref.name), ref.scale) for ref in refs)
-
-    def max_ar_rank(self) -> int:
-        """The vLLM `max_lora_rank` the registered AR adapters need (0 when none has an AR part)."""
-        ranks = [a.converted.ar_rank for a in self.adapters() if a.converted.ar_path is not None]
-        return max_lora_rank_for(max(ranks)) if ranks else 0

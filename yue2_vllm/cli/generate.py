@@ -22,7 +22,9 @@ def _summary(document: dict) -> dict:
 def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, stage: str, quiet: bool,
              parent=None) -> dict:
     """Generate one song into `directory` (with `parent`: continue that capped song); returns the status line
-    (failure.json is written on error)."""
+    (failure.json is written on error; a continuation its parent refuses raises, before anything is written)."""
+    from ..song.continuation import ContinueRefused
+
     progress = Progress(not quiet, token_budgets(pipe.rules, request, overrides),
                         {"semantic": len(parent.tokens)} if parent is not None else None)
     try:
@@ -32,6 +34,9 @@ def run_song(pipe, request, overrides: dict, directory: Path, *, resume: bool, s
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: recorded, then the whole command stops
         progress.close()
         exc.status = cancelled_status(request, directory, f"cancelled by {_signal_name(exc)}; rerun with --resume")
+        raise
+    except ContinueRefused:  # refused before anything was written: one line, exit 2
+        progress.close()
         raise
     except Exception as exc:  # recorded per song; the caller decides whether to go on
         progress.close()
@@ -143,7 +148,8 @@ CONTINUE_TAKES_OWN = (("request", "--request"), ("style", "--style"), ("lyrics",
 def continued_setup(setup, parent, child):
     """`setup` with the song's own generation config and adapters, read from its directory (ParentSong): what its
     continuation to `child` (its request) runs with. An adapter --lora / --lora-modules registers under the same
-    name is registered from the flag (check_adapters refuses one whose contents differ from the song's)."""
+    name is registered from the flag (the run refuses one whose contents differ from the song's: continuation.
+    check_adapters)."""
     from dataclasses import replace
 
     modules = dict(setup.adapters.modules)
@@ -186,7 +192,7 @@ def cmd_continue(args) -> int:
     """`generate --continue RUN_DIR --seconds N`: the capped song in RUN_DIR continued to N seconds, with its own
     request, generation config and adapters (read from RUN_DIR)."""
     from ..request_json import UsageError
-    from ..song.continuation import check_adapters, read_parent
+    from ..song.continuation import read_parent
 
     if args.seconds is None:
         raise UsageError("--continue: give --seconds, the longer length to continue the song to")
@@ -205,7 +211,6 @@ def cmd_continue(args) -> int:
     setup = song_setup(args)
     check_continue_flags(args, setup, parent)
     with continued_setup(setup, parent, request).pipeline() as pipe:
-        check_adapters(parent, pipe.adapters.registry)
         status = run_song(pipe, request, parent.overrides(), Path(args.output) / request.id, resume=args.resume,
                           stage="audio", quiet=args.quiet, parent=parent)
     print_status(status)

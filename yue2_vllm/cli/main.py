@@ -8,7 +8,7 @@ import sys
 
 from ..hub import DEFAULT_MODEL
 from ..kv_cache import FORMS as KV_FORMS
-from ..options import BACKENDS, CFG_ENGINES, DTYPES, QUANTIZATIONS, QUANTIZED_POLICIES, RUNNERS
+from ..options import CFG_ENGINES, DTYPES, FLAT_BACKENDS, QUANTIZATIONS, QUANTIZED_POLICIES, RUNNERS
 from ..request_json import error_type
 from ..serve.disk import RETENTION_SECONDS
 from ..startup import ENGINE_START_TIMEOUT_S
@@ -104,10 +104,11 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                              "default: a discrete GPU's memory less 10 %%, on unified memory (DGX Spark) MemAvailable "
                              "less the OS reserve, on the CPU 24 or the machine's memory less 10 %%, the lesser; "
                              "above the card is refused")
-    parser.add_argument("--backend", choices=BACKENDS,
+    parser.add_argument("--backend", choices=FLAT_BACKENDS,
                         help="AR backend: torch, or vllm/auto (vLLM whenever it is installed and can serve the "
-                             "phase, else torch, shown on screen and recorded); default: auto, but torch for the "
-                             "embedded tiny model, whose short songs finish on torch before a vLLM engine starts")
+                             "phase, else torch, shown on screen and recorded); torch-eager (upstream's) is torch "
+                             "with --torch-execution eager; default: auto, but torch for the embedded tiny model, "
+                             "whose short songs finish on torch before a vLLM engine starts")
     parser.add_argument("--ar-checkpoint", help="serve the AR half from this Qwen3 checkpoint (e.g. an FP8/int8 "
                                                  "export) instead of deriving one; default: $YUE2_AR_CHECKPOINT, "
                                                  "else derived")
@@ -117,6 +118,12 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
     parser.add_argument("--offload-ar", action="store_true",
                         help="move the AR expert off the accelerator during the NAR's ODE steps, for 16-24 GB "
                              "cards (default: off)")
+    parser.add_argument("--offload-nar", action="store_true",
+                        help="upstream's later flag: turns --offload-ar on, as its offload_ar = offload_ar or "
+                             "offload_nar (where the NAR's weights sit is ours); default: off, as upstream's CLI "
+                             "before it (the version that adds it has it on)")
+    parser.add_argument("--no-offload-nar", dest="offload_nar", action="store_false", default=False,
+                        help="upstream's: --offload-nar off (this CLI's default)")
     parser.add_argument("--quantized-policy", choices=QUANTIZED_POLICIES, default="auto",
                         help="a quantized --ar-checkpoint without a kernel faster than bf16 on this device is served "
                              "as the bf16 derived checkpoint, on the record (auto), or anyway (force); default: auto")
@@ -180,7 +187,8 @@ def _model_flags(parser: argparse.ArgumentParser, runs: bool = True) -> None:
                                  "'adapters' use those")
         parser.add_argument("--output", default="runs", help="songs go to OUTPUT/<id>")
         parser.add_argument("--resume", action="store_true", help="continue a run from its last verified stage")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
+    parser.add_argument("--quiet", "--no-progress", action="store_true",
+                        help="no progress bars or notes on stderr (--no-progress: upstream's name)")
 
 
 def _replica_gpus(text: str) -> float:

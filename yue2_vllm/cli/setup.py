@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..kv_cache import FLAG as KV_FLAG
-from ..options import AdapterOptions, AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions
+from ..options import (AdapterOptions, AROptions, DeviceOptions, EngineOptions, LoadOptions, PipelineOptions,
+                       backend_fields)
 from ..protocol import GenerationConfig
 from ..request_json import UsageError, read_abc, read_json_file, read_text_file, request_from_json
 
@@ -281,17 +282,24 @@ def song_setup(args, need_vae: bool = True, patterns: tuple | None = None, adapt
 
 
 def flag_options(args, backend: str) -> tuple[LoadOptions, AROptions, EngineOptions, DeviceOptions]:
-    """The pipeline's options as a song command's flags set them, with `backend` for --backend."""
-    ar = AROptions(backend=backend, dtype=args.dtype, quantization=args.quantization,
+    """The pipeline's options as a song command's flags set them, with `backend` for --backend (upstream's
+    `torch-eager` too: the torch backend decoding eagerly); upstream's --offload-nar turns --offload-ar on."""
+    fields = backend_fields(backend)
+    execution = fields.pop("torch_execution", None)
+    if execution is not None and args.torch_execution not in ("auto", execution):
+        raise UsageError(f"--backend {backend}: is the torch backend decoding {execution}, and --torch-execution "
+                         f"{args.torch_execution} asks otherwise; give one of them")
+    ar = AROptions(**fields, dtype=args.dtype, quantization=args.quantization,
                    quantized_policy=args.quantized_policy, cfg_engine=args.cfg_engine,
-                   torch_execution=args.torch_execution, reproducible=args.reproducible)
+                   torch_execution=execution or args.torch_execution, reproducible=args.reproducible)
     engine = EngineOptions(kv_cache_dtype=args.kv_cache_dtype,
                            # one engine row per song in flight (batch --concurrency, serve --max-concurrency)
                            max_num_seqs=args.max_num_seqs or getattr(args, "concurrency", None),
                            max_num_batched_tokens=args.max_num_batched_tokens, sliced_head=not args.no_sliced_head,
                            runner=args.vllm_runner, start_timeout_s=args.engine_start_timeout, start=True)
     return (LoadOptions(ar_checkpoint=args.ar_checkpoint, verify_hashes=args.verify_hashes), ar, engine,
-            DeviceOptions(device=args.device, budget_gib=args.budget, offload_ar=args.offload_ar))
+            DeviceOptions(device=args.device, budget_gib=args.budget,
+                          offload_ar=args.offload_ar or getattr(args, "offload_nar", False)))
 
 
 def check_kv_flag(args, on_this_machine: bool = True) -> None:

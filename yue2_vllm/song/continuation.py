@@ -189,17 +189,28 @@ def check_continuable(parent: ParentSong, weights: dict, generation: GenerationC
                               "directory (another --output or --id)")
 
 
-def check_adapters(parent: ParentSong, registry) -> None:
-    """Refuse (one line naming it) a continuation whose registry holds one of the song's adapters with other
-    contents than the song was made with (an adapter it lacks is refused by name when the song is checked)."""
+def check_adapters(parent: ParentSong, adapters) -> None:
+    """Refuse (one line naming it) a continuation whose adapters (`adapters`: the continued song's AdapterRequest,
+    as its pipeline resolved them) are not the ones the song was made with: one of its adapters registered with
+    other contents, or another instrumental recipe or adapter than the song was rendered with. (An adapter the
+    registry lacks is refused by name when the song is checked.)"""
+    uses = {use.adapter.name: use.adapter for use in adapters.uses}
     for entry in parent.adapters:
-        if entry.get("name") not in registry:
-            continue
-        registered = registry.get(entry["name"])
-        if registered.sha256 != entry.get("sha256"):
+        registered = uses.get(entry.get("name"))
+        if registered is not None and registered.sha256 != entry.get("sha256"):
             raise ContinueRefused(f"continue: {parent.name}: adapter {entry['name']!r} ({registered.source}) is not "
                                   f"the one the song was made with (sha256 {registered.sha256[:12]}, the song's "
                                   f"{str(entry.get('sha256'))[:12]}); continue it with the adapter it was made with")
+    had = parent.config.get("instrumental_adapter")
+    has = adapters.instrumental.identity() if adapters.instrumental is not None else None
+    if had != has:
+        recipe = "upstream's instrumental recipe (no instrumental adapter)"
+        made = (f"instrumental adapter {parent.instrumental_adapter() or '?'!r} (sha256 {str(had.get('sha256'))[:12]})"
+                if had else recipe)
+        runs = (f"instrumental adapter {adapters.instrumental.adapter.name!r} (sha256 "
+                f"{adapters.instrumental.adapter.sha256[:12]})" if has else recipe)
+        raise ContinueRefused(f"continue: {parent.name}: the song was rendered with {made}, this pipeline renders "
+                              f"it with {runs}; continue it with the instrumental adapter it was made with")
 
 
 def exactness(parent: ParentSong, config: dict, timing: dict) -> dict:

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from .adapters import AdapterRequest
 
 SAMPLE_RATE = 48000
+PLAN_FILES = ("plan.json", "abc_tokens.npy", "prefix.npy", "score.abc")  # what SymbolicPlan.save writes
+PLAN_REQUIRED = frozenset(PLAN_FILES[:3])
 OnToken = Callable[[str, int], None]
 OnProgress = Callable[[str, int, int], None]
 Cancelled = Callable[[], bool]
@@ -57,6 +59,48 @@ class SymbolicPlan:
         write_bytes_atomic(directory / "plan_manifest.json",
                            json_bytes({name: sha256_file(directory / name) for name in files}))
 
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "SymbolicPlan":
+        """Upstream's: the plan `save` wrote to `directory`, its exact ids restored (the score is never tokenized
+        again), once every file verifies against `plan_manifest.json` (only the plan's files, no symlinks, each
+        sha256, the arrays equal to plan.json's lists, score.abc its `abc`). Anything else is a ValueError of one
+        line naming the file; an edited score is a new request's `abc`, not a changed plan."""
+        from ..checkpoint import read_json, sha256_file
+
+        directory = Path(directory)
+        manifest_path = directory / "plan_manifest.json"
+        try:
+            manifest = read_json(manifest_path)
+            if not isinstance(manifest, dict) or not PLAN_REQUIRED <= set(manifest):
+                raise ValueError(f"{manifest_path}: lists no complete plan (needs {', '.join(sorted(PLAN_REQUIRED))})")
+            for name, digest in manifest.items():
+                path = directory / name
+                if name not in PLAN_FILES or path.is_symlink():
+                    raise ValueError(f"{path}: not a plan file" + (" (a symlink)" if name in PLAN_FILES else ""))
+                if sha256_file(path) != digest:
+                    raise ValueError(f"{path}: changed since the plan was saved; give an edited score as a new "
+                                     "request's abc")
+            data = read_json(directory / "plan.json")
+            for key, name in (("abc_ids", "abc_tokens.npy"), ("prefix", "prefix.npy")):
+                try:
+                    array = np.load(directory / name, allow_pickle=False)
+                except ValueError as exc:
+                    raise ValueError(f"{directory / name}: not an array file ({exc})") from None
+                if array.ndim != 1 or array.dtype.kind not in "iu" or array.tolist() != data[key]:
+                    raise ValueError(f"{directory / name}: does not hold plan.json's {key}")
+            if data["abc"] is not None and ("score.abc" not in manifest or
+                                            (directory / "score.abc").read_bytes() != data["abc"].encode("utf-8")):
+                raise ValueError(f"{directory / 'score.abc'}: does not hold plan.json's abc")
+            try:
+                request = SongRequest.from_dict(data["request"])
+            except ValueError as exc:
+                raise ValueError(f"{directory / 'plan.json'}: its request: {exc}") from None
+            return cls(request, data["abc"], data["abc_ids"], data["prefix"], data["timing"], data["truncated"])
+        except OSError as exc:
+            raise ValueError(f"{directory}: cannot read the saved plan ({exc})") from None
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{directory / 'plan.json'}: not a saved plan ({type(exc).__name__}: {exc})") from None
+
 
 @dataclass
 class SemanticResult:
@@ -86,6 +130,16 @@ class SongResult:
     @property
     def request(self) -> SongRequest:
         return self.plan.request
+
+    @property
+    def abc(self) -> str | None:
+        """The song's score (upstream's name; `plan.abc`)."""
+        return self.plan.abc
+
+    @property
+    def request_identity(self) -> str:
+        """Upstream's name of `identity`."""
+        return self.identity
 
     @property
     def truncated(self) -> dict:

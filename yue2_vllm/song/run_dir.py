@@ -15,7 +15,7 @@ from .. import artifacts as art
 from .. import instrumental
 from ..checkpoint import identity, write_json_atomic
 from ..protocol import CODEC_SIZE, SongRequest
-from .continuation import RNG_FILE, ParentSong, check_continuable, exactness
+from .continuation import RNG_FILE, ParentSong, check_adapters, check_continuable, exactness
 from .results import (SAMPLE_RATE, Cancelled, Decoder, OnProgress, OnStage, OnToken, SemanticResult, SymbolicPlan,
                       Synthesizer, batch_record, kv_cache_record, truncation_record)
 
@@ -71,7 +71,9 @@ class SongRun:
     """`song` (a pipeline: its stages, identities and records) run into `directory`; see
     `YuE2Pipeline.generate_to`. With `parent` the run continues that capped song (song/continuation.py): its plan
     is copied and its semantic phase goes on from the parent's codes. `adapters`: the song's, as the caller's
-    `check_request` resolved them (None: checked and resolved here); every stage and record reads them.
+    `check_request` resolved them (None: checked and resolved here); every stage and record reads them. A
+    continuation whose model, generation config or adapters are not its parent's is refused here, before anything
+    is written (ContinueRefused).
 
     A method per stage makes its files and meta (`_plan`, `_semantic`, `_synthesis`, `_audio`); `_stage` keeps
     every stage's bookkeeping (a checkpoint that verifies is reused, else the stage is redone and the later ones
@@ -89,8 +91,9 @@ class SongRun:
         if adapters is None:
             adapters = song.check_request(request, abc_sampling, semantic_sampling)  # before anything is written
         self.adapters = adapters
-        if parent is not None:
+        if parent is not None:  # every path's continuation (the API's, the CLI's, a scheduler's job) passes here
             check_continuable(parent, song.weights, song.generation_config, directory)
+            check_adapters(parent, adapters)
         self.song, self.request, self.resume, self.stage, self.parent = song, request, resume, stage, parent
         self.abc_sampling, self.semantic_sampling = abc_sampling, semantic_sampling
         self.cancelled, self.on_token, self.on_progress, self.on_stage = cancelled, on_token, on_progress, on_stage

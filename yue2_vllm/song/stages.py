@@ -36,7 +36,8 @@ LOG = logging.getLogger(__name__)
 class SongStages:
     """The stages over one pipeline's parts. The callables read state that changes while the pipeline serves:
     `select_backend(cfg_scale, legacy_off)` the AR backend and its fallback reason, `room()` where buffers are
-    admitted now, `release_engine()` the engine before a NAR run, `vae_on_device()` the VAE placed for a decode."""
+    admitted now, `release_engine()` the engine before a NAR run, `vae_on_device(vae, core_frames)` that VAE placed
+    for a decode of tiles of that many frames."""
 
     model: object
     tokenizer: YuE2Tokenizer
@@ -50,14 +51,15 @@ class SongStages:
     select_backend: Callable[[float, bool], tuple[ARBackend, str | None]]
     room: Callable[[], DeviceRoom | None]
     release_engine: Callable[[], None]
-    vae_on_device: Callable[[], contextlib.AbstractContextManager]
+    vae_on_device: Callable[..., contextlib.AbstractContextManager]
+    beside_engine: bool  # the AR half may run on vLLM (resolved.beside_engine): a song's AR adapters need a LoRA
 
     # -- the AR half
 
     def resolve_adapters(self, request: SongRequest) -> AdapterRequest:
         """The song's adapters, for a stage called without them (a song admitted by `check_request` carries them:
         `SymbolicPlan.adapters`)."""
-        return self.adapters.resolve(request, engine=self.options.ar.backend != "torch")
+        return self.adapters.resolve(request, engine=self.beside_engine)
 
     def generate_ar(self, prefix, sampling: Sampling, request: SongRequest, phase: str, adapters: AdapterRequest,
                     **kwargs) -> ARResult:
@@ -200,18 +202,31 @@ class SongStages:
             results[index] = result.numpy() if isinstance(result, torch.Tensor) else result
         return results
 
-    def decode(self, vae, latents: np.ndarray, *, cancelled: Cancelled | None = None,
+    def decode(self, vae, latents: np.ndarray, *, full: bool = False, cancelled: Cancelled | None = None,
                on_progress: OnProgress | None = None) -> np.ndarray:
-        """`[T, 64]` latents → `[1920·T − 64, 2]` float32 audio clamped to [-1, 1]."""
+        """`[T, 64]` (or upstream's `[1, 64, T]`) latents → `[1920·T − 64, 2]` float32 audio clamped to [-1, 1]:
+        in tiles of the pipeline's `vae_core_frames`, or with `full` in one pass (upstream's `full=True`)."""
         latents = torch.as_tensor(np.asarray(latents, dtype=np.float32))
-        if latents.ndim != 2 or latents.shape[1] != vae.config.latent_dim:
-            raise ValueError(f"latents must be [frames, {vae.config.latent_dim}], got {list(latents.shape)}")
+        dim = vae.config.latent_dim
+        if latents.ndim == 3 and latents.shape[0] == 1 and latents.shape[1] == dim:
+            latents = latents[0].T
+        if latents.ndim != 2 or latents.shape[1] != dim:
+            raise ValueError(f"latents must be [frames, {dim}] or [1, {dim}, frames], got {list(latents.shape)}")
         progress = (lambda done, total: on_progress("vae", done, total)) if on_progress else None
-        core_frames = self.options.device.vae_core_frames
-        tile = vae_decode_bytes(vae.config, core_frames, VAE_HALO_FRAMES)
-        with admitted(self.room(), tile, "vae tile", [on_progress], cancelled), self.vae_on_device() as placed:
-            audio = placed.decode_tiled(latents.T[None], core_frames=core_frames,
-                                        halo_frames=VAE_HALO_FRAMES, on_progress=progress, cancelled=cancelled)[0]
+        core_frames = len(latents) if full else self.options.device.vae_core_frames
+        halo_frames = 0 if full else VAE_HALO_FRAMES
+        tile = vae_decode_bytes(vae.config, core_frames, halo_frames)
+        with admitted(self.room(), tile, "vae tile", [on_progress], cancelled), \
+                self.vae_on_device(vae, core_frames) as placed:
+            if full:
+                if cancelled is not None and cancelled():
+                    raise InterruptedError("cancelled before the VAE")
+                audio = placed.decode(latents.T[None])[0].cpu()
+                if progress is not None:
+                    progress(1, 1)
+            else:
+                audio = placed.decode_tiled(latents.T[None], core_frames=core_frames, halo_frames=halo_frames,
+                                            on_progress=progress, cancelled=cancelled)[0]
         if not torch.isfinite(audio).all():
             raise FloatingPointError("the VAE produced non-finite audio")
         return audio.clamp(-1, 1).T.contiguous().numpy()
