@@ -7,11 +7,17 @@ first transcription and kept warm; at most `workers` run at once and `queue` mor
 `workers + queue` is refused at once (429 with the figures and Retry-After). A call awaits its transcription on the
 event loop. A worker process that dies (killed, out of memory) fails its calls with a 503 and the pool is made
 again for the next.
+
+Each worker leads its own process group, and what it starts stays in it (SheetSage2 runs in a child process): a
+worker that died and a pool that is closed are ended as whole groups (SIGKILL), so no transcriber is left running,
+holding its memory, after the call or the server that asked for it.
 """
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -20,6 +26,16 @@ from .errors import RequestInvalid, ServiceError, TooManyJobs, Unavailable
 WORKERS = 1
 QUEUE = 4
 SECONDS_PER_CALL = 10  # what Retry-After guesses a call ahead takes (a minute of humming is a few seconds)
+
+
+def kill_groups(pids) -> None:
+    """SIGKILL the process group each pool worker in `pids` leads (the worker and what it started, where either
+    still runs)."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # the group is gone (or the worker never made it)
+            pass
 
 
 def _transcribe(audio: bytes, request: dict, gpu_free_bytes: int | None):
@@ -43,7 +59,8 @@ class TranscriptionPool:
 
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:
-            self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=os.setpgrp)  # its own group: see kill_groups
         return self._executor
 
     async def transcribe(self, audio: bytes, request: dict, gpu_free_bytes: int | None = None):
@@ -56,15 +73,17 @@ class TranscriptionPool:
                               f"{self.workers}, --transcription-queue {self.queue}); retry later",
                               headers={"Retry-After": str(SECONDS_PER_CALL * (waiting + 1))})
         self.calls += 1
-        executor = self._pool()
+        executor, workers = self._pool(), []
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, _transcribe, audio, request,
-                                                                    gpu_free_bytes)
+            call = asyncio.get_running_loop().run_in_executor(executor, _transcribe, audio, request, gpu_free_bytes)
+            workers = list(executor._processes or {})  # started by the submit; their groups, should one die
+            return await call
         except TranscriptionError as exc:
             raise RequestInvalid(str(exc), field=exc.field) from None
         except TranscriberUnavailable as exc:
             raise Unavailable(str(exc), field="transcriber") from None
         except BrokenProcessPool:
+            kill_groups(workers)  # the dead worker's transcriber (SheetSage2's process) goes with it
             if self._executor is executor:  # the next call starts a new one
                 self._executor = None
                 executor.shutdown(wait=False, cancel_futures=True)
@@ -76,14 +95,16 @@ class TranscriptionPool:
             self.calls -= 1
 
     def close(self) -> None:
-        """Stop the workers: waiting calls are cancelled, a running transcription is ended with its process."""
+        """Stop the workers: waiting calls are cancelled, a running transcription is ended with its process group
+        (the worker and the transcriber it started)."""
         executor, self._executor = self._executor, None
         if executor is None:
             return
         processes = list((executor._processes or {}).values())  # the executor has no public way to end them
         executor.shutdown(wait=False, cancel_futures=True)
+        kill_groups(process.pid for process in processes)
         for process in processes:
-            if process.is_alive():
-                process.terminate()
+            if process.is_alive():  # not its own group yet (its initializer had not run): the worker alone
+                process.kill()
         for process in processes:
             process.join(timeout=10)
