@@ -207,3 +207,76 @@ def test_sheetsage2_is_told_the_gpu_memory_free_beside_the_engine(fake_gpu):
     off = SimpleNamespace(workers=SimpleNamespace(pipe=SimpleNamespace(device=torch.device("cpu"))))
     replicas = SimpleNamespace(workers=SimpleNamespace())  # a Ray pool: the songs' GPUs are elsewhere
     assert (gpu_free_bytes(on), gpu_free_bytes(off), gpu_free_bytes(replicas)) == (gpu["free"], None, None)
+
+
+# --------------------------------------------------------------------------- the limits, before the upload is read
+
+
+class HeldUpload:
+    """A request on its own socket that sent its headers and the first half of its multipart body and holds the rest
+    back (a slow upload): `answer()` is what the server answers before the rest arrives."""
+
+    def __init__(self, server, route: str, data: dict, headers: dict | None = None):
+        import socket
+
+        request = server.client.build_request("POST", route, files=upload(HUM), data=data, headers=headers)
+        body = request.read()
+        head = "".join(f"{name}: {value}\r\n" for name, value in request.headers.items())
+        self.socket = socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+        self.socket.sendall(f"POST {route} HTTP/1.1\r\n{head}\r\n".encode("latin-1") + body[:len(body) // 2])
+
+    def answer(self, timeout: float = 10) -> tuple[int, dict, dict]:
+        import http.client
+        import socket
+
+        self.socket.settimeout(timeout)
+        response = http.client.HTTPResponse(self.socket)
+        try:
+            response.begin()
+        except socket.timeout:
+            raise AssertionError(f"no answer within {timeout:g} s: the server waits for the whole upload") from None
+        return response.status, dict(response.getheaders()), json.loads(response.read())
+
+    def close(self) -> None:  # the client gives up: the server sees it disconnect mid-body
+        self.socket.close()
+
+
+def test_a_transcription_holds_its_place_in_the_pool_from_its_first_byte(server):
+    """A slow upload holds the pool's only place (--transcription-workers 1, --transcription-queue 0): the next call
+    is a 429 before its own upload is read; the place is given back when the slow one's client goes away."""
+    holding = HeldUpload(server, "/v1/transcriptions", {})
+    try:
+        for route, data in (("/v1/transcriptions", {}), ("/v1/covers", {"style": "pop", "lyrics": LYRICS})):
+            second = HeldUpload(server, route, data)
+            try:
+                status, headers, document = second.answer()
+            finally:
+                second.close()
+            assert (status, headers["retry-after"]) == (429, "10"), document
+            assert document["error"]["message"].startswith("1 transcription is running and 0 waiting")
+    finally:
+        holding.close()
+    answer = wait_for(lambda: server.client.post("/v1/transcriptions", files=upload(HUM), data={"bpm": "500"}),
+                      lambda answer: answer.status_code != 429, 30)
+    assert answer.status_code == 422 and answer.json()["error"]["field"] == "bpm", answer.text
+
+
+def test_a_covers_idempotency_key_is_held_from_its_first_byte(server):
+    """A cover whose upload (then transcription) is under way holds its Idempotency-Key: a retry with the key is a
+    409 before its upload is read (never a second transcription); once the first request ends, failed or not, the
+    key is free."""
+    song = {"style": "pop", "lyrics": LYRICS}
+    holding = HeldUpload(server, "/v1/covers", song, {"Idempotency-Key": "held-1"})
+    try:
+        retry = HeldUpload(server, "/v1/covers", song, {"Idempotency-Key": "held-1"})
+        try:
+            status, headers, document = retry.answer()
+        finally:
+            retry.close()
+        assert (status, headers["retry-after"], document["error"]["field"]) == (409, "1", "Idempotency-Key"), document
+    finally:
+        holding.close()
+    answer = wait_for(lambda: server.client.post("/v1/covers", files=upload(HUM), data={**song, "bpm": "500"},
+                                                 headers={"Idempotency-Key": "held-1"}),
+                      lambda answer: answer.status_code not in (409, 429), 30)
+    assert answer.status_code == 422 and answer.json()["error"]["field"] == "bpm", answer.text

@@ -4,8 +4,9 @@ nor holds one of its threads while it waits.
 
 The processes are spawned (never forked from a server whose engine and synthesis run threads), started on the
 first transcription and kept warm; at most `workers` run at once and `queue` more wait for one, so a call past
-`workers + queue` is refused at once (429 with the figures and Retry-After). A call awaits its transcription on the
-event loop. A worker process that dies (killed, out of memory) fails its calls with a 503 and the pool is made
+`workers + queue` is refused at once (429 with the figures and Retry-After). A call holds its place (`place()`) from
+before its upload is read until it is answered, so a full pool refuses a call before its body arrives. A call awaits
+its transcription on the event loop. A worker process that dies (killed, out of memory) fails its calls with a 503 and the pool is made
 again for the next.
 
 Each worker leads its own process group, and what it starts stays in it (SheetSage2 runs in a child process): a
@@ -15,6 +16,7 @@ holding its memory, after the call or the server that asked for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -46,9 +48,9 @@ def _transcribe(audio: bytes, request: dict, gpu_free_bytes: int | None):
 
 
 class TranscriptionPool:
-    """`await pool.transcribe(audio, request)`: a Transcription, or the ServiceError to answer (422 naming the field
-    for bad audio or a bad knob, 503 for a transcriber that cannot run here or a worker that died, 429 past the
-    bound)."""
+    """`with pool.place(): ... await pool.transcribe(audio, request)`: a place for the call (429 past the bound), then
+    a Transcription, or the ServiceError to answer (422 naming the field for bad audio or a bad knob, 503 for a
+    transcriber that cannot run here or a worker that died)."""
 
     def __init__(self, workers: int = WORKERS, queue: int = QUEUE):
         if workers < 1 or queue < 0:
@@ -63,9 +65,10 @@ class TranscriptionPool:
                                                  initializer=os.setpgrp)  # its own group: see kill_groups
         return self._executor
 
-    async def transcribe(self, audio: bytes, request: dict, gpu_free_bytes: int | None = None):
-        from ..transcription import TranscriberUnavailable, TranscriptionError
-
+    @contextlib.contextmanager
+    def place(self):
+        """A call's place among the `workers + queue`, held while the block runs (its upload read, its transcription
+        run); past the bound a TooManyJobs (429 with the figures and Retry-After)."""
         if self.calls >= self.workers + self.queue:
             waiting = self.calls - self.workers
             raise TooManyJobs(f"{self.workers} transcription{'s are' if self.workers > 1 else ' is'} running and "
@@ -73,6 +76,15 @@ class TranscriptionPool:
                               f"{self.workers}, --transcription-queue {self.queue}); retry later",
                               headers={"Retry-After": str(SECONDS_PER_CALL * (waiting + 1))})
         self.calls += 1
+        try:
+            yield
+        finally:
+            self.calls -= 1
+
+    async def transcribe(self, audio: bytes, request: dict, gpu_free_bytes: int | None = None):
+        """The transcription of a call that holds its `place()`."""
+        from ..transcription import TranscriberUnavailable, TranscriptionError
+
         executor, workers = self._pool(), []
         try:
             call = asyncio.get_running_loop().run_in_executor(executor, _transcribe, audio, request, gpu_free_bytes)
@@ -91,8 +103,6 @@ class TranscriptionPool:
                               headers={"Retry-After": str(SECONDS_PER_CALL)}) from None
         except Exception as exc:  # a transcriber's own failure: said, not hidden behind a bare 500
             raise ServiceError(f"the transcription failed: {type(exc).__name__}: {exc}") from None
-        finally:
-            self.calls -= 1
 
     def close(self) -> None:
         """Stop the workers: waiting calls are cancelled, a running transcription is ended with its process group

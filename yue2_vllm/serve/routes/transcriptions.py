@@ -165,9 +165,10 @@ def transcriptions_router(api: Api, intake: JobIntake, pool: TranscriptionPool, 
         refused = not_multipart(request)
         if refused is not None:
             return refused
-        audio, values = await upload(request, {**KNOB_TYPES, "lyrics": str}, max_upload_bytes)
-        knobs = transcription_request(values)
-        transcription = await pool.transcribe(audio, knobs, await run_in_threadpool(gpu_free_bytes, service))
+        with pool.place():  # a full pool refuses before the upload is read
+            audio, values = await upload(request, {**KNOB_TYPES, "lyrics": str}, max_upload_bytes)
+            knobs = transcription_request(values)
+            transcription = await pool.transcribe(audio, knobs, await run_in_threadpool(gpu_free_bytes, service))
         return api.answer(request, {"abc": transcription.abc, "transcription": transcription.summary(),
                                     "record": transcription.record()})  # no server path for callers without the key
 
@@ -189,27 +190,32 @@ def transcriptions_router(api: Api, intake: JobIntake, pool: TranscriptionPool, 
         refused = not_multipart(request)
         if refused is not None:
             return refused
-        audio, values = await upload(request, {**KNOB_TYPES, **SONG_TYPES}, max_upload_bytes)
         key = check_idempotency_key(idempotency_key)
-        for name in ("style", "lyrics"):
-            if name not in values:
-                raise RequestInvalid(f"{name}: missing (the cover's {name})", field=name)
-        song = {name: values[name] for name in SONG_TYPES if name in values}
-        stand_in = json.dumps({**song, "cot": "melody", "abc": STAND_IN_SCORE}).encode("utf-8")
-        await run_in_threadpool(parse_submission, service.rules, stand_in, new_job_id(), service.config.max_takes)
-        knobs = transcription_request(values)
-        transcription = await pool.transcribe(audio, knobs, await run_in_threadpool(gpu_free_bytes, service))
-        record = transcription.files()[RECORD_FILE]
+        # The key, then a place in the pool, held before the upload is read: a retry while this request runs is a
+        # 409 (never a second transcription), a full pool a 429; both given back however the request ends.
+        with intake.claimed(key):
+            with pool.place():
+                audio, values = await upload(request, {**KNOB_TYPES, **SONG_TYPES}, max_upload_bytes)
+                for name in ("style", "lyrics"):
+                    if name not in values:
+                        raise RequestInvalid(f"{name}: missing (the cover's {name})", field=name)
+                song = {name: values[name] for name in SONG_TYPES if name in values}
+                stand_in = json.dumps({**song, "cot": "melody", "abc": STAND_IN_SCORE}).encode("utf-8")
+                await run_in_threadpool(parse_submission, service.rules, stand_in, new_job_id(),
+                                        service.config.max_takes)
+                knobs = transcription_request(values)
+                transcription = await pool.transcribe(audio, knobs, await run_in_threadpool(gpu_free_bytes, service))
+            record = transcription.files()[RECORD_FILE]
 
-        def keep_record(job, created: bool) -> None:  # the whole record beside the song's files
-            if created:
-                from ...checkpoint import write_bytes_atomic
+            def keep_record(job, created: bool) -> None:  # the whole record beside the song's files
+                if created:
+                    from ...checkpoint import write_bytes_atomic
 
-                directory = service.directory(job.id)
-                directory.mkdir(parents=True, exist_ok=True)
-                write_bytes_atomic(directory / RECORD_FILE, record)
+                    directory = service.directory(job.id)
+                    directory.mkdir(parents=True, exist_ok=True)
+                    write_bytes_atomic(directory / RECORD_FILE, record)
 
-        return await intake.queued(cover_body(transcription, values), key, service.submit,
-                                   extra={"transcription": transcription.summary()}, on_queued=keep_record)
+            return await intake.queued(cover_body(transcription, values), key, service.submit,
+                                       extra={"transcription": transcription.summary()}, on_queued=keep_record)
 
     return router
