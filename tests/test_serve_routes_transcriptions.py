@@ -88,6 +88,14 @@ REFUSED = [  # (files, form fields, status, field, the message's start)
     (upload(HUM), {"tempo": "90"}, 422, "tempo", "tempo: not a field here"),
     ({"bpm": (None, "90")}, {}, 422, "audio", "audio: missing (the audio as a multipart file part named 'audio')"),
     ({"audio": (None, "text")}, {}, 422, "audio", "audio: must be a file part, not a text field"),
+    # what the multipart parser would refuse for the whole body, named by its field
+    ([("audio", ("a.wav", HUM, "audio/wav")), ("audio", ("b.wav", HUM, "audio/wav"))], {}, 422, "audio",
+     "audio: given more than once"),
+    ({**upload(HUM), "bpm": ("bpm.txt", b"90", "text/plain")}, {}, 422, "bpm", "bpm: must be a text field, not a file"),
+    (upload(HUM), {"bpm": ["90", "100"]}, 422, "bpm", "bpm: given more than once"),
+    (upload(HUM), {f"extra{n}": "1" for n in range(3)}, 422, "extra0", "extra0: not a field here"),
+    (upload(HUM), {f"extra{n:02}": "1" for n in range(40)}, 422, "body",
+     "body: the multipart form does not read: Too many fields"),
 ]
 
 
@@ -102,6 +110,20 @@ def test_bad_audio_and_bad_fields_are_refused_naming_the_field_and_nothing_is_ma
     assert (error["field"], error["message"].startswith(message)) == (field, True), error
     assert server.client.get("/v1/songs").json()["songs"] == []
     assert not any((server.service.config.jobs).iterdir())
+
+
+@pytest.mark.parametrize("content_type,body", [
+    ("multipart/form-data", b"--x\r\nContent-Disposition: form-data; name=audio\r\n\r\n1\r\n--x--\r\n"),
+    ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data\r\n\r\n1\r\n--x--\r\n"),
+    ("multipart/form-data; boundary=x", b"--y\r\nnot a part"),
+])
+def test_a_multipart_body_that_does_not_parse_is_a_422_naming_the_body(server, content_type, body):
+    """No boundary, a part without a name, no part at all: one line naming `body` (the contract's 422, never
+    Starlette's 400 with no field)."""
+    for route in ("/v1/transcriptions", "/v1/covers"):
+        answer = server.client.post(route, content=body, headers={"Content-Type": content_type})
+        assert answer.status_code == 422 and answer.json()["error"]["field"] == "body", answer.text
+        assert answer.json()["error"]["message"].startswith("body: the multipart form does not read: ")
 
 
 def test_a_body_that_is_not_multipart_or_past_the_upload_limit_is_refused(server):

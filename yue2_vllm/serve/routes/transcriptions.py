@@ -73,8 +73,10 @@ def form_schema(song: bool) -> dict:
 
 async def upload(request: Request, types: dict, limit: int) -> tuple[bytes, dict]:
     """`(audio bytes, the fields read as `types`)` of a multipart body; an empty field counts as not given. 413 past
-    `limit`, 422 naming a field that is missing, unknown, repeated or not of its type."""
-    form = await read_form(request, limit, max_fields=len(types) + 1)
+    `limit`, 422 naming a field that is missing, unknown, repeated or not of its type (the parser takes each field
+    as a file or twice, so that it is named here), or naming `body` when the parser refuses it."""
+    fields = len(types) + 1
+    form = await read_form(request, limit, max_files=fields, max_fields=2 * fields)
     try:
         unknown = sorted(set(form.keys()) - set(types) - {"audio"})
         if unknown:
@@ -143,7 +145,7 @@ def transcriptions_router(api: Api, intake: JobIntake, pool: TranscriptionPool, 
     mb = f"{max_upload_bytes / 1e6:g} MB"
     refusals = {**error_docs(*api.denied, 403, 422, s422="a field is invalid, or the audio is not audio, too short, "
                              "silent, has no pitched notes or is longer than the transcriber's limit (the field "
-                             "named)"),
+                             "named), or the multipart body does not parse (body)"),
                 413: {"model": contract.ErrorBody, "description": f"the upload is over the limit ({mb}, "
                                                                   "--max-upload-mb)"},
                 415: {"model": contract.ErrorBody, "description": "the body is not multipart/form-data"},
