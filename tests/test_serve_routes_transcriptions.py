@@ -217,6 +217,30 @@ def test_a_songs_transcription_record_is_checked_naming_the_field(server, change
     assert answer.json()["error"]["message"].startswith(message)
 
 
+def test_a_transcribers_own_failure_is_a_documented_500_naming_it(pipe, tmp_path, monkeypatch):
+    """SheetSage2's worker crashing without an answer (not a refusal of the audio, not a missing set-up): a 500 that
+    says what failed, and the contract documents it."""
+    crashing = tmp_path / "python"
+    crashing.write_text("#!/bin/sh\necho 'Traceback: boom' >&2; exit 3\n")
+    crashing.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    monkeypatch.setenv("YUE2_SHEETSAGE_PYTHON", str(crashing))  # the pool's process, spawned on the first call
+    monkeypatch.setenv("YUE2_SHEETSAGE_MODEL", str(tmp_path / "model"))
+    server = ThreadServer(SongService(pipe, ServeConfig(tmp_path / "data", concurrency=1)))
+    try:
+        answer = server.client.post("/v1/transcriptions", files=upload(HUM), data={"transcriber": "sheetsage2"},
+                                    timeout=300)
+        assert answer.status_code == 500, answer.text
+        assert answer.json()["error"]["message"].startswith(
+            "the transcription failed: RuntimeError: sheetsage2's worker exited 3 without an answer"), answer.text
+        paths = server.client.get("/openapi.json").json()["paths"]
+        for route in ("/v1/transcriptions", "/v1/covers"):
+            assert "transcriber failed" in paths[route]["post"]["responses"]["500"]["description"], route
+    finally:
+        server.stop()
+
+
 def test_sheetsage2_is_told_the_gpu_memory_free_beside_the_engine(fake_gpu):
     from types import SimpleNamespace
 

@@ -1,6 +1,6 @@
-"""Transcriptions beside the songs: CPU work of seconds to minutes (pyin ~3.5 s an audio minute plus librosa's first
-import; SheetSage2 minutes on a CPU), run in a bounded pool of processes so that it neither stalls the event loop
-nor holds one of its threads while it waits.
+"""Transcriptions beside the songs: CPU work of seconds to minutes (pyin about 2 s per audio minute once warm, more
+on a process's first call: librosa's imports and numba's kernels; SheetSage2 minutes on a CPU), run in a bounded pool
+of processes so that it neither stalls the event loop nor holds one of its threads while it waits.
 
 The processes are spawned (never forked from a server whose engine and synthesis run threads), started on the
 first transcription and kept warm; at most `workers` run at once and `queue` more wait for one, so a call past

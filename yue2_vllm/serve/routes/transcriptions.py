@@ -152,7 +152,9 @@ def transcriptions_router(api: Api, intake: JobIntake, pool: TranscriptionPool, 
                 429: {"model": contract.ErrorBody, "description": "the transcription pool is full (its figures; "
                                                                   "Retry-After)", "headers": RETRY_AFTER},
                 503: {"model": contract.ErrorBody, "description": "the transcriber cannot run here (not installed, "
-                      "not set up), or its worker died", "headers": RETRY_AFTER}}
+                      "not set up), or its worker died", "headers": RETRY_AFTER},
+                500: {"model": contract.ErrorBody, "description": "the transcriber failed in a way it does not "
+                      "name as the audio's or its set-up's (its error's type and words)"}}
 
     def not_multipart(request: Request):
         if not is_multipart(request.headers.get("content-type")):
