@@ -87,6 +87,12 @@ export function showScore(text, source) {
   check(text);
 }
 
+// Whether the panel holds a melody's transcription (melody.js): the song in view leaves it be; opening a song (or
+// the shown one deleted) replaces it.
+export function showsMelody() {
+  return Boolean(panel.source && panel.source.key.startsWith("melody:"));
+}
+
 export function hideScore() {
   stop();
   clearTimeout(panel.timer);
