@@ -676,4 +676,15 @@ def test_a_covers_view_shows_where_its_score_came_from_its_warnings_and_licence(
             "♩ = 100 · the score as transcribed")
         assert page.inner_text("#current-cover-warnings") == drift
         assert page.inner_text("#current-cover-licence") == f"Licence: {LICENCE}"
+        # rendered again from its score panel: the new song keeps the record (its licence; the score unedited)
+        page.click("#score-editor summary")
+        wait_for(lambda: page.inner_text("#score-check"), lambda text: "cot melody" in text, timeout=30)
+        page.click("#score-render")
+        wait_for(lambda: page.evaluate("location.hash"), lambda shown: shown not in ("", f"#{job_id}"), timeout=30)
+        new_id = page.evaluate("location.hash").lstrip("#")
+        try:
+            request = server.client.get(f"/v1/songs/{new_id}").json()["request"]
+            assert (request["abc"], request["transcription"]) == (melody, {**record, "edited": False})
+        finally:
+            server.client.post(f"/v1/songs/{new_id}/cancel")
     assert not problems, problems

@@ -55,10 +55,12 @@ export function songSource(doc) {
 }
 
 // The POST /v1/songs body that renders `abc` with the song's request: the same seed, style, lyrics, guidance,
-// length, adapters and song sampling (the score phase is skipped: the score is given), the cot the score takes.
+// length, adapters and song sampling (the score phase is skipped: the score is given), the cot the score takes, and a
+// cover's transcription record (its licence with it; the server works out whether `abc` is the score as transcribed).
 export function renderBody(doc, abc, cot) {
   const request = doc.request;
   const body = { style: request.style, lyrics: request.lyrics, cot, abc };
+  if (request.transcription) body.transcription = request.transcription;  // its `edited` is worked out again
   if (request.instrumental) {
     body.instrumental = true;
     if (!String(request.lyrics || "").trim()) delete body.lyrics;
