@@ -6,8 +6,9 @@ from fractions import Fraction
 import pytest
 
 from yue2_vllm import score
-from yue2_vllm.score_notes import (CHORD_INTERVALS, Chord, Note, ScoreError, check_score, chord_pitches, problem_line,
-                                   score_notes)
+from yue2_vllm.midi import midi_file
+from yue2_vllm.score_notes import (CHORD_INTERVALS, MIDI_BPM_RANGE, Chord, Note, ScoreError, check_score, chord_pitches,
+                                   problem_line, score_notes)
 
 from test_instrumental import CASES, SCORE, header
 
@@ -90,3 +91,21 @@ def test_the_verdict_is_the_music_or_one_line_naming_the_score_line():
     with pytest.raises(ScoreError) as caught:
         score_notes(broken)
     assert problem_line(caught.value) == 13
+
+
+def test_a_tempo_midi_cannot_store_is_refused_naming_the_tempo_line():
+    """MIDI keeps a quarter note's microseconds in 24 bits: a score past that reads, but its score.mid could not be
+    written, so the verdict refuses it in one line naming Q: (line 5); the range is the MIDI writer's own."""
+    def at(bpm):
+        return SCORE.replace("Q:1/4=100", f"Q:1/4={bpm}")
+
+    slowest, fastest = MIDI_BPM_RANGE
+    for bpm in (slowest, fastest):
+        assert check_score(at(bpm))["valid"] and midi_file(score_notes(at(bpm)))
+    for bpm, words in ((slowest - 1, "slower"), (fastest + 1, "faster")):
+        with pytest.raises(ValueError, match="^MIDI cannot write the tempo"):
+            midi_file(score_notes(at(bpm)))
+        verdict = check_score(at(bpm))
+        assert verdict == {"valid": False, "line": 5, "score": None, "problem": (
+            f"score line 5: the tempo Q:1/4={bpm} is {words} than a MIDI file can hold (Q:1/4={slowest} to "
+            f"Q:1/4={fastest}: a quarter note of 1 to 16777215 microseconds)")}, verdict

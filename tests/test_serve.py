@@ -324,6 +324,23 @@ def test_a_full_queue_is_429_and_cancel_works_queued_running_and_finished(serve,
     assert final(client, queued[0]["id"])["status"] == "cancelled"
 
 
+def test_a_stopping_server_requeues_its_songs_even_when_the_transcription_pool_fails_to_close(serve, tmp_path,
+                                                                                            monkeypatch):
+    from yue2_vllm.serve.transcribing import TranscriptionPool
+
+    def fails(pool):
+        raise OSError("the pool's workers cannot be signalled")
+
+    monkeypatch.setattr(TranscriptionPool, "close", fails)
+    server = serve(concurrency=1)
+    running = submit(server.client, **LONG)
+    wait_for(lambda: server.client.get(running["urls"]["self"]).json(),
+             lambda d: d["progress"]["semantic"]["tokens"] > 0)
+    server.stop()
+    record = JobStore(tmp_path / "data" / "jobs.sqlite3").get(running["id"])
+    assert (record.status, [entry["kind"] for entry in record.retries]) == ("queued", ["shutdown"]), record
+
+
 def test_delete_removes_a_job_at_once_and_its_files_once_it_stopped(serve, tmp_path):
     server = serve(concurrency=1)
     client, jobs = server.client, tmp_path / "data" / "jobs"

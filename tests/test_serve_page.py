@@ -501,18 +501,24 @@ DOCS_MELODY_SCREENSHOT = DOCS_SCREENSHOT.with_name("serve-melody.png")
 FAKE_MICROPHONE = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
 
 
+def hummed(path: Path) -> Path:
+    """A hummed melody (16 quarter notes at 100 bpm) as a 48 kHz WAV file at `path`."""
+    from melodies import synthesize, wav_bytes
+
+    twinkle = [60, 60, 67, 67, 69, 69, 67, 67, 65, 65, 64, 64, 62, 62, 60, 60]
+    path.write_bytes(wav_bytes(synthesize([(i, 1, p) for i, p in enumerate(twinkle)], 100, rate=48000,
+                                          vibrato_semitones=0.2, noise_dbfs=-50), 48000))
+    return path
+
+
 def test_a_melody_from_a_file_and_a_hum_seen_heard_edited_and_rendered_as_a_cover(server, tmp_path):
     """The melody source: a file that is not audio refused (the server's 422 on the panel), a hummed melody's file
     transcribed into the score panel (notation, the reader's verdict, its facts and warnings), edited and rendered as
     a cover with the form's style, lyrics and seed (cot melody; the song records the transcription, edited); and a
     hum recorded from the microphone (faked from the same file), sent as 16-bit WAV and transcribed."""
-    from melodies import synthesize, wav_bytes
     from yue2_vllm.score_notes import check_score
 
-    twinkle = [60, 60, 67, 67, 69, 69, 67, 67, 65, 65, 64, 64, 62, 62, 60, 60]
-    hum = tmp_path / "hum.wav"
-    hum.write_bytes(wav_bytes(synthesize([(i, 1, p) for i, p in enumerate(twinkle)], 100, rate=48000,
-                                         vibrato_semitones=0.2, noise_dbfs=-50), 48000))
+    hum = hummed(tmp_path / "hum.wav")
     client = server.client
     expected = client.post("/v1/transcriptions", files={"audio": ("hum.wav", hum.read_bytes(), "audio/wav")},
                            data={"lyrics": "[verse]\nla la\n"}, timeout=300)
@@ -603,6 +609,43 @@ def test_a_melody_from_a_file_and_a_hum_seen_heard_edited_and_rendered_as_a_cove
         shutil.copyfile(shot, DOCS_MELODY_SCREENSHOT)
 
 
+def test_a_melody_transcribed_while_a_song_streams_stays_in_the_score_panel(server, tmp_path):
+    """The song in view keeps streaming (every event redraws its view) while a melody is transcribed: the melody's
+    score stays in the panel, never replaced by the song's, until another song is opened."""
+    hum = hummed(tmp_path / "hum.wav")
+    client = server.client
+    warm = client.post("/v1/transcriptions", files={"audio": ("hum.wav", hum.read_bytes(), "audio/wav")},
+                       timeout=300)  # the pool's process started: the page's transcription takes a second or two
+    assert warm.status_code == 200, warm.text
+    song = client.post("/v1/songs", json={"style": "pop", "lyrics": "[verse]\nla\n",
+                                          "semantic_sampling": {"min_tokens": 3000, "max_tokens": 3000}})
+    assert song.status_code == 202, song.text
+    job_id = song.json()["id"]
+    problems = []
+    try:
+        with keyed_page(server, problems) as page:
+            page.click(f"#jobs tr[data-id='{job_id}'] [data-open]")
+            progress = "JSON.stringify([current.doc.status, current.doc.progress])"
+            wait_for(lambda: page.evaluate("current && current.doc.status"), lambda status: status == "generating",
+                     timeout=120)
+            with page.expect_response(lambda response: response.url.endswith("/v1/transcriptions"),
+                                      timeout=120_000) as transcribed:
+                page.set_input_files("#melody-file", str(hum))
+            assert transcribed.value.status == 200
+            melody = transcribed.value.json()["abc"]  # with the form's lyrics: their sections
+            wait_for(lambda: page.input_value("#score-text"), lambda text: text == melody, timeout=30)
+            seen = page.evaluate(progress)
+            wait_for(lambda: page.evaluate(progress), lambda now: now != seen, timeout=60)  # the song streams on
+            page.wait_for_timeout(500)
+            assert page.evaluate("current.id") == job_id
+            assert page.is_visible("#score-card") and page.input_value("#score-text") == melody
+            wait_for(lambda: page.text_content("#score-render-hint"),  # in the editor, folded
+                     lambda hint: hint.startswith("Makes a cover: a new song from this melody"), timeout=30)
+    finally:
+        client.post(f"/v1/songs/{job_id}/cancel")
+    assert not problems, problems
+
+
 def test_a_covers_view_shows_where_its_score_came_from_its_warnings_and_licence(server):
     """A song made from a SheetSage2 transcription (its record as POST /v1/transcriptions answers it, sent back with
     the score): its view says what transcribed it, each warning with its figures, and the licence."""
@@ -633,4 +676,15 @@ def test_a_covers_view_shows_where_its_score_came_from_its_warnings_and_licence(
             "♩ = 100 · the score as transcribed")
         assert page.inner_text("#current-cover-warnings") == drift
         assert page.inner_text("#current-cover-licence") == f"Licence: {LICENCE}"
+        # rendered again from its score panel: the new song keeps the record (its licence; the score unedited)
+        page.click("#score-editor summary")
+        wait_for(lambda: page.inner_text("#score-check"), lambda text: "cot melody" in text, timeout=30)
+        page.click("#score-render")
+        wait_for(lambda: page.evaluate("location.hash"), lambda shown: shown not in ("", f"#{job_id}"), timeout=30)
+        new_id = page.evaluate("location.hash").lstrip("#")
+        try:
+            request = server.client.get(f"/v1/songs/{new_id}").json()["request"]
+            assert (request["abc"], request["transcription"]) == (melody, {**record, "edited": False})
+        finally:
+            server.client.post(f"/v1/songs/{new_id}/cancel")
     assert not problems, problems

@@ -134,6 +134,8 @@ def test_a_job_deleted_under_its_waiting_call_answers_it_at_once(pipe, tmp_path)
         assert answer[0].status_code == 404, answer[0].text
         assert answer[0].json()["error"]["message"] == f"no song {job['id']!r}"
         assert server.service.hub.subscribers(job["id"]) == 0
+        documented = server.client.get("/openapi.json").json()["paths"]["/v1/audio/speech"]["post"]["responses"]
+        assert "deleted while the call waits" in documented["404"]["description"], documented["404"]
         server.client.post(f"{ahead['urls']['self']}/cancel")
     finally:
         server.stop()

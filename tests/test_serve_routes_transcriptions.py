@@ -88,6 +88,14 @@ REFUSED = [  # (files, form fields, status, field, the message's start)
     (upload(HUM), {"tempo": "90"}, 422, "tempo", "tempo: not a field here"),
     ({"bpm": (None, "90")}, {}, 422, "audio", "audio: missing (the audio as a multipart file part named 'audio')"),
     ({"audio": (None, "text")}, {}, 422, "audio", "audio: must be a file part, not a text field"),
+    # what the multipart parser would refuse for the whole body, named by its field
+    ([("audio", ("a.wav", HUM, "audio/wav")), ("audio", ("b.wav", HUM, "audio/wav"))], {}, 422, "audio",
+     "audio: given more than once"),
+    ({**upload(HUM), "bpm": ("bpm.txt", b"90", "text/plain")}, {}, 422, "bpm", "bpm: must be a text field, not a file"),
+    (upload(HUM), {"bpm": ["90", "100"]}, 422, "bpm", "bpm: given more than once"),
+    (upload(HUM), {f"extra{n}": "1" for n in range(3)}, 422, "extra0", "extra0: not a field here"),
+    (upload(HUM), {f"extra{n:02}": "1" for n in range(40)}, 422, "body",
+     "body: the multipart form does not read: Too many fields"),
 ]
 
 
@@ -102,6 +110,20 @@ def test_bad_audio_and_bad_fields_are_refused_naming_the_field_and_nothing_is_ma
     assert (error["field"], error["message"].startswith(message)) == (field, True), error
     assert server.client.get("/v1/songs").json()["songs"] == []
     assert not any((server.service.config.jobs).iterdir())
+
+
+@pytest.mark.parametrize("content_type,body", [
+    ("multipart/form-data", b"--x\r\nContent-Disposition: form-data; name=audio\r\n\r\n1\r\n--x--\r\n"),
+    ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data\r\n\r\n1\r\n--x--\r\n"),
+    ("multipart/form-data; boundary=x", b"--y\r\nnot a part"),
+])
+def test_a_multipart_body_that_does_not_parse_is_a_422_naming_the_body(server, content_type, body):
+    """No boundary, a part without a name, no part at all: one line naming `body` (the contract's 422, never
+    Starlette's 400 with no field)."""
+    for route in ("/v1/transcriptions", "/v1/covers"):
+        answer = server.client.post(route, content=body, headers={"Content-Type": content_type})
+        assert answer.status_code == 422 and answer.json()["error"]["field"] == "body", answer.text
+        assert answer.json()["error"]["message"].startswith("body: the multipart form does not read: ")
 
 
 def test_a_body_that_is_not_multipart_or_past_the_upload_limit_is_refused(server):
@@ -195,6 +217,30 @@ def test_a_songs_transcription_record_is_checked_naming_the_field(server, change
     assert answer.json()["error"]["message"].startswith(message)
 
 
+def test_a_transcribers_own_failure_is_a_documented_500_naming_it(pipe, tmp_path, monkeypatch):
+    """SheetSage2's worker crashing without an answer (not a refusal of the audio, not a missing set-up): a 500 that
+    says what failed, and the contract documents it."""
+    crashing = tmp_path / "python"
+    crashing.write_text("#!/bin/sh\necho 'Traceback: boom' >&2; exit 3\n")
+    crashing.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    monkeypatch.setenv("YUE2_SHEETSAGE_PYTHON", str(crashing))  # the pool's process, spawned on the first call
+    monkeypatch.setenv("YUE2_SHEETSAGE_MODEL", str(tmp_path / "model"))
+    server = ThreadServer(SongService(pipe, ServeConfig(tmp_path / "data", concurrency=1)))
+    try:
+        answer = server.client.post("/v1/transcriptions", files=upload(HUM), data={"transcriber": "sheetsage2"},
+                                    timeout=300)
+        assert answer.status_code == 500, answer.text
+        assert answer.json()["error"]["message"].startswith(
+            "the transcription failed: RuntimeError: sheetsage2's worker exited 3 without an answer"), answer.text
+        paths = server.client.get("/openapi.json").json()["paths"]
+        for route in ("/v1/transcriptions", "/v1/covers"):
+            assert "transcriber failed" in paths[route]["post"]["responses"]["500"]["description"], route
+    finally:
+        server.stop()
+
+
 def test_sheetsage2_is_told_the_gpu_memory_free_beside_the_engine(fake_gpu):
     from types import SimpleNamespace
 
@@ -207,3 +253,76 @@ def test_sheetsage2_is_told_the_gpu_memory_free_beside_the_engine(fake_gpu):
     off = SimpleNamespace(workers=SimpleNamespace(pipe=SimpleNamespace(device=torch.device("cpu"))))
     replicas = SimpleNamespace(workers=SimpleNamespace())  # a Ray pool: the songs' GPUs are elsewhere
     assert (gpu_free_bytes(on), gpu_free_bytes(off), gpu_free_bytes(replicas)) == (gpu["free"], None, None)
+
+
+# --------------------------------------------------------------------------- the limits, before the upload is read
+
+
+class HeldUpload:
+    """A request on its own socket that sent its headers and the first half of its multipart body and holds the rest
+    back (a slow upload): `answer()` is what the server answers before the rest arrives."""
+
+    def __init__(self, server, route: str, data: dict, headers: dict | None = None):
+        import socket
+
+        request = server.client.build_request("POST", route, files=upload(HUM), data=data, headers=headers)
+        body = request.read()
+        head = "".join(f"{name}: {value}\r\n" for name, value in request.headers.items())
+        self.socket = socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+        self.socket.sendall(f"POST {route} HTTP/1.1\r\n{head}\r\n".encode("latin-1") + body[:len(body) // 2])
+
+    def answer(self, timeout: float = 10) -> tuple[int, dict, dict]:
+        import http.client
+        import socket
+
+        self.socket.settimeout(timeout)
+        response = http.client.HTTPResponse(self.socket)
+        try:
+            response.begin()
+        except socket.timeout:
+            raise AssertionError(f"no answer within {timeout:g} s: the server waits for the whole upload") from None
+        return response.status, dict(response.getheaders()), json.loads(response.read())
+
+    def close(self) -> None:  # the client gives up: the server sees it disconnect mid-body
+        self.socket.close()
+
+
+def test_a_transcription_holds_its_place_in_the_pool_from_its_first_byte(server):
+    """A slow upload holds the pool's only place (--transcription-workers 1, --transcription-queue 0): the next call
+    is a 429 before its own upload is read; the place is given back when the slow one's client goes away."""
+    holding = HeldUpload(server, "/v1/transcriptions", {})
+    try:
+        for route, data in (("/v1/transcriptions", {}), ("/v1/covers", {"style": "pop", "lyrics": LYRICS})):
+            second = HeldUpload(server, route, data)
+            try:
+                status, headers, document = second.answer()
+            finally:
+                second.close()
+            assert (status, headers["retry-after"]) == (429, "10"), document
+            assert document["error"]["message"].startswith("1 transcription is running and 0 waiting")
+    finally:
+        holding.close()
+    answer = wait_for(lambda: server.client.post("/v1/transcriptions", files=upload(HUM), data={"bpm": "500"}),
+                      lambda answer: answer.status_code != 429, 30)
+    assert answer.status_code == 422 and answer.json()["error"]["field"] == "bpm", answer.text
+
+
+def test_a_covers_idempotency_key_is_held_from_its_first_byte(server):
+    """A cover whose upload (then transcription) is under way holds its Idempotency-Key: a retry with the key is a
+    409 before its upload is read (never a second transcription); once the first request ends, failed or not, the
+    key is free."""
+    song = {"style": "pop", "lyrics": LYRICS}
+    holding = HeldUpload(server, "/v1/covers", song, {"Idempotency-Key": "held-1"})
+    try:
+        retry = HeldUpload(server, "/v1/covers", song, {"Idempotency-Key": "held-1"})
+        try:
+            status, headers, document = retry.answer()
+        finally:
+            retry.close()
+        assert (status, headers["retry-after"], document["error"]["field"]) == (409, "1", "Idempotency-Key"), document
+    finally:
+        holding.close()
+    answer = wait_for(lambda: server.client.post("/v1/covers", files=upload(HUM), data={**song, "bpm": "500"},
+                                                 headers={"Idempotency-Key": "held-1"}),
+                      lambda answer: answer.status_code not in (409, 429), 30)
+    assert answer.status_code == 422 and answer.json()["error"]["field"] == "bpm", answer.text

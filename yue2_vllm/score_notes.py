@@ -20,6 +20,10 @@ _PITCH = r"([A-G])(bb|##|b|#)?"
 _SYMBOL = re.compile(_PITCH + r"(.*?)(?:/" + _PITCH + r")?")
 _SHIFT = {None: 0, "#": 1, "##": 2, "b": -1, "bb": -2}
 _LINE = re.compile(r"score line (\d+): ")
+# A MIDI file keeps the tempo as a quarter note's microseconds in 24 bits (1 to 16777215, `midi` rounds 60e6 / bpm to
+# the microsecond): the Q: it can hold, slowest and fastest.
+MIDI_BPM_RANGE = (4, 119_999_999)
+TEMPO_LINE = 5  # the native header's Q:
 
 
 @dataclass(frozen=True)
@@ -142,9 +146,16 @@ def problem_line(error: ScoreError) -> int | None:
 
 def check_score(text: str) -> dict:
     """The reader's verdict on `text`, as POST /v1/scores/check answers it: `valid`, and either the music
-    (`score`: ScoreNotes.to_json) or the first problem in one line (`problem`) and the line it names (`line`)."""
+    (`score`: ScoreNotes.to_json) or the first problem in one line (`problem`) and the line it names (`line`). A
+    tempo a MIDI file cannot hold (MIDI_BPM_RANGE) is a problem too: the song's score.mid could not be written."""
     try:
         notes = score_notes(text)
     except ScoreError as exc:
         return {"valid": False, "problem": str(exc), "line": problem_line(exc), "score": None}
+    slowest, fastest = MIDI_BPM_RANGE
+    if not slowest <= notes.bpm <= fastest:  # it reads, but its score.mid could not be written
+        problem = (f"score line {TEMPO_LINE}: the tempo Q:1/4={notes.bpm} is "
+                   f"{'slower' if notes.bpm < slowest else 'faster'} than a MIDI file can hold (Q:1/4={slowest} to "
+                   f"Q:1/4={fastest}: a quarter note of 1 to 16777215 microseconds)")
+        return {"valid": False, "problem": problem, "line": TEMPO_LINE, "score": None}
     return {"valid": True, "problem": None, "line": None, "score": notes.to_json()}

@@ -57,8 +57,10 @@ def create_app(service: SongService, *, api_key: str | None = None, max_body_byt
         try:
             yield
         finally:
-            await run_in_threadpool(pool.close)
-            await run_in_threadpool(service.close)
+            try:
+                await run_in_threadpool(pool.close)
+            finally:  # the songs go back to the queue as a shutdown whatever the pool did
+                await run_in_threadpool(service.close)
 
     app = FastAPI(title="yue2-vllm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Songs from YuE2 over HTTP: durable jobs with live progress (Server-Sent Events).",

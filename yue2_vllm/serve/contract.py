@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..protocol import (ADAPTER_SCALE_RANGE, CONTEXT, DEFAULT_SEED, MAX_CFG_SCALE, MAX_SECONDS, MAX_SEED,
                         TOKENS_PER_SECOND)
-from ..score import KEYS
 from ..takes import MAX_TAKES
 
 # At least one character that is not white space as Python's str.strip() (the CLI's check) counts it, spelled out:

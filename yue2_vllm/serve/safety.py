@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from .errors import TooLarge
+from .errors import RequestInvalid, TooLarge
 
 LOOPBACK_NAMES = ("localhost", "localhost.")
 UNSAFE_METHODS = ("POST", "PUT", "PATCH", "DELETE")
@@ -141,10 +141,12 @@ def is_multipart(content_type: str | None) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() == "multipart/form-data"
 
 
-async def read_form(request: Request, limit: int, max_fields: int):
+async def read_form(request: Request, limit: int, max_files: int, max_fields: int):
     """A multipart/form-data body (an upload) parsed as it streams in, refused with 413 naming the limit once it
     passes `limit` bytes (declared or streamed); its files are spooled to temporary files (removed when the form is
-    closed: `async with` it, or `await form.close()`)."""
+    closed: `async with` it, or `await form.close()`). A body the parser refuses (no boundary, a part without a name,
+    more than `max_files` file parts or `max_fields` text fields) is a 422 naming `body`."""
+    from starlette.exceptions import HTTPException
     from starlette.requests import Request as Stream
 
     mb = f"{limit / 1e6:g} MB"
@@ -164,4 +166,8 @@ async def read_form(request: Request, limit: int, max_fields: int):
                 raise too_large
         return message
 
-    return await Stream(request.scope, receive).form(max_files=1, max_fields=max_fields, max_part_size=1 << 20)
+    try:
+        return await Stream(request.scope, receive).form(max_files=max_files, max_fields=max_fields,
+                                                         max_part_size=1 << 20)
+    except HTTPException as exc:  # Starlette's answer to its parser's refusal: a 400 naming no field
+        raise RequestInvalid(f"body: the multipart form does not read: {exc.detail}", field="body") from None

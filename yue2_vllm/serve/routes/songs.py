@@ -1,6 +1,8 @@
 """A job: POST /v1/songs (queue a song; Idempotency-Key), the list, one job, DELETE, cancel, resume and render."""
 from __future__ import annotations
 
+import contextlib
+
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
@@ -54,17 +56,29 @@ class JobIntake:
         """`queue(body, key)` -> `(record, created)` runs in a worker thread."""
         if not is_json(request.headers.get("content-type")):
             return error_response(415, "body: send it as Content-Type: application/json", "Content-Type")
-        return await self.queued(await read_body(request, self.max_body_bytes), idempotency_key, queue)
+        with self.claimed(idempotency_key):
+            return await self.queued(await read_body(request, self.max_body_bytes), idempotency_key, queue)
+
+    @contextlib.contextmanager
+    def claimed(self, idempotency_key: str | None):
+        """The key held by one request while the block runs (from before its body is read): 409 with Retry-After
+        while another request holds it; given back however the block ends."""
+        if idempotency_key is None:
+            yield
+            return
+        if idempotency_key in self.in_flight_keys:
+            raise Conflict("Idempotency-Key: a request with this key is still being processed; retry in a moment",
+                           field="Idempotency-Key", headers={"Retry-After": "1"})
+        self.in_flight_keys.add(idempotency_key)
+        try:
+            yield
+        finally:
+            self.in_flight_keys.discard(idempotency_key)
 
     async def queued(self, body: bytes, idempotency_key: str | None, queue, *, extra: dict | None = None,
                      on_queued=None) -> Response:
         """`body` queued by `queue(body, key)` -> `(record, created)` in a worker thread, then `on_queued(record,
-        created)` there too; the job's answer (with `extra` in it)."""
-        if idempotency_key is not None and idempotency_key in self.in_flight_keys:
-            raise Conflict("Idempotency-Key: a request with this key is still being processed; retry in a moment",
-                           field="Idempotency-Key", headers={"Retry-After": "1"})
-        if idempotency_key is not None:
-            self.in_flight_keys.add(idempotency_key)
+        created)` there too; the job's answer (with `extra` in it). The caller holds the key (`claimed`)."""
 
         def run():
             record, created = queue(body, idempotency_key)
@@ -78,8 +92,6 @@ class JobIntake:
             if exc.status == 409 and exc.field == "Idempotency-Key":  # reused with another body: IETF draft → 422
                 raise RequestInvalid(exc.message, field=exc.field) from None
             raise
-        finally:
-            self.in_flight_keys.discard(idempotency_key)
         document = {"id": record.id, "label": record.label, "status": record.status, "stage": record.stage,
                     "created": created, "urls": urls(record.id), **(extra or {})}
         return JSONResponse(document, status_code=202 if created else 200,

@@ -163,7 +163,8 @@ def speech_router(api: Api, max_body_bytes: int) -> APIRouter:
                  responses={200: {"description": "the song's audio: FLAC, or WAV for response_format wav", "content": {
                      media: {"schema": {"type": "string", "format": "binary"}} for media in FORMATS.values()}},
                             **error_docs(*api.denied, 404, 415, 422,
-                                         s404="no such model (the base, yue2, or a registered adapter's name)"),
+                                         s404="no such model (the base, yue2, or a registered adapter's name), "
+                                              "or the song's job was deleted while the call waits"),
                             429: {"model": ErrorBody, "description": "the queue is full", "headers": RETRY_AFTER},
                             503: {"model": ErrorBody, "description": "--max-waiting-calls calls wait for their songs "
                                   "already, or the engine is down for good, or the server stopped before the song "

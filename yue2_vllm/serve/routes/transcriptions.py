@@ -73,8 +73,10 @@ def form_schema(song: bool) -> dict:
 
 async def upload(request: Request, types: dict, limit: int) -> tuple[bytes, dict]:
     """`(audio bytes, the fields read as `types`)` of a multipart body; an empty field counts as not given. 413 past
-    `limit`, 422 naming a field that is missing, unknown, repeated or not of its type."""
-    form = await read_form(request, limit, max_fields=len(types) + 1)
+    `limit`, 422 naming a field that is missing, unknown, repeated or not of its type (the parser takes each field
+    as a file or twice, so that it is named here), or naming `body` when the parser refuses it."""
+    fields = len(types) + 1
+    form = await read_form(request, limit, max_files=fields, max_fields=2 * fields)
     try:
         unknown = sorted(set(form.keys()) - set(types) - {"audio"})
         if unknown:
@@ -143,14 +145,16 @@ def transcriptions_router(api: Api, intake: JobIntake, pool: TranscriptionPool, 
     mb = f"{max_upload_bytes / 1e6:g} MB"
     refusals = {**error_docs(*api.denied, 403, 422, s422="a field is invalid, or the audio is not audio, too short, "
                              "silent, has no pitched notes or is longer than the transcriber's limit (the field "
-                             "named)"),
+                             "named), or the multipart body does not parse (body)"),
                 413: {"model": contract.ErrorBody, "description": f"the upload is over the limit ({mb}, "
                                                                   "--max-upload-mb)"},
                 415: {"model": contract.ErrorBody, "description": "the body is not multipart/form-data"},
                 429: {"model": contract.ErrorBody, "description": "the transcription pool is full (its figures; "
                                                                   "Retry-After)", "headers": RETRY_AFTER},
                 503: {"model": contract.ErrorBody, "description": "the transcriber cannot run here (not installed, "
-                      "not set up), or its worker died", "headers": RETRY_AFTER}}
+                      "not set up), or its worker died", "headers": RETRY_AFTER},
+                500: {"model": contract.ErrorBody, "description": "the transcriber failed in a way it does not "
+                      "name as the audio's or its set-up's (its error's type and words)"}}
 
     def not_multipart(request: Request):
         if not is_multipart(request.headers.get("content-type")):
@@ -165,9 +169,10 @@ def transcriptions_router(api: Api, intake: JobIntake, pool: TranscriptionPool, 
         refused = not_multipart(request)
         if refused is not None:
             return refused
-        audio, values = await upload(request, {**KNOB_TYPES, "lyrics": str}, max_upload_bytes)
-        knobs = transcription_request(values)
-        transcription = await pool.transcribe(audio, knobs, await run_in_threadpool(gpu_free_bytes, service))
+        with pool.place():  # a full pool refuses before the upload is read
+            audio, values = await upload(request, {**KNOB_TYPES, "lyrics": str}, max_upload_bytes)
+            knobs = transcription_request(values)
+            transcription = await pool.transcribe(audio, knobs, await run_in_threadpool(gpu_free_bytes, service))
         return api.answer(request, {"abc": transcription.abc, "transcription": transcription.summary(),
                                     "record": transcription.record()})  # no server path for callers without the key
 
@@ -189,27 +194,32 @@ def transcriptions_router(api: Api, intake: JobIntake, pool: TranscriptionPool, 
         refused = not_multipart(request)
         if refused is not None:
             return refused
-        audio, values = await upload(request, {**KNOB_TYPES, **SONG_TYPES}, max_upload_bytes)
         key = check_idempotency_key(idempotency_key)
-        for name in ("style", "lyrics"):
-            if name not in values:
-                raise RequestInvalid(f"{name}: missing (the cover's {name})", field=name)
-        song = {name: values[name] for name in SONG_TYPES if name in values}
-        stand_in = json.dumps({**song, "cot": "melody", "abc": STAND_IN_SCORE}).encode("utf-8")
-        await run_in_threadpool(parse_submission, service.rules, stand_in, new_job_id(), service.config.max_takes)
-        knobs = transcription_request(values)
-        transcription = await pool.transcribe(audio, knobs, await run_in_threadpool(gpu_free_bytes, service))
-        record = transcription.files()[RECORD_FILE]
+        # The key, then a place in the pool, held before the upload is read: a retry while this request runs is a
+        # 409 (never a second transcription), a full pool a 429; both given back however the request ends.
+        with intake.claimed(key):
+            with pool.place():
+                audio, values = await upload(request, {**KNOB_TYPES, **SONG_TYPES}, max_upload_bytes)
+                for name in ("style", "lyrics"):
+                    if name not in values:
+                        raise RequestInvalid(f"{name}: missing (the cover's {name})", field=name)
+                song = {name: values[name] for name in SONG_TYPES if name in values}
+                stand_in = json.dumps({**song, "cot": "melody", "abc": STAND_IN_SCORE}).encode("utf-8")
+                await run_in_threadpool(parse_submission, service.rules, stand_in, new_job_id(),
+                                        service.config.max_takes)
+                knobs = transcription_request(values)
+                transcription = await pool.transcribe(audio, knobs, await run_in_threadpool(gpu_free_bytes, service))
+            record = transcription.files()[RECORD_FILE]
 
-        def keep_record(job, created: bool) -> None:  # the whole record beside the song's files
-            if created:
-                from ...checkpoint import write_bytes_atomic
+            def keep_record(job, created: bool) -> None:  # the whole record beside the song's files
+                if created:
+                    from ...checkpoint import write_bytes_atomic
 
-                directory = service.directory(job.id)
-                directory.mkdir(parents=True, exist_ok=True)
-                write_bytes_atomic(directory / RECORD_FILE, record)
+                    directory = service.directory(job.id)
+                    directory.mkdir(parents=True, exist_ok=True)
+                    write_bytes_atomic(directory / RECORD_FILE, record)
 
-        return await intake.queued(cover_body(transcription, values), key, service.submit,
-                                   extra={"transcription": transcription.summary()}, on_queued=keep_record)
+            return await intake.queued(cover_body(transcription, values), key, service.submit,
+                                       extra={"transcription": transcription.summary()}, on_queued=keep_record)
 
     return router

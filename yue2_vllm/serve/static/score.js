@@ -55,10 +55,12 @@ export function songSource(doc) {
 }
 
 // The POST /v1/songs body that renders `abc` with the song's request: the same seed, style, lyrics, guidance,
-// length, adapters and song sampling (the score phase is skipped: the score is given), the cot the score takes.
+// length, adapters and song sampling (the score phase is skipped: the score is given), the cot the score takes, and a
+// cover's transcription record (its licence with it; the server works out whether `abc` is the score as transcribed).
 export function renderBody(doc, abc, cot) {
   const request = doc.request;
   const body = { style: request.style, lyrics: request.lyrics, cot, abc };
+  if (request.transcription) body.transcription = request.transcription;  // its `edited` is worked out again
   if (request.instrumental) {
     body.instrumental = true;
     if (!String(request.lyrics || "").trim()) delete body.lyrics;
@@ -85,6 +87,12 @@ export function showScore(text, source) {
   $("score-midi").hidden = true;
   refresh();
   check(text);
+}
+
+// Whether the panel holds a melody's transcription (melody.js): the song in view leaves it be; opening a song (or
+// the shown one deleted) replaces it.
+export function showsMelody() {
+  return Boolean(panel.source && panel.source.key.startsWith("melody:"));
 }
 
 export function hideScore() {

@@ -7,7 +7,7 @@ import { drawPictureInto, fetchPicture } from "./picture.js";
 import { clearPlayer, movePlayhead, streamInto } from "./player.js";
 import { follow } from "./stream.js";
 import { minutes, renderContinue } from "./length.js";
-import { hideScore, showScore, songSource } from "./score.js";
+import { hideScore, showScore, showsMelody, songSource } from "./score.js";
 import { renderTakes } from "./takes.js";
 import { showTranscription } from "./transcribed.js";
 
@@ -150,15 +150,17 @@ function render() {
     api(doc.urls.score).then((text) => {
       if (view.current !== current) return;
       current.score = text;
-      showScore(text, songSource(current.doc));
+      if (!showsMelody()) showScore(text, songSource(current.doc));
     }).catch((error) => {  // asked again at the next render
       if (view.current !== current) return;
       current.score = null;
       show($("current-error"), `The score did not load: ${describeError(error)}`);
     });
   }
-  if (current.score) showScore(current.score, songSource(doc));  // the same score again keeps its edit
-  else hideScore();
+  if (!showsMelody()) {  // a melody transcribed meanwhile stays: only select() and forget() replace it
+    if (current.score) showScore(current.score, songSource(doc));  // the same score again keeps its edit
+    else hideScore();
+  }
   if (doc.status === "complete" && doc.stage === "audio" && $("player").hidden && !current.audioAsked) {
     current.audioAsked = true;
     showAudio(doc).catch((error) => { if (view.current === current) show($("current-error"), describeError(error)); });
