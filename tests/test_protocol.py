@@ -355,6 +355,17 @@ def test_a_transcription_record_is_kept_with_edited_worked_out_from_the_score():
     assert SongRequest.from_dict(edited.to_dict()) == edited and hash(edited)
 
 
+def test_a_transcription_records_whole_numbers_sent_as_floats_are_integers():
+    """JSON Schema's integer is any number without a fraction (1.0 is one): such a number is kept as an integer."""
+    given = _record(bpm=100.0, source={"sha256": "ab" * 32, "bytes": 1234.0, "seconds": 9.0})
+    kept = SongRequest("pop", "la", cot="melody", abc="X:1\n", transcription=given).transcription
+    assert (kept["bpm"], kept["source"]) == (100, {"sha256": "ab" * 32, "bytes": 1234, "seconds": 9.0})
+    assert type(kept["bpm"]) is int and type(kept["source"]["bytes"]) is int
+    with pytest.raises(ValueError, match=r"^SongRequest.transcription.source.bytes has the wrong type \(float\)"):
+        SongRequest("pop", "la", cot="melody", abc="X:1\n",
+                    transcription=_record(source={"sha256": "ab" * 32, "bytes": 1234.5}))
+
+
 @pytest.mark.parametrize("value,words", [
     ([], "SongRequest.transcription must be an object"),
     (_record(notes=[]), r"SongRequest.transcription: unknown field\(s\) \['notes'\]"),

@@ -198,11 +198,15 @@ MAX_TRANSCRIPTION_BYTES = 16 * 1024  # its JSON: a record, not the notes
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def _check_json_type(value, types, what: str) -> None:
-    """`value` is one of `types` (a bool is not a number here)."""
+def _check_json_type(value, types, what: str):
+    """`value` as one of `types` (a bool is not a number here). An integer field takes a float with no fraction,
+    as an integer (JSON Schema's integer is any number with no fraction: 1.0 is one)."""
     types = types if isinstance(types, tuple) else (types,)
+    if int in types and float not in types and isinstance(value, float) and value.is_integer():
+        return int(value)
     if not isinstance(value, types) or isinstance(value, bool):
         raise ValueError(f"{what} has the wrong type ({type(value).__name__})")
+    return value
 
 
 def check_transcription(value, abc: str | None) -> dict:
@@ -228,8 +232,8 @@ def check_transcription(value, abc: str | None) -> dict:
     if size > MAX_TRANSCRIPTION_BYTES:
         raise ValueError(f"{what} is {size} bytes of JSON, more than {MAX_TRANSCRIPTION_BYTES} (a record without "
                          "its notes)")
-    for name, types in TRANSCRIPTION_FIELDS.items():
-        _check_json_type(value[name], types, f"{what}.{name}")
+    value = {name: _check_json_type(value[name], types, f"{what}.{name}")
+             for name, types in TRANSCRIPTION_FIELDS.items()}
     if not _SHA256.fullmatch(value["score_sha256"]):
         raise ValueError(f"{what}.score_sha256 must be 64 lowercase hex digits (the transcribed score's sha256)")
     source = value["source"]
@@ -237,15 +241,15 @@ def check_transcription(value, abc: str | None) -> dict:
     if unknown or not isinstance(source.get("sha256"), str) or not _SHA256.fullmatch(source["sha256"]):
         raise ValueError(f"{what}.source: " + (f"unknown field(s) {unknown}" if unknown else
                                                "needs its sha256 (64 lowercase hex digits)"))
-    for name, item in source.items():
-        _check_json_type(item, TRANSCRIPTION_SOURCE_FIELDS[name], f"{what}.source.{name}")
+    source = {name: _check_json_type(item, TRANSCRIPTION_SOURCE_FIELDS[name], f"{what}.source.{name}")
+              for name, item in source.items()}
     for index, warning in enumerate(value["warnings"]):
         if not isinstance(warning, dict) or set(warning) != {"code", "message", "figures"} or \
                 not isinstance(warning["code"], str) or not isinstance(warning["message"], str) or \
                 not isinstance(warning["figures"], dict):
             raise ValueError(f"{what}.warnings[{index}] must be an object {{code, message, figures}}")
     edited = abc is None or hashlib.sha256(abc.encode("utf-8")).hexdigest() != value["score_sha256"]
-    return {**{name: value[name] for name in TRANSCRIPTION_FIELDS}, "edited": edited}
+    return {**value, "source": source, "edited": edited}
 
 
 @dataclass(frozen=True)
