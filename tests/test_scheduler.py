@@ -2,6 +2,9 @@
 import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 
 import numpy as np
@@ -350,6 +353,8 @@ def test_the_queue_takes_a_jobs_takes_in_turn_with_other_jobs():
 def test_a_scheduler_threads_count_is_theirs_and_ends_with_the_last_of_them():
     """torch.set_num_threads in one thread sets the count every later thread starts with: a closed scheduler must
     not leave it changed (a later song in a fresh thread would sum in another order than one made before)."""
+    # torch's count is process-wide state that other tests' threads in this process set too: a fresh interpreter
+    script = """
     import threading
 
     import torch
@@ -386,3 +391,7 @@ def test_a_scheduler_threads_count_is_theirs_and_ends_with_the_last_of_them():
     assert in_a_fresh_thread(torch.get_num_threads) == before  # the last one gone: fresh threads as before
     with torch_threads(None):
         assert torch.get_num_threads() == before
+"""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script) + "\nprint('ok')"], capture_output=True,
+                          text=True, encoding="utf-8", timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
