@@ -27,6 +27,7 @@ def test_bench_table_on_the_tiny_default(tmp_path):
     assert table == result.stdout and "| torch-bf16 |" in table and "semantic decode tok/s ×N" in table
 
 
+@pytest.mark.slow  # a bench row; transcription runs for real in tests/test_transcription_*.py
 def test_bench_transcription_rows_measure_each_source_length_side_by_side(tmp_path, monkeypatch):
     """The covers' transcribers, no model loaded: pyin's seconds per audio minute (warm and first) and peak memory
     for each source length; SheetSage2, not set up here, is a line saying why."""

@@ -108,6 +108,7 @@ def long_request(engine, on_token=None):
                            on_token=on_token)
 
 
+@pytest.mark.slow  # a malformed frame's unit tests stay; this one starts its own engine
 @needs_vllm
 def test_a_torn_frame_is_fatal_and_named_to_every_request(derived):
     engine = restartable(derived)  # the default progress timeout: a loaded machine's slow step is no stall here

@@ -56,6 +56,7 @@ def corpus(tiny_model_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # the gate over engines and torch; the protocol's pure parts stay here
 def test_gate_table_floor_and_plots(tiny_model_dir, corpus, tmp_path):
     candidates = [f"torch:{tiny_model_dir}#int8"]
     if vllm_version() is not None:

@@ -28,6 +28,7 @@ def test_sparse_pair_coarsens_both_engines_alike():
     assert moved.row()["tv"] == pytest.approx(0.1) and moved.row()["kl"] > 0
 
 
+@pytest.mark.slow  # a quality row; an FP8 KV engine's song stays in tests/test_kv_cache.py
 @pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 def test_fp8_kv_row_on_the_tiny_model(tiny_model_dir, corpus, tmp_path):  # noqa: F811
     from yue2_vllm.kv_cache import cpu_fp8_isa

@@ -21,6 +21,7 @@ OPERATORS = {"&&", "||", ";", "|", "&"}
 CANNOT_PARSE_OFFLINE: dict[str, str] = {}
 
 
+@pytest.mark.slow  # README's and upstream's Python calls stay in test_pipeline_upstream
 def test_python_api_example_runs_as_printed(tiny_model_dir, tiny_vae_dir, tmp_path):
     from yue2_vllm.testing import TINY_VERSION
 

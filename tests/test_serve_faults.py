@@ -88,6 +88,7 @@ def test_cancels_racing_the_ends_of_songs_never_wedge_the_server(tmp_path):
             server.kill()
 
 
+@pytest.mark.slow  # cancels racing the ends of songs stay
 def test_deletes_racing_the_ends_of_songs_remove_every_job_and_keep_the_server_healthy(tmp_path):
     """8 songs at --max-concurrency 4, each DELETEd by two clients at once while it synthesizes, decodes or has
     just ended, while a third keeps reading it: one DELETE of each answers 202 or 204 and the other 404,
@@ -291,6 +292,7 @@ def test_sixteen_long_lyric_songs_at_once_on_the_engine(tiny_model_dir, tiny_vae
         pipe.close()
 
 
+@pytest.mark.slow  # kill -9 mid-song and restart stays in tests/test_serve.py
 def test_kill_9_soak_loses_no_job_and_completes_none_twice(tmp_path):
     """24 jobs; the server is killed (SIGKILL) at 3 random moments and restarted each time."""
     args = server_args(tmp_path, "--max-concurrency", "4", "--backend", "torch")

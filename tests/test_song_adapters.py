@@ -146,6 +146,7 @@ def test_instrumental_with_the_instrumental_adapter(tiny_model_dir, tiny_vae_dir
     assert config["instrumental_recipe"] == "adapter" and not (tmp_path / "inst" / "planned.abc").exists()
 
 
+@pytest.mark.slow  # different adapters in one engine batch stay in test_engine_lora
 @pytest.mark.skipif(vllm_version() is None, reason="vllm is not installed")
 def test_under_reproducible_songs_with_different_adapters_and_none_together_equal_their_solo_runs(
         tiny_model_dir, tiny_vae_dir, adapters, tmp_path):
