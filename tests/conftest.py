@@ -28,23 +28,22 @@ def _let_vllm_scan_llvmlite():
 
 _let_vllm_scan_llvmlite()
 
-# README's command runs the files on two workers (pytest-xdist, `-n 2 --dist loadgroup`). Each file is one group,
-# so its module fixtures (a server, an engine) start once; files that share something outside their process are one
-# group, run by one worker in turn: Ray's local clusters, and the quantization venv's exports cached by content in
-# pytest's cache (a build removes other keys' entries).
-SHARED_GROUPS = {
-    "ray-clusters": ("test_serve_cluster.py", "test_serve_multinode.py", "test_serve_replica.py"),
-    "quant-exports": ("test_quant_export.py", "test_quant_evaluate.py", "test_quant_calibration.py"),
-}
+# README's command runs the files on two workers (pytest-xdist, `-n 2 --dist loadfile`): a file's tests run on one
+# worker, so its module fixtures (a server, an engine) start once. The files that start Ray clusters take turns (a
+# lock in the run's shared temporary directory): two clusters at once would only slow each other past their timeouts.
+RAY_CLUSTER_FILES = ("test_serve_cluster.py", "test_serve_multinode.py", "test_serve_replica.py")
 
 
-def xdist_group(file_name: str) -> str:
-    return next((group for group, files in SHARED_GROUPS.items() if file_name in files), file_name)
+@pytest.fixture(autouse=True, scope="module")
+def one_ray_cluster_file_at_a_time(request, tmp_path_factory):
+    if request.path.name not in RAY_CLUSTER_FILES:
+        yield
+        return
+    import fcntl
 
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item.path.name)))
+    with open(tmp_path_factory.getbasetemp().parent / "ray-clusters.lock", "a", encoding="utf-8") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session")
