@@ -6,8 +6,8 @@ The processes are spawned (never forked from a server whose engine and synthesis
 first transcription and kept warm; at most `workers` run at once and `queue` more wait for one, so a call past
 `workers + queue` is refused at once (429 with the figures and Retry-After). A call holds its place (`place()`) from
 before its upload is read until it is answered, so a full pool refuses a call before its body arrives. A call awaits
-its transcription on the event loop. A worker process that dies (killed, out of memory) fails its calls with a 503 and the pool is made
-again for the next.
+its transcription on the event loop. A worker process that dies (killed, out of memory) fails its calls with a 503
+and the pool is made again for the next.
 
 Each worker leads its own process group, and what it starts stays in it (SheetSage2 runs in a child process): a
 worker that died and a pool that is closed are ended as whole groups (SIGKILL), so no transcriber is left running,
