@@ -10,7 +10,7 @@ def _one_share_of_the_cores_per_worker():
     """Under pytest-xdist each worker (and every process it starts: engine workers, servers, CLI runs) keeps to its
     own share of the cores. Two workers' OpenMP pools on the same cores each wait at every barrier for a core the
     other holds (the reason `cpu_split` shares out an engine's cores); pinned, neither waits on the other: the
-    default run took 9 min 26 s here pinned, 14 min 4 s not. The slow run's clusters and engine restarts are the
+    default run took 9 min 26-56 s here pinned, 14 min 4 s not. The slow run's clusters and engine restarts are the
     other way round (14 min 28 s pinned, 13 min 13 s not): its workers are not pinned."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not worker or not count or os.environ.get(PIN) == "0" or not ALL_CORES:
