@@ -76,15 +76,14 @@ def one_ray_cluster_file_at_a_time(request, tmp_path_factory):
 
     with open(tmp_path_factory.getbasetemp().parent / "ray-clusters.lock", "a", encoding="utf-8") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not ALL_CORES:
-            yield
-            return
-        mine = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, ALL_CORES)
+        mine = os.sched_getaffinity(0) if ALL_CORES else None
+        if mine is not None:
+            os.sched_setaffinity(0, ALL_CORES)
         try:
             yield
         finally:
-            os.sched_setaffinity(0, mine)
+            if mine is not None:
+                os.sched_setaffinity(0, mine)
 
 
 @pytest.fixture(scope="session")

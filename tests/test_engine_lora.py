@@ -151,7 +151,7 @@ def _together(engine, jobs, attempts=5):
     raise AssertionError(f"the jobs never shared the engine's steps in {attempts} attempts: {rows}")
 
 
-@pytest.mark.slow  # vLLM vs torch with one adapter and mixed batches stay
+@pytest.mark.slow  # the default run keeps vLLM vs torch with one adapter, and the mixed batches
 @engine_test
 def test_an_adapter_on_the_engine_equals_the_merged_checkpoint(lora_setup, lora_engine):
     ids = lora_engine.ids

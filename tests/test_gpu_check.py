@@ -11,10 +11,9 @@ TORCH_SECTIONS = ("torch.devices", "torch.numerics", "torch.vae", "torch.ar", "t
 ENGINE_SECTIONS = ("engine.sampler", "engine.sampler_syncs", "engine.sliced_head", "engine.mrv2_sliced_head",
                    "engine.runners", "engine.kv_cache", "engine.lora")
 SPARK_SECTIONS = ("spark.kernels", "spark.memory")
-# On a CPU, engine.kv_cache and engine.lora only start four tiny engines to time them (50 s here); what they would
-# show is tested for real in tests/test_kv_cache.py and tests/test_engine_lora.py. The default run runs the spark and
-# torch sections (what a lent GPU runs first, on its CPU parts); the slow run runs every section, the engine ones too.
-ENGINE_TIMINGS = ("engine.kv_cache", "engine.lora")
+# The default run runs the torch and spark sections (what a lent GPU runs first, on their CPU parts); the slow run
+# every section. On a CPU the engine sections start tiny engines (engine.kv_cache and engine.lora four, to time them:
+# 50 s here); what they show is tested for real in tests/test_kv_cache.py and tests/test_engine_lora.py.
 
 
 @pytest.mark.parametrize("wanted", [
